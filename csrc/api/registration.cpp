@@ -1,0 +1,54 @@
+// Every schema of the kda library, declared once. Implementations register per dispatch key in
+// csrc/cpu/*.cpp (CPU) and csrc/api/*_cuda.cpp (CUDA); fake kernels live in kda_ops/_fake.py and
+// autograd in kda_ops/_autograd.py. Argument meaning, shapes and dtypes: SPEC.md §3-§4 and the
+// docstrings of kda_ops/interface.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing kda_ops._C loads this library, which runs the TORCH_LIBRARY blocks below.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(kda, m) {
+  // Inference: decode (T=1), speculative decode (1+S tokens), prefill (any T), fixed or packed.
+  // Writes `output`, the state pool `state` (in place, its own dtype), `final_state` (fp32, only when
+  // `state` is None), and `state_checkpoints`. gate_mode: 0 precomputed, 1 softplus, 2 lower bound.
+  // backend: 0 auto, 1 chunked, 2 recurrent. A_log is [HV] fp32 and dt_bias [HV, K] fp32 here (the
+  // Python layer expands per-q/k-head parameters).
+  m.def(
+      "recurrent_kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor(a!)? state, Tensor? state_source, Tensor? initial_state_indices, Tensor? cu_seqlens, "
+      "Tensor? ssm_state_indices, Tensor? num_accepted_tokens, Tensor? seq_order, Tensor(b!) output, "
+      "Tensor(c!)? final_state, Tensor(d!)? state_checkpoints, Tensor? checkpoint_cu_starts, "
+      "Tensor(e!)? workspace, float scale, int gate_mode, float lower_bound, bool use_qk_l2norm, "
+      "bool beta_is_logit, int num_spec_tokens, int checkpoint_every_n_tokens, int backend) -> ()");
+
+  // Training forward (functional): L2 norm on, lower-bound gate, logit beta. Returns the output, the
+  // final state per sequence, and the tapes: the state before every kTapeChunk(=64)-token chunk of
+  // every sequence ([rows, HV, V, K], rows = an upper bound from shapes, see _fake.py) with
+  // tape_cu_starts int64 [N+1] giving each sequence's first row.
+  m.def(
+      "recurrent_kda_training_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
+      "Tensor dt_bias, Tensor initial_state, Tensor? cu_seqlens, float scale, float lower_bound) -> "
+      "(Tensor out, Tensor final_state, Tensor tapes, Tensor tape_cu_starts)");
+
+  // Training backward from the tapes: the eight gradients of SPEC §2.1 in SPEC order.
+  m.def(
+      "recurrent_kda_training_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
+      "Tensor dt_bias, Tensor tapes, Tensor tape_cu_starts, Tensor? cu_seqlens, Tensor do, "
+      "Tensor? dfinal_state, float scale, float lower_bound) -> "
+      "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, "
+      "Tensor dinitial_state)");
+
+  // Backward from the raw inputs (no context): the same eight gradients.
+  m.def(
+      "recurrent_kda_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
+      "Tensor dt_bias, Tensor initial_state, Tensor? cu_seqlens, Tensor do, Tensor? dfinal_state, "
+      "float scale, float lower_bound) -> "
+      "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, "
+      "Tensor dinitial_state)");
+}

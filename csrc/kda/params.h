@@ -1,0 +1,82 @@
+// Plain-old-data parameters handed from csrc/api (torch-facing) to the kernels (csrc/kda, csrc/cpu).
+// No torch types here. Strides and offsets are in ELEMENTS and 64-bit (SPEC §5: tensors past 2^31
+// elements work). Token tensors have a contiguous last dim; their batch/token/head strides are free
+// (views of a fused projection work).
+#pragma once
+#include <cstdint>
+
+namespace kda {
+
+enum class GateMode : int { kPrecomputed = 0, kSoftplus = 1, kLowerBound = 2 };
+enum class Backend : int { kAuto = 0, kChunked = 1, kRecurrent = 2 };
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat64 = 2, kFloat16 = 3 };
+
+// Rows of the training tape: the state before every kTapeChunk-token chunk of each sequence.
+constexpr int kTapeChunk = 64;
+
+struct TokenTensor {
+  const void* ptr = nullptr;  // [B, T, heads, dim] (beta: [B, T, heads]); dtype = Params::token_dtype
+  int64_t batch_stride = 0;   // elements between rows of B (fixed layout; unused when packed)
+  int64_t token_stride = 0;   // elements between consecutive tokens
+  int64_t head_stride = 0;    // elements between heads
+};
+
+// recurrent_kda: decode, speculative decode and prefill (SPEC §3.1).
+struct RecurrentParams {
+  // Problem size. Fixed layout: N = B sequences of T tokens each. Packed: B = 1, N = len(cu_seqlens)-1,
+  // T = total tokens.
+  int64_t B = 0, T = 0, N = 0;
+  int H = 0, HV = 0, K = 0, V = 0;
+  DType token_dtype = DType::kBFloat16;  // q, k, v, g, beta, output share it
+
+  TokenTensor q, k;  // [B, T, H, K]
+  TokenTensor v;     // [B, T, HV, V]
+  TokenTensor g;     // [B, T, HV, K]: raw gate input (or log-decay when precomputed)
+  TokenTensor beta;  // [B, T, HV]: logits when beta_is_logit, else β itself
+  void* out = nullptr;  // [B, T, HV, V], same strides rule as TokenTensor
+  int64_t out_batch_stride = 0, out_token_stride = 0, out_head_stride = 0;
+
+  const float* A_log = nullptr;    // [HV] fp32 (None for the precomputed gate)
+  const float* dt_bias = nullptr;  // [HV, K] fp32, may be null (treated as 0)
+
+  // State pool, updated in place: [n_pool, HV, V, K], K contiguous, inner [HV, V, K] compact,
+  // slot stride `state_slot_stride` (>= HV*V*K). Null: start from zeros, write nothing to a pool.
+  void* state = nullptr;
+  DType state_dtype = DType::kFloat32;  // kFloat32 or kBFloat16 (kFloat64 on CPU for gradcheck)
+  int64_t state_slot_stride = 0;
+  int64_t n_pool = 0;
+
+  // Read-only start states: state_source[initial_state_indices[n]] replaces the pool read.
+  const void* state_source = nullptr;  // [n_source, HV, V, K], dtype state_source_dtype
+  DType state_source_dtype = DType::kFloat32;
+  int64_t source_slot_stride = 0;
+  int64_t n_source = 0;
+  const int32_t* initial_state_indices = nullptr;  // [N]
+
+  // Packed input: sequence n owns tokens cu_seqlens[n] .. cu_seqlens[n+1]. Null for fixed layout.
+  const void* cu_seqlens = nullptr;  // [N+1], int32 or int64
+  bool cu_seqlens_int64 = false;
+
+  // Slots: ssm_state_indices [N] (or [N, 1+S] in speculative decode, row stride = 1+S); null: slot n.
+  const int32_t* ssm_state_indices = nullptr;
+  int num_spec_tokens = 0;                       // S; 0 = not speculative
+  const int32_t* num_accepted_tokens = nullptr;  // [N]; null means 1 everywhere
+  const int32_t* seq_order = nullptr;            // [N] permutation, scheduling hint only
+
+  // Final state per sequence, fp32 [N, HV, V, K]; only when `state` is null and a final state is asked.
+  float* final_state = nullptr;
+
+  // Checkpoints: row checkpoint_cu_starts[n] + j holds the state before token j*every of sequence n.
+  void* state_checkpoints = nullptr;  // [C, HV, V, K], dtype checkpoint_dtype, compact
+  DType checkpoint_dtype = DType::kFloat32;
+  const int64_t* checkpoint_cu_starts = nullptr;  // [N+1]
+  int checkpoint_every_n_tokens = 0;
+
+  float scale = 0.f;
+  GateMode gate_mode = GateMode::kPrecomputed;
+  float lower_bound = 0.f;
+  bool use_qk_l2norm = true;
+  bool beta_is_logit = false;
+};
+
+}  // namespace kda

@@ -1,0 +1,106 @@
+"""Build of the ``kda_ops._C`` extension.
+
+Environment:
+  KDA_CUDA_ARCHS  auto (default: the visible GPU, else 90a) | all (90a,100a,103a,120a) | none (CPU only)
+                  | a comma list such as ``90a,100a``
+  MAX_JOBS        parallel compile jobs (ninja)
+  NVCC_THREADS    ``--threads`` for nvcc (default 1)
+  KDA_PTXAS_VERBOSE=1  adds ``--ptxas-options=-v``
+  CUTLASS_HOME    a CUTLASS checkout, instead of the pinned nvidia-cutlass wheel's headers
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SUPPORTED_ARCHS = ("90a", "100a", "103a", "120a")
+
+# nvcc on PATH may be a wrapper in /usr/local/bin; torch would then guess CUDA_HOME=/usr/local and
+# fail to link cudart. Point at the real toolkit when it is where we expect it.
+if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda/include"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "third_party"))
+from cutlass_include import find_cutlass_include  # noqa: E402
+
+
+def resolve_archs() -> list[str]:
+    spec = os.environ.get("KDA_CUDA_ARCHS", "auto").strip().lower()
+    if spec == "none":
+        return []
+    if spec == "all":
+        return list(SUPPORTED_ARCHS)
+    if spec == "auto":
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            arch = f"{major}{minor}a"
+            return [arch if arch in SUPPORTED_ARCHS else "90a"]
+        return ["90a"]
+    archs = [a.strip() for a in spec.split(",") if a.strip()]
+    bad = [a for a in archs if a not in SUPPORTED_ARCHS]
+    if bad:
+        raise SystemExit(
+            f"KDA_CUDA_ARCHS: unsupported arch {bad}; expected auto, all, none or a list of {SUPPORTED_ARCHS}"
+        )
+    return archs
+
+
+def main() -> None:
+    archs = resolve_archs()
+    cxx_flags = ["-O3"]
+    cpp_sources = sorted(glob.glob("csrc/api/registration.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if archs:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+            raise SystemExit(
+                "KDA_CUDA_ARCHS asks for CUDA kernels but no CUDA toolkit (nvcc) was found: install the CUDA "
+                "toolkit and set CUDA_HOME, or build the CPU-only extension with KDA_CUDA_ARCHS=none."
+            )
+        try:
+            include_dirs.append(find_cutlass_include())
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
+        cu_sources = sorted(glob.glob("csrc/kda/**/*.cu", recursive=True)) + sorted(
+            glob.glob("csrc/instantiations/*.cu")
+        )
+        sources = cpp_sources + sorted(glob.glob("csrc/api/*_cuda.cpp")) + cu_sources
+        nvcc_flags = [
+            "-O3",
+            "--expt-relaxed-constexpr",
+            "--expt-extended-lambda",
+            "-lineinfo",
+            "--use_fast_math",
+            f"--threads={os.environ.get('NVCC_THREADS', '1')}",
+            "-DNDEBUG",
+        ]
+        if os.environ.get("KDA_PTXAS_VERBOSE") == "1":
+            nvcc_flags.append("--ptxas-options=-v")
+        for a in archs:
+            nvcc_flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        print(f"kda_ops: building CUDA kernels for {archs}", flush=True)
+        ext = CUDAExtension(
+            "kda_ops._C",
+            sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags + ["-DKDA_WITH_CUDA"], "nvcc": nvcc_flags},
+        )
+    else:
+        print("kda_ops: building the CPU-only extension (KDA_CUDA_ARCHS=none)", flush=True)
+        ext = CppExtension("kda_ops._C", cpp_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+    setup(
+        ext_modules=[ext],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )
+
+
+main()
