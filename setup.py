@@ -39,6 +39,11 @@ def resolve_archs() -> list[str]:
     if spec == "all":
         return list(SUPPORTED_ARCHS)
     if spec == "auto":
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+            print("kda_ops: no CUDA toolkit found, KDA_CUDA_ARCHS=auto builds the CPU-only extension", flush=True)
+            return []
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             arch = f"{major}{minor}a"

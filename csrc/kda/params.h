@@ -70,6 +70,7 @@ struct RecurrentParams {
   void* state_checkpoints = nullptr;  // [C, HV, V, K], dtype checkpoint_dtype, compact
   DType checkpoint_dtype = DType::kFloat32;
   const int64_t* checkpoint_cu_starts = nullptr;  // [N+1]
+  int64_t n_checkpoint_rows = 0;                  // C: rows at or past it are never written
   int checkpoint_every_n_tokens = 0;
 
   float scale = 0.f;

@@ -69,7 +69,6 @@ KDA_HD StartState start_state(const RecurrentParams& p, int64_t n) {
   if (p.state == nullptr) return {0, 0};
   int64_t s = read_slot(p, n);
   if (!slot_in_pool(s, p.n_pool)) return {-1, s};
-  if (p.num_spec_tokens == 0) return {1, s};
   return {1, s};
 }
 
