@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine (the device tool): build for sm_90a with 16 jobs, run the test
+# suite (GPU tier + CPU tier), run the benchmarks, and leave logs + a JSON summary under $OUT.
+#
+#   bash scripts/device_check.sh            # everything
+#   bash scripts/device_check.sh --quick    # build + GPU tests only
+#   STAGES="build tests bench_decode" bash scripts/device_check.sh
+#
+# The machine has no package registry: wheels in .whl/ (nvidia-cutlass, fla-core,
+# flash-linear-attention; see README "Development") are installed with --no-index first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
+QUICK=0
+[ "${1:-}" = "--quick" ] && QUICK=1
+STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests bench_decode")}
+SUMMARY="$OUT/summary.json"
+declare -A SECS RC
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+
+stage() {  # stage NAME CMD...: run, time, log to $OUT/NAME.log
+  local name=$1; shift
+  local t0=$(date +%s)
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  RC[$name]=${PIPESTATUS[0]}
+  SECS[$name]=$(( $(date +%s) - t0 ))
+  echo "== $name: rc=${RC[$name]} in ${SECS[$name]} s"
+}
+
+for s in $STAGES; do
+  case $s in
+    build) stage build python3 setup.py -q build_ext --inplace ;;
+    tests) stage tests python3 -m pytest -q -p no:cacheprovider tests ;;
+    tests_gpu) stage tests_gpu python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+    bench_decode) stage bench_decode python3 benchmarks/bench_decode.py --out "$OUT" ;;
+    *) echo "unknown stage $s"; RC[$s]=2; SECS[$s]=0 ;;
+  esac
+  [ "$s" = build ] && [ "${RC[build]}" != 0 ] && break
+done
+
+python3 - "$SUMMARY" "$STAGES" <<PY
+import json, re, sys, os
+out, stages = sys.argv[1], sys.argv[2].split()
+res = {"gpu": open(os.path.join(os.path.dirname(out), "gpu.txt")).read().strip()}
+secs = {$(for s in "${!SECS[@]}"; do printf '"%s": %s, ' "$s" "${SECS[$s]}"; done)}
+rcs = {$(for s in "${!RC[@]}"; do printf '"%s": %s, ' "$s" "${RC[$s]}"; done)}
+for s in stages:
+    entry = {"seconds": secs.get(s), "rc": rcs.get(s)}
+    log = os.path.join(os.path.dirname(out), s + ".log")
+    if s.startswith("tests") and os.path.exists(log):
+        tail = [l for l in open(log).read().splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
+        entry["pytest"] = tail[-1] if tail else None
+    res[s] = entry
+json.dump(res, open(out, "w"), indent=1)
+print(json.dumps(res, indent=1))
+PY
+exit $(( ${RC[build]:-0} ))
