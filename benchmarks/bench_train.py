@@ -1,0 +1,102 @@
+"""Training forward+backward benchmark (SPEC §7, issue 5): kda_ops.kda vs fla chunk_kda.
+
+H200, K=V=128, bf16, lower-bound gate λ=-5, logit beta, L2 norm, fp32 initial state. Reports the
+forward and backward separately, and the bytes our training context holds per token-head.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import (  # noqa: E402
+    bar_plot, cuda_time_ms, fmt, import_fla_kda, parse_args, ratio, try_call, write_results,
+)
+
+CASES = [
+    ("H=96 T=8192", 96, [8192]),
+    ("H=32 T=8192", 32, [8192]),
+    ("H=96 packed 6 (9192)", 96, [1300, 547, 2048, 963, 271, 3063]),
+]
+
+
+def make(H: int, lens: list[int], dev: str = "cuda"):
+    T, K = sum(lens), 128
+    gen = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    d = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, K), g=r(1, T, H, K), beta=r(1, T, H))
+    d["A_log"] = (torch.rand(H, device=dev, generator=gen) * 0.5).requires_grad_()
+    d["dt_bias"] = (torch.randn(H * K, device=dev, generator=gen) * 0.1).requires_grad_()
+    d["h0"] = torch.zeros(len(lens), H, K, K, device=dev, requires_grad=True)
+    d["cu"] = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=dev, dtype=torch.int64)
+    d["do"] = torch.randn(1, T, H, K, device=dev, generator=gen, dtype=torch.bfloat16)
+    return d
+
+
+def main() -> None:
+    args = parse_args("train")
+    import kda_ops
+
+    fla = None if args.no_peers else import_fla_kda()
+    rows, records = [], []
+    for name, H, lens in (CASES[:1] if args.quick else CASES):
+        d = make(H, lens)
+        leaves = [d[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
+
+        def ours_fwd():
+            o, _ = kda_ops.kda(d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"].view(H, -1),
+                               d["h0"], cu_seqlens=d["cu"], lower_bound=-5.0)
+            return o
+
+        def fla_fwd():
+            o, _ = fla.chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
+                                 initial_state=d["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                 use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                                 lower_bound=-5.0, state_v_first=True, cu_seqlens=d["cu"],
+                                 cu_seqlens_cpu=d["cu"].cpu())
+            return o
+
+        res = {}
+        for label, fwd in (("ours", ours_fwd), ("fla", fla_fwd if fla is not None else None)):
+            if fwd is None:
+                res[label] = (None, None)
+                continue
+
+            def fb(fwd=fwd):
+                fwd().backward(d["do"])
+                for x in leaves:
+                    x.grad = None
+
+            t_f, err = try_call(lambda fwd=fwd: cuda_time_ms(lambda: fwd().detach(), warmup=2, rep=5))
+            t_fb, err2 = try_call(lambda fb=fb: cuda_time_ms(fb, warmup=2, rep=5))
+            for e in (err, err2):
+                if e:
+                    print(f"[{label}] {name}: {e}")
+            res[label] = (t_f, t_fb)
+        of, ofb = res["ours"]
+        ff, ffb = res["fla"]
+        bwd = lambda f, fb: None if f is None or fb is None else fb - f  # noqa: E731
+        # Our context: q,k,v,g,beta are saved by reference; the tapes are fp32 [128,128] states every 64 tokens.
+        ctx_bytes = 128 * 128 * 4 / 64
+        rows.append([name, fmt(of), fmt(bwd(of, ofb)), fmt(ofb), fmt(ff), fmt(bwd(ff, ffb)), fmt(ffb),
+                     ratio(ffb, ofb), f"{ctx_bytes:.0f}"])
+        records.append(dict(case=name, ours_fwd_ms=of, ours_fwd_bwd_ms=ofb, fla_fwd_ms=ff, fla_fwd_bwd_ms=ffb,
+                            ctx_bytes_per_token_head=ctx_bytes))
+        del d, leaves
+        torch.cuda.empty_cache()
+    notes = [f"# training forward+backward, {torch.cuda.get_device_name()}",
+             "ms, median of CUDA-event timings; bwd = (fwd+bwd) - fwd; ratio = fla / ours on fwd+bwd",
+             "context bytes per token-head = fp32 128x128 tape every 64 tokens (q+k+v+g bf16 = 1024 B)"]
+    write_results(args.out, "bench_train",
+                  ["case", "ours fwd", "ours bwd", "ours fwd+bwd", "fla fwd", "fla bwd", "fla fwd+bwd", "fla/ours",
+                   "ctx B/token-head"], rows, records, notes)
+    bar_plot(args.out, "bench_train", [r["case"] for r in records],
+             {"ours": [r["ours_fwd_bwd_ms"] for r in records], "fla": [r["fla_fwd_bwd_ms"] for r in records]},
+             "fwd+bwd ms (lower is better)")
+
+
+if __name__ == "__main__":
+    main()
