@@ -16,7 +16,10 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
-STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests bench_decode")}
+STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests bench_decode bench_prefill bench_train")}
+# Benchmark tables/plots go to $RESULTS and come back as one archive ($OUT returns at most 8 files).
+RESULTS=${RESULTS:-/tmp/kda_results}
+mkdir -p "$RESULTS"
 SUMMARY="$OUT/summary.json"
 declare -A SECS RC
 
@@ -41,12 +44,15 @@ for s in $STAGES; do
     build) stage build python3 setup.py -q build_ext --inplace ;;
     tests) stage tests python3 -m pytest -q -p no:cacheprovider tests ;;
     tests_gpu) stage tests_gpu python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
-    bench_decode) stage bench_decode python3 benchmarks/bench_decode.py --out "$OUT" ;;
+    bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ;;
     *) echo "unknown stage $s"; RC[$s]=2; SECS[$s]=0 ;;
   esac
   [ "$s" = build ] && [ "${RC[build]}" != 0 ] && break
 done
 
+tar -czf "$OUT/results.tar.gz" -C "$RESULTS" . 2>/dev/null
+# One log for all benchmarks keeps the returned file count low.
+for s in $STAGES; do case $s in bench_*) [ -f "$OUT/$s.log" ] && { echo "== $s"; cat "$OUT/$s.log"; rm "$OUT/$s.log"; };; esac; done >"$OUT/bench.log"
 python3 - "$SUMMARY" "$STAGES" <<PY
 import json, re, sys, os
 out, stages = sys.argv[1], sys.argv[2].split()
