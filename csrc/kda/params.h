@@ -51,7 +51,7 @@ struct RecurrentParams {
   DType state_source_dtype = DType::kFloat32;
   int64_t source_slot_stride = 0;
   int64_t n_source = 0;
-  const int32_t* initial_state_indices = nullptr;  // [N]
+  const int32_t* initial_state_indices = nullptr;  // [N]; null with a source: slot n (training forward)
 
   // Packed input: sequence n owns tokens cu_seqlens[n] .. cu_seqlens[n+1]. Null for fixed layout.
   const void* cu_seqlens = nullptr;  // [N+1], int32 or int64

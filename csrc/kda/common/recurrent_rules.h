@@ -59,7 +59,7 @@ struct StartState {
 
 KDA_HD StartState start_state(const RecurrentParams& p, int64_t n) {
   if (p.state_source != nullptr) {
-    int64_t s = p.initial_state_indices[n];
+    int64_t s = p.initial_state_indices ? p.initial_state_indices[n] : n;  // null: identity (training)
     if (!slot_in_pool(s, p.n_source)) return {-1, s};
     // Non-speculative: the results go to the write slot; an invalid one makes the sequence inactive.
     if (p.state != nullptr && p.num_spec_tokens == 0 && !slot_in_pool(write_slot(p, n, 0), p.n_pool))
