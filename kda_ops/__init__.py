@@ -1,5 +1,44 @@
-"""kda_ops: Kimi Delta Attention kernels for PyTorch (see README.md)."""
+"""kda_ops: Kimi Delta Attention kernels for PyTorch (see README.md).
+
+Public API (SPEC §3):
+- :func:`recurrent_kda`: inference decode, speculative decode and prefill with an in-place state pool.
+- :func:`recurrent_kda_training_forward` / :func:`recurrent_kda_training_backward`: training with tapes.
+- :func:`recurrent_kda_backward`: backward from the raw inputs.
+- :func:`kda`: the differentiable layer core (autograd, torch.compile).
+- :func:`validate_cu_seqlens`, :func:`validate_state_indices`: explicit (host-syncing) value checks.
+- :class:`RecurrentKDAPrefillWorkspace`, :class:`RecurrentKDABackwardWorkspace`,
+  :class:`RecurrentKDATrainingContext`.
+"""
+
+import torch  # noqa: F401  (libc10 and the torch op registry must be loaded before _C)
 
 from kda_ops import _C  # noqa: F401  (loads the torch.ops.kda schemas and kernels)
+from kda_ops import _autograd, _fake  # noqa: F401  (register_autograd / register_fake)
+from kda_ops._validate import validate_cu_seqlens, validate_state_indices
+from kda_ops.interface import (
+    kda,
+    recurrent_kda,
+    recurrent_kda_backward,
+    recurrent_kda_training_backward,
+    recurrent_kda_training_forward,
+)
+from kda_ops.workspace import (
+    RecurrentKDABackwardWorkspace,
+    RecurrentKDAPrefillWorkspace,
+    RecurrentKDATrainingContext,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "recurrent_kda",
+    "recurrent_kda_training_forward",
+    "recurrent_kda_training_backward",
+    "recurrent_kda_backward",
+    "kda",
+    "validate_cu_seqlens",
+    "validate_state_indices",
+    "RecurrentKDAPrefillWorkspace",
+    "RecurrentKDABackwardWorkspace",
+    "RecurrentKDATrainingContext",
+]

@@ -1,0 +1,769 @@
+"""Public API of kda_ops (SPEC §3): argument normalisation, validation, routing to ``torch.ops.kda``.
+
+Every function validates all of its arguments first (kda_ops/_validate.py) and only then calls an op,
+so a rejected call leaves every tensor bit-identical (SPEC §5).
+
+The recurrence (SPEC §2), per sequence and value head hv (q/k head ``hv // (HV // H)``), all in fp32:
+
+    q_t, k_t = l2norm(q_t), l2norm(k_t)      x * rsqrt(sum(x^2) + 1e-6), when use_qk_l2norm_in_kernel
+    q_t      = q_t * scale                    scale defaults to 1/sqrt(K)
+    a_t      = g_t                            precomputed gate (log-decay, a K-vector)
+             = -exp(A_log) * softplus(g_t + dt_bias)          softplus gate
+             = λ * sigmoid(exp(A_log) * (g_t + dt_bias))      lower-bound gate, λ < 0
+    β_t      = sigmoid(beta_t) if beta_is_logit else beta_t
+    S        = S * exp(a_t)[None, :]          S is [V, K] (value-first)
+    S        = S + β_t (v_t - S k_t) k_tᵀ
+    o_t      = S q_t
+
+Shapes (SPEC §1): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
+o [B, T, HV, V]; A_log [HV]; dt_bias [HV, K]; states [N, HV, V, K] with K contiguous.
+Packed input: B == 1 and cu_seqlens [N+1] (sequence n owns tokens cu[n]:cu[n+1]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kda_ops import _validate as V
+from kda_ops.workspace import (
+    RecurrentKDABackwardWorkspace,
+    RecurrentKDAPrefillWorkspace,
+    RecurrentKDATrainingContext,
+    prefill_workspace_bytes,
+)
+
+__all__ = [
+    "recurrent_kda",
+    "recurrent_kda_training_forward",
+    "recurrent_kda_training_backward",
+    "recurrent_kda_backward",
+    "kda",
+]
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
+
+
+# ---------------------------------------------------------------------------------------------------
+# recurrent_kda
+
+
+def _checkpoint_starts(
+    d: V.Dims, n: int, cu_seqlens: torch.Tensor | None, exact: bool
+) -> tuple[torch.Tensor, Any]:
+    """(checkpoint_cu_starts int64 [N+1] on the device of q, C rows).
+
+    Row counts are ceil(L_i / n) per sequence (SPEC §3.1). Fixed layout: pure shape math. Packed and
+    ``exact``: lengths read on the host (a device sync when cu_seqlens is on a GPU), C exact. Packed and
+    not ``exact`` (torch.compile, CUDA graph capture): starts by a device cumsum, C = T//n + N, an upper
+    bound from shapes (spare rows are never written).
+    """
+    if cu_seqlens is None:
+        per = (d.T + n - 1) // n
+        starts = torch.arange(d.B + 1, dtype=torch.int64, device=d.device) * per
+        return starts, d.B * per
+    if exact:
+        cu = cu_seqlens.to("cpu", torch.int64)
+        lens = (cu[1:] - cu[:-1]).clamp_min(0)
+        starts = torch.zeros(d.N + 1, dtype=torch.int64)
+        starts[1:] = torch.cumsum((lens + n - 1) // n, 0)
+        return starts.to(d.device), int(starts[-1])
+    cu = cu_seqlens.to(torch.int64)
+    lens = (cu[1:] - cu[:-1]).clamp_min(0)
+    starts = torch.cat([cu.new_zeros(1), torch.cumsum((lens + n - 1) // n, 0)])
+    return starts, d.T // n + d.N
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = True,
+    use_gate_in_kernel: bool = False,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_spec_tokens: int | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    initial_state_source: torch.Tensor | None = None,
+    initial_state_indices: torch.Tensor | None = None,
+    beta_is_logit: bool = False,
+    seq_order: torch.Tensor | None = None,
+    prefill_workspace: RecurrentKDAPrefillWorkspace | None = None,
+    state_checkpoints: torch.Tensor | None = None,
+    checkpoint_cu_starts: torch.Tensor | None = None,
+    checkpoint_every_n_tokens: int = 0,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """KDA inference: decode (T=1), speculative decode (1+S tokens) and prefill (any T), fixed or packed,
+    with an in-place state pool (SPEC §3.1; the signature of FlashInfer's ``recurrent_kda``).
+
+    Computes the recurrence of SPEC §2 (see the module docstring) token by token from each sequence's
+    start state, writing the output of every token and the state after the last token.
+
+    Args:
+        q, k: [B, T, H, K]. v: [B, T, HV, V], HV % H == 0. g: [B, T, HV, K] (log-decay when
+            ``use_gate_in_kernel=False``, else the raw gate input). beta: [B, T, HV] (β itself, or logits
+            with ``beta_is_logit``). One dtype for all five: bf16 on CUDA; bf16, fp32 or fp64 on CPU.
+            Last dim contiguous; other strides free. CUDA: K == V, 64 or 128 (128 only for
+            ``backend="chunked"``); CPU: any K, V >= 1.
+        A_log: fp32 [HV] (or [H] when HV != H: value head hv then uses entry hv // (HV // H)). Required by
+            the in-kernel gate; must be None without it.
+        dt_bias: fp32 [HV, K] or flat [HV*K] (or [H, K] / [H*K] when HV != H, expanded like A_log);
+            optional with the in-kernel gate (None = 0), must be None without it.
+        scale: q scale, a finite float > 0; None means 1/sqrt(K).
+        initial_state: state pool [N_pool, HV, V, K], bf16 or fp32 (also fp64 on CPU), compact
+            [HV, V, K] block per slot, slot stride HV*V*K or any larger multiple of 16 elements. Updated IN
+            PLACE in its own dtype (fp32 math, rounded on write for bf16). None: start from zeros.
+        output_final_state: with a pool, return the pool itself as ``final_state``; without one, return a
+            new fp32 [N, HV, V, K] final state. False: ``final_state`` is None.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6 inside the rsqrt) before scaling.
+        use_gate_in_kernel: compute the log-decay from g, A_log, dt_bias (softplus gate, or lower-bound
+            gate when ``lower_bound`` is given).
+        lower_bound: λ < 0 (finite) of the lower-bound gate; None selects the softplus gate.
+        cu_seqlens: int32/int64 [N+1] on the device of q, packed input (B == 1). Caller contract
+            (checked here only when it is a CPU tensor): starts at 0, non-decreasing, ends at T.
+            Zero-length sequences leave their slot bit-identical.
+        ssm_state_indices: int32 [N] pool slot per sequence (default: slot n); in speculative decode
+            int32 [N, 1+S]: the state after token t goes to slot [n, t]. A slot outside [0, N_pool) makes
+            the sequence (spec decode: the token) inactive: zero output, no state read or write. Requires
+            ``initial_state``.
+        num_spec_tokens: S >= 1 for speculative decode (None or 0: off). Every sequence has exactly 1+S
+            tokens (fixed [B, 1+S, ...] or packed with T == N*(1+S)); needs a pool and
+            ``ssm_state_indices`` [N, 1+S]; no checkpoints.
+        num_accepted_tokens: int32 [N]: the start state is read from slot
+            ``ssm_state_indices[n, clamp(num_accepted_tokens[n]-1, 0, S)]``. Spec decode only (None = 1).
+        output: caller buffer of exactly v's shape and q's dtype, last dim contiguous, overlapping no input,
+            the pool or the checkpoints; written in place and returned. Tokens of a packed call outside
+            every sequence (a broken cu_seqlens contract) are left as they were.
+        initial_state_source: read-only pool [N0, HV, V, K] (bf16/fp32) the start states come from:
+            ``initial_state_source[initial_state_indices[n]]`` (out of range: inactive). Results still go
+            to the ``initial_state`` slots (or to the returned final state without a pool). Never written.
+            Caller contract: the call does not write a slot it reads through this pool.
+        initial_state_indices: int32 [N]; given exactly when ``initial_state_source`` is.
+        beta_is_logit: β = sigmoid(beta).
+        seq_order: int32 permutation [N] of the packed sequences, a scheduling hint (longest first);
+            results never depend on it. Fixed layout: must be None. Computed on the device when omitted
+            for packed CUDA prefill (no host sync).
+        prefill_workspace: a :class:`kda_ops.RecurrentKDAPrefillWorkspace` (caller-owned scratch).
+            Optional in eager mode; needed, planned by an eager call of the same shapes, for an
+            allocation-free CUDA-graph-captured call.
+        state_checkpoints: [C, HV, V, K] contiguous, in the pool's dtype (fp32 without a pool): row
+            ``checkpoint_cu_starts[i] + j`` receives the state of sequence i BEFORE its token j*n. Allocated
+            (zero-filled) when None.
+        checkpoint_cu_starts: int64 [N+1] with ``starts[i+1] - starts[i] = ceil(L_i / n)``. Computed when
+            None: from shapes (fixed), on the host in eager mode (packed; a device sync when cu_seqlens is
+            on a GPU), or on the device under torch.compile / graph capture (C is then the upper bound
+            T//n + N). Give both buffers to avoid any host sync.
+        checkpoint_every_n_tokens: n > 0, a multiple of 16, turns checkpointing on (0: off).
+        backend: "auto", "chunked" (tensor-core chunked prefill) or "recurrent" (token-serial kernel). The
+            CPU implementation is one token loop whatever the backend.
+
+    Returns:
+        ``(output, final_state)``, or ``(output, final_state, state_checkpoints)`` when
+        ``checkpoint_every_n_tokens > 0``. ``output`` [B, T, HV, V] in q's dtype.
+
+    Raises:
+        TypeError: a wrong dtype (fp16 anywhere; fp32/fp64 tokens on CUDA; index tensors not int32;
+            ``checkpoint_cu_starts`` not int64; parameters not fp32; a wrong Python type).
+        ValueError: a wrong rank, shape, stride or value (HV % H, K/V unsupported, scale <= 0 or not
+            finite, lower_bound >= 0 or without the gate, A_log missing for the gate, cu_seqlens with
+            B != 1 or < 2 entries, overlapping ``output``, an unknown backend, checkpoint interval not a
+            multiple of 16) or an argument the chosen mode ignores (A_log/dt_bias without the gate,
+            ssm_state_indices without a pool, num_accepted_tokens without num_spec_tokens, checkpoint
+            buffers without checkpoint_every_n_tokens, checkpoints in speculative decode, seq_order with
+            fixed layout, initial_state_source without initial_state_indices or the reverse).
+        RuntimeError: tensors on different devices, an unsupported GPU, or a captured call that would
+            allocate workspace (plan it with an eager call first).
+    """
+    backend_code = V.check_backend(backend)
+    d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule=backend)
+    out_final = V._bool(output_final_state, "output_final_state")
+    l2 = V._bool(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel")
+    logit = V._bool(beta_is_logit, "beta_is_logit")
+    gate_mode, lb, A_hv, dtb_hv = V.check_gate(use_gate_in_kernel, lower_bound, A_log, dt_bias, d)
+    sc = V.check_scale(scale, d.K)
+
+    pool = None if initial_state is None else V.check_pool(initial_state, "initial_state", d)
+
+    # speculative decode
+    S = 0 if num_spec_tokens is None else V._int(num_spec_tokens, "num_spec_tokens")
+    if S < 0:
+        raise ValueError(f"num_spec_tokens must be >= 1 (or None/0 for no speculative decode), got {S}")
+    if S > 0:
+        if pool is None:
+            raise ValueError(
+                f"initial_state must be a state pool in speculative decode (num_spec_tokens={S}), got None"
+            )
+        if ssm_state_indices is None:
+            raise ValueError(
+                f"ssm_state_indices must be an int32 [N, 1+S] = [{d.N}, {1 + S}] tensor in speculative decode, got None"
+            )
+        if d.packed:
+            if d.T != d.N * (1 + S):
+                raise ValueError(
+                    f"q must hold exactly 1+S={1 + S} tokens per sequence in speculative decode (T == N*(1+S) = "
+                    f"{d.N * (1 + S)}), got T={d.T}"
+                )
+            if V.host_values_available(cu_seqlens):
+                exp = torch.arange(d.N + 1, dtype=torch.int64) * (1 + S)
+                if not torch.equal(cu_seqlens.to(torch.int64), exp):
+                    raise ValueError(
+                        f"cu_seqlens must step by 1+S={1 + S} in speculative decode, got {cu_seqlens.tolist()}"
+                    )
+        elif d.T != 1 + S:
+            raise ValueError(
+                f"q must have T == 1+S = {1 + S} tokens per row in speculative decode, got T={d.T}"
+            )
+        ssm_idx = V.check_index(ssm_state_indices, "ssm_state_indices", (d.N, 1 + S), "[N, 1+S]", d)
+    else:
+        if num_accepted_tokens is not None:
+            raise ValueError(
+                "num_accepted_tokens must be None without speculative decode (num_spec_tokens), got a tensor"
+            )
+        ssm_idx = None
+        if ssm_state_indices is not None:
+            if pool is None:
+                raise ValueError(
+                    "ssm_state_indices must be None without a state pool (initial_state=None), got a tensor"
+                )
+            ssm_idx = V.check_index(ssm_state_indices, "ssm_state_indices", (d.N,), "[N]", d)
+    n_acc = None
+    if num_accepted_tokens is not None:
+        n_acc = V.check_index(num_accepted_tokens, "num_accepted_tokens", (d.N,), "[N]", d)
+
+    # read-only source pool
+    if (initial_state_source is None) != (initial_state_indices is None):
+        given, missing = (
+            ("initial_state_source", "initial_state_indices")
+            if initial_state_indices is None
+            else ("initial_state_indices", "initial_state_source")
+        )
+        raise ValueError(f"{missing} must be given together with {given}, got None")
+    source = src_idx = None
+    if initial_state_source is not None:
+        source = V.check_pool(initial_state_source, "initial_state_source", d)
+        src_idx = V.check_index(initial_state_indices, "initial_state_indices", (d.N,), "[N]", d)
+
+    # scheduling hint
+    order = None
+    if seq_order is not None:
+        if not d.packed:
+            raise ValueError("seq_order must be None for fixed-length input (no cu_seqlens), got a tensor")
+        order = V.check_index(seq_order, "seq_order", (d.N,), "[N]", d)
+        V.check_permutation(order, d.N)
+
+    # output buffer
+    if output is not None:
+        out = V._tensor(output, "output")
+        V._device(out, "output", d.device)
+        if out.dtype != d.dtype:
+            raise TypeError(f"output must be {d.dtype} (the dtype of q), got {out.dtype}")
+        V._exact_shape(out, "output", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]")
+        V._lastdim_contiguous(out, "output")
+
+    # checkpoints
+    n_ck = V._int(checkpoint_every_n_tokens, "checkpoint_every_n_tokens")
+    ck_dtype = torch.float32 if pool is None else pool.dtype
+    ck = ck_starts = None
+    if n_ck < 0 or n_ck % V.CHECKPOINT_MULTIPLE != 0:
+        raise ValueError(f"checkpoint_every_n_tokens must be 0 or a positive multiple of 16, got {n_ck}")
+    if n_ck == 0:
+        for t, name in ((state_checkpoints, "state_checkpoints"), (checkpoint_cu_starts, "checkpoint_cu_starts")):
+            if t is not None:
+                raise ValueError(f"{name} must be None without checkpoint_every_n_tokens > 0, got a tensor")
+    else:
+        if S > 0:
+            raise ValueError(
+                f"checkpoint_every_n_tokens must be 0 in speculative decode (num_spec_tokens={S}), got {n_ck}"
+            )
+        if state_checkpoints is not None:
+            ck = V._tensor(state_checkpoints, "state_checkpoints")
+            V._device(ck, "state_checkpoints", d.device)
+            if ck.dtype != ck_dtype:
+                raise TypeError(
+                    f"state_checkpoints must be {ck_dtype} (the state dtype: the pool's, fp32 without one), "
+                    f"got {ck.dtype}"
+                )
+            V._rank(ck, "state_checkpoints", 4, "[C, HV, V, K]")
+            if tuple(ck.shape[1:]) != (d.HV, d.V, d.K):
+                raise ValueError(
+                    f"state_checkpoints must have shape [C, HV, V, K] = [*, {d.HV}, {d.V}, {d.K}], got {V._shape(ck)}"
+                )
+            V._contiguous(ck, "state_checkpoints")
+        if checkpoint_cu_starts is not None:
+            ck_starts = V._tensor(checkpoint_cu_starts, "checkpoint_cu_starts")
+            V._device(ck_starts, "checkpoint_cu_starts", d.device)
+            V._dtype(ck_starts, "checkpoint_cu_starts", (torch.int64,))
+            V._exact_shape(ck_starts, "checkpoint_cu_starts", (d.N + 1,), "[N+1]")
+            V._contiguous(ck_starts, "checkpoint_cu_starts")
+
+    ws_obj = prefill_workspace
+    if ws_obj is not None and not isinstance(ws_obj, RecurrentKDAPrefillWorkspace):
+        raise TypeError(f"prefill_workspace must be a kda_ops.RecurrentKDAPrefillWorkspace, got {V._type_name(ws_obj)}")
+
+    # memory overlap of everything the op writes with everything it reads
+    reads = [
+        ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias),
+        ("initial_state_source", source), ("cu_seqlens", cu_seqlens), ("ssm_state_indices", ssm_idx),
+        ("num_accepted_tokens", n_acc), ("initial_state_indices", src_idx), ("seq_order", order),
+        ("checkpoint_cu_starts", ck_starts),
+    ]
+    if output is not None:
+        V.check_no_overlap("output", out, reads + [("initial_state", pool), ("state_checkpoints", ck)])
+    if pool is not None:
+        V.check_no_overlap("initial_state", pool, reads + [("state_checkpoints", ck)])
+    if ck is not None:
+        V.check_no_overlap("state_checkpoints", ck, reads)
+
+    capturing = V.capturing(d.device)
+    exact = not (torch.compiler.is_compiling() or capturing)
+    if n_ck > 0:
+        if ck_starts is None:
+            ck_starts, n_rows = _checkpoint_starts(d, n_ck, cu_seqlens, exact)
+        else:
+            if V.host_values_available(ck_starts) and (not d.packed or V.host_values_available(cu_seqlens)):
+                expected, _ = _checkpoint_starts(d, n_ck, cu_seqlens, True)
+                if not torch.equal(expected.cpu(), ck_starts):
+                    raise ValueError(
+                        f"checkpoint_cu_starts must be the cumsum of ceil(L_i / {n_ck}) = {expected.tolist()}, "
+                        f"got {ck_starts.tolist()}"
+                    )
+            if not d.packed:
+                n_rows = d.B * ((d.T + n_ck - 1) // n_ck)
+            elif exact:
+                n_rows = int(ck_starts[-1])
+            else:
+                n_rows = d.T // n_ck + d.N
+        if ck is None:
+            ck = torch.zeros((n_rows, d.HV, d.V, d.K), dtype=ck_dtype, device=d.device)
+
+    # all checks done: allocate, plan the workspace, run
+    nbytes = prefill_workspace_bytes(d.device, d.B, d.T, d.N, d.H, d.HV, d.K, d.V, backend_code)
+    ws = None
+    if ws_obj is not None:
+        key = (d.B, d.T, d.N, d.H, d.HV, d.K, d.V, d.packed, backend_code)
+        ws = ws_obj.plan(key, d.device, nbytes, "prefill_workspace")
+    elif nbytes > 0:
+        if capturing:
+            raise RuntimeError(
+                "prefill_workspace must be given (planned by an eager call of the same shapes) under CUDA graph "
+                "capture, got None"
+            )
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=d.device)
+
+    if order is None and d.packed and d.on_cuda and S == 0 and d.N > 1 and d.T != d.N:
+        # Longest first shrinks the last partial wave; a device argsort costs no host sync.
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+
+    if output is None:
+        shape = (d.B, d.T, d.HV, d.V)
+        # Packed: tokens outside every sequence (a broken contract) read as zeros, not garbage.
+        out = q.new_zeros(shape) if d.packed else q.new_empty(shape)
+    final = None
+    if pool is None and out_final:
+        final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
+
+    torch.ops.kda.recurrent_kda.default(
+        q, k, v, g, beta, A_hv, dtb_hv, pool, source, src_idx, cu_seqlens, ssm_idx, n_acc, order, out, final, ck,
+        ck_starts, ws, sc, gate_mode, lb, l2, logit, S, n_ck, backend_code,
+    )
+    final_ret = (pool if pool is not None else final) if out_final else None
+    if n_ck > 0:
+        assert ck is not None
+        return out, final_ret, ck
+    return out, final_ret
+
+
+# ---------------------------------------------------------------------------------------------------
+# training family
+
+
+def _training_cu(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: Any, mirror: str) -> tuple[
+    torch.Tensor | None, torch.Tensor | None
+]:
+    """cu_seqlens as int64 on the device of q, and the validated host mirror.
+
+    mirror: "required-on-cuda" (training forward: packed CUDA calls need ``cu_seqlens_cpu``; CPU calls may
+    give it, and then it must equal ``cu_seqlens``) or "none" (no mirror argument).
+    """
+    if cu_seqlens is None:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu must be None for fixed-length input (no cu_seqlens), got a tensor")
+        return None, None
+    cu64 = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
+    if mirror == "none":
+        return cu64, None
+    host = None
+    if cu_seqlens_cpu is None:
+        if d.on_cuda:
+            raise ValueError(
+                "cu_seqlens_cpu must be a CPU int64 copy of cu_seqlens for packed input on CUDA (used for host-side "
+                "planning without a sync), got None"
+            )
+    else:
+        host = V._tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
+        if host.device.type != "cpu":
+            raise RuntimeError(f"cu_seqlens_cpu must be on cpu, got {host.device}")
+        V._dtype(host, "cu_seqlens_cpu", (torch.int64,))
+        V._exact_shape(host, "cu_seqlens_cpu", (d.N + 1,), "[N+1]")
+        if V.host_values_available(host):
+            V._cu_values(host, d.T, "cu_seqlens_cpu")
+            if V.host_values_available(cu_seqlens) and not torch.equal(cu64, host):
+                raise ValueError(
+                    f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}"
+                )
+    return cu64, host
+
+
+def _check_out_tensor(t: Any, name: str, shape: tuple[Any, ...], layout: str, dtype: torch.dtype, d: V.Dims) -> torch.Tensor:
+    x = V._tensor(t, name)
+    V._device(x, name, d.device)
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
+    V._exact_shape(x, name, shape, layout)
+    return x
+
+
+def _tape_rows(d: V.Dims) -> Any:
+    """Rows of the training tapes, an upper bound from shapes (DESIGN: fixed B*ceil(T/64), packed T//64 + N)."""
+    if d.packed:
+        return d.T // V.TAPE_CHUNK + d.N
+    return d.B * ((d.T + V.TAPE_CHUNK - 1) // V.TAPE_CHUNK)
+
+
+def _grad_specs(d: V.Dims) -> list[tuple[str, tuple[Any, ...], str, torch.dtype]]:
+    pdt = V.param_dtype(d)
+    return [
+        ("dq", (d.B, d.T, d.H, d.K), "[B, T, H, K]", d.dtype),
+        ("dk", (d.B, d.T, d.H, d.K), "[B, T, H, K]", d.dtype),
+        ("dv", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype),
+        ("dg", (d.B, d.T, d.HV, d.K), "[B, T, HV, K]", d.dtype),
+        ("dbeta", (d.B, d.T, d.HV), "[B, T, HV]", d.dtype),
+        ("dA_log", (d.HV,), "[HV]", pdt),
+        ("ddt_bias", (d.HV, d.K), "[HV, K]", pdt),
+        ("dinitial_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]", pdt),
+    ]
+
+
+def _check_grad_outs(out: Any, d: V.Dims, reads: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor] | None:
+    if out is None:
+        return None
+    if not isinstance(out, Sequence) or isinstance(out, torch.Tensor) or len(out) != 8:
+        raise TypeError(
+            f"out must be a sequence of 8 tensors ({', '.join(GRAD_NAMES)}), got {V._type_name(out)}"
+            + (f" of length {len(out)}" if isinstance(out, Sequence) and not isinstance(out, torch.Tensor) else "")
+        )
+    res = [
+        _check_out_tensor(t, f"out[{i}] ({name})", shape, layout, dtype, d)
+        for i, (t, (name, shape, layout, dtype)) in enumerate(zip(out, _grad_specs(d)))
+    ]
+    for i, t in enumerate(res):
+        V.check_no_overlap(f"out[{i}] ({GRAD_NAMES[i]})", t, reads + [(f"out[{j}]", o) for j, o in enumerate(res) if j != i])
+    return res
+
+
+def _check_do(do: Any, dfinal_state: Any, d: V.Dims) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dO = V._tensor(do, "do")
+    V._device(dO, "do", d.device)
+    if dO.dtype != d.dtype:
+        raise TypeError(f"do must be {d.dtype} (the dtype of q), got {dO.dtype}")
+    V._exact_shape(dO, "do", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]")
+    dS = V._opt_tensor(dfinal_state, "dfinal_state")
+    if dS is not None:
+        V._device(dS, "dfinal_state", d.device)
+        pdt = V.param_dtype(d)
+        if dS.dtype != pdt:
+            raise TypeError(f"dfinal_state must be {pdt} (the state dtype), got {dS.dtype}")
+        V._exact_shape(dS, "dfinal_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]")
+    return dO.contiguous(), None if dS is None else dS.contiguous()
+
+
+def recurrent_kda_training_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    lower_bound: float = -5.0,
+    out: torch.Tensor | None = None,
+    final_state_out: torch.Tensor | None = None,
+    context_out: RecurrentKDATrainingContext | None = None,
+    *,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, RecurrentKDATrainingContext]:
+    """Training forward of KDA with saved tapes (SPEC §3.2): L2 norm on, lower-bound gate, logit beta.
+
+    Computes SPEC §2 with ``a = λ sigmoid(exp(A_log) (g + dt_bias))`` and ``β = sigmoid(beta)``, and saves
+    the state before every 64-token chunk of every sequence (the tapes) so that
+    :func:`recurrent_kda_training_backward` never reruns the whole forward.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] raw gate; beta: [B, T, HV] logits. bf16 with
+            K == V == 128 on CUDA; bf16/fp32/fp64 and any K, V on CPU. Last dim contiguous.
+        A_log: [HV]; dt_bias: [HV, K] or flat [HV*K]; initial_state: [N, HV, V, K] (not modified). fp32
+            (fp64 when the token tensors are fp64).
+        cu_seqlens: int32/int64 [N+1] on the device of q (packed, B == 1; int32 is widened to int64).
+            Zero-length sequences are allowed.
+        scale: any finite float > 0; None means 1/sqrt(K).
+        lower_bound: λ, finite, in [-5, 0).
+        out: optional [B, T, HV, V] buffer (q's dtype) the output is copied into and returned.
+        final_state_out: optional [N, HV, V, K] buffer (state dtype) for the final state.
+        context_out: a context from an earlier call with the same shapes, refilled and returned.
+        cu_seqlens_cpu: the trusted host mirror (CPU int64 [N+1]) of ``cu_seqlens``, validated fully
+            (starts at 0, non-decreasing, ends at T). Required for packed calls on CUDA; optional on CPU
+            (then it must equal ``cu_seqlens``, whose values are checked directly); must be None for fixed
+            input.
+
+    Returns:
+        ``(out, final_state, ctx)``: out [B, T, HV, V] (q's dtype), final_state [N, HV, V, K] fp32 (fp64
+        with fp64 tokens), ctx a :class:`kda_ops.RecurrentKDATrainingContext`.
+
+    Raises:
+        TypeError: wrong dtypes (tokens, parameters, cu_seqlens, cu_seqlens_cpu, buffers) or types.
+        ValueError: wrong ranks/shapes, HV % H != 0, K/V unsupported, scale <= 0 or non-finite, λ outside
+            [-5, 0), cu_seqlens with B != 1 or < 2 entries, cu_seqlens_cpu missing/extra/mismatched or
+            invalid, a context_out of other shapes, buffers overlapping the inputs.
+        RuntimeError: tensors on different devices (cu_seqlens_cpu not on CPU), an unsupported GPU.
+    """
+    d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule="training")
+    A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d)
+    assert h0 is not None
+    sc = V.check_scale(scale, d.K)
+    cu64, host = _training_cu(d, cu_seqlens, cu_seqlens_cpu, "required-on-cuda")
+    pdt = V.param_dtype(d)
+    reads = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A), ("dt_bias", dtb),
+             ("initial_state", h0), ("cu_seqlens", cu_seqlens)]
+    if out is not None:
+        out = _check_out_tensor(out, "out", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype, d)
+        V.check_no_overlap("out", out, reads + [("final_state_out", final_state_out)])
+    if final_state_out is not None:
+        final_state_out = _check_out_tensor(
+            final_state_out, "final_state_out", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]", pdt, d
+        )
+        V.check_no_overlap("final_state_out", final_state_out, reads)
+    if context_out is not None:
+        if not isinstance(context_out, RecurrentKDATrainingContext):
+            raise TypeError(
+                f"context_out must be a kda_ops.RecurrentKDATrainingContext, got {V._type_name(context_out)}"
+            )
+        expected = (
+            tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(g.shape), tuple(beta.shape), tuple(A.shape),
+            tuple(dtb.shape), (_tape_rows(d), d.HV, d.V, d.K), (d.N + 1,),
+        )
+        if context_out.shapes() != expected:
+            raise ValueError(f"context_out must hold tensors of shapes {expected}, got {context_out.shapes()}")
+        if context_out.tapes.device != d.device or context_out.tapes.dtype != pdt:
+            raise ValueError(
+                f"context_out must hold {pdt} tapes on {d.device}, got {context_out.tapes.dtype} on "
+                f"{context_out.tapes.device}"
+            )
+
+    o, fs, tapes, starts = torch.ops.kda.recurrent_kda_training_forward.default(
+        q, k, v, g, beta, A, dtb, h0, cu64, sc, lb
+    )
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if final_state_out is not None:
+        final_state_out.copy_(fs)
+        fs = final_state_out
+    if context_out is not None:
+        with torch.no_grad():
+            context_out.tapes.copy_(tapes)
+            context_out.tape_cu_starts.copy_(starts)
+        ctx = context_out
+        ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.A_log, ctx.dt_bias = q, k, v, g, beta, A, dtb
+        ctx.cu_seqlens, ctx.cu_seqlens_cpu, ctx.scale, ctx.lower_bound = cu64, host, sc, lb
+        ctx.state_dtype = h0.dtype
+    else:
+        ctx = RecurrentKDATrainingContext(
+            q=q, k=k, v=v, g=g, beta=beta, A_log=A, dt_bias=dtb, tapes=tapes, tape_cu_starts=starts,
+            cu_seqlens=cu64, scale=sc, lower_bound=lb, cu_seqlens_cpu=host, state_dtype=h0.dtype,
+        )
+    return o, fs, ctx
+
+
+def recurrent_kda_training_backward(
+    ctx: RecurrentKDATrainingContext,
+    do: torch.Tensor,
+    dfinal_state: torch.Tensor | None,
+    out: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Training backward from the tapes of :func:`recurrent_kda_training_forward` (SPEC §3.2, §2.1).
+
+    Loss convention: ``L = Σ_t <o_t, do_t> + <S_T, dfinal_state>``; the reverse sweep of SPEC §2.1 runs
+    from the saved chunk-boundary states, chained through the L2 norm, the lower-bound gate and the logit
+    beta. GQA: dq and dk of the value heads of a group are summed into their q/k head. dA_log and ddt_bias
+    are summed over all tokens and sequences, in a fixed order (deterministic).
+
+    Args:
+        ctx: the context returned by the forward (its saved tensors must be unmodified).
+        do: [B, T, HV, V] in q's dtype.
+        dfinal_state: [N, HV, V, K] in the state dtype, or None (zero).
+        out: optional eight preallocated tensors (shapes/dtypes as returned) the gradients are copied into.
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)``: dq, dk [B, T, H, K], dv [B, T, HV, V],
+        dg [B, T, HV, K], dbeta [B, T, HV] in q's dtype; dA_log [HV], ddt_bias [HV, K],
+        dinitial_state [N, HV, V, K] in the state dtype (fp32; fp64 with fp64 tokens).
+
+    Raises:
+        TypeError: ctx of the wrong type, wrong dtypes. ValueError: wrong shapes, overlapping ``out``.
+        RuntimeError: tensors on another device.
+    """
+    if not isinstance(ctx, RecurrentKDATrainingContext):
+        raise TypeError(f"ctx must be a kda_ops.RecurrentKDATrainingContext, got {V._type_name(ctx)}")
+    d = V.check_tokens(ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.cu_seqlens, kv_rule="training")
+    dO, dS = _check_do(do, dfinal_state, d)
+    reads = [("ctx.q", ctx.q), ("ctx.k", ctx.k), ("ctx.v", ctx.v), ("ctx.g", ctx.g), ("ctx.beta", ctx.beta),
+             ("ctx.A_log", ctx.A_log), ("ctx.dt_bias", ctx.dt_bias), ("ctx.tapes", ctx.tapes), ("do", do),
+             ("dfinal_state", dfinal_state)]
+    outs = _check_grad_outs(out, d, reads)
+    grads = torch.ops.kda.recurrent_kda_training_backward.default(
+        ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.A_log, ctx.dt_bias, ctx.tapes, ctx.tape_cu_starts,
+        ctx.cu_seqlens, dO, dS, ctx.scale, ctx.lower_bound,
+    )
+    return _into(grads, outs)
+
+
+def _into(grads: Sequence[torch.Tensor], outs: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+    if outs is None:
+        return tuple(grads)
+    with torch.no_grad():
+        for o, gr in zip(outs, grads):
+            o.copy_(gr)
+    return tuple(outs)
+
+
+def recurrent_kda_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    initial_state: torch.Tensor,
+    do: torch.Tensor,
+    dfinal_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    lower_bound: float = -5.0,
+    workspace: RecurrentKDABackwardWorkspace | None = None,
+    out: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """KDA backward from the raw inputs, no saved context (SPEC §3.3, §2.1): the training contract (L2
+    norm, lower-bound gate λ, logit beta), any T, any packing, GQA.
+
+    Args:
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound: as in
+            :func:`recurrent_kda_training_forward` (no host mirror: nothing here needs host values).
+        do: [B, T, HV, V] in q's dtype; dfinal_state: [N, HV, V, K] state dtype, or None (zero).
+        workspace: a :class:`kda_ops.RecurrentKDABackwardWorkspace`; with it and ``out`` the call is
+            CUDA-graph capturable after an eager call of the same shapes.
+        out: optional eight preallocated tensors the gradients are copied into (and returned).
+
+    Returns:
+        ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` as in
+        :func:`recurrent_kda_training_backward`.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`recurrent_kda_training_forward`, plus ``do`` /
+        ``dfinal_state`` / ``out`` of the wrong dtype or shape, a workspace of the wrong type or device.
+    """
+    d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule="training")
+    A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d)
+    assert h0 is not None
+    sc = V.check_scale(scale, d.K)
+    dO, dS = _check_do(do, dfinal_state, d)
+    if workspace is not None and not isinstance(workspace, RecurrentKDABackwardWorkspace):
+        raise TypeError(f"workspace must be a kda_ops.RecurrentKDABackwardWorkspace, got {V._type_name(workspace)}")
+    reads = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A), ("dt_bias", dtb),
+             ("initial_state", h0), ("do", do), ("dfinal_state", dfinal_state), ("cu_seqlens", cu_seqlens)]
+    outs = _check_grad_outs(out, d, reads)
+    cu64, _ = _training_cu(d, cu_seqlens, None, "none")
+    if workspace is not None:
+        key = (d.B, d.T, d.N, d.H, d.HV, d.K, d.V, d.packed)
+        workspace.plan(key, d.device, 0, "workspace")
+        if cu_seqlens is not None and cu_seqlens.dtype != torch.int64:
+            # Keep the widened copy in the workspace so a captured call writes a buffer it owns.
+            if workspace.cu_seqlens64 is None or workspace.cu_seqlens64.shape != cu_seqlens.shape:
+                workspace.cu_seqlens64 = torch.empty(cu_seqlens.shape, dtype=torch.int64, device=d.device)
+            workspace.cu_seqlens64.copy_(cu_seqlens)
+            cu64 = workspace.cu_seqlens64
+    grads = torch.ops.kda.recurrent_kda_backward.default(q, k, v, g, beta, A, dtb, h0, cu64, dO, dS, sc, lb)
+    return _into(grads, outs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# autograd entry
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+    lower_bound: float = -5.0,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Differentiable KDA layer core (SPEC §3.4): the training contract of SPEC §2 (L2 norm on q and k,
+    lower-bound gate ``a = λ sigmoid(exp(A_log)(g + dt_bias))``, ``β = sigmoid(beta)``), with autograd
+    through ``torch.library.register_autograd`` on ``torch.ops.kda.recurrent_kda_training_forward``.
+
+    Differentiable in all eight tensor inputs. Works in eager autograd, under
+    ``torch.compile(fullgraph=True)`` (no host syncs, no data-dependent Python here) and DDP/FSDP (no
+    global state).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV] logits. bf16 with
+            K == V == 128 on CUDA; bf16/fp32/fp64, any K and V on CPU (fp64 for gradcheck).
+        A_log: [HV]; dt_bias: [HV, K] or flat [HV*K]; fp32 (fp64 with fp64 tokens).
+        initial_state: [N, HV, V, K] in that dtype, or None (zeros; then it has no gradient).
+        cu_seqlens: int32/int64 [N+1] on the device of q (packed, B == 1). Values are a caller contract
+            (checked only when on CPU in eager mode).
+        scale: finite > 0; None means 1/sqrt(K). lower_bound: λ in [-5, 0).
+        output_final_state: also return the final state [N, HV, V, K].
+
+    Returns:
+        ``(o, final_state)``: o [B, T, HV, V] in q's dtype; final_state (fp32, fp64 with fp64 tokens) or
+        None.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`recurrent_kda_training_forward`.
+    """
+    d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule="training")
+    A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d, state_required=False)
+    sc = V.check_scale(scale, d.K)
+    ofs = V._bool(output_final_state, "output_final_state")
+    if h0 is None:
+        h0 = q.new_zeros((d.N, d.HV, d.V, d.K), dtype=V.param_dtype(d))
+    cu64, _ = _training_cu(d, cu_seqlens, None, "none")
+    o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
+    return o, (fs if ofs else None)
+

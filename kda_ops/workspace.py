@@ -1,0 +1,172 @@
+"""Caller-owned objects of the public API: scratch workspaces and the training context.
+
+- :class:`RecurrentKDAPrefillWorkspace`: scratch for ``recurrent_kda`` (the ``workspace`` argument of
+  ``torch.ops.kda.recurrent_kda``). Optional in eager mode; it is what makes a CUDA-graph-captured call
+  allocation-free: the eager warm-up call plans (sizes) it for the shapes of the call, and a captured
+  call with the same shapes finds it ready (SPEC §3.1).
+- :class:`RecurrentKDABackwardWorkspace`: the same role for ``recurrent_kda_backward`` (SPEC §3.3).
+- :class:`RecurrentKDATrainingContext`: what ``recurrent_kda_training_forward`` saves for
+  ``recurrent_kda_training_backward`` (SPEC §3.2): the inputs, the tapes and the packing.
+
+No global state lives here (DDP/FSDP safe): every buffer belongs to an object the caller holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RecurrentKDAPrefillWorkspace",
+    "RecurrentKDABackwardWorkspace",
+    "RecurrentKDATrainingContext",
+    "prefill_workspace_bytes",
+]
+
+# Alignment of the scratch buffer and of every region carved from it (bytes). 256 B covers TMA (128 B)
+# and the cudaMalloc alignment guarantee, so a region may hold any dtype.
+_ALIGN = 256
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def prefill_workspace_bytes(
+    device: torch.device, B: int, T: int, N: int, H: int, HV: int, K: int, V: int, backend: int
+) -> int:
+    """Bytes of scratch ``recurrent_kda`` needs for one call of these shapes (an upper bound from
+    shapes only, never from tensor values, so it can be sized before CUDA graph capture).
+
+    The CPU token loop and the CUDA token-serial kernels need none. The CUDA chunked prefill sizes its
+    per-chunk factors here when it lands (SPEC §3.1; DESIGN §2, csrc/kda/chunked/).
+    """
+    del B, T, N, H, HV, K, V, backend
+    if device.type != "cuda":
+        return 0
+    return 0
+
+
+class _Scratch:
+    """A growable, 256-byte-aligned uint8 buffer plus the shape key of the last planned call."""
+
+    def __init__(self, device: torch.device | str | None = None, nbytes: int = 0) -> None:
+        self.device: torch.device | None = None if device is None else torch.device(device)
+        self.buffer: torch.Tensor | None = None
+        self.planned: tuple[Any, ...] | None = None
+        if nbytes > 0:
+            if self.device is None:
+                raise ValueError(f"device must be given with nbytes > 0, got nbytes={nbytes}")
+            self.buffer = torch.empty(_round_up(nbytes, _ALIGN), dtype=torch.uint8, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes currently held (0 before the first plan)."""
+        return 0 if self.buffer is None else int(self.buffer.numel())
+
+    def _capturing(self) -> bool:
+        return (
+            self.device is not None
+            and self.device.type == "cuda"
+            and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing()
+        )
+
+    def plan(self, key: tuple[Any, ...], device: torch.device, nbytes: int, what: str) -> torch.Tensor | None:
+        """Makes the buffer hold at least ``nbytes`` on ``device`` for the call described by ``key``.
+
+        Eager: grows the buffer when needed and remembers ``key``. Under CUDA graph capture nothing may
+        be allocated: a call whose shapes were not planned eagerly, or that needs more bytes than held,
+        raises RuntimeError. Returns the buffer (None when no scratch is needed and none is held).
+        """
+        if self.device is None:
+            self.device = torch.device(device)
+        if self.device != torch.device(device):
+            raise RuntimeError(f"{what} must be on {device} (the device of q), got a workspace on {self.device}")
+        if self._capturing():
+            if self.planned != key or self.nbytes < nbytes:
+                raise RuntimeError(
+                    f"{what} must have been planned by an eager call with the same shapes before CUDA graph "
+                    f"capture, got shapes {key} (planned: {self.planned}, {self.nbytes} bytes held, "
+                    f"{nbytes} needed)"
+                )
+            return self.buffer
+        if self.nbytes < nbytes:
+            self.buffer = torch.empty(_round_up(nbytes, _ALIGN), dtype=torch.uint8, device=self.device)
+        self.planned = key
+        return self.buffer
+
+
+class RecurrentKDAPrefillWorkspace(_Scratch):
+    """Caller-owned scratch of :func:`kda_ops.recurrent_kda`.
+
+    Args:
+        device: where the buffer lives (taken from the first call when None).
+        nbytes: bytes to allocate up front (0: sized by the first call).
+
+    One workspace serves one call at a time (one stream). It grows in eager calls; under CUDA graph
+    capture it must already have been planned by an eager call with the same shapes, else the call
+    raises RuntimeError (no allocation happens inside a capture). ``planned`` is the shape key of the
+    last planned call: ``(B, T, N, H, HV, K, V, packed, backend)``.
+    """
+
+
+class RecurrentKDABackwardWorkspace(_Scratch):
+    """Caller-owned scratch of :func:`kda_ops.recurrent_kda_backward`.
+
+    Holds the int64 copy of ``cu_seqlens`` (when the caller's is int32) and the zero ``dfinal_state``
+    used when none is given, so that a captured call allocates nothing for them; the CUDA backward
+    sizes its own scratch here when it lands. Planned by an eager call with the same shapes, like
+    :class:`RecurrentKDAPrefillWorkspace`.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, nbytes: int = 0) -> None:
+        super().__init__(device, nbytes)
+        self.cu_seqlens64: torch.Tensor | None = None
+        self.zero_dfinal: torch.Tensor | None = None
+
+
+@dataclass
+class RecurrentKDATrainingContext:
+    """What :func:`kda_ops.recurrent_kda_training_forward` saves for the backward (SPEC §3.2).
+
+    Fields:
+        q, k: [B, T, H, K] token dtype (bf16 on CUDA).
+        v: [B, T, HV, V]; g: [B, T, HV, K] raw gate input; beta: [B, T, HV] logits.
+        A_log: [HV]; dt_bias: [HV, K] (fp32; fp64 with fp64 tokens on CPU).
+        tapes: [rows, HV, V, K] fp32 (fp64 with fp64 tokens): the state before every 64-token chunk of
+            every sequence; rows = B*ceil(T/64) fixed, T//64 + N packed (an upper bound, spare rows 0).
+        tape_cu_starts: int64 [N+1]: first tape row of each sequence.
+        cu_seqlens: int64 [N+1] on the device of q, or None (fixed layout).
+        cu_seqlens_cpu: the validated host mirror of cu_seqlens (packed calls), or None.
+        scale: the q scale actually used (> 0). lower_bound: λ in [-5, 0).
+        state_dtype: dtype of initial_state (and of final_state, dinitial_state).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    tapes: torch.Tensor
+    tape_cu_starts: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    scale: float
+    lower_bound: float
+    cu_seqlens_cpu: torch.Tensor | None = None
+    state_dtype: torch.dtype = torch.float32
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_sequences(self) -> int:
+        """N: sequences of the saved call."""
+        return int(self.tape_cu_starts.numel()) - 1
+
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of every saved tensor, in field order (used to check a reused ``context_out``)."""
+        ts = (self.q, self.k, self.v, self.g, self.beta, self.A_log, self.dt_bias, self.tapes, self.tape_cu_starts)
+        return tuple(tuple(t.shape) for t in ts)
