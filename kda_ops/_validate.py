@@ -239,7 +239,7 @@ def check_tokens(
         _device(cu, "cu_seqlens", device)
         _dtype(cu, "cu_seqlens", (torch.int32, torch.int64))
         if B != 1:
-            raise ValueError(f"q must have B == 1 when cu_seqlens is given (packed input), got B={B}")
+            raise ValueError(f"cu_seqlens must come with B == 1 (packed input), got q with B={B}")
         _rank(cu, "cu_seqlens", 1, "[N+1]")
         if cu.shape[0] < 2:
             raise ValueError(f"cu_seqlens must have at least 2 entries ([N+1], N >= 1), got {_shape(cu)}")

@@ -461,11 +461,10 @@ def _grad_specs(d: V.Dims) -> list[tuple[str, tuple[Any, ...], str, torch.dtype]
 def _check_grad_outs(out: Any, d: V.Dims, reads: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor] | None:
     if out is None:
         return None
-    if not isinstance(out, Sequence) or isinstance(out, torch.Tensor) or len(out) != 8:
-        raise TypeError(
-            f"out must be a sequence of 8 tensors ({', '.join(GRAD_NAMES)}), got {V._type_name(out)}"
-            + (f" of length {len(out)}" if isinstance(out, Sequence) and not isinstance(out, torch.Tensor) else "")
-        )
+    if not isinstance(out, Sequence) or isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a sequence of 8 tensors ({', '.join(GRAD_NAMES)}), got {V._type_name(out)}")
+    if len(out) != 8:
+        raise ValueError(f"out must hold 8 tensors ({', '.join(GRAD_NAMES)}), got {len(out)}")
     res = [
         _check_out_tensor(t, f"out[{i}] ({name})", shape, layout, dtype, d)
         for i, (t, (name, shape, layout, dtype)) in enumerate(zip(out, _grad_specs(d)))

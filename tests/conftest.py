@@ -1,0 +1,135 @@
+"""Shared builders and assertions for the kda_ops tests.
+
+Tiers: the CPU tier runs everywhere (CI: 2 cores, minutes); tests marked ``gpu`` need CUDA and are
+skipped without it. Shapes stay small (H <= 2, HV <= 4, K = V <= 128, T <= 70) so the fp64 reference
+loop stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import pytest
+import torch
+
+import kda_ops  # noqa: F401  (registers the ops)
+from kda_ops.reference import make_inputs, rel_rms
+
+HAS_CUDA = torch.cuda.is_available()
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _golden_dir() -> str:
+    """$KDA_GOLDEN_DIR, else shared/golden in the repository root, else ../shared/golden beside it."""
+    for d in (os.environ.get("KDA_GOLDEN_DIR"), os.path.join(_ROOT, "shared", "golden"),
+              os.path.join(_ROOT, "..", "shared", "golden")):
+        if d and os.path.isdir(d):
+            return d
+    return os.path.join(_ROOT, "shared", "golden")
+
+
+GOLDEN_DIR = _golden_dir()
+
+# SPEC §6 tolerances (relative RMS unless named otherwise). Outputs are bf16-stored results of fp32
+# math against an fp64 reference on the same bf16 inputs: bf16 rounding alone is ~2e-3 relative RMS.
+TOL_OUT = 5e-3
+TOL_OUT_MAXABS = 2e-2
+TOL_STATE_FP32 = 1e-3
+TOL_STATE_BF16 = 1e-2
+TOL_GRAD = 1e-2
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+def has_cpu_op(name: str) -> bool:
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"kda::{name}", "CPU"))
+
+
+def needs_cpu_op(*names: str):
+    """Skip marker while a CPU implementation has not landed yet."""
+    missing = [n for n in names if not has_cpu_op(n)]
+    return pytest.mark.skipif(bool(missing), reason=f"CPU implementation of {missing} not built")
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def inputs(
+    B: int = 1,
+    T: int = 8,
+    H: int = 1,
+    HV: int = 2,
+    K: int = 64,
+    V: int = 64,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    state_dtype: torch.dtype = torch.float32,
+    N_pool: int | None = None,
+    cu_seqlens: list[int] | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Random inputs of the documented shapes (kda_ops.reference.make_inputs), plus beta in (0, 1) as
+    ``beta_prob`` for the plain-beta mode."""
+    x = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, N_pool=N_pool, dtype=dtype, state_dtype=state_dtype,
+                    device=device, seed=seed, cu_seqlens=cu_seqlens)
+    x["beta_prob"] = torch.sigmoid(x["beta"].float()).to(dtype)
+    return x
+
+
+def lengths_to_cu(lengths: Iterable[int], device: str = "cpu", dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + int(n))
+    return torch.tensor(cu, dtype=dtype, device=device)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (NaN-safe bitwise comparison)."""
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).clone()
+
+
+def snapshot(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None or t.device.type == "meta" else bits(t) for t in tensors]
+
+
+def assert_bit_identical(before: list[torch.Tensor | None], *tensors: torch.Tensor | None) -> None:
+    for i, (b, t) in enumerate(zip(before, tensors)):
+        if b is None:
+            continue
+        assert t is not None and torch.equal(b, bits(t)), f"tensor #{i} was modified"
+
+
+def assert_close_rms(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "") -> None:
+    assert torch.isfinite(actual.detach().float()).all(), f"{what}: non-finite values"
+    err = rel_rms(actual, expected)
+    assert err <= tol, f"{what}: relative RMS error {err:.3e} > {tol:.0e}"
+
+
+def assert_output(actual: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:
+    assert_close_rms(actual, expected, TOL_OUT, what)
+    maxabs = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs().max().item() if actual.numel() else 0
+    assert maxabs <= TOL_OUT_MAXABS, f"{what}: max abs error {maxabs:.3e} > {TOL_OUT_MAXABS:.0e}"
+
+
+def state_tol(dtype: torch.dtype) -> float:
+    return TOL_STATE_BF16 if dtype == torch.bfloat16 else TOL_STATE_FP32
+
+
+def load_golden(name: str) -> dict:
+    path = os.path.join(GOLDEN_DIR, name + ".pt")
+    if not os.path.exists(path):
+        pytest.skip(f"golden file {path} not found (set KDA_GOLDEN_DIR)")
+    return torch.load(path)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_seed():
+    torch.manual_seed(0)
+    yield
