@@ -10,10 +10,12 @@ Public API (SPEC §3):
   :class:`RecurrentKDATrainingContext`.
 """
 
+# isort: off
 import torch  # noqa: F401  (libc10 and the torch op registry must be loaded before _C)
+from kda_ops import _C  # type: ignore[attr-defined]  # noqa: F401  (the torch.ops.kda schemas and kernels)
+from kda_ops import _autograd, _fake  # noqa: F401  (register_autograd / register_fake need the schemas)
 
-from kda_ops import _C  # noqa: F401  (loads the torch.ops.kda schemas and kernels)
-from kda_ops import _autograd, _fake  # noqa: F401  (register_autograd / register_fake)
+# isort: on
 from kda_ops._validate import validate_cu_seqlens, validate_state_indices
 from kda_ops.interface import (
     kda,

@@ -27,13 +27,23 @@ def _backward(ctx, d_out, d_final_state, _d_tapes, _d_tape_cu_starts):  # type: 
     if d_out is None:  # grads are materialised by autograd; kept for safety with custom callers
         d_out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
-        q, k, v, g, beta, A_log, dt_bias, tapes, tape_cu_starts, cu_seqlens, d_out.contiguous(),
-        None if d_final_state is None else d_final_state.contiguous(), ctx.scale, ctx.lower_bound,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        tapes,
+        tape_cu_starts,
+        cu_seqlens,
+        d_out.contiguous(),
+        None if d_final_state is None else d_final_state.contiguous(),
+        ctx.scale,
+        ctx.lower_bound,
     )
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state = grads
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state, None, None, None
 
 
-torch.library.register_autograd(
-    "kda::recurrent_kda_training_forward", _backward, setup_context=_setup_context
-)
+torch.library.register_autograd("kda::recurrent_kda_training_forward", _backward, setup_context=_setup_context)

@@ -21,8 +21,10 @@ TAPE_CHUNK = 64  # kda::kTapeChunk
 
 
 def _check_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
-    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and g.dim() == 4 and beta.dim() == 3,
-                 lambda: "q, k, v, g must be rank 4 and beta rank 3")
+    torch._check(
+        q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and g.dim() == 4 and beta.dim() == 3,
+        lambda: "q, k, v, g must be rank 4 and beta rank 3",
+    )
     B, T, H, K = q.shape
     HV = v.shape[2]
     torch._check(HV % H == 0, lambda: f"HV % H must be 0, got HV={HV}, H={H}")
@@ -30,18 +32,24 @@ def _check_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     torch._check(v.shape[0] == B and v.shape[1] == T, lambda: f"v must be [B, T, HV, V], got {v.shape}")
     torch._check(tuple(g.shape) == (B, T, HV, K), lambda: f"g must be [B, T, HV, K], got {g.shape}")
     torch._check(tuple(beta.shape) == (B, T, HV), lambda: f"beta must be [B, T, HV], got {beta.shape}")
-    for t in (k, v, g, beta):
-        torch._check(t.dtype == q.dtype, lambda: f"token tensors must share q's dtype {q.dtype}, got {t.dtype}")
+    dtypes = (k.dtype, v.dtype, g.dtype, beta.dtype)
+    torch._check(
+        all(d == q.dtype for d in dtypes), lambda: f"k, v, g, beta must share q's dtype {q.dtype}, got {dtypes}"
+    )
 
 
 def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
     if cu_seqlens is None:
         return q.shape[0]
     torch._check(q.shape[0] == 1, lambda: f"cu_seqlens needs B == 1, got B={q.shape[0]}")
-    torch._check(cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2,
-                 lambda: f"cu_seqlens must be a [N+1] tensor with N >= 1, got {cu_seqlens.shape}")
-    torch._check(cu_seqlens.dtype in (torch.int32, torch.int64),
-                 lambda: f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    torch._check(
+        cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2,
+        lambda: f"cu_seqlens must be a [N+1] tensor with N >= 1, got {cu_seqlens.shape}",
+    )
+    torch._check(
+        cu_seqlens.dtype in (torch.int32, torch.int64),
+        lambda: f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}",
+    )
     return cu_seqlens.shape[0] - 1
 
 
@@ -56,9 +64,32 @@ def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, HV, K) -> Non
 
 @torch.library.register_fake("kda::recurrent_kda")
 def _recurrent_kda_fake(
-    q, k, v, g, beta, A_log, dt_bias, state, state_source, initial_state_indices, cu_seqlens, ssm_state_indices,
-    num_accepted_tokens, seq_order, output, final_state, state_checkpoints, checkpoint_cu_starts, workspace,
-    scale, gate_mode, lower_bound, use_qk_l2norm, beta_is_logit, num_spec_tokens, checkpoint_every_n_tokens,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    state,
+    state_source,
+    initial_state_indices,
+    cu_seqlens,
+    ssm_state_indices,
+    num_accepted_tokens,
+    seq_order,
+    output,
+    final_state,
+    state_checkpoints,
+    checkpoint_cu_starts,
+    workspace,
+    scale,
+    gate_mode,
+    lower_bound,
+    use_qk_l2norm,
+    beta_is_logit,
+    num_spec_tokens,
+    checkpoint_every_n_tokens,
     backend,
 ):
     _check_tokens(q, k, v, g, beta)
@@ -72,37 +103,57 @@ def _recurrent_kda_fake(
         torch._check(A_log is not None, lambda: "A_log is required by the in-kernel gate")
         torch._check(A_log.numel() == HV and A_log.dtype == torch.float32, lambda: f"A_log must be fp32 [HV]={HV}")
         if dt_bias is not None:
-            torch._check(dt_bias.numel() == HV * K and dt_bias.dtype == torch.float32,
-                         lambda: f"dt_bias must be fp32 [HV, K]=[{HV}, {K}]")
+            torch._check(
+                dt_bias.numel() == HV * K and dt_bias.dtype == torch.float32,
+                lambda: f"dt_bias must be fp32 [HV, K]=[{HV}, {K}]",
+            )
     for s, name in ((state, "initial_state"), (state_source, "initial_state_source")):
         if s is not None:
-            torch._check(s.dim() == 4 and tuple(s.shape[1:]) == (HV, V, K),
-                         lambda: f"{name} must be [N_pool, HV, V, K], got {s.shape}")
+            torch._check(
+                s.dim() == 4 and tuple(s.shape[1:]) == (HV, V, K),
+                lambda s=s, name=name: f"{name} must be [N_pool, HV, V, K], got {s.shape}",
+            )
     N = _num_seqs(q, cu_seqlens)
     S = num_spec_tokens
     if ssm_state_indices is not None:
-        torch._check(ssm_state_indices.dtype == torch.int32 and ssm_state_indices.numel() == N * (S + 1),
-                     lambda: "ssm_state_indices must be int32 with N*(1+S) elements")
+        torch._check(
+            ssm_state_indices.dtype == torch.int32 and ssm_state_indices.numel() == N * (S + 1),
+            lambda: "ssm_state_indices must be int32 with N*(1+S) elements",
+        )
     if S > 0:
-        torch._check(ssm_state_indices is not None and state is not None,
-                     lambda: "speculative decode needs initial_state and ssm_state_indices [N, 1+S]")
-    for t, name in ((num_accepted_tokens, "num_accepted_tokens"), (initial_state_indices, "initial_state_indices"),
-                    (seq_order, "seq_order")):
+        torch._check(
+            ssm_state_indices is not None and state is not None,
+            lambda: "speculative decode needs initial_state and ssm_state_indices [N, 1+S]",
+        )
+    for t, name in (
+        (num_accepted_tokens, "num_accepted_tokens"),
+        (initial_state_indices, "initial_state_indices"),
+        (seq_order, "seq_order"),
+    ):
         if t is not None:
-            torch._check(t.dtype == torch.int32 and t.numel() == N, lambda: f"{name} must be int32 [N]")
+            torch._check(t.dtype == torch.int32 and t.numel() == N, lambda name=name: f"{name} must be int32 [N]")
     if state_source is not None:
-        torch._check(initial_state_indices is not None,
-                     lambda: "initial_state_indices is required with initial_state_source")
+        torch._check(
+            initial_state_indices is not None, lambda: "initial_state_indices is required with initial_state_source"
+        )
     if final_state is not None:
-        torch._check(final_state.dtype == torch.float32 and final_state.numel() == N * HV * V * K,
-                     lambda: "final_state must be fp32 [N, HV, V, K]")
+        torch._check(
+            final_state.dtype == torch.float32 and final_state.numel() == N * HV * V * K,
+            lambda: "final_state must be fp32 [N, HV, V, K]",
+        )
     if checkpoint_every_n_tokens > 0:
-        torch._check(state_checkpoints is not None and checkpoint_cu_starts is not None,
-                     lambda: "checkpointing needs state_checkpoints and checkpoint_cu_starts")
-        torch._check(state_checkpoints.dim() == 4 and tuple(state_checkpoints.shape[1:]) == (HV, V, K),
-                     lambda: "state_checkpoints must be [C, HV, V, K]")
-        torch._check(checkpoint_cu_starts.dtype == torch.int64 and checkpoint_cu_starts.numel() == N + 1,
-                     lambda: "checkpoint_cu_starts must be int64 [N+1]")
+        torch._check(
+            state_checkpoints is not None and checkpoint_cu_starts is not None,
+            lambda: "checkpointing needs state_checkpoints and checkpoint_cu_starts",
+        )
+        torch._check(
+            state_checkpoints.dim() == 4 and tuple(state_checkpoints.shape[1:]) == (HV, V, K),
+            lambda: "state_checkpoints must be [C, HV, V, K]",
+        )
+        torch._check(
+            checkpoint_cu_starts.dtype == torch.int64 and checkpoint_cu_starts.numel() == N + 1,
+            lambda: "checkpoint_cu_starts must be int64 [N+1]",
+        )
     return None
 
 
@@ -113,8 +164,10 @@ def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_s
     HV, V = v.shape[2], v.shape[3]
     _check_gate_params(A_log, dt_bias, HV, K)
     N = _num_seqs(q, cu_seqlens)
-    torch._check(tuple(initial_state.shape) == (N, HV, V, K),
-                 lambda: f"initial_state must be [N, HV, V, K]=[{N}, {HV}, {V}, {K}], got {initial_state.shape}")
+    torch._check(
+        tuple(initial_state.shape) == (N, HV, V, K),
+        lambda: f"initial_state must be [N, HV, V, K]=[{N}, {HV}, {V}, {K}], got {initial_state.shape}",
+    )
     acc = _acc_dtype(q)
     rows = T // TAPE_CHUNK + N if cu_seqlens is not None else B * ((T + TAPE_CHUNK - 1) // TAPE_CHUNK)
     out = q.new_empty((B, T, HV, V))
@@ -148,30 +201,38 @@ def _training_backward_fake(
     HV, V = v.shape[2], v.shape[3]
     _check_gate_params(A_log, dt_bias, HV, K)
     N = _num_seqs(q, cu_seqlens)
-    torch._check(tape_cu_starts.dim() == 1 and tape_cu_starts.shape[0] == N + 1,
-                 lambda: f"tape_cu_starts must be [N+1]=[{N + 1}], got {tape_cu_starts.shape}")
-    torch._check(tapes.dim() == 4 and tuple(tapes.shape[1:]) == (HV, V, K),
-                 lambda: f"tapes must be [rows, HV, V, K], got {tapes.shape}")
+    torch._check(
+        tape_cu_starts.dim() == 1 and tape_cu_starts.shape[0] == N + 1,
+        lambda: f"tape_cu_starts must be [N+1]=[{N + 1}], got {tape_cu_starts.shape}",
+    )
+    torch._check(
+        tapes.dim() == 4 and tuple(tapes.shape[1:]) == (HV, V, K),
+        lambda: f"tapes must be [rows, HV, V, K], got {tapes.shape}",
+    )
     torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
     if dfinal_state is not None:
-        torch._check(tuple(dfinal_state.shape) == (N, HV, V, K),
-                     lambda: f"dfinal_state must be [N, HV, V, K], got {dfinal_state.shape}")
+        torch._check(
+            tuple(dfinal_state.shape) == (N, HV, V, K),
+            lambda: f"dfinal_state must be [N, HV, V, K], got {dfinal_state.shape}",
+        )
     return _grads(q, k, v, g, beta, A_log, dt_bias, N, tapes.dtype)
 
 
 @torch.library.register_fake("kda::recurrent_kda_backward")
-def _backward_fake(
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dfinal_state, scale, lower_bound
-):
+def _backward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dfinal_state, scale, lower_bound):
     _check_tokens(q, k, v, g, beta)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_gate_params(A_log, dt_bias, HV, K)
     N = _num_seqs(q, cu_seqlens)
-    torch._check(tuple(initial_state.shape) == (N, HV, V, K),
-                 lambda: f"initial_state must be [N, HV, V, K], got {initial_state.shape}")
+    torch._check(
+        tuple(initial_state.shape) == (N, HV, V, K),
+        lambda: f"initial_state must be [N, HV, V, K], got {initial_state.shape}",
+    )
     torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
     if dfinal_state is not None:
-        torch._check(tuple(dfinal_state.shape) == (N, HV, V, K),
-                     lambda: f"dfinal_state must be [N, HV, V, K], got {dfinal_state.shape}")
+        torch._check(
+            tuple(dfinal_state.shape) == (N, HV, V, K),
+            lambda: f"dfinal_state must be [N, HV, V, K], got {dfinal_state.shape}",
+        )
     return _grads(q, k, v, g, beta, A_log, dt_bias, N, initial_state.dtype)

@@ -122,12 +122,12 @@ def capturing(device: torch.device) -> bool:
     return bool(torch.cuda.is_current_stream_capturing())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_kernels_built() -> bool:
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key("kda::recurrent_kda", "CUDA"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -173,9 +173,7 @@ class Dims:
         return self.device.type == "cuda"
 
 
-def check_tokens(
-    q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, kv_rule: str
-) -> Dims:
+def check_tokens(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, kv_rule: str) -> Dims:
     """Types, ranks, devices, dtypes, shapes and strides of q, k, v, g, beta and cu_seqlens.
 
     kv_rule: which head dims the path takes on CUDA: "recurrent" (K == V in {64, 128}), "chunked" or
@@ -438,7 +436,7 @@ def check_index(t: Any, name: str, shape: tuple[Any, ...], layout: str, d: Dims)
 def _span(t: torch.Tensor) -> tuple[int, int] | None:
     if t.numel() == 0:
         return None
-    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
     lo = t.data_ptr()
     return lo, lo + (extent + 1) * t.element_size()
 
@@ -523,7 +521,9 @@ def validate_state_indices(
         uniq, counts = torch.unique(vals, return_counts=True)
         if bool((counts > 1).any()):
             dup = int(uniq[counts > 1][0])
-            raise ValueError(f"indices must name each active slot at most once, got slot {dup} {int(counts.max())} times")
+            raise ValueError(
+                f"indices must name each active slot at most once, got slot {dup} {int(counts.max())} times"
+            )
 
 
 def check_permutation(seq_order: torch.Tensor, N: int) -> None:

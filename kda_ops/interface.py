@@ -50,9 +50,7 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_s
 # recurrent_kda
 
 
-def _checkpoint_starts(
-    d: V.Dims, n: int, cu_seqlens: torch.Tensor | None, exact: bool
-) -> tuple[torch.Tensor, Any]:
+def _checkpoint_starts(d: V.Dims, n: int, cu_seqlens: torch.Tensor | None, exact: bool) -> tuple[torch.Tensor, Any]:
     """(checkpoint_cu_starts int64 [N+1] on the device of q, C rows).
 
     Row counts are ceil(L_i / n) per sequence (SPEC §3.1). Fixed layout: pure shape math. Packed and
@@ -216,16 +214,14 @@ def recurrent_kda(
                     f"q must hold exactly 1+S={1 + S} tokens per sequence in speculative decode (T == N*(1+S) = "
                     f"{d.N * (1 + S)}), got T={d.T}"
                 )
-            if V.host_values_available(cu_seqlens):
+            if cu_seqlens is not None and V.host_values_available(cu_seqlens):
                 exp = torch.arange(d.N + 1, dtype=torch.int64) * (1 + S)
                 if not torch.equal(cu_seqlens.to(torch.int64), exp):
                     raise ValueError(
                         f"cu_seqlens must step by 1+S={1 + S} in speculative decode, got {cu_seqlens.tolist()}"
                     )
         elif d.T != 1 + S:
-            raise ValueError(
-                f"q must have T == 1+S = {1 + S} tokens per row in speculative decode, got T={d.T}"
-            )
+            raise ValueError(f"q must have T == 1+S = {1 + S} tokens per row in speculative decode, got T={d.T}")
         ssm_idx = V.check_index(ssm_state_indices, "ssm_state_indices", (d.N, 1 + S), "[N, 1+S]", d)
     else:
         if num_accepted_tokens is not None:
@@ -315,9 +311,19 @@ def recurrent_kda(
 
     # memory overlap of everything the op writes with everything it reads
     reads = [
-        ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias),
-        ("initial_state_source", source), ("cu_seqlens", cu_seqlens), ("ssm_state_indices", ssm_idx),
-        ("num_accepted_tokens", n_acc), ("initial_state_indices", src_idx), ("seq_order", order),
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("g", g),
+        ("beta", beta),
+        ("A_log", A_log),
+        ("dt_bias", dt_bias),
+        ("initial_state_source", source),
+        ("cu_seqlens", cu_seqlens),
+        ("ssm_state_indices", ssm_idx),
+        ("num_accepted_tokens", n_acc),
+        ("initial_state_indices", src_idx),
+        ("seq_order", order),
         ("checkpoint_cu_starts", ck_starts),
     ]
     if output is not None:
@@ -363,7 +369,7 @@ def recurrent_kda(
             )
         ws = torch.empty(nbytes, dtype=torch.uint8, device=d.device)
 
-    if order is None and d.packed and d.on_cuda and S == 0 and d.N > 1 and d.T != d.N:
+    if order is None and cu_seqlens is not None and d.on_cuda and S == 0 and d.N > 1 and d.T != d.N:
         # Longest first shrinks the last partial wave; a device argsort costs no host sync.
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
@@ -377,8 +383,33 @@ def recurrent_kda(
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
     torch.ops.kda.recurrent_kda.default(
-        q, k, v, g, beta, A_hv, dtb_hv, pool, source, src_idx, cu_seqlens, ssm_idx, n_acc, order, out, final, ck,
-        ck_starts, ws, sc, gate_mode, lb, l2, logit, S, n_ck, backend_code,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_hv,
+        dtb_hv,
+        pool,
+        source,
+        src_idx,
+        cu_seqlens,
+        ssm_idx,
+        n_acc,
+        order,
+        out,
+        final,
+        ck,
+        ck_starts,
+        ws,
+        sc,
+        gate_mode,
+        lb,
+        l2,
+        logit,
+        S,
+        n_ck,
+        backend_code,
     )
     final_ret = (pool if pool is not None else final) if out_final else None
     if n_ck > 0:
@@ -391,9 +422,9 @@ def recurrent_kda(
 # training family
 
 
-def _training_cu(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: Any, mirror: str) -> tuple[
-    torch.Tensor | None, torch.Tensor | None
-]:
+def _training_cu(
+    d: V.Dims, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: Any, mirror: str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """cu_seqlens as int64 on the device of q, and the validated host mirror.
 
     mirror: "required-on-cuda" (training forward: packed CUDA calls need ``cu_seqlens_cpu``; CPU calls may
@@ -422,13 +453,13 @@ def _training_cu(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: Any
         if V.host_values_available(host):
             V._cu_values(host, d.T, "cu_seqlens_cpu")
             if V.host_values_available(cu_seqlens) and not torch.equal(cu64, host):
-                raise ValueError(
-                    f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}"
-                )
+                raise ValueError(f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}")
     return cu64, host
 
 
-def _check_out_tensor(t: Any, name: str, shape: tuple[Any, ...], layout: str, dtype: torch.dtype, d: V.Dims) -> torch.Tensor:
+def _check_out_tensor(
+    t: Any, name: str, shape: tuple[Any, ...], layout: str, dtype: torch.dtype, d: V.Dims
+) -> torch.Tensor:
     x = V._tensor(t, name)
     V._device(x, name, d.device)
     if x.dtype != dtype:
@@ -467,10 +498,11 @@ def _check_grad_outs(out: Any, d: V.Dims, reads: list[tuple[str, torch.Tensor | 
         raise ValueError(f"out must hold 8 tensors ({', '.join(GRAD_NAMES)}), got {len(out)}")
     res = [
         _check_out_tensor(t, f"out[{i}] ({name})", shape, layout, dtype, d)
-        for i, (t, (name, shape, layout, dtype)) in enumerate(zip(out, _grad_specs(d)))
+        for i, (t, (name, shape, layout, dtype)) in enumerate(zip(out, _grad_specs(d), strict=True))
     ]
     for i, t in enumerate(res):
-        V.check_no_overlap(f"out[{i}] ({GRAD_NAMES[i]})", t, reads + [(f"out[{j}]", o) for j, o in enumerate(res) if j != i])
+        others: list[tuple[str, torch.Tensor | None]] = [(f"out[{j}]", o) for j, o in enumerate(res) if j != i]
+        V.check_no_overlap(f"out[{i}] ({GRAD_NAMES[i]})", t, reads + others)
     return res
 
 
@@ -548,8 +580,17 @@ def recurrent_kda_training_forward(
     sc = V.check_scale(scale, d.K)
     cu64, host = _training_cu(d, cu_seqlens, cu_seqlens_cpu, "required-on-cuda")
     pdt = V.param_dtype(d)
-    reads = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A), ("dt_bias", dtb),
-             ("initial_state", h0), ("cu_seqlens", cu_seqlens)]
+    reads = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("g", g),
+        ("beta", beta),
+        ("A_log", A),
+        ("dt_bias", dtb),
+        ("initial_state", h0),
+        ("cu_seqlens", cu_seqlens),
+    ]
     if out is not None:
         out = _check_out_tensor(out, "out", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype, d)
         V.check_no_overlap("out", out, reads + [("final_state_out", final_state_out)])
@@ -564,8 +605,15 @@ def recurrent_kda_training_forward(
                 f"context_out must be a kda_ops.RecurrentKDATrainingContext, got {V._type_name(context_out)}"
             )
         expected = (
-            tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(g.shape), tuple(beta.shape), tuple(A.shape),
-            tuple(dtb.shape), (_tape_rows(d), d.HV, d.V, d.K), (d.N + 1,),
+            tuple(q.shape),
+            tuple(k.shape),
+            tuple(v.shape),
+            tuple(g.shape),
+            tuple(beta.shape),
+            tuple(A.shape),
+            tuple(dtb.shape),
+            (_tape_rows(d), d.HV, d.V, d.K),
+            (d.N + 1,),
         )
         if context_out.shapes() != expected:
             raise ValueError(f"context_out must hold tensors of shapes {expected}, got {context_out.shapes()}")
@@ -594,8 +642,20 @@ def recurrent_kda_training_forward(
         ctx.state_dtype = h0.dtype
     else:
         ctx = RecurrentKDATrainingContext(
-            q=q, k=k, v=v, g=g, beta=beta, A_log=A, dt_bias=dtb, tapes=tapes, tape_cu_starts=starts,
-            cu_seqlens=cu64, scale=sc, lower_bound=lb, cu_seqlens_cpu=host, state_dtype=h0.dtype,
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            A_log=A,
+            dt_bias=dtb,
+            tapes=tapes,
+            tape_cu_starts=starts,
+            cu_seqlens=cu64,
+            scale=sc,
+            lower_bound=lb,
+            cu_seqlens_cpu=host,
+            state_dtype=h0.dtype,
         )
     return o, fs, ctx
 
@@ -632,13 +692,34 @@ def recurrent_kda_training_backward(
         raise TypeError(f"ctx must be a kda_ops.RecurrentKDATrainingContext, got {V._type_name(ctx)}")
     d = V.check_tokens(ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.cu_seqlens, kv_rule="training")
     dO, dS = _check_do(do, dfinal_state, d)
-    reads = [("ctx.q", ctx.q), ("ctx.k", ctx.k), ("ctx.v", ctx.v), ("ctx.g", ctx.g), ("ctx.beta", ctx.beta),
-             ("ctx.A_log", ctx.A_log), ("ctx.dt_bias", ctx.dt_bias), ("ctx.tapes", ctx.tapes), ("do", do),
-             ("dfinal_state", dfinal_state)]
+    reads = [
+        ("ctx.q", ctx.q),
+        ("ctx.k", ctx.k),
+        ("ctx.v", ctx.v),
+        ("ctx.g", ctx.g),
+        ("ctx.beta", ctx.beta),
+        ("ctx.A_log", ctx.A_log),
+        ("ctx.dt_bias", ctx.dt_bias),
+        ("ctx.tapes", ctx.tapes),
+        ("do", do),
+        ("dfinal_state", dfinal_state),
+    ]
     outs = _check_grad_outs(out, d, reads)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
-        ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.A_log, ctx.dt_bias, ctx.tapes, ctx.tape_cu_starts,
-        ctx.cu_seqlens, dO, dS, ctx.scale, ctx.lower_bound,
+        ctx.q,
+        ctx.k,
+        ctx.v,
+        ctx.g,
+        ctx.beta,
+        ctx.A_log,
+        ctx.dt_bias,
+        ctx.tapes,
+        ctx.tape_cu_starts,
+        ctx.cu_seqlens,
+        dO,
+        dS,
+        ctx.scale,
+        ctx.lower_bound,
     )
     return _into(grads, outs)
 
@@ -647,7 +728,7 @@ def _into(grads: Sequence[torch.Tensor], outs: list[torch.Tensor] | None) -> tup
     if outs is None:
         return tuple(grads)
     with torch.no_grad():
-        for o, gr in zip(outs, grads):
+        for o, gr in zip(outs, grads, strict=True):
             o.copy_(gr)
     return tuple(outs)
 
@@ -695,8 +776,19 @@ def recurrent_kda_backward(
     dO, dS = _check_do(do, dfinal_state, d)
     if workspace is not None and not isinstance(workspace, RecurrentKDABackwardWorkspace):
         raise TypeError(f"workspace must be a kda_ops.RecurrentKDABackwardWorkspace, got {V._type_name(workspace)}")
-    reads = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A), ("dt_bias", dtb),
-             ("initial_state", h0), ("do", do), ("dfinal_state", dfinal_state), ("cu_seqlens", cu_seqlens)]
+    reads = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("g", g),
+        ("beta", beta),
+        ("A_log", A),
+        ("dt_bias", dtb),
+        ("initial_state", h0),
+        ("do", do),
+        ("dfinal_state", dfinal_state),
+        ("cu_seqlens", cu_seqlens),
+    ]
     outs = _check_grad_outs(out, d, reads)
     cu64, _ = _training_cu(d, cu_seqlens, None, "none")
     if workspace is not None:
@@ -765,4 +857,3 @@ def kda(
     cu64, _ = _training_cu(d, cu_seqlens, None, "none")
     o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     return o, (fs if ofs else None)
-

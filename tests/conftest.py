@@ -22,8 +22,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _golden_dir() -> str:
     """$KDA_GOLDEN_DIR, else shared/golden in the repository root, else ../shared/golden beside it."""
-    for d in (os.environ.get("KDA_GOLDEN_DIR"), os.path.join(_ROOT, "shared", "golden"),
-              os.path.join(_ROOT, "..", "shared", "golden")):
+    for d in (
+        os.environ.get("KDA_GOLDEN_DIR"),
+        os.path.join(_ROOT, "shared", "golden"),
+        os.path.join(_ROOT, "..", "shared", "golden"),
+    ):
         if d and os.path.isdir(d):
             return d
     return os.path.join(_ROOT, "shared", "golden")
@@ -77,8 +80,20 @@ def inputs(
 ) -> dict[str, torch.Tensor]:
     """Random inputs of the documented shapes (kda_ops.reference.make_inputs), plus beta in (0, 1) as
     ``beta_prob`` for the plain-beta mode."""
-    x = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, N_pool=N_pool, dtype=dtype, state_dtype=state_dtype,
-                    device=device, seed=seed, cu_seqlens=cu_seqlens)
+    x = make_inputs(
+        B=B,
+        T=T,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        N_pool=N_pool,
+        dtype=dtype,
+        state_dtype=state_dtype,
+        device=device,
+        seed=seed,
+        cu_seqlens=cu_seqlens,
+    )
     x["beta_prob"] = torch.sigmoid(x["beta"].float()).to(dtype)
     return x
 
@@ -100,7 +115,7 @@ def snapshot(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
 
 
 def assert_bit_identical(before: list[torch.Tensor | None], *tensors: torch.Tensor | None) -> None:
-    for i, (b, t) in enumerate(zip(before, tensors)):
+    for i, (b, t) in enumerate(zip(before, tensors, strict=True)):
         if b is None:
             continue
         assert t is not None and torch.equal(b, bits(t)), f"tensor #{i} was modified"
@@ -114,7 +129,8 @@ def assert_close_rms(actual: torch.Tensor, expected: torch.Tensor, tol: float, w
 
 def assert_output(actual: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:
     assert_close_rms(actual, expected, TOL_OUT, what)
-    maxabs = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs().max().item() if actual.numel() else 0
+    diff = actual.detach().double().cpu() - expected.detach().double().cpu()
+    maxabs = diff.abs().max().item() if diff.numel() else 0.0
     assert maxabs <= TOL_OUT_MAXABS, f"{what}: max abs error {maxabs:.3e} > {TOL_OUT_MAXABS:.0e}"
 
 

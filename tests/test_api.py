@@ -75,8 +75,9 @@ def test_fixed_modes(device, gate, logit, l2):
     if not l2:  # un-normalised keys: keep |k|^2 * β small so the delta rule stays contractive
         tok["q"], tok["k"] = (tok["q"].float() * 0.1).bfloat16(), (tok["k"].float() * 0.1).bfloat16()
     gkw = gate_kwargs(x, gate)
-    o, fs = kda_ops.recurrent_kda(**tok, **gkw, use_qk_l2norm_in_kernel=l2, beta_is_logit=logit,
-                                  output_final_state=True)
+    o, fs = kda_ops.recurrent_kda(
+        **tok, **gkw, use_qk_l2norm_in_kernel=l2, beta_is_logit=logit, output_final_state=True
+    )
     r = ref(tok, gkw, use_qk_l2norm_in_kernel=l2, beta_is_logit=logit)
     assert o.shape == (2, 9, 2, V) and o.dtype == torch.bfloat16
     assert fs.shape == (2, 2, V, K) and fs.dtype == torch.float32
@@ -120,15 +121,25 @@ def test_final_state_semantics():
 @pytest.mark.parametrize("cu_dtype", [torch.int64, torch.int32])
 def test_packed_pool(device, state_dtype, cu_dtype):
     lens = [5, 0, 17, 1]
-    x = inputs(H=2, HV=4, K=K, V=V, cu_seqlens=lengths_to_cu(lens).tolist(), N_pool=6, state_dtype=state_dtype,
-               device=device, seed=3)
+    x = inputs(
+        H=2,
+        HV=4,
+        K=K,
+        V=V,
+        cu_seqlens=lengths_to_cu(lens).tolist(),
+        N_pool=6,
+        state_dtype=state_dtype,
+        device=device,
+        seed=3,
+    )
     cu = x["cu_seqlens"].to(cu_dtype)
     slots = torch.tensor([4, 1, 0, 2], dtype=torch.int32, device=device)  # slots 3 and 5 untouched
     pool = x["initial_state"].clone()
     tok = tokens(x, "softplus", logit=False)
     gkw = gate_kwargs(x, "softplus")
-    o, fs = kda_ops.recurrent_kda(**tok, **gkw, initial_state=pool, cu_seqlens=cu, ssm_state_indices=slots,
-                                  output_final_state=True, scale=0.2)
+    o, fs = kda_ops.recurrent_kda(
+        **tok, **gkw, initial_state=pool, cu_seqlens=cu, ssm_state_indices=slots, output_final_state=True, scale=0.2
+    )
     assert fs is pool
     start = x["initial_state"][slots.long()].float()
     r = ref(tok, gkw, initial_state=start, cu_seqlens=cu, scale=0.2)
@@ -170,8 +181,13 @@ def test_padded_pool_stride(device):
     pool.copy_(x["initial_state"])
     tok = tokens(x)
     gkw = gate_kwargs(x, "lower_bound")
-    o, _ = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, initial_state=pool,
-                                 ssm_state_indices=torch.tensor([2, 0], dtype=torch.int32, device=device))
+    o, _ = kda_ops.recurrent_kda(
+        **tok,
+        **gkw,
+        beta_is_logit=True,
+        initial_state=pool,
+        ssm_state_indices=torch.tensor([2, 0], dtype=torch.int32, device=device),
+    )
     assert torch.all(storage[:, inner:] == 7.0), "slot padding was written"
     r = ref(tok, gkw, beta_is_logit=True, initial_state=x["initial_state"][[2, 0]])
     assert_output(o, r.output)
@@ -189,8 +205,16 @@ def test_state_source(device):
     pool = x["initial_state"].clone()
     tok = tokens(x)
     gkw = gate_kwargs(x, "lower_bound")
-    o, fs = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, initial_state=pool, ssm_state_indices=slots,
-                                  initial_state_source=src, initial_state_indices=src_idx, output_final_state=True)
+    o, fs = kda_ops.recurrent_kda(
+        **tok,
+        **gkw,
+        beta_is_logit=True,
+        initial_state=pool,
+        ssm_state_indices=slots,
+        initial_state_source=src,
+        initial_state_indices=src_idx,
+        output_final_state=True,
+    )
     assert_bit_identical(src_before, src)
     sub = {n: t[:2] for n, t in tok.items()}
     r = ref(sub, gkw, beta_is_logit=True, initial_state=src[[2, 0]])
@@ -200,9 +224,14 @@ def test_state_source(device):
     for s in (0, 2, 4):  # untouched, untouched, inactive row's slot
         assert torch.equal(pool[s], x["initial_state"][s])
     # No pool: the final state comes back as a new fp32 tensor.
-    o2, fs2 = kda_ops.recurrent_kda(**{n: t[:2] for n, t in tok.items()}, **gkw, beta_is_logit=True,
-                                    initial_state_source=src, initial_state_indices=src_idx[:2],
-                                    output_final_state=True)
+    o2, fs2 = kda_ops.recurrent_kda(
+        **{n: t[:2] for n, t in tok.items()},
+        **gkw,
+        beta_is_logit=True,
+        initial_state_source=src,
+        initial_state_indices=src_idx[:2],
+        output_final_state=True,
+    )
     assert fs2.dtype == torch.float32 and fs2.shape == (2, 2, V, K)
     assert_close_rms(fs2, r.final_state, TOL_STATE_FP32, "final_state")
 
@@ -253,8 +282,17 @@ def test_spec_decode(device, packed, accepted):
     if packed:
         call_tok = {n: t.reshape(1, N * (1 + S), *t.shape[2:]) for n, t in tok.items()}
         extra["cu_seqlens"] = torch.tensor([0, 3, 6], dtype=torch.int32, device=device)
-    o, fs = kda_ops.recurrent_kda(**call_tok, **gkw, beta_is_logit=True, initial_state=pool, ssm_state_indices=idx,
-                                  num_spec_tokens=S, num_accepted_tokens=acc, output_final_state=True, **extra)
+    o, fs = kda_ops.recurrent_kda(
+        **call_tok,
+        **gkw,
+        beta_is_logit=True,
+        initial_state=pool,
+        ssm_state_indices=idx,
+        num_spec_tokens=S,
+        num_accepted_tokens=acc,
+        output_final_state=True,
+        **extra,
+    )
     assert fs is pool
     outs, slots = _spec_reference(tok, gkw, x["initial_state"].cpu(), idx.cpu(), None if acc is None else acc.cpu(), S)
     assert_output(o.reshape(N, 1 + S, 2, V), torch.stack(outs))
@@ -271,8 +309,9 @@ def test_spec_decode_inactive_token():
     gkw = gate_kwargs(x, "lower_bound")
     idx = torch.tensor([[0, -1, 3]], dtype=torch.int32)
     pool = x["initial_state"].clone()
-    o, _ = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, initial_state=pool, ssm_state_indices=idx,
-                                 num_spec_tokens=S)
+    o, _ = kda_ops.recurrent_kda(
+        **tok, **gkw, beta_is_logit=True, initial_state=pool, ssm_state_indices=idx, num_spec_tokens=S
+    )
     assert torch.count_nonzero(o[0, 1]) == 0
     outs, slots = _spec_reference(tok, gkw, x["initial_state"], idx, None, S)
     assert_output(o, outs[0][None])
@@ -287,17 +326,30 @@ def test_spec_decode_inactive_token():
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_checkpoints_packed(device, state_dtype):
     lens = [65, 131]
-    x = inputs(H=1, HV=2, K=K, V=V, cu_seqlens=lengths_to_cu(lens).tolist(), state_dtype=state_dtype,
-               device=device, seed=9)
+    x = inputs(
+        H=1, HV=2, K=K, V=V, cu_seqlens=lengths_to_cu(lens).tolist(), state_dtype=state_dtype, device=device, seed=9
+    )
     tok = tokens(x)
     gkw = gate_kwargs(x, "lower_bound")
     pool = x["initial_state"].clone()
-    o, fs, ck = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, initial_state=pool,
-                                      cu_seqlens=x["cu_seqlens"], output_final_state=True,
-                                      checkpoint_every_n_tokens=64)
+    o, fs, ck = kda_ops.recurrent_kda(
+        **tok,
+        **gkw,
+        beta_is_logit=True,
+        initial_state=pool,
+        cu_seqlens=x["cu_seqlens"],
+        output_final_state=True,
+        checkpoint_every_n_tokens=64,
+    )
     assert ck.shape == (5, 2, V, K) and ck.dtype == state_dtype
-    r = ref(tok, gkw, beta_is_logit=True, initial_state=x["initial_state"].float(), cu_seqlens=x["cu_seqlens"],
-            checkpoint_every_n_tokens=64)
+    r = ref(
+        tok,
+        gkw,
+        beta_is_logit=True,
+        initial_state=x["initial_state"].float(),
+        cu_seqlens=x["cu_seqlens"],
+        checkpoint_every_n_tokens=64,
+    )
     assert_output(o, r.output)
     assert_close_rms(ck.float(), torch.cat(r.checkpoints), state_tol(state_dtype), "checkpoints")
     assert_close_rms(fs.float(), r.final_state, state_tol(state_dtype), "final_state")
@@ -305,9 +357,16 @@ def test_checkpoints_packed(device, state_dtype):
     starts = torch.tensor([0, 2, 5], dtype=torch.int64, device=device)
     buf = torch.full((5, 2, V, K), -1.0, dtype=state_dtype, device=device)
     pool2 = x["initial_state"].clone()
-    o2, _, ck2 = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, initial_state=pool2,
-                                       cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=64,
-                                       state_checkpoints=buf, checkpoint_cu_starts=starts)
+    o2, _, ck2 = kda_ops.recurrent_kda(
+        **tok,
+        **gkw,
+        beta_is_logit=True,
+        initial_state=pool2,
+        cu_seqlens=x["cu_seqlens"],
+        checkpoint_every_n_tokens=64,
+        state_checkpoints=buf,
+        checkpoint_cu_starts=starts,
+    )
     assert ck2 is buf
     assert torch.equal(ck2, ck) and torch.equal(o2, o) and torch.equal(pool2, pool)
 
@@ -316,8 +375,9 @@ def test_checkpoints_fixed_and_starts_only():
     x = inputs(B=2, T=40, H=1, HV=2, K=K, V=V, seed=10)
     tok = tokens(x)
     gkw = gate_kwargs(x, "lower_bound")
-    o, fs, ck = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, output_final_state=True,
-                                      checkpoint_every_n_tokens=16)
+    o, fs, ck = kda_ops.recurrent_kda(
+        **tok, **gkw, beta_is_logit=True, output_final_state=True, checkpoint_every_n_tokens=16
+    )
     assert ck.shape == (6, 2, V, K) and ck.dtype == torch.float32  # 2 rows x ceil(40/16) = 3
     r = ref(tok, gkw, beta_is_logit=True, checkpoint_every_n_tokens=16)
     assert_close_rms(ck, torch.cat(r.checkpoints), TOL_STATE_FP32, "checkpoints")
@@ -327,9 +387,14 @@ def test_checkpoints_fixed_and_starts_only():
     y = inputs(H=1, HV=2, K=K, V=V, cu_seqlens=lengths_to_cu(lens).tolist(), seed=11)
     tk = tokens(y)
     gk = gate_kwargs(y, "lower_bound")
-    *_, ck3 = kda_ops.recurrent_kda(**tk, **gk, beta_is_logit=True, cu_seqlens=y["cu_seqlens"],
-                                    checkpoint_every_n_tokens=16,
-                                    checkpoint_cu_starts=torch.tensor([0, 2, 2, 5]))
+    *_, ck3 = kda_ops.recurrent_kda(
+        **tk,
+        **gk,
+        beta_is_logit=True,
+        cu_seqlens=y["cu_seqlens"],
+        checkpoint_every_n_tokens=16,
+        checkpoint_cu_starts=torch.tensor([0, 2, 2, 5]),
+    )
     assert ck3.shape[0] == 5
     r3 = ref(tk, gk, beta_is_logit=True, cu_seqlens=y["cu_seqlens"], checkpoint_every_n_tokens=16)
     assert_close_rms(ck3, torch.cat(r3.checkpoints), TOL_STATE_FP32, "checkpoints")
@@ -363,8 +428,9 @@ def test_seq_order_invariance():
     for order in (None, [1, 3, 0, 2], [3, 2, 1, 0]):
         pool = x["initial_state"].clone()
         so = None if order is None else torch.tensor(order, dtype=torch.int32)
-        o, _ = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, initial_state=pool,
-                                     cu_seqlens=x["cu_seqlens"], seq_order=so)
+        o, _ = kda_ops.recurrent_kda(
+            **tok, **gkw, beta_is_logit=True, initial_state=pool, cu_seqlens=x["cu_seqlens"], seq_order=so
+        )
         results.append((o, pool))
     for o, pool in results[1:]:
         assert torch.equal(o, results[0][0]) and torch.equal(pool, results[0][1])
@@ -376,16 +442,34 @@ def test_per_qk_head_gate_params(flat):
     tok = tokens(x)
     A_h = torch.rand(2) * 0.5
     dtb_h = torch.randn(2, K) * 0.1
-    full = kda_ops.recurrent_kda(**tok, A_log=A_h.repeat_interleave(2), dt_bias=dtb_h.repeat_interleave(2, 0),
-                                 use_gate_in_kernel=True, lower_bound=-4.0, beta_is_logit=True,
-                                 output_final_state=True)
-    per_h = kda_ops.recurrent_kda(**tok, A_log=A_h, dt_bias=dtb_h.reshape(-1) if flat else dtb_h,
-                                  use_gate_in_kernel=True, lower_bound=-4.0, beta_is_logit=True,
-                                  output_final_state=True)
+    full = kda_ops.recurrent_kda(
+        **tok,
+        A_log=A_h.repeat_interleave(2),
+        dt_bias=dtb_h.repeat_interleave(2, 0),
+        use_gate_in_kernel=True,
+        lower_bound=-4.0,
+        beta_is_logit=True,
+        output_final_state=True,
+    )
+    per_h = kda_ops.recurrent_kda(
+        **tok,
+        A_log=A_h,
+        dt_bias=dtb_h.reshape(-1) if flat else dtb_h,
+        use_gate_in_kernel=True,
+        lower_bound=-4.0,
+        beta_is_logit=True,
+        output_final_state=True,
+    )
     assert torch.equal(full[0], per_h[0]) and torch.equal(full[1], per_h[1])
-    flat_hv = kda_ops.recurrent_kda(**tok, A_log=A_h.repeat_interleave(2),
-                                    dt_bias=dtb_h.repeat_interleave(2, 0).reshape(-1), use_gate_in_kernel=True,
-                                    lower_bound=-4.0, beta_is_logit=True, output_final_state=True)
+    flat_hv = kda_ops.recurrent_kda(
+        **tok,
+        A_log=A_h.repeat_interleave(2),
+        dt_bias=dtb_h.repeat_interleave(2, 0).reshape(-1),
+        use_gate_in_kernel=True,
+        lower_bound=-4.0,
+        beta_is_logit=True,
+        output_final_state=True,
+    )
     assert torch.equal(full[0], flat_hv[0])
 
 
@@ -405,8 +489,9 @@ def test_backends_agree(backend):
     x = inputs(H=1, HV=2, K=K, V=V, cu_seqlens=[0, 5, 21], seed=16)
     tok = tokens(x)
     gkw = gate_kwargs(x, "lower_bound")
-    o, fs = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, cu_seqlens=x["cu_seqlens"],
-                                  output_final_state=True, backend=backend)
+    o, fs = kda_ops.recurrent_kda(
+        **tok, **gkw, beta_is_logit=True, cu_seqlens=x["cu_seqlens"], output_final_state=True, backend=backend
+    )
     r = ref(tok, gkw, beta_is_logit=True, cu_seqlens=x["cu_seqlens"])
     assert_output(o, r.output)
     assert_close_rms(fs, r.final_state, TOL_STATE_FP32, "final_state")
@@ -435,8 +520,9 @@ def test_decode_equals_one_token_prefill():
     pool_a, pool_b = x["initial_state"].clone(), x["initial_state"].clone()
     o_a, _ = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, initial_state=pool_a)
     packed = {n: t.reshape(1, 3, *t.shape[2:]) for n, t in tok.items()}
-    o_b, _ = kda_ops.recurrent_kda(**packed, **gkw, beta_is_logit=True, initial_state=pool_b,
-                                   cu_seqlens=torch.tensor([0, 1, 2, 3]))
+    o_b, _ = kda_ops.recurrent_kda(
+        **packed, **gkw, beta_is_logit=True, initial_state=pool_b, cu_seqlens=torch.tensor([0, 1, 2, 3])
+    )
     assert torch.equal(o_a.reshape(1, 3, 2, V), o_b) and torch.equal(pool_a, pool_b)
 
 
@@ -448,8 +534,9 @@ def test_split_prefill_equals_one_call():
     o_a, _ = kda_ops.recurrent_kda(**tok, **gkw, beta_is_logit=True, initial_state=pool_a)
     parts = []
     for a, b in ((0, 13), (13, 14), (14, 40)):
-        o, _ = kda_ops.recurrent_kda(**{n: t[:, a:b] for n, t in tok.items()}, **gkw, beta_is_logit=True,
-                                     initial_state=pool_b)
+        o, _ = kda_ops.recurrent_kda(
+            **{n: t[:, a:b] for n, t in tok.items()}, **gkw, beta_is_logit=True, initial_state=pool_b
+        )
         parts.append(o)
     # fp32 pool: the carried state is stored exactly, so the split computes the same numbers.
     torch.testing.assert_close(torch.cat(parts, 1), o_a, rtol=0, atol=0)
@@ -468,8 +555,9 @@ def test_packed_equals_each_sequence_alone():
         if lens[n] == 0:
             continue
         p1 = x["initial_state"][n : n + 1].clone()
-        o1, _ = kda_ops.recurrent_kda(**{k_: t[:, cu[n] : cu[n + 1]] for k_, t in tok.items()}, **gkw,
-                                      beta_is_logit=True, initial_state=p1)
+        o1, _ = kda_ops.recurrent_kda(
+            **{k_: t[:, cu[n] : cu[n + 1]] for k_, t in tok.items()}, **gkw, beta_is_logit=True, initial_state=p1
+        )
         assert torch.equal(o1, o[:, cu[n] : cu[n + 1]]) and torch.equal(p1[0], pool[n])
 
 
@@ -507,18 +595,24 @@ def test_training_forward_backward(device, packed):
     assert isinstance(ctx, kda_ops.RecurrentKDATrainingContext)
     grads = kda_ops.recurrent_kda_training_backward(ctx, x["do"], x["dfinal"])
     r_out, r_fs, r_grads = reference_training_grads(
-        *[t.cpu() for t in _targs(x)], x["do"].cpu(), x["dfinal"].cpu(),
-        cu_seqlens=None if cu is None else cu.cpu(), scale=0.1, lower_bound=-3.0)
+        *[t.cpu() for t in _targs(x)],
+        x["do"].cpu(),
+        x["dfinal"].cpu(),
+        cu_seqlens=None if cu is None else cu.cpu(),
+        scale=0.1,
+        lower_bound=-3.0,
+    )
     assert_output(out, r_out)
     assert_close_rms(fs, r_fs, TOL_STATE_FP32, "final_state")
     names = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
-    for name, gr, rg, inp in zip(names, grads, r_grads, _targs(x)):
+    for name, gr, rg, inp in zip(names, grads, r_grads, _targs(x), strict=True):
         assert gr.shape == inp.shape, name
         assert_close_rms(gr, rg, TOL_GRAD, name)
     # The raw-input backward computes the same gradients.
-    grads2 = kda_ops.recurrent_kda_backward(*_targs(x), x["do"], x["dfinal"], cu_seqlens=cu, scale=0.1,
-                                            lower_bound=-3.0)
-    for name, a, b in zip(names, grads, grads2):
+    grads2 = kda_ops.recurrent_kda_backward(
+        *_targs(x), x["do"], x["dfinal"], cu_seqlens=cu, scale=0.1, lower_bound=-3.0
+    )
+    for name, a, b in zip(names, grads, grads2, strict=True):
         assert_close_rms(b, a, 1e-5, name)
 
 
@@ -529,21 +623,23 @@ def test_training_buffers_and_context_reuse():
     out0, fs0, ctx0 = kda_ops.recurrent_kda_training_forward(*_targs(x), cu_seqlens=cu)
     out = torch.empty_like(out0)
     fso = torch.empty_like(fs0)
-    o, f, ctx = kda_ops.recurrent_kda_training_forward(*_targs(x), cu_seqlens=cu, cu_seqlens_cpu=cu.clone(),
-                                                       out=out, final_state_out=fso, context_out=ctx0)
+    o, f, ctx = kda_ops.recurrent_kda_training_forward(
+        *_targs(x), cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), out=out, final_state_out=fso, context_out=ctx0
+    )
     assert o is out and f is fso and ctx is ctx0
     assert torch.equal(o, out0) and torch.equal(f, fs0)
     g0 = kda_ops.recurrent_kda_training_backward(ctx, x["do"], None)
     bufs = [torch.empty_like(t) for t in g0]
     g1 = kda_ops.recurrent_kda_training_backward(ctx, x["do"], None, out=bufs)
-    assert all(a is b for a, b in zip(g1, bufs))
-    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert all(a is b for a, b in zip(g1, bufs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
     bufs2 = [torch.empty_like(t) for t in g0]
     ws = kda_ops.RecurrentKDABackwardWorkspace()
-    g2 = kda_ops.recurrent_kda_backward(*_targs(x), x["do"], None, cu_seqlens=cu.to(torch.int32), workspace=ws,
-                                        out=bufs2)
-    assert all(a is b for a, b in zip(g2, bufs2))
-    for a, b in zip(g0, g2):
+    g2 = kda_ops.recurrent_kda_backward(
+        *_targs(x), x["do"], None, cu_seqlens=cu.to(torch.int32), workspace=ws, out=bufs2
+    )
+    assert all(a is b for a, b in zip(g2, bufs2, strict=True))
+    for a, b in zip(g0, g2, strict=True):
         assert_close_rms(b, a, 1e-5)
 
 
@@ -556,11 +652,15 @@ def test_kda_autograd(device):
     loss = (o.float() * x["do"].float()).sum() + (fs * x["dfinal"]).sum()
     loss.backward()
     r_out, r_fs, r_grads = reference_training_grads(
-        *[t.cpu() for t in _targs(x)], x["do"].cpu(), x["dfinal"].cpu(), cu_seqlens=x["cu_seqlens"].cpu(),
-        lower_bound=-5.0)
+        *[t.cpu() for t in _targs(x)],
+        x["do"].cpu(),
+        x["dfinal"].cpu(),
+        cu_seqlens=x["cu_seqlens"].cpu(),
+        lower_bound=-5.0,
+    )
     assert_output(o, r_out)
     assert_close_rms(fs, r_fs, TOL_STATE_FP32, "final_state")
-    for leaf, rg in zip(leaves, r_grads):
+    for leaf, rg in zip(leaves, r_grads, strict=True):
         assert leaf.grad is not None
         assert_close_rms(leaf.grad, rg, TOL_GRAD)
     # initial_state None: zeros; flat dt_bias is accepted and gets a flat gradient.
@@ -575,13 +675,26 @@ def test_kda_autograd(device):
 def test_training_matches_inference_op():
     """The training forward and recurrent_kda (lower-bound gate, logit beta, L2 norm) compute the same."""
     x = _train_inputs()
-    out, fs, _ = kda_ops.recurrent_kda_training_forward(*_targs(x), cu_seqlens=x["cu_seqlens"], scale=0.2,
-                                                        lower_bound=-2.0)
-    o2, fs2 = kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                                    dt_bias=x["dt_bias"], scale=0.2, initial_state_source=x["h0"],
-                                    initial_state_indices=torch.arange(3, dtype=torch.int32),
-                                    cu_seqlens=x["cu_seqlens"], use_gate_in_kernel=True, lower_bound=-2.0,
-                                    beta_is_logit=True, output_final_state=True)
+    out, fs, _ = kda_ops.recurrent_kda_training_forward(
+        *_targs(x), cu_seqlens=x["cu_seqlens"], scale=0.2, lower_bound=-2.0
+    )
+    o2, fs2 = kda_ops.recurrent_kda(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        scale=0.2,
+        initial_state_source=x["h0"],
+        initial_state_indices=torch.arange(3, dtype=torch.int32),
+        cu_seqlens=x["cu_seqlens"],
+        use_gate_in_kernel=True,
+        lower_bound=-2.0,
+        beta_is_logit=True,
+        output_final_state=True,
+    )
     assert_close_rms(out, o2, 5e-3)
     assert_close_rms(fs, fs2, 1e-5)
 
@@ -589,5 +702,4 @@ def test_training_matches_inference_op():
 def test_validate_helpers_accept_valid():
     cu = torch.tensor([0, 3, 3, 10], dtype=torch.int64)
     assert torch.equal(kda_ops.validate_cu_seqlens(cu, 10), cu)
-    kda_ops.validate_state_indices(torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), 6,
-                                   allow_inactive=False)
+    kda_ops.validate_state_indices(torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), 6, allow_inactive=False)

@@ -35,8 +35,19 @@ def test_compile_decode_step(backend):
     slots = torch.tensor([4, 0, 2], dtype=torch.int32)
 
     def step(q, k, v, g, beta, A_log, dt_bias, pool, slots):
-        o, fs = kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
-                                      ssm_state_indices=slots, output_final_state=True, **GATE)
+        o, fs = kda_ops.recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            initial_state=pool,
+            ssm_state_indices=slots,
+            output_final_state=True,
+            **GATE,
+        )
         return o, fs
 
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
@@ -59,8 +70,9 @@ def test_compile_prefill_packed(backend):
 
     def prefill(q, k, v, g, beta, A_log, dt_bias, pool, cu):
         # Per-q/k-head parameters are expanded inside the graph.
-        return kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
-                                     cu_seqlens=cu, scale=0.3, **GATE)[0]
+        return kda_ops.recurrent_kda(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool, cu_seqlens=cu, scale=0.3, **GATE
+        )[0]
 
     args = [x[n] for n in ("q", "k", "v", "g", "beta")] + [x["A_log"][:2], x["dt_bias"][:2]]
     pool_e, pool_c = x["initial_state"].clone(), x["initial_state"].clone()
@@ -74,13 +86,23 @@ def test_compile_prefill_checkpoints_fixed():
     x = inputs(B=2, T=40, H=1, HV=2, K=K, V=V)
 
     def prefill(q, k, v, g, beta, A_log, dt_bias):
-        return kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, output_final_state=True,
-                                     checkpoint_every_n_tokens=16, **GATE)
+        return kda_ops.recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            output_final_state=True,
+            checkpoint_every_n_tokens=16,
+            **GATE,
+        )
 
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
     e = prefill(*args)
     c = _compile(prefill, "aot_eager")(*args)
-    for a, b in zip(c, e):
+    for a, b in zip(c, e, strict=True):
         assert torch.equal(a, b)
 
 
@@ -90,9 +112,21 @@ def test_compile_prefill_checkpoints_packed_buffers():
     starts = torch.tensor([0, 2, 5], dtype=torch.int64)
 
     def prefill(q, k, v, g, beta, A_log, dt_bias, cu, ck, starts, out):
-        return kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, output=out,
-                                     state_checkpoints=ck, checkpoint_cu_starts=starts,
-                                     checkpoint_every_n_tokens=16, **GATE)
+        return kda_ops.recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            cu_seqlens=cu,
+            output=out,
+            state_checkpoints=ck,
+            checkpoint_cu_starts=starts,
+            checkpoint_every_n_tokens=16,
+            **GATE,
+        )
 
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens")]
     ck_e, ck_c = torch.zeros(5, 2, V, K), torch.zeros(5, 2, V, K)
@@ -116,8 +150,9 @@ def test_compile_training_step(backend):
     ts, cu, do = _train_leaves()
 
     def step(q, k, v, g, beta, A_log, dt_bias, h0, cu, do):
-        o, fs = kda_ops.kda(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens=cu, lower_bound=-4.0,
-                            output_final_state=True)
+        o, fs = kda_ops.kda(
+            q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens=cu, lower_bound=-4.0, output_final_state=True
+        )
         loss = (o.float() * do.float()).sum() + fs.square().sum()
         loss.backward()
         return loss.detach()
@@ -127,7 +162,7 @@ def test_compile_training_step(backend):
     loss_e = step(*leaves_e, cu, do)
     loss_c = _compile(step, backend)(*leaves_c, cu, do)
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=0)
-    for a, b in zip(leaves_c, leaves_e):
+    for a, b in zip(leaves_c, leaves_e, strict=True):
         assert a.grad is not None
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
@@ -148,5 +183,5 @@ def test_compile_training_forward_only_and_zero_state():
     assert torch.equal(o_c, o_e)
     o_e.backward(do)
     o_c.backward(do)
-    for a, b in zip(leaves_c, leaves_e):
+    for a, b in zip(leaves_c, leaves_e, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)

@@ -89,7 +89,7 @@ def _golden_training(device: str):
 
 
 def _check_grads(grads, exp) -> None:
-    for name, gr in zip(GRADS, grads):
+    for name, gr in zip(GRADS, grads, strict=True):
         assert torch.isfinite(gr.float()).all(), name
         assert_close_rms(gr, exp[name], TOL_GRAD, name)
 
@@ -101,7 +101,8 @@ def test_golden_training_forward_backward(device):
     exp = gold["expected"]
     h0 = x["initial_state"].clone()
     out, fs, ctx = kda_ops.recurrent_kda_training_forward(
-        *args, cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=gold["inputs"]["cu_seqlens"], **kw)
+        *args, cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=gold["inputs"]["cu_seqlens"], **kw
+    )
     assert torch.equal(x["initial_state"], h0), "initial_state must not be modified"
     assert_output(out, exp["output"])
     assert_close_rms(fs, exp["final_state"], TOL_STATE_FP32, "final_state")
@@ -182,8 +183,12 @@ def test_golden_reference_training():
     gold = load_golden("training_grads_packed_gqa")
     x, kw, exp = gold["inputs"], gold["kwargs"], gold["expected"]
     out, fs, grads = reference_training_grads(
-        *[x[n] for n in (*TOKENS, "A_log", "dt_bias", "initial_state")], x["do"], x["dfinal_state"],
-        cu_seqlens=x["cu_seqlens"], **kw)
+        *[x[n] for n in (*TOKENS, "A_log", "dt_bias", "initial_state")],
+        x["do"],
+        x["dfinal_state"],
+        cu_seqlens=x["cu_seqlens"],
+        **kw,
+    )
     assert_output(out, exp["output"])
     assert_close_rms(fs, exp["final_state"], TOL_STATE_FP32, "final_state")
     _check_grads(grads, exp)

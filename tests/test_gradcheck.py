@@ -24,9 +24,14 @@ def leaves(B, T, H, HV, N, seed):
         return (torch.randn(*s, generator=gen, dtype=torch.float64) * scale).requires_grad_()
 
     return [
-        r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), r(B, T, HV, K), r(B, T, HV),
+        r(B, T, H, K),
+        r(B, T, H, K),
+        r(B, T, HV, V),
+        r(B, T, HV, K),
+        r(B, T, HV),
         (torch.rand(HV, generator=gen, dtype=torch.float64) * 0.5 + 0.1).requires_grad_(),
-        r(HV, K, scale=0.3), r(N, HV, V, K, scale=0.3),
+        r(HV, K, scale=0.3),
+        r(N, HV, V, K, scale=0.3),
     ]
 
 
@@ -59,5 +64,5 @@ def test_gradcheck_recurrent_kda_backward_matches_autograd():
     do, dS = torch.randn_like(o), torch.randn_like(fs)
     auto = torch.autograd.grad((o, fs), xs, (do, dS))
     manual = kda_ops.recurrent_kda_backward(*[x.detach() for x in xs], do, dS, cu_seqlens=cu)
-    for a, m in zip(auto, manual):
+    for a, m in zip(auto, manual, strict=True):
         torch.testing.assert_close(m, a, rtol=1e-10, atol=1e-12)

@@ -36,8 +36,33 @@ def recurrent_args(mode: str):
         starts = torch.tensor([0, 2, 2, 4], dtype=torch.int64)
         ck = torch.zeros(4, x["v"].shape[2], V, K)
     return (
-        x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], None, None, cu,
-        idx, acc, None, out, None, ck, starts, None, 0.2, 2, -5.0, True, True, S, n_ck, 0,
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        x["A_log"],
+        x["dt_bias"],
+        x["initial_state"],
+        None,
+        None,
+        cu,
+        idx,
+        acc,
+        None,
+        out,
+        None,
+        ck,
+        starts,
+        None,
+        0.2,
+        2,
+        -5.0,
+        True,
+        True,
+        S,
+        n_ck,
+        0,
     )
 
 
@@ -49,8 +74,33 @@ def test_opcheck_recurrent_kda(mode):
 def test_opcheck_recurrent_kda_no_pool_final_state():
     x = inputs(B=2, T=5, H=1, HV=2, K=K, V=V)
     args = (
-        x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, None, None, None, None, None, None, None,
-        torch.empty_like(x["v"]), torch.zeros(2, 2, V, K), None, None, None, 0.2, 0, 0.0, False, False, 0, 0, 2,
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        torch.empty_like(x["v"]),
+        torch.zeros(2, 2, V, K),
+        None,
+        None,
+        None,
+        0.2,
+        0,
+        0.0,
+        False,
+        False,
+        0,
+        0,
+        2,
     )
     torch.library.opcheck(OPS.recurrent_kda.default, args)
 
@@ -79,8 +129,7 @@ def test_opcheck_training_forward(packed, requires_grad):
 
 @needs_cpu_op("recurrent_kda_training_forward", "recurrent_kda_training_backward")
 def test_opcheck_training_forward_fp64_grad():
-    torch.library.opcheck(OPS.recurrent_kda_training_forward.default,
-                          training_args(True, True, dtype=torch.float64))
+    torch.library.opcheck(OPS.recurrent_kda_training_forward.default, training_args(True, True, dtype=torch.float64))
 
 
 @needs_cpu_op("recurrent_kda_training_forward", "recurrent_kda_training_backward")
@@ -92,8 +141,10 @@ def test_opcheck_training_backward(packed, with_dfinal):
     q, k, v, g, beta, A_log, dt_bias, h0, cu, scale, lb = args
     do = torch.randn_like(out)
     dfs = torch.randn_like(fs) if with_dfinal else None
-    torch.library.opcheck(OPS.recurrent_kda_training_backward.default,
-                          (q, k, v, g, beta, A_log, dt_bias, tapes, starts, cu, do, dfs, scale, lb))
+    torch.library.opcheck(
+        OPS.recurrent_kda_training_backward.default,
+        (q, k, v, g, beta, A_log, dt_bias, tapes, starts, cu, do, dfs, scale, lb),
+    )
 
 
 @needs_cpu_op("recurrent_kda_backward")
@@ -102,8 +153,9 @@ def test_opcheck_recurrent_kda_backward(packed):
     q, k, v, g, beta, A_log, dt_bias, h0, cu, scale, lb = training_args(packed)
     do = torch.randn(v.shape).to(v.dtype)
     dfs = torch.randn_like(h0)
-    torch.library.opcheck(OPS.recurrent_kda_backward.default,
-                          (q, k, v, g, beta, A_log, dt_bias, h0, cu, do, dfs, scale, lb))
+    torch.library.opcheck(
+        OPS.recurrent_kda_backward.default, (q, k, v, g, beta, A_log, dt_bias, h0, cu, do, dfs, scale, lb)
+    )
 
 
 def test_fake_shapes_training():
@@ -121,7 +173,8 @@ def test_fake_shapes_training():
         out, fs, tapes, starts = OPS.recurrent_kda_training_forward(*args)
         assert tapes.dtype == torch.float64 and fs.dtype == torch.float64 and out.dtype == torch.float64
         q, k, v, g, beta, A_log, dt_bias, h0, cu, scale, lb = args
-        grads = OPS.recurrent_kda_training_backward(q, k, v, g, beta, A_log, dt_bias, tapes, starts, cu,
-                                                    torch.empty_like(out), None, scale, lb)
-        for gr, inp in zip(grads, (q, k, v, g, beta, A_log, dt_bias, h0)):
+        grads = OPS.recurrent_kda_training_backward(
+            q, k, v, g, beta, A_log, dt_bias, tapes, starts, cu, torch.empty_like(out), None, scale, lb
+        )
+        for gr, inp in zip(grads, (q, k, v, g, beta, A_log, dt_bias, h0), strict=True):
             assert gr.shape == inp.shape and gr.dtype == inp.dtype

@@ -60,9 +60,19 @@ def decode_call(**over):
     """A valid recurrent_kda call: B=2 rows of T=3, H=1, HV=2, fp32 pool of 4 slots, lower-bound gate."""
     x = inputs(B=2, T=3, H=1, HV=2, K=K, V=V, N_pool=4)
     kw = dict(
-        q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"], use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True,
-        ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32), output_final_state=True,
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=x["initial_state"],
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        beta_is_logit=True,
+        ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32),
+        output_final_state=True,
     )
     kw.update(over)
     return kw
@@ -74,8 +84,17 @@ def packed_call(lengths=(3, 0, 5), **over):
         cu.append(cu[-1] + n)
     x = inputs(H=1, HV=2, K=K, V=V, cu_seqlens=cu, N_pool=len(lengths) + 1)
     kw = dict(
-        q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"], use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True,
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=x["initial_state"],
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        beta_is_logit=True,
         cu_seqlens=x["cu_seqlens"],
     )
     kw.update(over)
@@ -85,9 +104,19 @@ def packed_call(lengths=(3, 0, 5), **over):
 def spec_call(S=2, **over):
     x = inputs(B=2, T=1 + S, H=1, HV=2, K=K, V=V, N_pool=8)
     kw = dict(
-        q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"], use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True,
-        num_spec_tokens=S, ssm_state_indices=torch.arange(2 * (1 + S), dtype=torch.int32).view(2, 1 + S),
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=x["initial_state"],
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        beta_is_logit=True,
+        num_spec_tokens=S,
+        ssm_state_indices=torch.arange(2 * (1 + S), dtype=torch.int32).view(2, 1 + S),
         num_accepted_tokens=torch.tensor([1, 2], dtype=torch.int32),
     )
     kw.update(over)
@@ -96,15 +125,38 @@ def spec_call(S=2, **over):
 
 def train_args(packed=False, dtype=torch.bfloat16, **over):
     if packed:
-        x = inputs(H=1, HV=2, K=K, V=V, cu_seqlens=[0, 3, 7], dtype=dtype,
-                   state_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        x = inputs(
+            H=1,
+            HV=2,
+            K=K,
+            V=V,
+            cu_seqlens=[0, 3, 7],
+            dtype=dtype,
+            state_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+        )
     else:
-        x = inputs(B=2, T=4, H=1, HV=2, K=K, V=V, dtype=dtype,
-                   state_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        x = inputs(
+            B=2,
+            T=4,
+            H=1,
+            HV=2,
+            K=K,
+            V=V,
+            dtype=dtype,
+            state_dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+        )
     if dtype == torch.float64:
         x["A_log"], x["dt_bias"] = x["A_log"].double(), x["dt_bias"].double()
-    kw = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-              initial_state=x["initial_state"])
+    kw = dict(
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=x["initial_state"],
+    )
     if packed:
         kw["cu_seqlens"] = x["cu_seqlens"]
     kw.update(over)
@@ -115,8 +167,17 @@ def fake_ctx(**over):
     """A training context built by hand (no op call): fixed B=2, T=4, H=1, HV=2."""
     a = train_args()
     ctx = RecurrentKDATrainingContext(
-        q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], A_log=a["A_log"], dt_bias=a["dt_bias"],
-        tapes=torch.zeros(2, 2, V, K), tape_cu_starts=torch.tensor([0, 1, 2]), cu_seqlens=None, scale=0.125,
+        q=a["q"],
+        k=a["k"],
+        v=a["v"],
+        g=a["g"],
+        beta=a["beta"],
+        A_log=a["A_log"],
+        dt_bias=a["dt_bias"],
+        tapes=torch.zeros(2, 2, V, K),
+        tape_cu_starts=torch.tensor([0, 1, 2]),
+        cu_seqlens=None,
+        scale=0.125,
         lower_bound=-5.0,
     )
     for key, val in over.items():
@@ -152,8 +213,10 @@ def test_unknown_backend():
     rejects(R, (), decode_call(backend="fast"), ValueError, "backend")
 
 
-@pytest.mark.parametrize("name,shape", [("q", (2, 3, 64)), ("k", (2, 3, 1)), ("v", (2, 3, 2 * 64)),
-                                        ("g", (2, 3, 2, 64, 1)), ("beta", (2, 3, 2, 1))])
+@pytest.mark.parametrize(
+    "name,shape",
+    [("q", (2, 3, 64)), ("k", (2, 3, 1)), ("v", (2, 3, 2 * 64)), ("g", (2, 3, 2, 64, 1)), ("beta", (2, 3, 2, 1))],
+)
 def test_wrong_rank(name, shape):
     kw = decode_call()
     kw[name] = torch.zeros(shape, dtype=torch.bfloat16)
@@ -175,8 +238,25 @@ def test_v_wrong_batch():
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.sampled_from([("k", 0), ("k", 1), ("k", 2), ("k", 3), ("g", 0), ("g", 1), ("g", 2), ("g", 3),
-                        ("beta", 0), ("beta", 1), ("beta", 2), ("v", 0), ("v", 1)]))
+@given(
+    st.sampled_from(
+        [
+            ("k", 0),
+            ("k", 1),
+            ("k", 2),
+            ("k", 3),
+            ("g", 0),
+            ("g", 1),
+            ("g", 2),
+            ("g", 3),
+            ("beta", 0),
+            ("beta", 1),
+            ("beta", 2),
+            ("v", 0),
+            ("v", 1),
+        ]
+    )
+)
 def test_any_shape_perturbation_rejected(case):
     name, dim = case
     kw = decode_call()
@@ -374,8 +454,14 @@ def test_indices_without_pool():
     rejects(R, (), decode_call(initial_state=None), ValueError, "ssm_state_indices")
 
 
-@pytest.mark.parametrize("idx", [torch.tensor([[3], [1]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                                 torch.tensor([3, 1, 0], dtype=torch.int32)])
+@pytest.mark.parametrize(
+    "idx",
+    [
+        torch.tensor([[3], [1]], dtype=torch.int32),
+        torch.tensor([3], dtype=torch.int32),
+        torch.tensor([3, 1, 0], dtype=torch.int32),
+    ],
+)
 def test_indices_wrong_shape(idx):
     rejects(R, (), decode_call(ssm_state_indices=idx), ValueError, "ssm_state_indices")
 
@@ -388,8 +474,13 @@ def test_source_without_indices_and_reverse():
     kw = decode_call()
     src = torch.zeros(3, 2, V, K)
     rejects(R, (), with_(kw, initial_state_source=src), ValueError, "initial_state_indices")
-    rejects(R, (), with_(kw, initial_state_indices=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
-            "initial_state_source")
+    rejects(
+        R,
+        (),
+        with_(kw, initial_state_indices=torch.tensor([0, 1], dtype=torch.int32)),
+        ValueError,
+        "initial_state_source",
+    )
 
 
 def test_source_wrong_shape_and_indices_dtype():
@@ -414,8 +505,9 @@ def test_spec_needs_pool_and_indices():
 
 
 def test_spec_indices_rank():
-    rejects(R, (), spec_call(ssm_state_indices=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
-            "ssm_state_indices")
+    rejects(
+        R, (), spec_call(ssm_state_indices=torch.tensor([0, 1], dtype=torch.int32)), ValueError, "ssm_state_indices"
+    )
 
 
 def test_spec_wrong_token_count():
@@ -457,11 +549,21 @@ def test_checkpoint_buffers_without_interval():
 
 def test_checkpoint_buffer_dtype_shape():
     kw = packed_call(checkpoint_every_n_tokens=16)
-    rejects(R, (), with_(kw, state_checkpoints=torch.zeros(2, 2, V, K, dtype=torch.bfloat16)), TypeError,
-            "state_checkpoints")
+    rejects(
+        R,
+        (),
+        with_(kw, state_checkpoints=torch.zeros(2, 2, V, K, dtype=torch.bfloat16)),
+        TypeError,
+        "state_checkpoints",
+    )
     rejects(R, (), with_(kw, state_checkpoints=torch.zeros(2, 2, V, K + 1)), ValueError, "state_checkpoints")
-    rejects(R, (), with_(kw, checkpoint_cu_starts=torch.tensor([0, 1, 1, 2], dtype=torch.int32)), TypeError,
-            "checkpoint_cu_starts")
+    rejects(
+        R,
+        (),
+        with_(kw, checkpoint_cu_starts=torch.tensor([0, 1, 1, 2], dtype=torch.int32)),
+        TypeError,
+        "checkpoint_cu_starts",
+    )
     rejects(R, (), with_(kw, checkpoint_cu_starts=torch.tensor([0, 1, 2])), ValueError, "checkpoint_cu_starts")
 
 
@@ -514,11 +616,9 @@ def test_training_cu_seqlens_cpu_mismatch_and_invalid():
     a = train_args(packed=True)
     rejects(TF, (), with_(a, cu_seqlens_cpu=torch.tensor([0, 4, 7])), ValueError, "cu_seqlens_cpu")
     rejects(TF, (), with_(a, cu_seqlens_cpu=torch.tensor([0, 3, 6])), ValueError, "cu_seqlens_cpu")
-    rejects(TF, (), with_(a, cu_seqlens_cpu=torch.tensor([0, 3, 7], dtype=torch.int32)), TypeError,
-            "cu_seqlens_cpu")
+    rejects(TF, (), with_(a, cu_seqlens_cpu=torch.tensor([0, 3, 7], dtype=torch.int32)), TypeError, "cu_seqlens_cpu")
     rejects(TF, (), with_(a, cu_seqlens_cpu=torch.tensor([0, 7])), ValueError, "cu_seqlens_cpu")
-    rejects(TF, (), with_(a, cu_seqlens_cpu=torch.tensor([0, 3, 7], device="meta")), RuntimeError,
-            "cu_seqlens_cpu")
+    rejects(TF, (), with_(a, cu_seqlens_cpu=torch.tensor([0, 3, 7], device="meta")), RuntimeError, "cu_seqlens_cpu")
 
 
 @settings(max_examples=8, deadline=None)
@@ -582,9 +682,16 @@ def test_training_backward_args():
     rejects(TB, (ctx, do, torch.zeros(2, 2, V, K, dtype=torch.float64)), {}, TypeError, "dfinal_state")
     rejects(TB, (ctx, do, None), {"out": [torch.zeros(1)] * 7}, ValueError, "out")
     rejects(TB, (ctx, do, None), {"out": torch.zeros(8)}, TypeError, "out")
-    outs = [torch.zeros(2, 4, 1, K, dtype=torch.bfloat16), torch.zeros(2, 4, 1, K, dtype=torch.bfloat16),
-            torch.zeros(2, 4, 2, V, dtype=torch.bfloat16), torch.zeros(2, 4, 2, K, dtype=torch.bfloat16),
-            torch.zeros(2, 4, 2, dtype=torch.bfloat16), torch.zeros(2), torch.zeros(2, K), torch.zeros(2, 2, V, K)]
+    outs = [
+        torch.zeros(2, 4, 1, K, dtype=torch.bfloat16),
+        torch.zeros(2, 4, 1, K, dtype=torch.bfloat16),
+        torch.zeros(2, 4, 2, V, dtype=torch.bfloat16),
+        torch.zeros(2, 4, 2, K, dtype=torch.bfloat16),
+        torch.zeros(2, 4, 2, dtype=torch.bfloat16),
+        torch.zeros(2),
+        torch.zeros(2, K),
+        torch.zeros(2, 2, V, K),
+    ]
     bad = list(outs)
     bad[5] = torch.zeros(3)
     rejects(TB, (ctx, do, None), {"out": bad}, ValueError, "dA_log")
@@ -653,8 +760,17 @@ def test_cuda_token_dtype_and_head_dims():
     msg = rejects(R, (), fp32, TypeError, "q")
     assert "CPU" in msg
     x = inputs(B=2, T=3, H=1, HV=2, K=32, V=32, N_pool=4, device="cuda")
-    kw32 = dict(kw, q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"],
-                dt_bias=x["dt_bias"], initial_state=x["initial_state"])
+    kw32 = dict(
+        kw,
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=x["initial_state"],
+    )
     rejects(R, (), kw32, ValueError, "K")
     rejects(R, (), dict(kw, backend="chunked"), ValueError, "K")  # K=64 is decode-only
 
@@ -663,6 +779,15 @@ def test_cuda_token_dtype_and_head_dims():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_cuda_training_needs_cu_seqlens_cpu():
     x = inputs(H=1, HV=2, K=128, V=128, cu_seqlens=[0, 3, 7], device="cuda")
-    a = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-             initial_state=x["initial_state"][:2], cu_seqlens=x["cu_seqlens"])
+    a = dict(
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=x["initial_state"][:2],
+        cu_seqlens=x["cu_seqlens"],
+    )
     rejects(TF, (), a, ValueError, "cu_seqlens_cpu")
