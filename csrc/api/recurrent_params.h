@@ -18,7 +18,8 @@ inline DType to_kda_dtype(at::ScalarType t, const char* name) {
 }
 
 inline TokenTensor token_tensor(const at::Tensor& t, const char* name) {
-  KDA_CHECK_LASTDIM_CONTIGUOUS(t, name);
+  // `name` is not a literal here, so KDA_CHECK_LASTDIM_CONTIGUOUS (which pastes it) cannot be used.
+  KDA_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dim, got strides ", t.strides());
   TokenTensor r;
   r.ptr = t.data_ptr();
   r.batch_stride = t.stride(0);

@@ -74,8 +74,11 @@ KDA_HD StartState start_state(const RecurrentParams& p, int64_t n) {
 
 // In speculative decode a token whose write slot is outside the pool is inactive: zero output and the
 // state is not advanced. Otherwise every token of an active sequence is active.
+// A token past the 1+S columns of ssm_state_indices (a sequence longer than the contract allows) is
+// inactive too, so the index row is never read out of bounds.
 KDA_HD bool token_active(const RecurrentParams& p, int64_t n, int64_t t) {
   if (p.num_spec_tokens == 0 || p.state == nullptr) return true;
+  if (t > p.num_spec_tokens) return false;
   return slot_in_pool(write_slot(p, n, t), p.n_pool);
 }
 

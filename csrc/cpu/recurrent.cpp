@@ -1,0 +1,95 @@
+// kda::recurrent_kda on CPU (SPEC §3.1): the token loop of token_loop.h over every (sequence, value
+// head) pair in parallel. Decode, speculative decode and prefill are the same loop; backend and
+// workspace are CUDA scheduling choices and are ignored here, as is seq_order (a hint).
+#include <ATen/Parallel.h>
+
+#include "api/recurrent_params.h"
+#include "cpu/token_loop.h"
+
+namespace kda {
+namespace cpu {
+
+namespace {
+
+template <typename TokT>
+void run_forward_typed(const RecurrentParams& p, const CpuExtras& x) {
+  using Acc = acc_t<TokT>;
+  // One item = one (sequence, value head) pair: each owns its output columns and state block, so
+  // the result does not depend on how the items are split between threads.
+  at::parallel_for(0, p.N * p.HV, 1, [&](int64_t begin, int64_t end) {
+    HeadContext<TokT> c(p, x);
+    std::vector<Acc> S(size_t(p.V) * p.K), o(p.V);
+    for (int64_t i = begin; i < end; ++i) {
+      c.bind(i / p.HV, static_cast<int>(i % p.HV));
+      run_sequence_head(c, S.data(), o.data());
+    }
+  });
+}
+
+bool state_dtype_ok(DType dt) { return dt == DType::kFloat32 || dt == DType::kBFloat16 || dt == DType::kFloat64; }
+
+void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                       const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& state,
+                       const std::optional<at::Tensor>& state_source,
+                       const std::optional<at::Tensor>& initial_state_indices,
+                       const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& ssm_state_indices,
+                       const std::optional<at::Tensor>& num_accepted_tokens, const std::optional<at::Tensor>& seq_order,
+                       const at::Tensor& output, const std::optional<at::Tensor>& final_state,
+                       const std::optional<at::Tensor>& state_checkpoints,
+                       const std::optional<at::Tensor>& checkpoint_cu_starts,
+                       const std::optional<at::Tensor>& /*workspace*/, double scale, int64_t gate_mode,
+                       double lower_bound, bool use_qk_l2norm, bool beta_is_logit, int64_t num_spec_tokens,
+                       int64_t checkpoint_every_n_tokens, int64_t /*backend*/) {
+  KDA_CHECK(gate_mode >= 0 && gate_mode <= 2, "gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ",
+            gate_mode);
+  KDA_CHECK(num_spec_tokens >= 0, "num_spec_tokens must be >= 0, got ", num_spec_tokens);
+  KDA_CHECK(checkpoint_every_n_tokens >= 0, "checkpoint_every_n_tokens must be >= 0, got ",
+            checkpoint_every_n_tokens);
+  KDA_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite number > 0, got ", scale);
+  const RecurrentArgs args{q, k, v, g, beta, A_log, dt_bias, state, state_source, initial_state_indices,
+                           cu_seqlens, ssm_state_indices, num_accepted_tokens, seq_order, output,
+                           final_state, state_checkpoints, checkpoint_cu_starts, scale, gate_mode,
+                           lower_bound, use_qk_l2norm, beta_is_logit, num_spec_tokens,
+                           checkpoint_every_n_tokens};
+  const RecurrentParams p = make_recurrent_params(args);
+  KDA_CHECK_TYPE(p.token_dtype != DType::kFloat16, "q must be bfloat16, float32 or float64 on CPU, got ",
+                 q.scalar_type());
+  if (p.state != nullptr)
+    KDA_CHECK_TYPE(state_dtype_ok(p.state_dtype), "initial_state must be float32, bfloat16 or float64, got ",
+                   state->scalar_type());
+  if (p.state_source != nullptr)
+    KDA_CHECK_TYPE(state_dtype_ok(p.state_source_dtype),
+                   "initial_state_source must be float32, bfloat16 or float64, got ", state_source->scalar_type());
+  if (p.state_checkpoints != nullptr)
+    KDA_CHECK_TYPE(state_dtype_ok(p.checkpoint_dtype), "state_checkpoints must be float32, bfloat16 or float64, got ",
+                   state_checkpoints->scalar_type());
+
+  CpuExtras x;
+  x.scale = scale;
+  x.lower_bound = lower_bound;
+  if (p.A_log != nullptr) x.A_log = p.A_log;  // fp32 [HV] (checked by make_recurrent_params)
+  if (p.dt_bias != nullptr) x.dt_bias = p.dt_bias;
+  x.final_state = p.final_state;
+  x.final_dtype = DType::kFloat32;
+
+  // Tokens of inactive sequences/tokens and tokens outside every packed sequence read as zero.
+  output.zero_();
+  run_forward(p, x);
+}
+
+}  // namespace
+
+void run_forward(const RecurrentParams& p, const CpuExtras& x) {
+  switch (p.token_dtype) {
+    case DType::kBFloat16: run_forward_typed<c10::BFloat16>(p, x); break;
+    case DType::kFloat32: run_forward_typed<float>(p, x); break;
+    case DType::kFloat64: run_forward_typed<double>(p, x); break;
+    default: TORCH_CHECK_TYPE(false, "q must be bfloat16, float32 or float64 on CPU");
+  }
+}
+
+}  // namespace cpu
+}  // namespace kda
+
+TORCH_LIBRARY_IMPL(kda, CPU, m) { m.impl("recurrent_kda", &kda::cpu::recurrent_kda_cpu); }
