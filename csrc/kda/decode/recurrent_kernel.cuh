@@ -1,0 +1,609 @@
+// Token-serial KDA kernel ("recurrent" backend): decode (T=1), speculative decode (1+S tokens with a
+// pool write after every token) and token-serial prefill (any T, checkpoints, final state), one kernel
+// family for the full RecurrentParams contract (SPEC §2, §3.1; slot/activity/gate rules from
+// kda/common/recurrent_rules.h, shared with the CPU loop).
+//
+// Anatomy (KERNEL_NOTES §A). One warp owns a tile of value rows x all K of one (sequence, value head).
+// Lanes: KL = K/8 lanes share one row, each holding 8 of its K values; the other lane bits (rg) pick one
+// of RP = 32/KL rows; each lane keeps NR such rows, so a warp covers NR*RP rows. The tile's state is fp32
+// in registers for the whole sequence: read once at the start, written once at the end (plus one write per
+// token in speculative decode, and at checkpoint boundaries). A lane's 8 K values are `kChunks` runs of
+// `kVec` contiguous elements (one 16-byte access each in the pool's dtype), chosen so that the 16 lanes of
+// a row read one contiguous 256-byte run per instruction:
+//     k(kl, e) = (e / kVec) * (KL * kVec) + kl * kVec + e % kVec,   e = 0..7.
+// Per token (all math fp32): every lane normalises its slices of q and k (sums of squares over the KL
+// lanes of its row group with xor shuffles), computes the gate and decay of its 8 channels, then for
+// each of its rows decays the state and forms partial dots S·k; a reduce-scatter over the KL lanes leaves
+// each lane with the complete prediction of one row, which it turns into r = β (v - p); an all-gather
+// gives every lane the r of its NR rows for the rank-1 update, and a second reduce-scatter forms S·q.
+// Both reductions combine lanes in the same xor order (KL/2, ..., 1) for every NR, so the result does not
+// depend on the tile choice (bit-identical), and no atomics are used (deterministic).
+// The next token's q, k, g, v, beta are loaded into registers while the current token is computed.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kda/common/recurrent_rules.h"
+#include "kda/decode/recurrent_instantiations.h"
+#include "kda/params.h"
+
+namespace kda::decode {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kL2NormEps = 1e-6f;  // SPEC §2 step 1
+
+template <int K_, typename StateT_, int NR_>
+struct RecurrentTile {
+  static constexpr int K = K_;
+  using StateT = StateT_;
+  static constexpr int NR = NR_;                          // state rows per lane
+  static constexpr int KL = K / 8;                        // lanes per row (8 K values each)
+  static constexpr int RP = 32 / KL;                      // rows per register row of the warp
+  static constexpr int kRowsPerWarp = NR * RP;            // value rows owned by one warp
+  static constexpr int kTilesPerHead = K / kRowsPerWarp;  // V == K
+  static constexpr int kVec = 16 / int(sizeof(StateT));   // pool elements per 16-byte access
+  static constexpr int kChunks = 8 / kVec;                // 16-byte accesses per lane per row
+  static_assert(K == 64 || K == 128, "head dim must be 64 or 128");
+  static_assert(NR >= 1 && NR <= KL && (NR & (NR - 1)) == 0, "NR must be a power of two <= K/8");
+  static_assert(kTilesPerHead >= 1, "tile taller than the head");
+
+  // Offset (elements) inside a row of the lane's chunk c.
+  __device__ static __forceinline__ int chunk_offset(int kl, int c) { return c * (KL * kVec) + kl * kVec; }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Warp reductions over the KL lanes of a row group.
+
+// Reduce-scatter: on entry each lane holds NR partial sums x[0..NR) (one per register row); on exit x[0] is
+// the complete sum (over the KL lanes) of register row rs_row_index(lane). log2(KL) xor steps; steps that
+// still hold more than one value exchange half of them (NR-1 shuffles in all), the rest are all-reduce.
+template <int O, int C, int NR>
+__device__ __forceinline__ void reduce_scatter_step(float (&x)[NR], int lane) {
+  if constexpr (O >= 1) {
+    if constexpr (C > 1) {
+      constexpr int H = C / 2;
+      const bool upper = (lane & O) != 0;
+#pragma unroll
+      for (int j = 0; j < H; ++j) {
+        const float send = upper ? x[j] : x[j + H];
+        const float keep = upper ? x[j + H] : x[j];
+        x[j] = keep + __shfl_xor_sync(kFullMask, send, O);
+      }
+      reduce_scatter_step<O / 2, H, NR>(x, lane);
+    } else {
+      x[0] += __shfl_xor_sync(kFullMask, x[0], O);
+      reduce_scatter_step<O / 2, 1, NR>(x, lane);
+    }
+  }
+}
+
+template <int KL, int NR>
+__device__ __forceinline__ float reduce_scatter(float (&x)[NR], int lane) {
+  reduce_scatter_step<KL / 2, NR, NR>(x, lane);
+  return x[0];
+}
+
+// Register row whose sum reduce_scatter leaves in `lane`.
+template <int KL, int NR>
+__device__ __forceinline__ int rs_row_index(int lane) {
+  int idx = 0, c = NR;
+#pragma unroll
+  for (int o = KL / 2; o >= 1; o >>= 1) {
+    if (c > 1) {
+      c >>= 1;
+      if (lane & o) idx += c;
+    }
+  }
+  return idx;
+}
+
+// Lane bits that only duplicate a reduce_scatter result (lanes with these bits 0 are the writers).
+template <int KL, int NR>
+__host__ __device__ constexpr int rs_duplicate_bits() {
+  int m = 0, c = NR;
+  for (int o = KL / 2; o >= 1; o >>= 1) {
+    if (c > 1)
+      c >>= 1;
+    else
+      m |= o;
+  }
+  return m;
+}
+
+// Lane (within the row group) that holds register row i after reduce_scatter.
+template <int KL, int NR>
+__host__ __device__ constexpr int rs_source_lane(int i) {
+  int src = 0, c = NR;
+  for (int o = KL / 2; o >= 1; o >>= 1) {
+    if (c > 1) {
+      c >>= 1;
+      if (i & c) src |= o;
+    }
+  }
+  return src;
+}
+
+template <int KL>
+__device__ __forceinline__ void allreduce2(float& a, float& b) {
+#pragma unroll
+  for (int o = KL / 2; o >= 1; o >>= 1) {
+    a += __shfl_xor_sync(kFullMask, a, o);
+    b += __shfl_xor_sync(kFullMask, b, o);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Numerics.
+
+// exp(a) to about 1 ulp for the per-channel decay. The fast-math __expf (ex2.approx, ~2 ulp) is kept for
+// the gate and beta sigmoids, whose error does not compound; the decay multiplies the state every token,
+// and with slow decay (a near 0) a biased 2-ulp error would add up over thousands of decode steps.
+// |a| is clamped to the fp32 range: exp(-87) ~ 1.6e-38 (a state times it flushes to 0 under ftz).
+__device__ __forceinline__ float exp_decay(float a) {
+  a = fminf(fmaxf(a, -87.0f), 88.0f);
+  const float n = rintf(a * 1.44269504088896341f);
+  float r = fmaf(n, -0.693145751953125f, a);   // ln2 high part: n * it is exact
+  r = fmaf(n, -1.428606765330187045e-06f, r);  // ln2 low part; |r| <= 0.35
+  float e = 1.0f / 5040.0f;                    // Taylor to degree 7: truncation < 6e-9 relative
+  e = fmaf(e, r, 1.0f / 720.0f);
+  e = fmaf(e, r, 1.0f / 120.0f);
+  e = fmaf(e, r, 1.0f / 24.0f);
+  e = fmaf(e, r, 1.0f / 6.0f);
+  e = fmaf(e, r, 0.5f);
+  e = fmaf(e, r, 1.0f);
+  e = fmaf(e, r, 1.0f);
+  return e * __int_as_float((static_cast<int>(n) + 127) << 23);  // n in [-126, 127]
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Memory: N (4 or 8) contiguous values <-> fp32. Alignment: N * sizeof(T) bytes, at most 16.
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // round to nearest even; .x is the low half
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <int N>
+__device__ __forceinline__ void load_vals(const float* p, float* out) {
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    const float4 w = *reinterpret_cast<const float4*>(p + i);
+    out[i] = w.x, out[i + 1] = w.y, out[i + 2] = w.z, out[i + 3] = w.w;
+  }
+}
+template <int N>
+__device__ __forceinline__ void load_vals(const __nv_bfloat16* p, float* out) {
+  if constexpr (N == 8) {
+    const uint4 w = *reinterpret_cast<const uint4*>(p);
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[2 * i] = bf16_lo(ws[i]), out[2 * i + 1] = bf16_hi(ws[i]);
+  } else {
+    static_assert(N == 4);
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    out[0] = bf16_lo(w.x), out[1] = bf16_hi(w.x), out[2] = bf16_lo(w.y), out[3] = bf16_hi(w.y);
+  }
+}
+template <int N>
+__device__ __forceinline__ void store_vals(float* p, const float* in) {
+#pragma unroll
+  for (int i = 0; i < N; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(in[i], in[i + 1], in[i + 2], in[i + 3]);
+}
+template <int N>
+__device__ __forceinline__ void store_vals(__nv_bfloat16* p, const float* in) {
+  if constexpr (N == 8) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16x2(in[0], in[1]), pack_bf16x2(in[2], in[3]),
+                                              pack_bf16x2(in[4], in[5]), pack_bf16x2(in[6], in[7]));
+  } else {
+    static_assert(N == 4);
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(in[0], in[1]), pack_bf16x2(in[2], in[3]));
+  }
+}
+
+// The warp's tile of one [V, K] head block: register row i is value row row0 + i*RP + rg.
+template <class Tile, typename T>
+__device__ __forceinline__ void load_tile(const T* head, int row0, int rg, int kl, float (&s)[Tile::NR][8]) {
+#pragma unroll
+  for (int i = 0; i < Tile::NR; ++i) {
+    const T* row = head + int64_t(row0 + i * Tile::RP + rg) * Tile::K;
+#pragma unroll
+    for (int c = 0; c < Tile::kChunks; ++c)
+      load_vals<Tile::kVec>(row + Tile::chunk_offset(kl, c), &s[i][c * Tile::kVec]);
+  }
+}
+template <class Tile, typename T>
+__device__ __forceinline__ void store_tile(T* head, int row0, int rg, int kl, const float (&s)[Tile::NR][8]) {
+#pragma unroll
+  for (int i = 0; i < Tile::NR; ++i) {
+    T* row = head + int64_t(row0 + i * Tile::RP + rg) * Tile::K;
+#pragma unroll
+    for (int c = 0; c < Tile::kChunks; ++c)
+      store_vals<Tile::kVec>(row + Tile::chunk_offset(kl, c), &s[i][c * Tile::kVec]);
+  }
+}
+// Same, for buffers whose dtype is only known at run time (source pool, checkpoints): fp32 or bf16.
+template <class Tile>
+__device__ __forceinline__ void load_tile_dt(const void* base, DType dt, int64_t head_off, int row0, int rg, int kl,
+                                             float (&s)[Tile::NR][8]) {
+  if (dt == DType::kBFloat16)
+    load_tile<Tile>(static_cast<const __nv_bfloat16*>(base) + head_off, row0, rg, kl, s);
+  else
+    load_tile<Tile>(static_cast<const float*>(base) + head_off, row0, rg, kl, s);
+}
+template <class Tile>
+__device__ __forceinline__ void store_tile_dt(void* base, DType dt, int64_t head_off, int row0, int rg, int kl,
+                                              const float (&s)[Tile::NR][8]) {
+  if (dt == DType::kBFloat16)
+    store_tile<Tile>(static_cast<__nv_bfloat16*>(base) + head_off, row0, rg, kl, s);
+  else
+    store_tile<Tile>(static_cast<float*>(base) + head_off, row0, rg, kl, s);
+}
+
+// One token's inputs as this lane needs them: its 8 values of q, k, g (bf16 pairs, Tile order), the v of
+// the row it reduces (rs_row_index), and beta.
+struct TokenRaw {
+  uint32_t q[4], k[4], g[4];
+  float v, beta;
+};
+
+template <class Tile>
+__device__ __forceinline__ void load_token_slice(const __nv_bfloat16* base, int kl, uint32_t (&w)[4]) {
+#pragma unroll
+  for (int c = 0; c < Tile::kChunks; ++c) {
+    const __nv_bfloat16* ptr = base + Tile::chunk_offset(kl, c);
+    if constexpr (Tile::kVec == 8) {
+      const uint4 x = __ldg(reinterpret_cast<const uint4*>(ptr));
+      w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+    } else {
+      const uint2 x = __ldg(reinterpret_cast<const uint2*>(ptr));
+      w[2 * c] = x.x, w[2 * c + 1] = x.y;
+    }
+  }
+}
+
+template <class Tile>
+__device__ __forceinline__ void load_token(const RecurrentParams& p, int64_t batch, int64_t tok, int h, int hv,
+                                           int kl, int my_row, TokenRaw& r) {
+  const auto* q = static_cast<const __nv_bfloat16*>(p.q.ptr) + batch * p.q.batch_stride + tok * p.q.token_stride +
+                  int64_t(h) * p.q.head_stride;
+  const auto* k = static_cast<const __nv_bfloat16*>(p.k.ptr) + batch * p.k.batch_stride + tok * p.k.token_stride +
+                  int64_t(h) * p.k.head_stride;
+  const auto* g = static_cast<const __nv_bfloat16*>(p.g.ptr) + batch * p.g.batch_stride + tok * p.g.token_stride +
+                  int64_t(hv) * p.g.head_stride;
+  const auto* v = static_cast<const uint16_t*>(p.v.ptr) + batch * p.v.batch_stride + tok * p.v.token_stride +
+                  int64_t(hv) * p.v.head_stride + my_row;
+  const auto* b = static_cast<const uint16_t*>(p.beta.ptr) + batch * p.beta.batch_stride +
+                  tok * p.beta.token_stride + int64_t(hv) * p.beta.head_stride;
+  load_token_slice<Tile>(q, kl, r.q);
+  load_token_slice<Tile>(k, kl, r.k);
+  load_token_slice<Tile>(g, kl, r.g);
+  r.v = bf16_bits_to_float(__ldg(v));
+  r.beta = bf16_bits_to_float(__ldg(b));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Start-state ring: each warp streams the pool tiles of its next items through shared memory with
+// cp.async (L2 only, no registers held), kStages items deep, so the bytes in flight per SM are not capped
+// by the register file. A lane reads back only the 16-byte pieces it copied itself (lane-major layout,
+// conflict-free), so cp.async.wait_group plus __syncwarp is all the synchronisation needed.
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// What the prefetch resolved about an item (written by lane 0, read by the warp when it consumes it).
+struct ItemMeta {
+  int64_t batch, bos, len;  // SeqRange
+  int64_t slot;             // StartState slot
+  int64_t n;                // sequence; -1: no valid item (broken seq_order)
+  int32_t kind;             // StartState kind
+  int32_t tile, hv;
+};
+
+template <class Tile>
+struct RingLayout {
+  static constexpr int kTileBytes = Tile::NR * Tile::kChunks * 32 * 16;
+  // About 12 KB of ring per warp: 2 to 4 items deep (bf16 NR=8: 3 x 4 KB; fp32 NR=8: 2 x 8 KB).
+  static constexpr int kStages = kTileBytes >= 6144 ? 2 : (kTileBytes >= 3072 ? 3 : 4);
+  // Per warp: the tiles, then the metas; rounded so the next warp's ring stays 128-byte aligned.
+  static constexpr int kWarpBytes = (kStages * (kTileBytes + int(sizeof(ItemMeta))) + 127) / 128 * 128;
+};
+
+__device__ __forceinline__ bool decode_item(const RecurrentParams& p, int64_t item, int tiles_per_head, int& tile,
+                                            int& hv, int64_t& n) {
+  // tile fastest, then value head, then sequence: the warps of one block share one head's q/k/g in L1.
+  tile = static_cast<int>(item % tiles_per_head);
+  const int64_t nh = item / tiles_per_head;
+  if (nh <= 0xffffffffll) {  // the common case: 32-bit division by the run-time HV is far cheaper
+    const uint32_t nh32 = static_cast<uint32_t>(nh), hv32 = static_cast<uint32_t>(p.HV);
+    hv = static_cast<int>(nh32 % hv32);
+    n = nh32 / hv32;
+  } else {
+    hv = static_cast<int>(nh % p.HV);
+    n = nh / p.HV;
+  }
+  if (p.seq_order != nullptr) {  // scheduling hint (a permutation); a broken one never reads out of bounds
+    n = p.seq_order[n];
+    if (n < 0 || n >= p.N) return false;
+  }
+  return true;
+}
+
+template <class Tile>
+__device__ __forceinline__ void prefetch_item(const RecurrentParams& p, int64_t item, int64_t total, uint4* ring,
+                                              ItemMeta* meta, int lane) {
+  using StateT = typename Tile::StateT;
+  if (item < total) {
+    int tile, hv;
+    int64_t n;
+    ItemMeta m{};
+    if (decode_item(p, item, Tile::kTilesPerHead, tile, hv, n)) {
+      const SeqRange sr = seq_range(p, n);
+      const StartState st = start_state(p, n);
+      m = ItemMeta{sr.batch, sr.bos, sr.len, st.slot, n, st.kind, tile, hv};
+      if (st.kind == 1 && sr.len > 0) {  // a zero-length sequence's pool state is never needed
+        const int kl = lane % Tile::KL, rg = lane / Tile::KL;
+        const StateT* head = static_cast<const StateT*>(p.state) + st.slot * p.state_slot_stride +
+                             int64_t(hv) * Tile::K * Tile::K;
+#pragma unroll
+        for (int i = 0; i < Tile::NR; ++i)
+#pragma unroll
+          for (int c = 0; c < Tile::kChunks; ++c)
+            cp_async_16(ring + (i * Tile::kChunks + c) * 32 + lane,
+                        head + int64_t(tile * Tile::kRowsPerWarp + i * Tile::RP + rg) * Tile::K +
+                            Tile::chunk_offset(kl, c));
+      }
+    } else {
+      m.n = -1;
+    }
+    if (lane == 0) *meta = m;
+  }
+  cp_async_commit();  // one group per item slot, empty or not, so wait_group counts stay uniform
+}
+
+template <class Tile>
+__device__ __forceinline__ void unpack_ring_tile(const uint4* ring, int lane, float (&s)[Tile::NR][8]) {
+  using StateT = typename Tile::StateT;
+#pragma unroll
+  for (int i = 0; i < Tile::NR; ++i)
+#pragma unroll
+    for (int c = 0; c < Tile::kChunks; ++c) {
+      const uint4 w = ring[(i * Tile::kChunks + c) * 32 + lane];
+      load_vals<Tile::kVec>(reinterpret_cast<const StateT*>(&w), &s[i][c * Tile::kVec]);
+    }
+}
+
+// dt_bias[hv, k(kl, e)], 0 when absent. A plain (coherent) load inside the token loop: the compiler cannot
+// hoist it past the loop's stores, so it is re-read from L1 per token instead of pinning 8 registers.
+template <class Tile>
+__device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
+  return dtb != nullptr ? dtb[Tile::chunk_offset(kl, e / Tile::kVec) + e % Tile::kVec] : 0.f;
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+// Persistent warps: warp w of the grid handles items w, w + W, w + 2W, ... (W = warps in the grid); an item
+// is (sequence, value head, row tile). Per item: wait for its ring slot, read the start state into
+// registers, refill the slot with the item kStages ahead, then run the item's tokens.
+template <class Tile>
+__global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParams p) {
+  using StateT = typename Tile::StateT;
+  using Ring = RingLayout<Tile>;
+  constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP, kStages = Ring::kStages;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps_per_block = blockDim.x >> 5;
+  uint4* ring = reinterpret_cast<uint4*>(smem_raw + warp * Ring::kWarpBytes);
+  ItemMeta* metas = reinterpret_cast<ItemMeta*>(smem_raw + warp * Ring::kWarpBytes + kStages * Ring::kTileBytes);
+  constexpr int kTileU4 = Ring::kTileBytes / 16;
+
+  const int64_t total = p.N * p.HV * Tile::kTilesPerHead;
+  const int64_t stride = int64_t(gridDim.x) * warps_per_block;
+  const int64_t first = int64_t(blockIdx.x) * warps_per_block + warp;
+
+#pragma unroll
+  for (int st = 0; st < kStages; ++st)
+    prefetch_item<Tile>(p, first + st * stride, total, ring + st * kTileU4, metas + st, lane);
+
+  const int kl = lane % KL, rg = lane / KL;
+  const int my_idx = rs_row_index<KL, NR>(lane);
+  const bool writer = (lane & rs_duplicate_bits<KL, NR>()) == 0;
+  const int64_t inner = int64_t(p.HV) * K * K;  // elements of one [HV, V, K] block
+  const int S = p.num_spec_tokens;
+  const int every = p.checkpoint_every_n_tokens;
+
+  int stage = 0;
+  for (int64_t item = first; item < total; item += stride, stage = stage + 1 == kStages ? 0 : stage + 1) {
+    cp_async_wait<kStages - 1>();  // this item's group (the oldest) has landed
+    __syncwarp();
+    const ItemMeta m = metas[stage];
+    float s[NR][8];
+    bool skip = m.n < 0;
+    const int tile = m.tile, hv = m.hv;
+    const int64_t n = m.n;
+    const int row0 = tile * Tile::kRowsPerWarp;
+    const int my_row = row0 + my_idx * RP + rg;  // row this lane reduces and writes
+    const int h = hv / (p.HV / p.H);             // GQA: contiguous groups of value heads per q/k head
+    const int64_t head_off = int64_t(hv) * K * K;
+
+    TokenRaw cur;
+    if (!skip && m.kind >= 0 && m.len > 0) load_token<Tile>(p, m.batch, m.bos, h, hv, kl, my_row, cur);
+    if (!skip && m.kind == 1 && m.len > 0) {
+      unpack_ring_tile<Tile>(ring + stage * kTileU4, lane, s);
+    } else if (!skip && m.kind == 2) {
+      load_tile_dt<Tile>(p.state_source, p.state_source_dtype, m.slot * p.source_slot_stride + head_off, row0, rg,
+                         kl, s);
+    } else {
+#pragma unroll
+      for (int i = 0; i < NR; ++i)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[i][e] = 0.f;
+    }
+    __syncwarp();  // every lane has read its slot and the meta before the slot is refilled
+    prefetch_item<Tile>(p, item + kStages * stride, total, ring + stage * kTileU4, metas + stage, lane);
+    if (skip) continue;
+
+    uint16_t* out = static_cast<uint16_t*>(p.out) + m.batch * p.out_batch_stride +
+                    int64_t(hv) * p.out_head_stride + my_row;
+    const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
+
+    if (m.kind < 0) {
+      // Inactive sequence: zero output, no state read or write (its final-state and checkpoint rows are
+      // left as they are, the same as the CPU loop; the Python layer allocates them zero-filled).
+      if (writer)
+        for (int64_t t = 0; t < m.len; ++t) out[(m.bos + t) * p.out_token_stride] = 0;
+      continue;
+    }
+
+    // Gate constant of this value head (dt_bias is re-read per token from L1 instead of held in registers).
+    const float A = p.gate_mode != GateMode::kPrecomputed ? __expf(p.A_log[hv]) : 0.f;
+    const float* dtb = p.dt_bias != nullptr ? p.dt_bias + int64_t(hv) * K : nullptr;
+
+    int64_t next_ckpt = 0;
+    for (int64_t t = 0; t < m.len; ++t) {
+      TokenRaw nxt;
+      if (t + 1 < m.len) load_token<Tile>(p, m.batch, m.bos + t + 1, h, hv, kl, my_row, nxt);
+
+      if (every > 0 && t == next_ckpt) {  // the state BEFORE token t
+        const int64_t row = ckpt_row0 + t / every;
+        if (row >= 0 && row < p.n_checkpoint_rows)
+          store_tile_dt<Tile>(p.state_checkpoints, p.checkpoint_dtype, row * inner + head_off, row0, rg, kl, s);
+        next_ckpt += every;
+      }
+
+      // Speculative decode: a token whose slot is outside the pool is inactive (and a sequence longer than
+      // 1+S, a broken contract, never indexes past its row of ssm_state_indices).
+      const bool active = S == 0 || (t <= S && token_active(p, n, t));
+      if (!active) {
+        if (writer) out[(m.bos + t) * p.out_token_stride] = 0;
+        cur = nxt;
+        continue;
+      }
+
+      // ---- token prep: normalised q (with scale) and k, decay, beta (SPEC §2 steps 1-3)
+      float qf[8], kf[8], dec[8];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        qf[2 * w] = bf16_lo(cur.q[w]), qf[2 * w + 1] = bf16_hi(cur.q[w]);
+        kf[2 * w] = bf16_lo(cur.k[w]), kf[2 * w + 1] = bf16_hi(cur.k[w]);
+        dec[2 * w] = bf16_lo(cur.g[w]), dec[2 * w + 1] = bf16_hi(cur.g[w]);
+      }
+      float qscale = p.scale, kscale = 1.f;
+      if (p.use_qk_l2norm) {
+        float sq = 0.f, sk = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sq = fmaf(qf[e], qf[e], sq), sk = fmaf(kf[e], kf[e], sk);
+        allreduce2<KL>(sq, sk);
+        qscale = rsqrtf(sq + kL2NormEps) * p.scale;
+        kscale = rsqrtf(sk + kL2NormEps);
+      }
+      // Gate (SPEC §2 step 2): one branch per token, not per channel.
+      if (p.gate_mode == GateMode::kLowerBound) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          dec[e] = gate_log_decay<float>(GateMode::kLowerBound, dec[e], A, dt_bias_at<Tile>(dtb, kl, e), p.lower_bound);
+      } else if (p.gate_mode == GateMode::kSoftplus) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          dec[e] = gate_log_decay<float>(GateMode::kSoftplus, dec[e], A, dt_bias_at<Tile>(dtb, kl, e), p.lower_bound);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        qf[e] *= qscale;
+        kf[e] *= kscale;
+        dec[e] = exp_decay(dec[e]);
+      }
+      const float beta = p.beta_is_logit ? kda_sigmoid(cur.beta) : cur.beta;
+
+      // ---- decay and prediction p = S k (SPEC §2 steps 4-5)
+      float acc[NR];
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[i][e] *= dec[e];
+          a0 = fmaf(s[i][e], kf[e], a0);
+          s[i][e + 4] *= dec[e + 4];
+          a1 = fmaf(s[i][e + 4], kf[e + 4], a1);
+        }
+        acc[i] = a0 + a1;
+      }
+      const float pred = reduce_scatter<KL, NR>(acc, lane);
+      const float r = beta * (cur.v - pred);
+
+      // ---- rank-1 update S += r k^T and output o = S q (steps 6-7)
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        const float ri = __shfl_sync(kFullMask, r, rg * KL + rs_source_lane<KL, NR>(i));
+        float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[i][e] = fmaf(ri, kf[e], s[i][e]);
+          o0 = fmaf(s[i][e], qf[e], o0);
+          s[i][e + 4] = fmaf(ri, kf[e + 4], s[i][e + 4]);
+          o1 = fmaf(s[i][e + 4], qf[e + 4], o1);
+        }
+        acc[i] = o0 + o1;
+      }
+      const float o = reduce_scatter<KL, NR>(acc, lane);
+      if (writer) {
+        const __nv_bfloat16 ob = __float2bfloat16_rn(o);
+        out[(m.bos + t) * p.out_token_stride] = *reinterpret_cast<const uint16_t*>(&ob);
+      }
+      if (S > 0) {  // speculative decode: the state after token t goes to its own slot
+        StateT* dst = static_cast<StateT*>(p.state) + write_slot(p, n, t) * p.state_slot_stride + head_off;
+        store_tile<Tile>(dst, row0, rg, kl, s);
+      }
+      cur = nxt;
+    }
+
+    // A zero-length sequence leaves its slot bit-identical.
+    if (S == 0 && p.state != nullptr && m.len > 0)
+      store_tile<Tile>(static_cast<StateT*>(p.state) + write_slot(p, n, 0) * p.state_slot_stride + head_off, row0,
+                       rg, kl, s);
+    if (p.final_state != nullptr) store_tile<Tile>(p.final_state + n * inner + head_off, row0, rg, kl, s);
+  }
+  cp_async_wait<0>();  // no copy outlives the block (the tail prefetches are empty groups, but be exact)
+}
+
+template <int K, typename StateT, int NR>
+void run_recurrent_(const RecurrentParams& p, int warps_per_block, int num_sms, cudaStream_t stream) {
+  using Tile = RecurrentTile<K, StateT, NR>;
+  using Ring = RingLayout<Tile>;
+  auto kernel = kda_recurrent_kernel<Tile>;
+  const int threads = warps_per_block * 32;
+  const int smem = warps_per_block * Ring::kWarpBytes;
+  // Occupancy is a property of the instantiation and the block shape: query once per shape.
+  static int max_blocks[5] = {0, 0, 0, 0, 0};
+  int& mb = max_blocks[warps_per_block];
+  if (mb == 0) {
+    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    int v = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, smem) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();
+      v = 1;
+    }
+    mb = v;
+  }
+  const int64_t warps = p.N * p.HV * Tile::kTilesPerHead;
+  const int64_t needed = (warps + warps_per_block - 1) / warps_per_block;
+  const int64_t resident = int64_t(mb) * num_sms;
+  const int64_t blocks = needed < resident ? needed : resident;
+  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p);
+}
+
+}  // namespace kda::decode

@@ -1,0 +1,68 @@
+// Host dispatch of the token-serial kernel: picks the tile (rows per lane) and warps per block from the
+// problem size and the device's SM count, then the template instantiation (csrc/instantiations/).
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+
+#include "kda/decode/recurrent_instantiations.h"
+#include "kda/decode/recurrent_launch.h"
+#include "kda/static_switch.h"
+
+namespace kda {
+namespace {
+
+int num_sms_of_current_device() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) dev = 0;
+  if (dev >= 64) dev = 63;
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v <= 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();  // do not leave a sticky-looking error for the launch check
+      v = 132;
+    }
+    cache[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+}  // namespace
+
+int recurrent_rows_per_lane(const RecurrentParams& p, int num_sms) {
+  // Largest tile that still gives about one full wave of warps (16 resident warps per SM at <= 128
+  // registers): big tiles amortise the per-token prep (norms, gates) over more rows; small tiles spread
+  // few (sequence, head) pairs over the SMs and shorten each warp's serial work.
+  const int rows_per_pass = 32 / (p.K / 8);
+  const int64_t units = p.N * p.HV;
+  const int64_t target = int64_t(num_sms) * 16;
+  for (int nr : {8, 4, 2})
+    if (units * (p.K / (nr * rows_per_pass)) >= target) return nr;
+  return 1;
+}
+
+cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  const int num_sms = num_sms_of_current_device();
+  int nr = recurrent_rows_per_lane(p, num_sms);
+  if (const char* env = std::getenv("KDA_RECURRENT_ROWS_PER_LANE")) {
+    const int v = std::atoi(env);
+    if (v == 1 || v == 2 || v == 4 || v == 8) nr = v;
+  }
+  const int rows_per_warp = nr * (32 / (p.K / 8));
+  const int64_t warps = p.N * p.HV * (p.K / rows_per_warp);
+  // Up to 4 warps (one head's neighbouring tiles) per block, fewer when that would leave SMs idle.
+  int warps_per_block = 4;
+  while (warps_per_block > 1 && warps / warps_per_block < num_sms) warps_per_block /= 2;
+  if ((warps + warps_per_block - 1) / warps_per_block > INT_MAX) return cudaErrorInvalidConfiguration;
+  const DType tile_dtype =
+      p.state != nullptr ? p.state_dtype : (p.state_source != nullptr ? p.state_source_dtype : DType::kFloat32);
+  KDA_HEADDIM_SWITCH(p.K, kK, [&] {
+    KDA_STATE_DTYPE_SWITCH(tile_dtype, StateT, [&] {
+      KDA_ROWS_PER_LANE_SWITCH(nr, kNR, [&] { decode::run_recurrent_<kK, StateT, kNR>(p, warps_per_block, num_sms, stream); });
+    });
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace kda

@@ -1,0 +1,24 @@
+// Host entry of the token-serial ("recurrent") KDA kernel family: decode (T=1), speculative decode
+// (1+S tokens, per-token slot writes) and token-serial prefill (any T, checkpoints, final state).
+// Included by the torch-facing csrc/api/recurrent_cuda.cpp; no torch types, no device code here.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include "kda/params.h"
+
+namespace kda {
+
+// Launches the kernel for `p` on `stream` (no host sync, no allocation: CUDA-graph capturable).
+// Preconditions checked by the caller: bf16 token tensors; K == V in {64, 128}; state, source and
+// checkpoint dtypes fp32 or bf16; 16-byte aligned state/source/checkpoint/final-state pointers and slot
+// strides; q, k, g 16-byte aligned with strides that are multiples of 8 elements.
+// Returns the launch error (cudaSuccess when nothing was launched because N == 0).
+//
+// The environment variable KDA_RECURRENT_ROWS_PER_LANE (1, 2, 4 or 8) overrides the tile choice;
+// it exists for benchmarks and tests (results are bit-identical for every choice).
+cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream);
+
+// The tile the launcher would pick: state rows per lane (1, 2, 4, 8). Exposed for tests and benchmarks.
+int recurrent_rows_per_lane(const RecurrentParams& p, int num_sms);
+
+}  // namespace kda
