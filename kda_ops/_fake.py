@@ -5,12 +5,13 @@ csrc/api/recurrent_params.h (the memory-safety guards of a direct op call); the 
 validation is kda_ops/_validate.py, which runs before any op call of the public API.
 
 Output rules (shared with the CPU and CUDA implementations):
-- training forward: out [B, T, HV, V] in q's dtype; final_state [N, HV, V, K] and tapes
-  [rows, HV, V, K] fp32 (fp64 when q is fp64); rows = B*ceil(T/64) fixed, T//64 + N packed (an upper
-  bound from shapes, spare rows zero); tape_cu_starts int64 [N+1]. All contiguous.
-- backward ops: dq, dk, dv, dg, dbeta like their inputs in q's dtype; dA_log / ddt_bias in A_log's /
-  dt_bias's dtype; dinitial_state [N, HV, V, K] in initial_state's dtype (recurrent_kda_backward) or
-  the tapes' dtype (training backward, which has no initial_state input). All contiguous.
+- training forward: out [B, T, HV, V] in q's dtype; final_state [N, HV, V, K] in initial_state's
+  dtype; tapes [rows, HV, V, K] fp32 (fp64 when q is fp64), rows = B*ceil(T/64) fixed, T//64 + N
+  packed (an upper bound from shapes, spare rows zero); tape_cu_starts int64 [N+1]. All contiguous.
+- backward ops: dq, dk, dv, dg, dbeta shaped like their inputs in q's dtype; dA_log / ddt_bias shaped
+  like A_log / dt_bias in A_log's dtype; dinitial_state [N, HV, V, K] in initial_state's dtype
+  (recurrent_kda_backward) or the tapes' dtype (training backward, which has no initial_state input).
+  All contiguous.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_s
     acc = _acc_dtype(q)
     rows = T // TAPE_CHUNK + N if cu_seqlens is not None else B * ((T + TAPE_CHUNK - 1) // TAPE_CHUNK)
     out = q.new_empty((B, T, HV, V))
-    final_state = q.new_empty((N, HV, V, K), dtype=acc)
+    final_state = q.new_empty((N, HV, V, K), dtype=initial_state.dtype)
     tapes = q.new_empty((rows, HV, V, K), dtype=acc)
     tape_cu_starts = q.new_empty((N + 1,), dtype=torch.int64)
     return out, final_state, tapes, tape_cu_starts
@@ -180,14 +181,15 @@ def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_s
 def _grads(q, k, v, g, beta, A_log, dt_bias, N, state_dtype):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    # Token gradients in q's dtype; parameter gradients in A_log's dtype, shaped like their inputs.
     return (
         q.new_empty(tuple(q.shape)),
-        k.new_empty(tuple(k.shape)),
-        v.new_empty(tuple(v.shape)),
-        g.new_empty(tuple(g.shape)),
-        beta.new_empty(tuple(beta.shape)),
-        A_log.new_empty((HV,)),
-        dt_bias.new_empty((HV, K)),
+        q.new_empty(tuple(k.shape)),
+        q.new_empty(tuple(v.shape)),
+        q.new_empty(tuple(g.shape)),
+        q.new_empty(tuple(beta.shape)),
+        A_log.new_empty(tuple(A_log.shape)),
+        A_log.new_empty(tuple(dt_bias.shape)),
         q.new_empty((N, HV, V, K), dtype=state_dtype),
     )
 

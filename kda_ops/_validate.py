@@ -415,7 +415,16 @@ def check_pool(t: Any, name: str, d: Dims) -> torch.Tensor:
             f"{name} must have a compact [HV, V, K] block per slot and a slot stride of HV*V*K={inner} or a larger "
             f"multiple of 16 elements, got strides {list(s.stride())}"
         )
+    check_aligned(s, name, d)
     return s
+
+
+def check_aligned(t: torch.Tensor, name: str, d: Dims) -> None:
+    """CUDA kernels move states in 16-byte vectors: the base address must be 16-byte aligned."""
+    if not d.on_cuda or torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return
+    if t.numel() > 0 and t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} must start at a 16-byte aligned address on CUDA, got {hex(t.data_ptr())}")
 
 
 def check_index(t: Any, name: str, shape: tuple[Any, ...], layout: str, d: Dims) -> torch.Tensor:

@@ -298,6 +298,7 @@ def recurrent_kda(
                     f"state_checkpoints must have shape [C, HV, V, K] = [*, {d.HV}, {d.V}, {d.K}], got {V._shape(ck)}"
                 )
             V._contiguous(ck, "state_checkpoints")
+            V.check_aligned(ck, "state_checkpoints", d)
         if checkpoint_cu_starts is not None:
             ck_starts = V._tensor(checkpoint_cu_starts, "checkpoint_cu_starts")
             V._device(ck_starts, "checkpoint_cu_starts", d.device)
@@ -334,7 +335,8 @@ def recurrent_kda(
         V.check_no_overlap("state_checkpoints", ck, reads)
 
     capturing = V.capturing(d.device)
-    exact = not (torch.compiler.is_compiling() or capturing)
+    # Exact checkpoint row counts need cu_seqlens values: not while tracing, capturing, or on meta tensors.
+    exact = not (torch.compiler.is_compiling() or capturing or d.device.type == "meta" or type(q) is not torch.Tensor)
     if n_ck > 0:
         if ck_starts is None:
             ck_starts, n_rows = _checkpoint_starts(d, n_ck, cu_seqlens, exact)

@@ -116,16 +116,16 @@ class RecurrentKDAPrefillWorkspace(_Scratch):
 class RecurrentKDABackwardWorkspace(_Scratch):
     """Caller-owned scratch of :func:`kda_ops.recurrent_kda_backward`.
 
-    Holds the int64 copy of ``cu_seqlens`` (when the caller's is int32) and the zero ``dfinal_state``
-    used when none is given, so that a captured call allocates nothing for them; the CUDA backward
-    sizes its own scratch here when it lands. Planned by an eager call with the same shapes, like
+    Holds the int64 copy of ``cu_seqlens`` when the caller's is int32, so that a captured call writes
+    a buffer it owns. The ``kda::recurrent_kda_backward`` schema takes no workspace tensor: the op
+    allocates its outputs and scratch itself (inside a capture that memory comes from the graph's
+    private pool). Planned by an eager call with the same shapes, like
     :class:`RecurrentKDAPrefillWorkspace`.
     """
 
     def __init__(self, device: torch.device | str | None = None, nbytes: int = 0) -> None:
         super().__init__(device, nbytes)
         self.cu_seqlens64: torch.Tensor | None = None
-        self.zero_dfinal: torch.Tensor | None = None
 
 
 @dataclass

@@ -149,18 +149,20 @@ def _train_leaves(dtype=torch.bfloat16):
 def test_compile_training_step(backend):
     ts, cu, do = _train_leaves()
 
-    def step(q, k, v, g, beta, A_log, dt_bias, h0, cu, do):
+    def loss_fn(q, k, v, g, beta, A_log, dt_bias, h0, cu, do):
         o, fs = kda_ops.kda(
             q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens=cu, lower_bound=-4.0, output_final_state=True
         )
-        loss = (o.float() * do.float()).sum() + fs.square().sum()
-        loss.backward()
-        return loss.detach()
+        return (o.float() * do.float()).sum() + fs.square().sum()
 
+    # The usual compiled training step: forward + loss in one fullgraph graph; loss.backward() then runs
+    # the AOT-compiled backward graph (which calls kda::recurrent_kda_training_backward).
     leaves_e = [t.detach().clone().requires_grad_() for t in ts]
     leaves_c = [t.detach().clone().requires_grad_() for t in ts]
-    loss_e = step(*leaves_e, cu, do)
-    loss_c = _compile(step, backend)(*leaves_c, cu, do)
+    loss_e = loss_fn(*leaves_e, cu, do)
+    loss_e.backward()
+    loss_c = _compile(loss_fn, backend)(*leaves_c, cu, do)
+    loss_c.backward()
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=0)
     for a, b in zip(leaves_c, leaves_e, strict=True):
         assert a.grad is not None

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import inputs, needs_cpu_op
 
-import kda_ops  # noqa: F401
+import kda_ops
 
 K = V = 32
 OPS = torch.ops.kda
@@ -178,3 +178,35 @@ def test_fake_shapes_training():
         )
         for gr, inp in zip(grads, (q, k, v, g, beta, A_log, dt_bias, h0), strict=True):
             assert gr.shape == inp.shape and gr.dtype == inp.dtype
+
+
+def test_public_api_on_meta_tensors():
+    """Shape inference through the public API with meta tensors (the fake kernels, no values read)."""
+    x = inputs(H=1, HV=2, K=16, V=16, cu_seqlens=[0, 3, 70], device="meta")
+    o, f = kda_ops.kda(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        x["A_log"],
+        x["dt_bias"],
+        cu_seqlens=x["cu_seqlens"],
+        output_final_state=True,
+    )
+    assert o.shape == (1, 70, 2, 16) and o.device.type == "meta" and f.shape == (2, 2, 16, 16)
+    o, f, ck = kda_ops.recurrent_kda(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        x["A_log"],
+        x["dt_bias"],
+        use_gate_in_kernel=True,
+        initial_state=x["initial_state"],
+        cu_seqlens=x["cu_seqlens"],
+        output_final_state=True,
+        checkpoint_every_n_tokens=16,
+    )
+    assert f is x["initial_state"] and ck.shape == (70 // 16 + 2, 2, 16, 16)  # upper bound without values
