@@ -1,0 +1,328 @@
+// CUDA implementations of the three training ops (SPEC §3.2-3.3, issue 5):
+//   recurrent_kda_training_forward  = the token-serial recurrent kernel (csrc/kda/decode) with fp32
+//                                     tapes every kTapeChunk tokens, lower-bound gate, logit beta, L2 norm;
+//   recurrent_kda_training_backward = the reverse sweep of csrc/kda/backward from the tapes;
+//   recurrent_kda_backward          = both.
+// Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128. No host
+// synchronisation anywhere (tape_cu_starts is computed on the device), so the ops can be captured in a
+// CUDA graph; the torch allocations inside them go through the caching allocator.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "api/checks.h"
+#include "api/recurrent_params.h"
+#include "kda/backward/backward_params.h"
+#include "kda/decode/recurrent_launch.h"
+#include "kda/params.h"
+
+namespace kda {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+struct TrainDims {
+  int64_t B, T, N, rows;
+  int H, HV;
+};
+
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// Token tensor as the recurrent kernel wants it: 16-byte aligned base, strides multiples of 8 elements,
+// contiguous last dim. Views that are not get a compact copy.
+Tensor kernel_tokens(const Tensor& t) {
+  bool ok = t.stride(-1) == 1 && aligned16(t);
+  for (int d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// Compact, 16-byte aligned fp32 copy (or the tensor itself when it already is one).
+Tensor compact_f32(const Tensor& t) {
+  Tensor c = t.to(at::kFloat).contiguous();
+  return aligned16(c) ? c : c.clone();
+}
+
+TrainDims check_training_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
+                                const OptTensor& cu_seqlens, double scale, double lower_bound) {
+  KDA_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
+  for (const Tensor* t : {&k, &v, &g, &beta, &A_log, &dt_bias}) KDA_CHECK_SAME_DEVICE(*t, q, "every input");
+  KDA_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && g.dim() == 4 && beta.dim() == 3, op,
+            ": q, k, v, g must be rank 4 and beta rank 3, got ", q.dim(), ", ", k.dim(), ", ", v.dim(), ", ", g.dim(),
+            ", ", beta.dim());
+  for (const Tensor* t : {&q, &k, &v, &g, &beta})
+    KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, op, ": CUDA token tensors (q, k, v, g, beta) must be ",
+                   at::kBFloat16, ", got ", t->scalar_type());
+  TrainDims d;
+  d.B = q.size(0);
+  d.T = q.size(1);
+  d.H = static_cast<int>(q.size(2));
+  d.HV = static_cast<int>(v.size(2));
+  const int64_t K = q.size(3), V = v.size(3);
+  KDA_CHECK(K == kBwdDim && V == kBwdDim, op, ": the CUDA training ops support K == V == ", kBwdDim, ", got K=", K,
+            ", V=", V);
+  KDA_CHECK(d.H > 0 && d.HV > 0 && d.HV % d.H == 0, op, ": HV % H must be 0, got HV=", d.HV, ", H=", d.H);
+  KDA_CHECK(k.sizes() == q.sizes(), op, ": k must have the shape of q ", q.sizes(), ", got ", k.sizes());
+  KDA_CHECK(v.size(0) == d.B && v.size(1) == d.T, op, ": v must be [B, T, HV, V], got ", v.sizes());
+  KDA_CHECK(g.size(0) == d.B && g.size(1) == d.T && g.size(2) == d.HV && g.size(3) == K, op,
+            ": g must be [B, T, HV, K], got ", g.sizes());
+  KDA_CHECK(beta.size(0) == d.B && beta.size(1) == d.T && beta.size(2) == d.HV, op, ": beta must be [B, T, HV], got ",
+            beta.sizes());
+  for (const Tensor* t : {&q, &k, &v, &g})
+    KDA_CHECK(t->stride(-1) == 1, op, ": token tensors must have a contiguous last dim, got strides ", t->strides());
+  KDA_CHECK_DTYPE(A_log, at::kFloat, "A_log");
+  KDA_CHECK_DTYPE(dt_bias, at::kFloat, "dt_bias");
+  KDA_CHECK(A_log.numel() == d.HV, op, ": A_log must be [HV]=[", d.HV, "], got ", A_log.sizes());
+  KDA_CHECK(dt_bias.numel() == int64_t(d.HV) * K, op, ": dt_bias must be [HV, K]=[", d.HV, ", ", K, "], got ",
+            dt_bias.sizes());
+  KDA_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be finite and > 0, got ", scale);
+  KDA_CHECK(std::isfinite(lower_bound) && lower_bound >= -5.0 && lower_bound < 0.0, op,
+            ": lower_bound must be in [-5, 0), got ", lower_bound);
+  if (cu_seqlens.has_value()) {
+    const Tensor& cu = *cu_seqlens;
+    KDA_CHECK_SAME_DEVICE(cu, q, "cu_seqlens");
+    KDA_CHECK(d.B == 1, op, ": cu_seqlens needs B == 1, got B=", d.B);
+    KDA_CHECK(cu.dim() == 1 && cu.numel() >= 2 && cu.is_contiguous(), op,
+              ": cu_seqlens must be a contiguous [N+1] tensor with N >= 1, got ", cu.sizes());
+    KDA_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, op,
+                   ": cu_seqlens must be int32 or int64, got ", cu.scalar_type());
+    d.N = cu.numel() - 1;
+    d.rows = d.T / kTapeChunk + d.N;
+  } else {
+    d.N = d.B;
+    d.rows = d.B * ((d.T + kTapeChunk - 1) / kTapeChunk);
+  }
+  return d;
+}
+
+TokenTensor token_view(const Tensor& t) {
+  TokenTensor r;
+  r.ptr = t.data_ptr();
+  r.batch_stride = t.stride(0);
+  r.token_stride = t.stride(1);
+  r.head_stride = t.stride(2);
+  return r;
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+}
+
+// Forward with tapes. Returns (out bf16, final_state fp32, tapes fp32, tape_cu_starts int64).
+std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op, const Tensor& q_in,
+                                                                 const Tensor& k_in, const Tensor& v_in,
+                                                                 const Tensor& g_in, const Tensor& beta,
+                                                                 const Tensor& A_log, const Tensor& dt_bias,
+                                                                 const Tensor& initial_state,
+                                                                 const OptTensor& cu_seqlens, double scale,
+                                                                 double lower_bound) {
+  const TrainDims d =
+      check_training_inputs(op, q_in, k_in, v_in, g_in, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  KDA_CHECK_SAME_DEVICE(initial_state, q_in, "initial_state");
+  KDA_CHECK(initial_state.dim() == 4 && initial_state.size(0) == d.N && initial_state.size(1) == d.HV &&
+                initial_state.size(2) == kBwdDim && initial_state.size(3) == kBwdDim,
+            op, ": initial_state must be [N, HV, V, K]=[", d.N, ", ", d.HV, ", ", kBwdDim, ", ", kBwdDim, "], got ",
+            initial_state.sizes());
+  KDA_CHECK_TYPE(initial_state.scalar_type() == at::kFloat || initial_state.scalar_type() == at::kBFloat16, op,
+                 ": initial_state must be float32 or bfloat16, got ", initial_state.scalar_type());
+  const Tensor q = kernel_tokens(q_in), k = kernel_tokens(k_in), v = kernel_tokens(v_in), g = kernel_tokens(g_in);
+  Tensor init = initial_state.contiguous();
+  if (!aligned16(init)) init = init.clone();
+  const Tensor A = A_log.contiguous();
+  const Tensor dtb = dt_bias.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+
+  Tensor out = at::empty({d.B, d.T, d.HV, kBwdDim}, q.options());
+  Tensor final_state = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
+  Tensor tapes = at::zeros({d.rows, d.HV, kBwdDim, kBwdDim}, f32);  // unused rows stay zero
+  Tensor tape_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
+                                   cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
+                                   tape_cu_starts.data_ptr<int64_t>(), stream),
+             "kda tape_cu_starts kernel");
+
+  const OptTensor A_opt(A), dtb_opt(dtb), none, fs_opt(final_state), ck_opt(tapes), cks_opt(tape_cu_starts);
+  RecurrentArgs args{.q = q,
+                     .k = k,
+                     .v = v,
+                     .g = g,
+                     .beta = beta,
+                     .A_log = A_opt,
+                     .dt_bias = dtb_opt,
+                     .state = none,
+                     .state_source = none,  // set below: make_recurrent_params wants indices with a source
+                     .initial_state_indices = none,
+                     .cu_seqlens = cu_seqlens,
+                     .ssm_state_indices = none,
+                     .num_accepted_tokens = none,
+                     .seq_order = none,
+                     .output = out,
+                     .final_state = fs_opt,
+                     .state_checkpoints = ck_opt,
+                     .checkpoint_cu_starts = cks_opt,
+                     .scale = scale,
+                     .gate_mode = static_cast<int64_t>(GateMode::kLowerBound),
+                     .lower_bound = lower_bound,
+                     .use_qk_l2norm = true,
+                     .beta_is_logit = true,
+                     .num_spec_tokens = 0,
+                     .checkpoint_every_n_tokens = kTapeChunk};
+  RecurrentParams p = make_recurrent_params(args);
+  // Read-only start states from initial_state slot n (initial_state_indices = null: recurrent_rules.h).
+  p.state_source = init.data_ptr();
+  p.state_source_dtype = init.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
+  p.source_slot_stride = int64_t(d.HV) * kBwdDim * kBwdDim;
+  p.n_source = d.N;
+  p.initial_state_indices = nullptr;
+  check_cuda(launch_recurrent(p, stream), "kda recurrent kernel (training forward)");
+  return {out, final_state, tapes, tape_cu_starts};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> training_backward_impl(
+    const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+    const Tensor& A_log, const Tensor& dt_bias, const Tensor& tapes_in, const Tensor& tape_cu_starts,
+    const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state, double scale,
+    double lower_bound) {
+  const TrainDims d = check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
+  c10::cuda::CUDAGuard guard(q.device());
+  KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
+  KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
+  KDA_CHECK_SAME_DEVICE(dout, q, "do");
+  KDA_CHECK(tapes_in.dim() == 4 && tapes_in.size(1) == d.HV && tapes_in.size(2) == kBwdDim &&
+                tapes_in.size(3) == kBwdDim,
+            op, ": tapes must be [rows, HV, V, K], got ", tapes_in.sizes());
+  KDA_CHECK_DTYPE(tapes_in, at::kFloat, "tapes");
+  KDA_CHECK_DTYPE(tape_cu_starts, at::kLong, "tape_cu_starts");
+  KDA_CHECK(tape_cu_starts.dim() == 1 && tape_cu_starts.numel() == d.N + 1 && tape_cu_starts.is_contiguous(), op,
+            ": tape_cu_starts must be a contiguous [N+1]=[", d.N + 1, "], got ", tape_cu_starts.sizes());
+  KDA_CHECK_TYPE(dout.scalar_type() == at::kBFloat16, op, ": do must be ", at::kBFloat16, ", got ",
+                 dout.scalar_type());
+  KDA_CHECK(dout.dim() == 4 && dout.size(0) == d.B && dout.size(1) == d.T && dout.size(2) == d.HV &&
+                dout.size(3) == kBwdDim,
+            op, ": do must be [B, T, HV, V], got ", dout.sizes());
+  KDA_CHECK(dout.stride(-1) == 1, op, ": do must have a contiguous last dim, got strides ", dout.strides());
+  Tensor dfinal;
+  if (dfinal_state.has_value()) {
+    KDA_CHECK_SAME_DEVICE(*dfinal_state, q, "dfinal_state");
+    KDA_CHECK(dfinal_state->dim() == 4 && dfinal_state->size(0) == d.N && dfinal_state->size(1) == d.HV &&
+                  dfinal_state->size(2) == kBwdDim && dfinal_state->size(3) == kBwdDim,
+              op, ": dfinal_state must be [N, HV, V, K], got ", dfinal_state->sizes());
+    dfinal = compact_f32(*dfinal_state);
+  }
+  const Tensor tapes = compact_f32(tapes_in);
+  const Tensor A = A_log.contiguous();
+  const Tensor dtb = dt_bias.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  const auto tok = q.options();
+
+  Tensor dq = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
+  Tensor dk = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
+  Tensor dv = at::zeros({d.B, d.T, d.HV, kBwdDim}, tok);  // tokens outside every sequence stay zero
+  Tensor dg = at::zeros({d.B, d.T, d.HV, kBwdDim}, tok);
+  Tensor dbeta = at::zeros({d.B, d.T, d.HV}, tok);
+  Tensor dA_log = at::empty({d.HV}, f32);
+  Tensor ddt_bias = at::empty({d.HV, kBwdDim}, f32);
+  Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
+
+  const int64_t tasks = d.N * d.HV;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
+  Tensor head_grads = at::zeros({2, d.B * d.T * d.HV * kBwdDim}, f32);
+  Tensor partials = at::empty({d.N * d.HV * (kBwdDim + 1)}, f32);
+  Tensor scratch = at::empty({std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
+
+  TrainingBackwardParams p;
+  p.B = d.B;
+  p.T = d.T;
+  p.N = d.N;
+  p.H = d.H;
+  p.HV = d.HV;
+  p.q = token_view(q);
+  p.k = token_view(k);
+  p.v = token_view(v);
+  p.g = token_view(g);
+  p.beta = token_view(beta);
+  p.dout = token_view(dout);
+  p.A_log = A.data_ptr<float>();
+  p.dt_bias = dtb.data_ptr<float>();
+  p.tapes = tapes.data_ptr<float>();
+  p.n_tape_rows = tapes.size(0);
+  p.tape_cu_starts = tape_cu_starts.data_ptr<int64_t>();
+  if (cu_seqlens.has_value()) {
+    p.cu_seqlens = cu_seqlens->data_ptr();
+    p.cu_seqlens_int64 = cu_seqlens->scalar_type() == at::kLong;
+  }
+  p.dfinal_state = dfinal.defined() ? dfinal.data_ptr<float>() : nullptr;
+  p.scale = static_cast<float>(scale);
+  p.lower_bound = static_cast<float>(lower_bound);
+  p.dv = dv.data_ptr();
+  p.dg = dg.data_ptr();
+  p.dbeta = dbeta.data_ptr();
+  p.dinitial_state = dinit.data_ptr<float>();
+  float* hg = head_grads.data_ptr<float>();
+  p.dq_head = hg;
+  p.dk_head = hg + d.B * d.T * d.HV * kBwdDim;
+  p.ddt_partial = partials.data_ptr<float>();
+  p.dA_partial = p.ddt_partial + d.N * d.HV * kBwdDim;
+  p.scratch = scratch.data_ptr<float>();
+  p.grid = grid;
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dA_log = dA_log.data_ptr<float>();
+  p.ddt_bias = ddt_bias.data_ptr<float>();
+  check_cuda(launch_training_backward(p, at::cuda::getCurrentCUDAStream()), "kda training backward kernels");
+  return {dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinit};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                 const Tensor& g, const Tensor& beta,
+                                                                 const Tensor& A_log, const Tensor& dt_bias,
+                                                                 const Tensor& initial_state,
+                                                                 const OptTensor& cu_seqlens, double scale,
+                                                                 double lower_bound) {
+  return training_forward_impl("recurrent_kda_training_forward", q, k, v, g, beta, A_log, dt_bias, initial_state,
+                               cu_seqlens, scale, lower_bound);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> training_backward_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
+    const Tensor& dt_bias, const Tensor& tapes, const Tensor& tape_cu_starts, const OptTensor& cu_seqlens,
+    const Tensor& dout, const OptTensor& dfinal_state, double scale, double lower_bound) {
+  return training_backward_impl("recurrent_kda_training_backward", q, k, v, g, beta, A_log, dt_bias, tapes,
+                                tape_cu_starts, cu_seqlens, dout, dfinal_state, scale, lower_bound);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> backward_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
+    const Tensor& dt_bias, const Tensor& initial_state, const OptTensor& cu_seqlens, const Tensor& dout,
+    const OptTensor& dfinal_state, double scale, double lower_bound) {
+  const char* op = "recurrent_kda_backward";
+  auto fwd = training_forward_impl(op, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                                   lower_bound);
+  auto grads = training_backward_impl(op, q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd),
+                                      cu_seqlens, dout, dfinal_state, scale, lower_bound);
+  // dinitial_state in initial_state's dtype (kda_ops/_fake.py).
+  if (initial_state.scalar_type() != at::kFloat)
+    std::get<7>(grads) = std::get<7>(grads).to(initial_state.scalar_type());
+  return grads;
+}
+
+}  // namespace
+}  // namespace kda
+
+TORCH_LIBRARY_IMPL(kda, CUDA, m) {
+  m.impl("recurrent_kda_training_forward", &kda::training_forward_cuda);
+  m.impl("recurrent_kda_training_backward", &kda::training_backward_cuda);
+  m.impl("recurrent_kda_backward", &kda::backward_cuda);
+}

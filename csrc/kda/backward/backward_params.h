@@ -1,0 +1,81 @@
+// Plain-old-data parameters of the CUDA training backward (SPEC §2.1, §3.2-3.3) and its launchers.
+// No torch types: csrc/api/training_cuda.cpp fills these from tensors. Offsets and strides are in
+// ELEMENTS and 64-bit. Fast path only: K == V == 128 (kBwdDim), bf16 token tensors, L2 norm on,
+// lower-bound gate, logit beta (the training contract).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kda/params.h"
+
+namespace kda {
+
+constexpr int kBwdDim = 128;        // K == V this backward handles
+constexpr int kBwdSubBlock = 8;     // tokens between the in-chunk recompute checkpoints
+constexpr int kBwdSubBlocksPerChunk = kTapeChunk / kBwdSubBlock;
+constexpr int kBwdThreads = 256;    // one CTA per (sequence, value head) task
+// fp32 elements of per-CTA scratch: the state at every sub-block start of the chunk being reversed.
+constexpr int64_t kBwdScratchPerCta = int64_t(kBwdSubBlocksPerChunk) * kBwdDim * kBwdDim;
+
+struct TrainingBackwardParams {
+  // Problem size (as RecurrentParams): fixed N = B sequences of T tokens; packed B = 1, N = len(cu)-1.
+  int64_t B = 0, T = 0, N = 0;
+  int H = 0, HV = 0;  // K = V = kBwdDim
+
+  TokenTensor q, k;   // [B, T, H, 128] bf16
+  TokenTensor v, g;   // [B, T, HV, 128] bf16 (g: raw gate input)
+  TokenTensor beta;   // [B, T, HV] bf16 logits
+  TokenTensor dout;   // [B, T, HV, 128] bf16: dL/do
+
+  const float* A_log = nullptr;    // [HV]
+  const float* dt_bias = nullptr;  // [HV, 128], may be null (0)
+
+  // Tapes: fp32 [n_tape_rows, HV, 128, 128], compact; row tape_cu_starts[n] + c holds the state of
+  // sequence n before its token 64*c (SPEC §3.1 checkpoint rule with every = kTapeChunk).
+  const float* tapes = nullptr;
+  int64_t n_tape_rows = 0;
+  const int64_t* tape_cu_starts = nullptr;  // [N+1]
+
+  const void* cu_seqlens = nullptr;  // [N+1] int32 / int64; null for the fixed layout
+  bool cu_seqlens_int64 = false;
+
+  const float* dfinal_state = nullptr;  // [N, HV, 128, 128] compact fp32; null = zeros
+
+  float scale = 0.f;        // q scale (> 0)
+  float lower_bound = 0.f;  // λ in [-5, 0)
+
+  // Outputs written by the reverse kernel (all compact).
+  void* dv = nullptr;               // [B, T, HV, 128] bf16 (caller zeroes: tokens outside every sequence)
+  void* dg = nullptr;               // [B, T, HV, 128] bf16 (idem)
+  void* dbeta = nullptr;            // [B, T, HV] bf16 (idem)
+  float* dinitial_state = nullptr;  // [N, HV, 128, 128]
+
+  // Workspace (caller-allocated, fp32).
+  float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head; caller zeroes
+  float* dk_head = nullptr;      // [B*T, HV, 128] dL/d(normalised k) per value head; caller zeroes
+  float* ddt_partial = nullptr;  // [N, HV, 128] per-sequence ddt_bias sums (fully written)
+  float* dA_partial = nullptr;   // [N, HV] per-sequence dA_log sums (fully written)
+  float* scratch = nullptr;      // [grid, kBwdScratchPerCta]
+  int grid = 0;                  // CTAs of the reverse kernel (persistent over N*HV tasks)
+
+  // Outputs of the finishing kernels.
+  void* dq = nullptr;        // [B, T, H, 128] bf16 compact
+  void* dk = nullptr;        // [B, T, H, 128] bf16 compact
+  float* dA_log = nullptr;   // [HV]
+  float* ddt_bias = nullptr; // [HV, 128]
+};
+
+// Dynamic shared memory of the reverse kernel, bytes (the caller needs no opt-in: the launcher does it).
+int64_t training_backward_smem_bytes();
+
+// Reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient reduction, on `stream`.
+// No host synchronisation, no allocation (CUDA-graph capturable).
+cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream_t stream);
+
+// tape_cu_starts[0] = 0, tape_cu_starts[n+1] = tape_cu_starts[n] + ceil(L_n / kTapeChunk), with L_n the
+// sequence lengths of RecurrentParams' rule (seq_range: cu_seqlens clamped to [0, T]; fixed: T).
+cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64, int64_t N, int64_t T,
+                                  int64_t* tape_cu_starts, cudaStream_t stream);
+
+}  // namespace kda

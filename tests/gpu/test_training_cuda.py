@@ -1,0 +1,390 @@
+"""CUDA training ops (issue 5): recurrent_kda_training_forward / _backward and recurrent_kda_backward
+against the fp64 reference (kda_ops.reference.reference_training_grads), the golden file, the CPU ops,
+and themselves (determinism, CUDA graph capture).
+
+Tolerances are SPEC §6, on the same bf16-rounded inputs: output relative RMS <= 5e-3 and max abs <= 2e-2
+(bf16 storage alone costs ~2e-3), fp32 final state and tapes <= 1e-3 (fp32 math vs fp64), the eight
+gradients <= 1e-2 each (five of them are stored in bf16, ~2e-3 from rounding alone) and finite.
+
+Set KDA_TRAIN_REPORT=<file> to append one line of errors per case (relative RMS and max abs error of
+every tensor): the numbers behind a pass, for the device logs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import kda_ops  # noqa: F401  (registers the ops)
+from kda_ops.reference import make_inputs, recurrent_kda_reference, reference_training_grads, rel_rms
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TOL_OUT, TOL_OUT_MAXABS, TOL_STATE, TOL_GRAD = 5e-3, 2e-2, 1e-3, 1e-2
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
+K = 128
+
+
+def _report(line: str) -> None:
+    path = os.environ.get("KDA_TRAIN_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def _maxabs(a: torch.Tensor, e: torch.Tensor) -> float:
+    d = a.detach().double().cpu() - e.detach().double().cpu()
+    return d.abs().max().item() if d.numel() else 0.0
+
+
+def _errors(names, actual, expected) -> dict[str, tuple[float, float]]:
+    return {n: (rel_rms(a, e), _maxabs(a, e)) for n, a, e in zip(names, actual, expected, strict=True)}
+
+
+def _fmt(errs: dict[str, tuple[float, float]]) -> str:
+    return " ".join(f"{n}={r:.2e}/{m:.1e}" for n, (r, m) in errs.items())
+
+
+def _case_inputs(B, T, H, HV, lengths, zero_init, seed, with_dfinal):
+    cu = None
+    if lengths is not None:
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+    x = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=K, cu_seqlens=cu, seed=seed)
+    if zero_init:
+        x["initial_state"].zero_()
+    B, T = x["q"].shape[:2]
+    N = x["initial_state"].shape[0]
+    gen = torch.Generator().manual_seed(seed + 1000)
+    x["do"] = torch.randn(B, T, HV, K, generator=gen).to(torch.bfloat16)
+    x["dfinal_state"] = (torch.randn(N, HV, K, K, generator=gen) * 0.1) if with_dfinal else None
+    return x
+
+
+def _cuda(x: dict) -> dict:
+    return {k: (None if v is None else v.cuda()) for k, v in x.items()}
+
+
+def _expected_tapes(x, scale, lam):
+    res = recurrent_kda_reference(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        scale=scale,
+        initial_state=x["initial_state"],
+        cu_seqlens=x.get("cu_seqlens"),
+        use_gate_in_kernel=True,
+        lower_bound=lam,
+        beta_is_logit=True,
+        checkpoint_every_n_tokens=64,
+    )
+    starts = [0]
+    for c in res.checkpoints:
+        starts.append(starts[-1] + c.shape[0])
+    return res.checkpoints, starts
+
+
+# (name, B, T, H, HV, packed lengths or None, zero initial state, λ, scale or None, dfinal given)
+CASES = [
+    ("fixed_T1", 1, 1, 1, 1, None, False, -5.0, None, True),
+    ("fixed_T17_H4", 2, 17, 4, 4, None, True, -1.0, None, False),
+    ("fixed_T64_gqa2", 1, 64, 1, 2, None, False, -5.0, None, True),
+    ("fixed_T65_gqa4", 2, 65, 1, 4, None, False, -1.0, 0.3, True),
+    ("fixed_T200_H4", 1, 200, 4, 4, None, False, -5.0, None, True),
+    ("fixed_T200_gqa4", 1, 200, 1, 4, None, True, -1.0, None, True),
+    ("packed_17_0_65_1", 1, 0, 1, 2, [17, 0, 65, 1], False, -5.0, None, True),
+    ("packed_0_200_0_gqa2", 1, 0, 4, 8, [0, 200, 0], True, -1.0, None, False),
+    ("packed_64_64_3_0_17_gqa4", 1, 0, 2, 8, [64, 64, 3, 0, 17], False, -5.0, 0.05, True),
+    ("packed_1_1_1", 1, 0, 4, 4, [1, 1, 1], False, -1.0, None, True),
+    ("packed_all_empty", 1, 0, 1, 2, [0, 0], False, -5.0, None, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_training_ops_vs_reference(case):
+    name, B, T, H, HV, lengths, zero_init, lam, scale, with_dfinal = case
+    x = _case_inputs(B, T, H, HV, lengths, zero_init, seed=len(name), with_dfinal=with_dfinal)
+    sc = scale if scale is not None else 1.0 / math.sqrt(K)
+    out_ref, fs_ref, g_ref = reference_training_grads(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        x["A_log"],
+        x["dt_bias"],
+        x["initial_state"],
+        x["do"],
+        x["dfinal_state"],
+        cu_seqlens=x.get("cu_seqlens"),
+        scale=sc,
+        lower_bound=lam,
+    )
+    ckpts, starts = _expected_tapes(x, sc, lam)
+    c = _cuda(x)
+    cu = c.get("cu_seqlens")
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
+
+    out, fs, tapes, tcs = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], cu, sc, lam)
+    torch.cuda.synchronize()
+    errs = _errors(("out", "final_state"), (out, fs), (out_ref, fs_ref))
+    # Tapes: rows of each sequence vs the reference's checkpoints; spare rows exactly zero.
+    assert tcs.dtype == torch.int64 and tcs.cpu().tolist() == starts, f"tape_cu_starts {tcs.cpu().tolist()} != {starts}"
+    tapes_c = tapes.cpu()
+    used = torch.zeros(tapes_c.shape[0], dtype=torch.bool)
+    exp_rows = []
+    for n, ck in enumerate(ckpts):
+        used[starts[n] : starts[n] + ck.shape[0]] = True
+        exp_rows.append(ck)
+    if exp_rows and sum(e.shape[0] for e in exp_rows):
+        errs["tapes"] = (rel_rms(tapes_c[used], torch.cat(exp_rows)), _maxabs(tapes_c[used], torch.cat(exp_rows)))
+    spare_zero = bool((tapes_c[~used] == 0).all())
+
+    grads = torch.ops.kda.recurrent_kda_training_backward(*args, tapes, tcs, cu, c["do"], c["dfinal_state"], sc, lam)
+    torch.cuda.synchronize()
+    errs.update(_errors(GRADS, grads, g_ref))
+    _report(f"{name}: {_fmt(errs)}")
+
+    assert out.dtype == torch.bfloat16 and fs.dtype == torch.float32 and tapes.dtype == torch.float32
+    assert spare_zero, "unused tape rows must be zero"
+    for n_, t in zip(("out", "final_state", *GRADS), (out, fs, *grads), strict=True):
+        assert torch.isfinite(t.float()).all(), f"{n_}: non-finite values ({_fmt(errs)})"
+    for n_, ref, t in zip(GRADS, g_ref, grads, strict=True):
+        assert tuple(t.shape) == tuple(ref.shape), f"{n_}: shape {tuple(t.shape)} != {tuple(ref.shape)}"
+    assert [t.dtype for t in grads] == [torch.bfloat16] * 5 + [torch.float32] * 3
+    bad = [
+        n_
+        for n_, (r, _) in errs.items()
+        if r > {"out": TOL_OUT}.get(n_, TOL_STATE if n_ in ("final_state", "tapes") else TOL_GRAD)
+    ]
+    assert not bad, f"{name}: over tolerance {bad}: {_fmt(errs)}"
+    assert errs["out"][1] <= TOL_OUT_MAXABS, f"{name}: output max abs error: {_fmt(errs)}"
+
+    # Determinism (bit-identical rerun) and recurrent_kda_backward == forward + training backward.
+    grads2 = torch.ops.kda.recurrent_kda_training_backward(*args, tapes, tcs, cu, c["do"], c["dfinal_state"], sc, lam)
+    for n_, a, b in zip(GRADS, grads, grads2, strict=True):
+        assert torch.equal(a, b), f"{n_}: rerun of the training backward is not bit-identical"
+    out2, fs2, tapes2, _ = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], cu, sc, lam)
+    assert torch.equal(out, out2) and torch.equal(fs, fs2) and torch.equal(tapes, tapes2), "forward rerun differs"
+    grads3 = torch.ops.kda.recurrent_kda_backward(*args, c["initial_state"], cu, c["do"], c["dfinal_state"], sc, lam)
+    for n_, a, b in zip(GRADS, grads, grads3, strict=True):
+        assert torch.equal(a, b), f"{n_}: recurrent_kda_backward differs from forward + training backward"
+
+
+def test_dfinal_none_is_zero_and_int32_cu_seqlens():
+    x = _case_inputs(1, 0, 2, 4, [33, 0, 70], False, seed=7, with_dfinal=False)
+    c = _cuda(x)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
+    cu64 = c["cu_seqlens"]
+    cu32 = cu64.to(torch.int32)
+    sc, lam = 0.125, -3.0
+    o64, f64, t64, s64 = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], cu64, sc, lam)
+    o32, f32, t32, s32 = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], cu32, sc, lam)
+    assert torch.equal(o64, o32) and torch.equal(f64, f32) and torch.equal(t64, t32) and torch.equal(s64, s32)
+    zeros = torch.zeros_like(c["initial_state"])
+    g_none = torch.ops.kda.recurrent_kda_training_backward(*args, t64, s64, cu64, c["do"], None, sc, lam)
+    g_zero = torch.ops.kda.recurrent_kda_training_backward(*args, t64, s64, cu32, c["do"], zeros, sc, lam)
+    for n_, a, b in zip(GRADS, g_none, g_zero, strict=True):
+        assert torch.equal(a, b), f"{n_}: dfinal_state=None differs from zeros"
+
+
+def test_strided_views():
+    """q/k as slices of a fused projection and a transposed-layout beta (last dim contiguous)."""
+    B, T, H, HV = 1, 70, 2, 4
+    x = _case_inputs(B, T, H, HV, None, False, seed=11, with_dfinal=True)
+    sc, lam = 1.0 / math.sqrt(K), -5.0
+    _, _, g_ref = reference_training_grads(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        x["A_log"],
+        x["dt_bias"],
+        x["initial_state"],
+        x["do"],
+        x["dfinal_state"],
+        scale=sc,
+        lower_bound=lam,
+    )
+    c = _cuda(x)
+    qk = torch.cat([c["q"], c["k"]], dim=2)  # [B, T, 2H, K]
+    q, k = qk[:, :, :H], qk[:, :, H:]
+    beta = c["beta"].transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, HV] with token stride 1
+    args = (q, k, c["v"], c["g"], beta, c["A_log"], c["dt_bias"])
+    _, _, tapes, tcs = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], None, sc, lam)
+    grads = torch.ops.kda.recurrent_kda_training_backward(*args, tapes, tcs, None, c["do"], c["dfinal_state"], sc, lam)
+    errs = _errors(GRADS, grads, g_ref)
+    _report(f"strided_views: {_fmt(errs)}")
+    assert all(r <= TOL_GRAD for r, _ in errs.values()), _fmt(errs)
+
+
+def _golden_path() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (
+        os.environ.get("KDA_GOLDEN_DIR"),
+        os.path.join(here, "..", "..", "shared", "golden"),
+        os.path.join(here, "..", "..", "..", "shared", "golden"),
+    ):
+        if d and os.path.exists(os.path.join(d, "training_grads_packed_gqa.pt")):
+            return os.path.join(d, "training_grads_packed_gqa.pt")
+    return None
+
+
+def test_golden_training_grads_packed_gqa():
+    path = _golden_path()
+    if path is None:
+        pytest.skip("golden file training_grads_packed_gqa.pt not found (set KDA_GOLDEN_DIR)")
+    gold = torch.load(path)
+    x = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in gold["inputs"].items()}
+    sc, lam = float(gold["kwargs"]["scale"]), float(gold["kwargs"]["lower_bound"])
+    exp = gold["expected"]
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
+    out, fs, tapes, tcs = torch.ops.kda.recurrent_kda_training_forward(
+        *args, x["initial_state"], x["cu_seqlens"], sc, lam
+    )
+    grads = torch.ops.kda.recurrent_kda_training_backward(
+        *args, tapes, tcs, x["cu_seqlens"], x["do"], x["dfinal_state"], sc, lam
+    )
+    errs = _errors(("out", "final_state"), (out, fs), (exp["output"], exp["final_state"]))
+    errs.update(_errors(GRADS, grads, [exp[n] for n in GRADS]))
+    _report(f"golden_ops: {_fmt(errs)}")
+    assert errs["out"][0] <= TOL_OUT and errs["final_state"][0] <= TOL_STATE, _fmt(errs)
+    assert all(errs[n][0] <= TOL_GRAD for n in GRADS), _fmt(errs)
+
+    # The same through the public API.
+    cu_cpu = gold["inputs"]["cu_seqlens"].to(torch.int64)
+    o2, fs2, ctx = kda_ops.recurrent_kda_training_forward(
+        *args, x["initial_state"], cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam, cu_seqlens_cpu=cu_cpu
+    )
+    g2 = kda_ops.recurrent_kda_training_backward(ctx, x["do"], x["dfinal_state"])
+    errs2 = _errors(GRADS, g2, [exp[n] for n in GRADS])
+    _report(f"golden_api: {_fmt(errs2)}")
+    assert rel_rms(o2, exp["output"]) <= TOL_OUT and all(r <= TOL_GRAD for r, _ in errs2.values()), _fmt(errs2)
+    g3 = kda_ops.recurrent_kda_backward(
+        *args, x["initial_state"], x["do"], x["dfinal_state"], cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam
+    )
+    errs3 = _errors(GRADS, g3, [exp[n] for n in GRADS])
+    assert all(r <= TOL_GRAD for r, _ in errs3.values()), _fmt(errs3)
+
+
+def test_kda_autograd_cuda():
+    lengths = [40, 0, 90]
+    x = _case_inputs(1, 0, 2, 4, lengths, False, seed=3, with_dfinal=True)
+    sc, lam = 1.0 / math.sqrt(K), -5.0
+    _, _, g_ref = reference_training_grads(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        x["A_log"],
+        x["dt_bias"],
+        x["initial_state"],
+        x["do"],
+        x["dfinal_state"],
+        cu_seqlens=x["cu_seqlens"],
+        scale=sc,
+        lower_bound=lam,
+    )
+    c = _cuda(x)
+    leaves = [
+        c[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    ]
+    o, fs = kda_ops.kda(*leaves[:7], leaves[7], cu_seqlens=c["cu_seqlens"], output_final_state=True)
+    loss = (o.float() * c["do"].float()).sum() + (fs * c["dfinal_state"]).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    errs = _errors(GRADS, grads, g_ref)
+    _report(f"kda_autograd: {_fmt(errs)}")
+    assert all(r <= TOL_GRAD for r, _ in errs.values()), _fmt(errs)
+
+
+def test_cuda_matches_cpu_op():
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("kda::recurrent_kda_training_backward", "CPU"):
+        pytest.skip("CPU training ops not built")
+    x = _case_inputs(1, 0, 2, 4, [70, 0, 5], False, seed=5, with_dfinal=True)
+    sc, lam = 0.2, -2.0
+    args_cpu = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
+    o_c, f_c, t_c, s_c = torch.ops.kda.recurrent_kda_training_forward(
+        *args_cpu, x["initial_state"], x["cu_seqlens"], sc, lam
+    )
+    g_c = torch.ops.kda.recurrent_kda_training_backward(
+        *args_cpu, t_c, s_c, x["cu_seqlens"], x["do"], x["dfinal_state"], sc, lam
+    )
+    c = _cuda(x)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
+    o, f, t, s = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, lam)
+    g = torch.ops.kda.recurrent_kda_training_backward(*args, t, s, c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam)
+    assert torch.equal(s.cpu(), s_c) and t.shape == t_c.shape
+    errs = _errors(("out", "final_state", "tapes"), (o, f, t), (o_c, f_c, t_c))
+    errs.update(_errors(GRADS, g, g_c))
+    _report(f"cuda_vs_cpu: {_fmt(errs)}")
+    assert errs["out"][0] <= TOL_OUT and errs["final_state"][0] <= TOL_STATE and errs["tapes"][0] <= TOL_STATE, _fmt(
+        errs
+    )
+    assert all(errs[n][0] <= TOL_GRAD for n in GRADS), _fmt(errs)
+
+
+def test_cuda_graph_capture_backward():
+    lengths = [30, 0, 70]
+    x = _case_inputs(1, 0, 1, 2, lengths, False, seed=9, with_dfinal=True)
+    y = _case_inputs(1, 0, 1, 2, lengths, False, seed=19, with_dfinal=True)
+    sc, lam = 0.1, -4.0
+    c = _cuda(x)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+    def call():
+        return torch.ops.kda.recurrent_kda_backward(
+            *(c[n] for n in names), c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
+        )
+
+    call()  # eager warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for n in (*names, "do", "dfinal_state"):
+        c[n].copy_(y[n].cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = call()
+    for n_, a, b in zip(GRADS, captured, eager, strict=True):
+        assert torch.equal(a, b), f"{n_}: graph replay differs from the eager call"
+
+
+def test_rejects_unsupported():
+    x = make_inputs(B=1, T=4, H=1, HV=1, K=64, V=64, device="cuda")
+    with pytest.raises(ValueError, match="K == V == 128"):
+        torch.ops.kda.recurrent_kda_training_forward(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], None, 0.1, -5.0
+        )
+    x = make_inputs(B=1, T=4, H=1, HV=1, device="cuda")
+    with pytest.raises(TypeError):
+        torch.ops.kda.recurrent_kda_training_forward(
+            x["q"].half(),
+            x["k"].half(),
+            x["v"].half(),
+            x["g"].half(),
+            x["beta"].half(),
+            x["A_log"],
+            x["dt_bias"],
+            x["initial_state"],
+            None,
+            0.1,
+            -5.0,
+        )
+    with pytest.raises(ValueError, match="lower_bound"):
+        torch.ops.kda.recurrent_kda_training_forward(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], None, 0.1, -6.0
+        )
