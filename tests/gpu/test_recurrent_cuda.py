@@ -1,0 +1,657 @@
+"""GPU tier: the CUDA token-serial recurrent_kda kernel (csrc/kda/decode, backend "recurrent"/"auto")
+against kda_ops.reference in fp64 on the same bf16-rounded inputs.
+
+Tolerances (SPEC §6, justified in tests/conftest.py): outputs 5e-3 relative RMS and 2e-2 max abs; fp32
+states 1e-3, bf16 states 1e-2; fp32-state decode over 4096 steps 1e-4; a speculative step against the
+same tokens as single-token decodes 1e-6 (fp32 state: the same fp32 arithmetic in the same order, so in
+practice bit-identical). Untouched slots, padding and read-only sources are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from conftest import (
+    TOL_STATE_FP32,
+    assert_close_rms,
+    assert_output,
+    bits,
+    has_cpu_op,
+    inputs,
+    lengths_to_cu,
+    load_golden,
+    state_tol,
+)
+
+import kda_ops
+from kda_ops.reference import recurrent_kda_reference, rel_rms
+
+# KDA_RECURRENT_TEST_DEVICE=cpu runs the device-neutral tests of this file on the CPU op: a check of the
+# harness itself (reference calls, slot bookkeeping) that needs no GPU.
+DEV = os.environ.get("KDA_RECURRENT_TEST_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu] if DEV == "cuda" else []
+cuda_only = pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available(), reason="CUDA-specific")
+GATES = {
+    "precomputed": dict(use_gate_in_kernel=False),
+    "softplus": dict(use_gate_in_kernel=True, lower_bound=None),
+    "lower_bound": dict(use_gate_in_kernel=True, lower_bound=-5.0),
+}
+ROWS_ENV = "KDA_RECURRENT_ROWS_PER_LANE"
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+
+
+def make(B=2, T=1, H=1, HV=2, K=128, state_dtype=torch.float32, N_pool=None, lengths=None, seed=0):
+    cu = None
+    if lengths is not None:
+        cu = lengths_to_cu(lengths).tolist()
+    x = inputs(B=B, T=T, H=H, HV=HV, K=K, V=K, state_dtype=state_dtype, N_pool=N_pool, cu_seqlens=cu,
+               device=DEV, seed=seed)
+    return x
+
+
+def tok(x, gate="lower_bound", logit=True, l2=True):
+    g = x["g"]
+    if gate == "precomputed":  # a log-decay <= 0
+        g = -torch.nn.functional.softplus(g.float()).to(g.dtype)
+    q, k = x["q"], x["k"]
+    if not l2:  # un-normalised keys: keep |k|^2 * beta small so the delta rule stays contractive
+        q, k = (q.float() * 0.1).bfloat16(), (k.float() * 0.1).bfloat16()
+    return dict(q=q, k=k, v=x["v"], g=g, beta=x["beta"] if logit else x["beta_prob"])
+
+
+def gkw(x, gate="lower_bound"):
+    kw = dict(GATES[gate])
+    if kw["use_gate_in_kernel"]:
+        kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+    return kw
+
+
+def ref(t, g, initial_state=None, cu_seqlens=None, l2=True, logit=True, **kw):
+    """fp64 reference; initial_state is per sequence [N, HV, V, K] (None = zeros). Short inputs run on CPU
+    copies; long ones (>= 512 tokens) on the device, where the token loop's small ops are cheaper."""
+    on_device = t["q"].shape[1] >= 512
+    c = lambda z: (z if on_device else z.cpu()) if isinstance(z, torch.Tensor) else z  # noqa: E731
+    return recurrent_kda_reference(
+        **{n: c(z) for n, z in t.items()}, **{n: c(z) for n, z in g.items()},
+        initial_state=c(initial_state), cu_seqlens=c(cu_seqlens), use_qk_l2norm_in_kernel=l2,
+        beta_is_logit=logit, **kw,
+    )
+
+
+def call(t, g, backend="recurrent", **kw):
+    """The public API on CUDA; beta is a logit unless said otherwise (as in ref)."""
+    kw.setdefault("beta_is_logit", True)
+    return kda_ops.recurrent_kda(**t, **g, backend=backend, **kw)
+
+
+def check_pool(pool_after, pool_before, slots_written: dict[int, torch.Tensor], what="pool"):
+    """Written slots match the reference states; every other slot is bit-identical to before."""
+    tol = state_tol(pool_after.dtype)
+    for s, expected in slots_written.items():
+        assert_close_rms(pool_after[s], expected, tol, f"{what} slot {s}")
+    others = [i for i in range(pool_after.shape[0]) if i not in slots_written]
+    if others:
+        idx = torch.tensor(others, device=pool_after.device)
+        assert torch.equal(bits(pool_after.index_select(0, idx)), bits(pool_before.index_select(0, idx))), (
+            f"{what}: untouched slots were modified"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# every feature combination, pool + GQA + permuted slots
+
+
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", list(GATES))
+@pytest.mark.parametrize("logit", [True, False])
+@pytest.mark.parametrize("l2", [True, False])
+def test_modes(K, state_dtype, gate, logit, l2):
+    B, T = 3, 5
+    seed = K + 10 * list(GATES).index(gate) + 2 * logit + l2
+    x = make(B=B, T=T, H=2, HV=4, K=K, state_dtype=state_dtype, N_pool=B + 2, seed=seed)
+    t, g = tok(x, gate, logit, l2), gkw(x, gate)
+    pool = x["initial_state"]
+    before = pool.clone()
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32, device=DEV)
+    scale = 0.3 if not l2 else None
+    o, fs = call(t, g, initial_state=pool, ssm_state_indices=slots, use_qk_l2norm_in_kernel=l2,
+                 beta_is_logit=logit, output_final_state=True, scale=scale)
+    assert fs is pool
+    r = ref(t, g, before[slots.long()], l2=l2, logit=logit, scale=scale)
+    assert_output(o, r.output)
+    check_pool(pool, before, {int(s): r.final_state[i] for i, s in enumerate(slots.tolist())})
+
+
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_tile_variants_bit_identical(monkeypatch, K, state_dtype):
+    """Every rows-per-lane tile gives the same bits (same reduction order), and matches the reference."""
+    lengths = [3, 0, 5, 1, 2]
+    x = make(H=1, HV=4, K=K, state_dtype=state_dtype, lengths=lengths, seed=7)
+    t, g = tok(x), gkw(x)
+    results = []
+    for nr in (1, 2, 4, 8):
+        monkeypatch.setenv(ROWS_ENV, str(nr))
+        pool = x["initial_state"].clone()
+        o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
+        results.append((bits(o), bits(pool)))
+    monkeypatch.delenv(ROWS_ENV)
+    for r_ in results[1:]:
+        assert torch.equal(r_[0], results[0][0]) and torch.equal(r_[1], results[0][1])
+    r = ref(t, g, x["initial_state"], cu_seqlens=x["cu_seqlens"])
+    pool = x["initial_state"].clone()
+    o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
+    assert_output(o, r.output)
+    written = {i: r.final_state[i] for i, L in enumerate(lengths) if L > 0}
+    check_pool(pool, x["initial_state"], written)
+
+
+@pytest.mark.parametrize("T", [1, 2, 17, 65, 1000])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_lengths(T, state_dtype):
+    B = 1 if T == 1000 else 3
+    x = make(B=B, T=T, H=1, HV=2, K=128, state_dtype=state_dtype, seed=T)
+    t, g = tok(x), gkw(x)
+    pool = x["initial_state"]
+    before = pool.clone()
+    o, _ = call(t, g, initial_state=pool)
+    r = ref(t, g, before)
+    assert_output(o, r.output)
+    check_pool(pool, before, {i: r.final_state[i] for i in range(B)})
+
+
+def test_packed_mixed_lengths_and_zero_length():
+    lengths = [1, 17, 0, 65, 2, 0, 33]
+    x = make(H=2, HV=4, K=128, lengths=lengths, N_pool=len(lengths) + 1, seed=3)
+    t, g = tok(x, "softplus", logit=False), gkw(x, "softplus")
+    pool = x["initial_state"]
+    before = pool.clone()
+    slots = torch.tensor([7, 1, 2, 3, 4, 5, 6], dtype=torch.int32, device=DEV)
+    for cu_dtype in (torch.int64, torch.int32):
+        pool.copy_(before)
+        o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"].to(cu_dtype), ssm_state_indices=slots,
+                    beta_is_logit=False)
+        r = ref(t, g, before[slots.long()], cu_seqlens=x["cu_seqlens"], logit=False)
+        assert_output(o, r.output)
+        written = {int(slots[i]): r.final_state[i] for i, L in enumerate(lengths) if L > 0}
+        check_pool(pool, before, written)
+
+
+# ---------------------------------------------------------------------------------------------------
+# speculative decode
+
+
+def _spec_inputs(B, S, state_dtype, N_pool, seed, packed):
+    x = make(B=B, T=1 + S, H=1, HV=2, K=128, state_dtype=state_dtype, N_pool=N_pool, seed=seed)
+    if packed:
+        for n in ("q", "k", "v", "g", "beta", "beta_prob"):
+            x[n] = x[n].reshape(1, B * (1 + S), *x[n].shape[2:])
+        x["cu_seqlens"] = torch.arange(0, B * (1 + S) + 1, 1 + S, dtype=torch.int64, device=DEV)
+    return x
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_spec_decode(packed, state_dtype):
+    B, S = 5, 3
+    x = _spec_inputs(B, S, state_dtype, N_pool=B * (S + 1) + 3, seed=11, packed=packed)
+    t, g = tok(x), gkw(x)
+    pool = x["initial_state"]
+    before = pool.clone()
+    perm = torch.randperm(B * (S + 1), generator=torch.Generator().manual_seed(0)) + 2
+    idx = perm.reshape(B, S + 1).to(torch.int32).to(DEV)
+    accepted = torch.tensor([1, 2, 4, 0, 9], dtype=torch.int32, device=DEV)  # 0 and 9 clamp to columns 0 and S
+    kw = dict(cu_seqlens=x.get("cu_seqlens"))
+    o, _ = call(t, g, initial_state=pool, ssm_state_indices=idx, num_spec_tokens=S, num_accepted_tokens=accepted, **kw)
+    cols = (accepted.long() - 1).clamp(0, S)
+    start = before[idx.long()[torch.arange(B, device=DEV), cols]]
+    r = ref(t, g, start, return_all_states=True, **kw)
+    assert_output(o, r.output)
+    written = {}
+    for n in range(B):
+        for j in range(S + 1):
+            written[int(idx[n, j])] = r.all_states[n][j]
+    check_pool(pool, before, written)
+
+
+def test_spec_step_equals_single_token_decodes():
+    """fp32 state: one step of 1+S tokens == 1+S single-token decodes (<= 1e-6 relative)."""
+    B, S = 4, 3
+    x = _spec_inputs(B, S, torch.float32, N_pool=B * (S + 1) + 1, seed=5, packed=False)
+    t, g = tok(x), gkw(x)
+    pool = x["initial_state"]
+    before = pool.clone()
+    idx = (torch.arange(B * (S + 1), dtype=torch.int32, device=DEV) + 1).reshape(B, S + 1)
+    accepted = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device=DEV)
+    o_spec, _ = call(t, g, initial_state=pool, ssm_state_indices=idx, num_spec_tokens=S, num_accepted_tokens=accepted)
+    # the same tokens one at a time, each decode reading and writing a fresh decode pool
+    dec = torch.empty_like(before)
+    cols = (accepted.long() - 1).clamp(0, S)
+    dec[:B] = before[idx.long()[torch.arange(B, device=DEV), cols]]
+    outs = []
+    for j in range(S + 1):
+        tj = {n: z[:, j : j + 1].contiguous() for n, z in t.items()}
+        o_j, _ = call(tj, g, initial_state=dec[:B])
+        outs.append(o_j)
+        for n in range(B):
+            got, want = pool[int(idx[n, j])], dec[n]
+            assert rel_rms(got, want) <= 1e-6, f"state after token {j} of sequence {n}"
+    o_dec = torch.cat(outs, 1)
+    assert rel_rms(o_spec.float(), o_dec.float()) <= 1e-6
+
+
+def test_spec_inactive_token_and_sequence():
+    B, S = 3, 2
+    x = _spec_inputs(B, S, torch.float32, N_pool=12, seed=9, packed=False)
+    t, g = tok(x), gkw(x)
+    pool = x["initial_state"]
+    before = pool.clone()
+    idx = torch.tensor([[1, -1, 2], [3, 4, 5], [100, 6, 7]], dtype=torch.int32, device=DEV)
+    # seq 0: token 1 inactive (slot -1): zero output, state not advanced; seq 2: start slot 100 >= N_pool
+    o, _ = call(t, g, initial_state=pool, ssm_state_indices=idx, num_spec_tokens=S)
+    r0 = ref({n: z[0:1, [0, 2]] for n, z in t.items()}, g, before[1:2], return_all_states=True)
+    r1 = ref({n: z[1:2] for n, z in t.items()}, g, before[3:4], return_all_states=True)
+    assert_output(o[0, [0, 2]], r0.output[0])
+    assert torch.count_nonzero(o[0, 1]) == 0 and torch.count_nonzero(o[2]) == 0
+    assert_output(o[1], r1.output[0])
+    written = {1: r0.all_states[0][0], 2: r0.all_states[0][1], 3: r1.all_states[0][0], 4: r1.all_states[0][1],
+               5: r1.all_states[0][2]}
+    check_pool(pool, before, written)
+
+
+# ---------------------------------------------------------------------------------------------------
+# slots, sources, checkpoints, final state
+
+
+def test_inactive_slots_untouched():
+    x = make(B=4, T=3, H=1, HV=2, K=64, N_pool=4, seed=2)
+    t, g = tok(x), gkw(x)
+    pool = x["initial_state"]
+    before = pool.clone()
+    slots = torch.tensor([2, -1, 4, 0], dtype=torch.int32, device=DEV)  # -1 and 4 (== N_pool) are inactive
+    o, _ = call(t, g, initial_state=pool, ssm_state_indices=slots)
+    r = ref({n: z[[0, 3]] for n, z in t.items()}, g, before[[2, 0]])
+    assert_output(o[[0, 3]], r.output)
+    assert torch.count_nonzero(o[[1, 2]]) == 0
+    check_pool(pool, before, {2: r.final_state[0], 0: r.final_state[1]})
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_state_source(src_dtype, pool_dtype):
+    x = make(B=3, T=4, H=1, HV=2, K=128, state_dtype=pool_dtype, N_pool=5, seed=4)
+    t, g = tok(x), gkw(x)
+    pool = x["initial_state"]
+    before = pool.clone()
+    source = (torch.randn(6, 2, 128, 128, device=DEV) * 0.1).to(src_dtype)
+    src_before = bits(source)
+    src_idx = torch.tensor([5, 0, 6], dtype=torch.int32, device=DEV)  # 6 >= N0: inactive
+    slots = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEV)
+    o, _ = call(t, g, initial_state=pool, ssm_state_indices=slots, initial_state_source=source,
+                initial_state_indices=src_idx)
+    assert torch.equal(bits(source), src_before), "the source pool was written"
+    r = ref({n: z[:2] for n, z in t.items()}, g, source[[5, 0]])
+    assert_output(o[:2], r.output)
+    assert torch.count_nonzero(o[2]) == 0
+    check_pool(pool, before, {1: r.final_state[0], 3: r.final_state[1]})
+
+
+def test_final_state_without_pool():
+    lengths = [4, 0, 19]
+    x = make(H=1, HV=2, K=128, lengths=lengths, seed=8)
+    t, g = tok(x), gkw(x)
+    o, fs = call(t, g, cu_seqlens=x["cu_seqlens"], output_final_state=True)
+    r = ref(t, g, None, cu_seqlens=x["cu_seqlens"])
+    assert fs.dtype == torch.float32
+    assert_output(o, r.output)
+    assert_close_rms(fs, r.final_state, TOL_STATE_FP32, "final_state")
+    # with a read-only source and no pool: the final state starts from the source
+    source = (torch.randn(3, 2, 128, 128, device=DEV) * 0.1).bfloat16()
+    src_idx = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
+    o, fs = call(t, g, cu_seqlens=x["cu_seqlens"], output_final_state=True, initial_state_source=source,
+                 initial_state_indices=src_idx)
+    r = ref(t, g, source[src_idx.long()], cu_seqlens=x["cu_seqlens"])
+    assert_output(o, r.output)
+    assert_close_rms(fs, r.final_state, TOL_STATE_FP32, "final_state from source")
+
+
+@pytest.mark.parametrize("pool_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("every", [16, 64])
+def test_checkpoints(pool_dtype, every):
+    lengths = [65, 131, 0, 16, 1]
+    x = make(H=1, HV=2, K=128, state_dtype=pool_dtype or torch.float32, lengths=lengths, seed=6)
+    t, g = tok(x), gkw(x)
+    pool = x["initial_state"] if pool_dtype is not None else None
+    init = None if pool is None else pool.clone()
+    res = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every,
+               output_final_state=pool is None)
+    o, fs, ck = res
+    r = ref(t, g, init, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every)
+    assert_output(o, r.output)
+    expected = torch.cat([c for c in r.checkpoints if c.shape[0] > 0])
+    assert ck.shape[0] == expected.shape[0] == sum(math.ceil(L / every) for L in lengths)
+    assert_close_rms(ck, expected, state_tol(ck.dtype), "checkpoints")
+
+
+@pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
+def test_checkpoint_rows_past_buffer_are_skipped(ck_dtype):
+    """Direct op call: a checkpoint buffer with fewer rows than the starts ask for is never overrun, and
+    the checkpoint dtype may differ from the pool's."""
+    lengths = [40, 70]
+    every = 16
+    x = make(H=1, HV=2, K=64, state_dtype=torch.bfloat16, lengths=lengths, seed=12)
+    t, g = tok(x), gkw(x)
+    starts = torch.tensor([0, 3, 8], dtype=torch.int64, device=DEV)  # ceil(40/16)=3, ceil(70/16)=5
+    full = torch.full((9, 2, 64, 64), 7.0, dtype=ck_dtype, device=DEV)
+    ck = full[:6]  # rows 6, 7 of sequence 1 must be skipped; row 8 is a sentinel
+    pool = x["initial_state"]
+    init = pool.clone()
+    out = torch.empty_like(x["v"])
+    torch.ops.kda.recurrent_kda.default(
+        t["q"], t["k"], t["v"], t["g"], t["beta"], x["A_log"], x["dt_bias"], pool, None, None, x["cu_seqlens"],
+        None, None, None, out, None, ck, starts, None, 1 / 8, 2, -5.0, True, True, 0, every, 2,
+    )
+    r = ref(t, g, init, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every, scale=1 / 8)
+    exp = torch.cat(r.checkpoints)
+    assert_close_rms(ck, exp[:6], state_tol(ck_dtype), "checkpoint rows")
+    assert torch.all(full[6:] == 7.0), "rows at or past n_checkpoint_rows were written"
+    assert_output(out, r.output)
+
+
+def test_padded_slot_stride_and_strided_tokens():
+    """A pool with a padded slot stride (padding untouched) and token tensors that are views of a fused
+    projection (strided) or misaligned (copied by the op)."""
+    B, T, H, HV, K = 2, 6, 2, 4, 128
+    x = make(B=B, T=T, H=H, HV=HV, K=K, N_pool=3, seed=13)
+    inner = HV * K * K
+    buf = torch.randn(3, inner + 64, device=DEV)
+    pool = buf[:, :inner].view(3, HV, K, K)
+    pool.copy_(x["initial_state"])
+    buf_before = buf.clone()
+    fused = torch.cat([x["q"], x["k"]], dim=2)  # [B, T, 2H, K]: q, k are strided views
+    q, k = fused[:, :, :H], fused[:, :, H:]
+    mis = torch.empty(x["g"].numel() + 1, dtype=torch.bfloat16, device=DEV)[1:].view_as(x["g"])
+    mis.copy_(x["g"])  # 2-byte aligned: the op reads a compact copy
+    t = dict(q=q, k=k, v=x["v"], g=mis, beta=x["beta"])
+    g = gkw(x)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    o, _ = call(t, g, initial_state=pool, ssm_state_indices=slots)
+    start = buf_before[[2, 0], :inner].view(2, HV, K, K)
+    r = ref(dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"]), g, start)
+    assert_output(o, r.output)
+    assert_close_rms(pool[2], r.final_state[0], TOL_STATE_FP32, "slot 2")
+    assert_close_rms(pool[0], r.final_state[1], TOL_STATE_FP32, "slot 0")
+    assert torch.equal(bits(buf[:, inner:]), bits(buf_before[:, inner:])), "slot padding was written"
+    assert torch.equal(bits(buf[1]), bits(buf_before[1]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# determinism, graphs, long decode
+
+
+def test_deterministic():
+    lengths = [100, 3, 1, 57]
+    x = make(H=2, HV=4, K=128, state_dtype=torch.bfloat16, lengths=lengths, seed=14)
+    t, g = tok(x), gkw(x)
+    runs = []
+    for _ in range(3):
+        pool = x["initial_state"].clone()
+        o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
+        runs.append((bits(o), bits(pool)))
+    for r_ in runs[1:]:
+        assert torch.equal(r_[0], runs[0][0]) and torch.equal(r_[1], runs[0][1])
+
+
+def _graph_check(static: dict, fresh: list[dict], run):
+    """Capture run(static) once, then for each dict of new values copy them into the static buffers,
+    replay, and compare output and pool with an eager run on the same values."""
+    run(static)  # eager warm-up (plans, occupancy queries, smem opt-in)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(static)
+    for vals in fresh:
+        for n, v in vals.items():
+            static[n].copy_(v)
+        pool0 = static["pool"].clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        got_o, got_pool = static["out"].clone(), static["pool"].clone()
+        eager = {n: (z.clone() if isinstance(z, torch.Tensor) else z) for n, z in static.items()}
+        eager["pool"].copy_(pool0)
+        run(eager)
+        assert torch.equal(bits(got_o), bits(eager["out"])), "graph replay output differs from eager"
+        assert torch.equal(bits(got_pool), bits(eager["pool"])), "graph replay state differs from eager"
+
+
+@cuda_only
+def test_cuda_graph_decode_and_spec():
+    B, HV, K = 8, 4, 128
+    x = make(B=B, T=1, H=2, HV=HV, K=K, state_dtype=torch.bfloat16, N_pool=2 * B, seed=15)
+
+    def decode(d):
+        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
+                              initial_state=d["pool"], ssm_state_indices=d["idx"], use_gate_in_kernel=True,
+                              lower_bound=-5.0, beta_is_logit=True, output=d["out"], backend="recurrent")
+
+    static = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                  pool=x["initial_state"], idx=torch.arange(B, dtype=torch.int32, device=DEV),
+                  out=torch.empty_like(x["v"]))
+    fresh = []
+    for i in range(3):
+        y = make(B=B, T=1, H=2, HV=HV, K=K, state_dtype=torch.bfloat16, N_pool=2 * B, seed=100 + i)
+        perm = torch.randperm(2 * B, generator=torch.Generator().manual_seed(i))[:B].to(torch.int32).to(DEV)
+        fresh.append(dict(q=y["q"], k=y["k"], v=y["v"], g=y["g"], beta=y["beta"], idx=perm))
+    _graph_check(static, fresh, decode)
+
+    S = 3
+    xs = _spec_inputs(B, S, torch.float32, N_pool=B * (S + 1), seed=16, packed=True)
+
+    def spec(d):
+        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
+                              initial_state=d["pool"], ssm_state_indices=d["idx"], num_spec_tokens=S,
+                              num_accepted_tokens=d["acc"], cu_seqlens=d["cu"], use_gate_in_kernel=True,
+                              lower_bound=-5.0, beta_is_logit=True, output=d["out"], backend="recurrent")
+
+    static = dict(q=xs["q"], k=xs["k"], v=xs["v"], g=xs["g"], beta=xs["beta"], A_log=xs["A_log"],
+                  dt_bias=xs["dt_bias"], pool=xs["initial_state"], cu=xs["cu_seqlens"],
+                  idx=torch.arange(B * (S + 1), dtype=torch.int32, device=DEV).reshape(B, S + 1),
+                  acc=torch.ones(B, dtype=torch.int32, device=DEV), out=torch.empty_like(xs["v"]))
+    fresh = []
+    for i in range(3):
+        y = _spec_inputs(B, S, torch.float32, N_pool=B * (S + 1), seed=200 + i, packed=True)
+        perm = torch.randperm(B * (S + 1), generator=torch.Generator().manual_seed(i)).to(torch.int32).to(DEV)
+        acc = torch.randint(1, S + 2, (B,), generator=torch.Generator().manual_seed(i)).to(torch.int32).to(DEV)
+        fresh.append(dict(q=y["q"], k=y["k"], v=y["v"], g=y["g"], beta=y["beta"], idx=perm.reshape(B, S + 1),
+                          acc=acc))
+    _graph_check(static, fresh, spec)
+
+
+@cuda_only
+def test_cuda_graph_packed_prefill_new_lengths():
+    """Packed prefill with int64 cu_seqlens: new boundaries (same N, same total T) replay like eager."""
+    lengths = [10, 30, 1, 23]
+    x = make(H=1, HV=2, K=128, lengths=lengths, seed=17)
+
+    def prefill(d):
+        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
+                              initial_state=d["pool"], cu_seqlens=d["cu"], use_gate_in_kernel=True, lower_bound=-5.0,
+                              beta_is_logit=True, output=d["out"], backend="recurrent",
+                              prefill_workspace=d["ws"])
+
+    static = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                  pool=x["initial_state"], cu=x["cu_seqlens"], out=torch.zeros_like(x["v"]),
+                  ws=kda_ops.RecurrentKDAPrefillWorkspace())
+    fresh = [dict(cu=lengths_to_cu(L, device=DEV)) for L in ([40, 1, 1, 22], [0, 64, 0, 0], [16, 16, 16, 16])]
+    _graph_check(static, fresh, prefill)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "slow"])
+def test_long_decode_fp32_4096(gate):
+    """4096 single-token decode calls with an fp32 pool stay within 1e-4 relative of fp64."""
+    steps, HV, K = 4096, 2, 128
+    x = make(B=1, T=steps, H=1, HV=HV, K=K, state_dtype=torch.float32, seed=18)
+    t = tok(x)
+    if gate == "slow":  # slow per-channel decay (memory of hundreds of steps): rounding must not compound
+        t["g"] = (-0.02 * torch.rand(1, steps, HV, K, device=DEV)).bfloat16()
+        g = gkw(x, "precomputed")
+    else:
+        g = gkw(x)
+    pool = x["initial_state"]
+    start = pool.clone()
+    for i in range(steps):
+        call({n: z[:, i : i + 1] for n, z in t.items()}, g, initial_state=pool)
+    r = ref(t, g, start)
+    err = rel_rms(pool, r.final_state)
+    assert err <= 1e-4, f"state after {steps} decode steps: relative error {err:.2e} > 1e-4"
+
+
+# ---------------------------------------------------------------------------------------------------
+# 64-bit offsets and big grids
+
+
+def _decode_ref_batched(q, k, v, g, beta, A_log, dt_bias, S0, lower_bound=-5.0):
+    """fp64 single-token decode for many sequences at once (lower-bound gate, logit beta, L2 norm)."""
+    B, _, H, K = q.shape
+    HV = v.shape[2]
+    grp = HV // H
+    qd = q[:, 0].double().repeat_interleave(grp, 1)
+    kd = k[:, 0].double().repeat_interleave(grp, 1)
+    qd = qd * torch.rsqrt((qd * qd).sum(-1, keepdim=True) + 1e-6) / math.sqrt(K)
+    kd = kd * torch.rsqrt((kd * kd).sum(-1, keepdim=True) + 1e-6)
+    a = lower_bound * torch.sigmoid(torch.exp(A_log.double())[:, None] * (g[:, 0].double() + dt_bias.double()))
+    b = torch.sigmoid(beta[:, 0].double())
+    S = S0.double() * torch.exp(a)[:, :, None, :]
+    p = torch.einsum("nhvk,nhk->nhv", S, kd)
+    r = b[..., None] * (v[:, 0].double() - p)
+    S = S + r[..., None] * kd[:, :, None, :]
+    o = torch.einsum("nhvk,nhk->nhv", S, qd)
+    return o[:, None], S
+
+
+def test_batched_decode_reference_matches_reference():
+    x = make(B=3, T=1, H=2, HV=4, K=64, seed=19)
+    t, g = tok(x), gkw(x)
+    o, S = _decode_ref_batched(**t, A_log=x["A_log"], dt_bias=x["dt_bias"], S0=x["initial_state"])
+    r = ref(t, g, x["initial_state"])
+    assert rel_rms(o, r.output) < 1e-12 and rel_rms(S, r.final_state) < 1e-12
+
+
+@cuda_only
+def test_pool_past_2_31_elements():
+    """bf16 pool of 4100 slots x [32, 128, 128] = 2.15e9 elements (4.3 GB): read and write the last slot."""
+    n_pool, HV, H, K = 4100, 32, 8, 128
+    free = torch.cuda.mem_get_info()[0]
+    if free < 6 * 2**30:
+        pytest.skip("needs ~6 GB of free GPU memory")
+    pool = torch.zeros(n_pool, HV, K, K, dtype=torch.bfloat16, device=DEV)
+    assert pool.numel() > 2**31
+    x = make(B=2, T=1, H=H, HV=HV, K=K, state_dtype=torch.bfloat16, N_pool=2, seed=20)
+    slots = torch.tensor([n_pool - 1, 2050], dtype=torch.int32, device=DEV)
+    pool[n_pool - 1] = x["initial_state"][0]
+    pool[2050] = x["initial_state"][1]
+    t = tok(x)
+    o, _ = call(t, gkw(x), initial_state=pool, ssm_state_indices=slots)
+    eo, eS = _decode_ref_batched(**t, A_log=x["A_log"], dt_bias=x["dt_bias"], S0=x["initial_state"])
+    assert_output(o, eo)
+    assert_close_rms(pool[n_pool - 1], eS[0], state_tol(torch.bfloat16), "last slot")
+    assert_close_rms(pool[2050], eS[1], state_tol(torch.bfloat16), "slot 2050")
+    for s in (0, 2049, 2051, n_pool - 2):
+        assert torch.count_nonzero(pool[s]) == 0, f"slot {s} was written"
+    del pool
+    torch.cuda.empty_cache()
+
+
+@cuda_only
+def test_many_sequences_times_heads_beyond_65535():
+    N, H, HV, K = 2100, 16, 32, 64  # N * HV = 67200
+    x = make(B=N, T=1, H=H, HV=HV, K=K, state_dtype=torch.bfloat16, seed=21)
+    t = tok(x)
+    pool = x["initial_state"]
+    before = pool.clone()
+    slots = torch.arange(N - 1, -1, -1, dtype=torch.int32, device=DEV)
+    o, _ = call(t, gkw(x), initial_state=pool, ssm_state_indices=slots)
+    eo, eS = _decode_ref_batched(**t, A_log=x["A_log"], dt_bias=x["dt_bias"], S0=before[slots.long()])
+    assert_output(o, eo)
+    assert_close_rms(pool[slots.long()], eS, state_tol(torch.bfloat16), "pool")
+
+
+# ---------------------------------------------------------------------------------------------------
+# outside checks: golden vectors, the CPU op, the chunked backend's status
+
+
+GOLDEN_RECURRENT = [
+    "decode_gqa_lowerbound",
+    "prefill_packed_softplus",
+    "prefill_precomputed_gate_no_l2",
+    "prefill_checkpoints",
+    "spec_decode_accepted",
+]
+
+
+@pytest.mark.parametrize("name", GOLDEN_RECURRENT)
+def test_golden(name):
+    gold = load_golden(name)
+    inp = {n: z.to(DEV) if isinstance(z, torch.Tensor) else z for n, z in gold["inputs"].items()}
+    pool_before = inp["initial_state"].clone() if "initial_state" in inp else None
+    res = kda_ops.recurrent_kda(**inp, **gold["kwargs"], backend="recurrent")
+    exp = gold["expected"]
+    assert_output(res[0], exp["output"])
+    if "state_pool_after" in exp:
+        after = inp["initial_state"]
+        changed = [
+            i for i in range(after.shape[0]) if not torch.equal(exp["state_pool_after"][i], pool_before[i].cpu())
+        ]
+        for i in range(after.shape[0]):
+            if i in changed:
+                assert_close_rms(after[i], exp["state_pool_after"][i], state_tol(after.dtype), f"slot {i}")
+            else:
+                assert torch.equal(bits(after[i]), bits(pool_before[i])), f"slot {i} must be untouched"
+    if "final_state" in exp:
+        assert_close_rms(res[1], exp["final_state"], TOL_STATE_FP32, "final_state")
+    if "state_checkpoints" in exp:
+        assert_close_rms(res[2], exp["state_checkpoints"], state_tol(res[2].dtype), "checkpoints")
+
+
+@cuda_only
+@pytest.mark.skipif(not has_cpu_op("recurrent_kda"), reason="CPU recurrent_kda not built")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu_op(state_dtype):
+    lengths = [1, 33, 0, 70, 4]
+    x = make(H=2, HV=4, K=128, state_dtype=state_dtype, lengths=lengths, N_pool=6, seed=22)
+    t, g = tok(x, "softplus"), gkw(x, "softplus")
+    slots = torch.tensor([5, 0, 1, 2, 3], dtype=torch.int32, device=DEV)
+    pool_gpu = x["initial_state"].clone()
+    o_gpu, _ = call(t, g, initial_state=pool_gpu, cu_seqlens=x["cu_seqlens"], ssm_state_indices=slots,
+                    checkpoint_every_n_tokens=16)[:2]
+    cpu = lambda z: z.cpu() if isinstance(z, torch.Tensor) else z  # noqa: E731
+    pool_cpu = x["initial_state"].cpu().clone()
+    o_cpu, _ = kda_ops.recurrent_kda(**{n: cpu(z) for n, z in t.items()}, **{n: cpu(z) for n, z in g.items()},
+                                     initial_state=pool_cpu, cu_seqlens=x["cu_seqlens"].cpu(),
+                                     ssm_state_indices=slots.cpu(), checkpoint_every_n_tokens=16,
+                                     beta_is_logit=True)[:2]
+    assert_output(o_gpu, o_cpu.float())
+    assert_close_rms(pool_gpu, pool_cpu, state_tol(state_dtype), "pool vs CPU op")
+
+
+@cuda_only
+def test_chunked_backend_not_built_yet():
+    x = make(B=1, T=4, H=1, HV=2, K=128, seed=23)
+    with pytest.raises(NotImplementedError, match="issue 4"):
+        call(tok(x), gkw(x), backend="chunked", initial_state=x["initial_state"])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(pytest.main([os.path.abspath(__file__), "-q"]))
