@@ -7,8 +7,9 @@
 // synchronisation anywhere (tape_cu_starts is computed on the device), so the ops can be captured in a
 // CUDA graph; the torch allocations inside them go through the caching allocator.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -145,7 +146,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
   Tensor final_state = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
   Tensor tapes = at::zeros({d.rows, d.HV, kBwdDim, kBwdDim}, f32);  // unused rows stay zero
   Tensor tape_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
                                    cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
@@ -186,6 +187,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
   p.n_source = d.N;
   p.initial_state_indices = nullptr;
   check_cuda(launch_recurrent(p, stream), "kda recurrent kernel (training forward)");
+  // final_state in initial_state's dtype (kda_ops/_fake.py); the tapes stay fp32.
+  if (initial_state.scalar_type() != at::kFloat) final_state = final_state.to(initial_state.scalar_type());
   return {out, final_state, tapes, tape_cu_starts};
 }
 
@@ -236,7 +239,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
 
   const int64_t tasks = d.N * d.HV;
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()), "cudaDeviceGetAttribute");
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
   Tensor head_grads = at::zeros({2, d.B * d.T * d.HV * kBwdDim}, f32);
   Tensor partials = at::empty({d.N * d.HV * (kBwdDim + 1)}, f32);
@@ -281,8 +285,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.dk = dk.data_ptr();
   p.dA_log = dA_log.data_ptr<float>();
   p.ddt_bias = ddt_bias.data_ptr<float>();
-  check_cuda(launch_training_backward(p, at::cuda::getCurrentCUDAStream()), "kda training backward kernels");
-  return {dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinit};
+  check_cuda(launch_training_backward(p, c10::cuda::getCurrentCUDAStream()), "kda training backward kernels");
+  // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
+  return {dq, dk, dv, dg, dbeta, dA_log.view(A_log.sizes()), ddt_bias.view(dt_bias.sizes()), dinit};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,

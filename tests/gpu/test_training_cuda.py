@@ -197,6 +197,10 @@ def test_dfinal_none_is_zero_and_int32_cu_seqlens():
     g_zero = torch.ops.kda.recurrent_kda_training_backward(*args, t64, s64, cu32, c["do"], zeros, sc, lam)
     for n_, a, b in zip(GRADS, g_none, g_zero, strict=True):
         assert torch.equal(a, b), f"{n_}: dfinal_state=None differs from zeros"
+    # A flat [HV*K] dt_bias gives a flat ddt_bias with the same values.
+    flat = (*args[:6], c["dt_bias"].reshape(-1))
+    g_flat = torch.ops.kda.recurrent_kda_training_backward(*flat, t64, s64, cu64, c["do"], None, sc, lam)
+    assert g_flat[6].shape == (c["dt_bias"].numel(),) and torch.equal(g_flat[6], g_none[6].reshape(-1))
 
 
 def test_strided_views():
