@@ -19,6 +19,14 @@
 // Both reductions combine lanes in the same xor order (KL/2, ..., 1) for every NR, so the result does not
 // depend on the tile choice (bit-identical), and no atomics are used (deterministic).
 // The next token's q, k, g, v, beta are loaded into registers while the current token is computed.
+//
+// Scheduling: a persistent grid (as many blocks as fit on the SMs); warp w handles items w, w+W, ...
+// An item's start state is copied from the pool into a per-warp shared-memory ring with cp.async
+// kStages items ahead (RingLayout), so a warp always has the next items' state in flight while it computes
+// the current one, and the bytes in flight are bounded by shared memory, not by registers. The slot lookups
+// of an item (cu_seqlens, ssm_state_indices, num_accepted_tokens) are resolved when it is prefetched and
+// kept in the ring's ItemMeta. Prefetching ahead is safe because items of different sequences never
+// share a slot (caller contract, SPEC §3.1) and the items of one sequence touch disjoint rows.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -587,9 +595,12 @@ void run_recurrent_(const RecurrentParams& p, int warps_per_block, int num_sms, 
   auto kernel = kda_recurrent_kernel<Tile>;
   const int threads = warps_per_block * 32;
   const int smem = warps_per_block * Ring::kWarpBytes;
-  // Occupancy is a property of the instantiation and the block shape: query once per shape.
-  static int max_blocks[5] = {0, 0, 0, 0, 0};
-  int& mb = max_blocks[warps_per_block];
+  // Occupancy is a property of the instantiation, the block shape and the device: query once per
+  // (device, warps per block). The dynamic-smem opt-in above 48 KB is per device as well.
+  static int max_blocks[64][5] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
+  int& mb = max_blocks[dev][warps_per_block];
   if (mb == 0) {
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     int v = 0;

@@ -1,0 +1,288 @@
+"""Decode benchmark (SPEC §7, issue "CUDA decode and speculative decode at memory bandwidth").
+
+kda_ops.recurrent_kda (token-serial CUDA kernel, backend "recurrent") beside fla's fused_recurrent_kda, in
+one process, on the same inputs: H = HV = 32, K = V = 128, lower-bound gate (λ = -5), logit beta, L2 norm,
+bf16 tokens; a state pool in bf16 or fp32 updated in place through ssm_state_indices.
+
+Same math, same layout: fla is called through fused_recurrent_kda_fwd with state_v_first=True (its
+[N, HV, V, K] value-first layout, the layout of this project) and inplace_final_state=True (read and write
+the pool slot given by ssm_state_indices), so neither side transposes anything.
+
+Timing: each measurement is a CUDA graph of R back-to-back decode steps, each step on its own set of pool
+slots (R * B slots in all, at least 3x the 60 MB L2, so every step reads its state from HBM the way a
+model's layers do); the graph is replayed with CUDA events around it, the median over replays / R is the
+time per step. Effective bandwidth:
+
+    TB/s = state bytes read + written / time = N * HV * V * K * bytes(state dtype) * (1 + W) / t
+
+with W = 1 for decode (the state is read and written once) and W = 1 + S for a speculative step of 1 + S
+tokens (one read, one write per token). Token tensors and the output (< 1% of the bytes) are not counted.
+
+Also reported: B = 1 graph replay time of a single step (SPEC target <= 3 us; state L2-resident, as in a
+graph replay of one layer), the host cost of an eager call from Python (public API and the raw op, and
+fla's), a rows-per-lane (tile) sweep of our kernel, and an output cross-check ours vs fla.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import fmt, import_fla_kda, parse_args, ratio, try_call, write_results  # noqa: E402
+
+H = HV = 32
+K = V = 128
+LOWER_BOUND = -5.0
+L2_BYTES = 60 * 2**20
+ROWS_ENV = "KDA_RECURRENT_ROWS_PER_LANE"
+
+
+def make_inputs(B: int, T: int, state_dtype: torch.dtype, slots: int, seed: int = 0) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)  # noqa: E731
+    d = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV))
+    d["A_log"] = torch.rand(HV, device="cuda", generator=gen) * 0.5 + 0.1
+    d["dt_bias"] = torch.randn(HV, K, device="cuda", generator=gen) * 0.1
+    d["pool"] = (torch.randn(slots, HV, V, K, device="cuda", generator=gen) * 0.1).to(state_dtype)
+    d["out"] = torch.empty(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+    return d
+
+
+def ours_step(d: dict, idx: torch.Tensor, S: int = 0, acc: torch.Tensor | None = None):
+    import kda_ops
+
+    return kda_ops.recurrent_kda(
+        d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=d["pool"],
+        ssm_state_indices=idx, use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True,
+        use_qk_l2norm_in_kernel=True, output=d["out"], num_spec_tokens=S or None, num_accepted_tokens=acc,
+        backend="recurrent",
+    )
+
+
+def fla_step(fla_fwd, d: dict, idx: torch.Tensor, out: torch.Tensor, acc: torch.Tensor | None = None):
+    return fla_fwd(
+        q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
+        initial_state=d["pool"], scale=K**-0.5, output_final_state=False, inplace_final_state=True,
+        state_v_first=True, ssm_state_indices=idx, num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=out,
+    )
+
+
+def graph_time_us(steps: list, replays: int = 20) -> float:
+    """Median time of one step (us): a graph of all `steps` (callables), replayed `replays` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in steps[:2]:
+            f()  # warm-up: JIT, occupancy queries, smem opt-in
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in steps:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(steps))
+    del g
+    return statistics.median(times)
+
+
+def rotation(B: int, per_seq_bytes: int, W: int) -> int:
+    """Number of distinct slot sets so that one graph touches >= 3x L2 of state."""
+    return max(1, min(256, math.ceil(3 * L2_BYTES / (B * per_seq_bytes * W))))
+
+
+def main() -> None:
+    args = parse_args("decode", lambda ap: ap.add_argument("--no-sweep", action="store_true"))
+    import kda_ops  # noqa: F401
+
+    fla = None if args.no_peers else import_fla_kda()
+    fla_fwd = None
+    if fla is not None:
+        try:
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fwd  # type: ignore
+        except Exception as e:  # noqa: BLE001
+            print(f"[peers] fla fused_recurrent_kda_fwd not importable: {e}")
+    batches = [1, 8, 64, 256] if args.quick else [1, 8, 64, 256, 1024]
+    dtypes = [torch.bfloat16, torch.float32]
+    rows, records = [], []
+    sweep_rows = []
+    plot: dict[str, dict[str, list]] = {}
+    notes = [
+        f"## decode T=1, H=HV={HV}, K=V={K}, lower-bound gate, logit beta, L2 norm ({torch.cuda.get_device_name()})",
+        "TB/s = N*HV*V*K*bytes(state)*2 / t (state read + written once); time = CUDA-graph replay of R steps on "
+        "distinct pool slots (>= 3x L2), median / R. ratio = fla time / our time (> 1: ours faster). "
+        "fla: fused_recurrent_kda_fwd(state_v_first=True, inplace_final_state=True), the same layout and slots.",
+    ]
+
+    def measure(label: str, B: int, dt: torch.dtype, S: int = 0):
+        per_seq = HV * V * K * torch.finfo(dt).bits // 8
+        W = 2 + S if S else 2  # reads + writes per sequence, in states
+        Rn = rotation(B, per_seq, (1 + S))
+        d = make_inputs(B, 1 + S, dt, slots=Rn * B * (1 + S), seed=B)
+        if S:
+            idxs = [torch.arange(r * B * (1 + S), (r + 1) * B * (1 + S), device="cuda", dtype=torch.int32)
+                    .reshape(B, 1 + S) for r in range(Rn)]
+            acc = (torch.arange(B, device="cuda", dtype=torch.int32) % (S + 1)) + 1
+        else:
+            idxs = [torch.arange(r * B, (r + 1) * B, device="cuda", dtype=torch.int32) for r in range(Rn)]
+            acc = None
+        nbytes = B * per_seq * W
+        t_ours, err = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i, S, acc) for i in idxs]))
+        if err:
+            print(f"[ours] {label}: {err}")
+        t_fla = None
+        if fla_fwd is not None:
+            out_fla = torch.empty_like(d["out"])
+            t_fla, ferr = try_call(lambda: graph_time_us([lambda i=i: fla_step(fla_fwd, d, i, out_fla, acc)
+                                                          for i in idxs]))
+            if ferr:
+                print(f"[fla] {label}: {ferr}")
+        sweep = {}
+        if not args.no_sweep and not S:
+            for nr in (1, 2, 4, 8):
+                os.environ[ROWS_ENV] = str(nr)
+                sweep[nr], _ = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i) for i in idxs], 10))
+            os.environ.pop(ROWS_ENV, None)
+        # cross-check on one fresh slot set: our output vs fla's from identical pools
+        xerr = None
+        if fla_fwd is not None:
+            pool0 = d["pool"].clone()
+            ours_step(d, idxs[0], S, acc)
+            o_ours, p_ours = d["out"].clone(), d["pool"].clone()
+            d["pool"].copy_(pool0)
+            out_fla = torch.empty_like(d["out"])
+            fla_step(fla_fwd, d, idxs[0], out_fla, acc)
+            xo = (o_ours.float() - out_fla.float()).norm() / out_fla.float().norm()
+            xs = (p_ours.float() - d["pool"].float()).norm() / d["pool"].float().norm()
+            xerr = (xo.item(), xs.item())
+            d["pool"].copy_(pool0)
+        tb = lambda t: None if t is None else nbytes / (t * 1e-6) / 1e12  # noqa: E731
+        rec = dict(case=label, B=B, S=S, state_dtype=str(dt).replace("torch.", ""), bytes=nbytes, R=Rn,
+                   ours_us=t_ours, fla_us=t_fla, ours_tbs=tb(t_ours), fla_tbs=tb(t_fla),
+                   sweep_us={str(k): v for k, v in sweep.items()}, xcheck_out_state_rel=xerr)
+        records.append(rec)
+        rows.append([label, fmt(t_ours, 1), fmt(tb(t_ours), 2), fmt(t_fla, 1), fmt(tb(t_fla), 2), ratio(t_fla, t_ours),
+                     "n/a" if xerr is None else f"{xerr[0]:.1e}/{xerr[1]:.1e}"])
+        if sweep:
+            cands = [(v, k) for k, v in sweep.items() if v is not None]
+            best = f"NR={min(cands)[1]}" if cands else "n/a"
+            sweep_rows.append([label] + [fmt(sweep[n], 1) for n in (1, 2, 4, 8)] + [best])
+        print(f"{label}: ours {fmt(t_ours, 1)} us ({fmt(tb(t_ours), 2)} TB/s), fla {fmt(t_fla, 1)} us, sweep {sweep}",
+              flush=True)
+        d.clear()
+        torch.cuda.empty_cache()
+        return t_ours, t_fla, tb
+
+    for dt in dtypes:
+        name = "bf16" if dt == torch.bfloat16 else "fp32"
+        plot[name] = {"B": [], "ours": [], "fla": []}
+        for B in batches:
+            t_ours, t_fla, tb = measure(f"decode B={B} {name} state", B, dt)
+            plot[name]["B"].append(B)
+            plot[name]["ours"].append(tb(t_ours))
+            plot[name]["fla"].append(tb(t_fla))
+    for dt in dtypes:
+        name = "bf16" if dt == torch.bfloat16 else "fp32"
+        measure(f"spec S=3 B=64 {name} state", 64, dt, S=3)
+
+    # B = 1 single-step graph replay (the state stays in L2, as when one layer's step is replayed)
+    extra = []
+    for dt in dtypes:
+        name = "bf16" if dt == torch.bfloat16 else "fp32"
+        d = make_inputs(1, 1, dt, slots=1, seed=1)
+        idx = torch.zeros(1, device="cuda", dtype=torch.int32)
+        t1, _ = try_call(lambda d=d, idx=idx: graph_time_us([lambda: ours_step(d, idx)], replays=200))
+        tf = None
+        if fla_fwd is not None:
+            of = torch.empty_like(d["out"])
+            tf, _ = try_call(lambda d=d, idx=idx, of=of: graph_time_us([lambda: fla_step(fla_fwd, d, idx, of)],
+                                                                        replays=200))
+        extra.append([f"B=1 {name}: graph of 1 step, per replay", fmt(t1, 2), fmt(tf, 2), ratio(tf, t1)])
+        records.append(dict(case=f"graph1 B=1 {name}", ours_us=t1, fla_us=tf))
+
+    # eager host cost per call (Python validation + dispatch + launch), B = 1, bf16 state
+    d = make_inputs(1, 1, torch.bfloat16, slots=1, seed=2)
+    idx = torch.zeros(1, device="cuda", dtype=torch.int32)
+
+    def host_us(fn, n=300):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def raw_op():
+        torch.ops.kda.recurrent_kda.default(
+            d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], None, None, None, idx,
+            None, None, d["out"], None, None, None, None, K**-0.5, 2, LOWER_BOUND, True, True, 0, 0, 2)
+
+    e_api = host_us(lambda: ours_step(d, idx))
+    e_raw = host_us(raw_op)
+    e_fla = None
+    if fla_fwd is not None:
+        of = torch.empty_like(d["out"])
+        e_fla = host_us(lambda: fla_step(fla_fwd, d, idx, of))
+    extra.append(["B=1 bf16: eager call from Python (host-bound), public API", fmt(e_api, 1), fmt(e_fla, 1),
+                  ratio(e_fla, e_api)])
+    extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda op", fmt(e_raw, 1), "", ""])
+    records.append(dict(case="eager B=1 bf16", ours_api_us=e_api, ours_raw_op_us=e_raw, fla_us=e_fla))
+
+    header = ["case", "ours us/step", "ours TB/s", "fla us/step", "fla TB/s", "fla/ours", "xcheck out/state rel"]
+    text_notes = notes
+    write_results(args.out, "bench_decode", header, rows, records, text_notes)
+    md = ["| case | ours (us) | fla (us) | fla/ours |", "|---|---|---|---|"] + ["| " + " | ".join(r) + " |"
+                                                                                for r in extra]
+    print("\n".join(["## latency and host overhead"] + md), flush=True)
+    if sweep_rows:
+        sw = ["| case | NR=1 | NR=2 | NR=4 | NR=8 | best |", "|---|---|---|---|---|---|"]
+        sw += ["| " + " | ".join(r) + " |" for r in sweep_rows]
+        print("\n".join(["## our tile sweep (rows per lane; us/step; default = launcher heuristic)"] + sw), flush=True)
+    with open(os.path.join(args.out, "bench_decode.md"), "a") as f:
+        f.write("\n## latency and host overhead\n" + "\n".join(md) + "\n")
+        if sweep_rows:
+            f.write("\n## our tile sweep (rows per lane, us/step)\n" + "\n".join(sw) + "\n")
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for name, series in plot.items():
+            ax.plot(series["B"], [v or 0 for v in series["ours"]], "o-", label=f"kda_ops {name} state")
+            if any(v is not None for v in series["fla"]):
+                ax.plot(series["B"], [v or 0 for v in series["fla"]], "s--", label=f"fla {name} state")
+        ax.axhline(4.3, color="gray", lw=0.8, ls=":", label="device copy (4.3 TB/s)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (sequences), H=HV=32, K=V=128")
+        ax.set_ylabel("state TB/s (read + write)")
+        ax.set_title("KDA decode, T=1")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_decode.png"), dpi=120)
+        plt.close(fig)
+    except Exception as e:  # noqa: BLE001
+        print(f"[plot] no PNG: {e}")
+
+
+if __name__ == "__main__":
+    main()
