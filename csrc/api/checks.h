@@ -9,10 +9,10 @@
 #define KDA_CHECK_TYPE(cond, ...) TORCH_CHECK_TYPE(cond, __VA_ARGS__)
 
 #define KDA_CHECK_LASTDIM_CONTIGUOUS(t, name) \
-  KDA_CHECK((t).stride(-1) == 1, name " must have a contiguous last dim, got strides ", (t).strides())
+  KDA_CHECK((t).stride(-1) == 1, name, " must have a contiguous last dim, got strides ", (t).strides())
 
 #define KDA_CHECK_DTYPE(t, dt, name) \
-  KDA_CHECK_TYPE((t).scalar_type() == (dt), name " must be ", (dt), ", got ", (t).scalar_type())
+  KDA_CHECK_TYPE((t).scalar_type() == (dt), name, " must be ", (dt), ", got ", (t).scalar_type())
 
 #define KDA_CHECK_SAME_DEVICE(t, ref, name) \
-  KDA_CHECK((t).device() == (ref).device(), name " must be on ", (ref).device(), ", got ", (t).device())
+  KDA_CHECK((t).device() == (ref).device(), name, " must be on ", (ref).device(), ", got ", (t).device())
