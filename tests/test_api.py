@@ -566,15 +566,16 @@ def test_packed_equals_each_sequence_alone():
 
 
 def _train_inputs(device="cpu", packed=True, seed=20, H=1, HV=2, dtype=torch.bfloat16):
+    D = 128 if device == "cuda" else K  # the CUDA training kernels take K == V == 128 only
     if packed:
-        x = inputs(H=H, HV=HV, K=K, V=V, cu_seqlens=[0, 17, 17, 40], device=device, seed=seed, dtype=dtype)
+        x = inputs(H=H, HV=HV, K=D, V=D, cu_seqlens=[0, 17, 17, 40], device=device, seed=seed, dtype=dtype)
     else:
-        x = inputs(B=2, T=19, H=H, HV=HV, K=K, V=V, device=device, seed=seed, dtype=dtype)
+        x = inputs(B=2, T=19, H=H, HV=HV, K=D, V=D, device=device, seed=seed, dtype=dtype)
     N = 3 if packed else 2
     gen = torch.Generator().manual_seed(seed + 1)
-    x["h0"] = (torch.randn(N, HV, V, K, generator=gen) * 0.1).to(device)
+    x["h0"] = (torch.randn(N, HV, D, D, generator=gen) * 0.1).to(device)
     x["do"] = torch.randn(x["v"].shape, generator=gen).to(dtype).to(device)
-    x["dfinal"] = (torch.randn(N, HV, V, K, generator=gen) * 0.1).to(device)
+    x["dfinal"] = (torch.randn(N, HV, D, D, generator=gen) * 0.1).to(device)
     return x
 
 
@@ -703,3 +704,158 @@ def test_validate_helpers_accept_valid():
     cu = torch.tensor([0, 3, 3, 10], dtype=torch.int64)
     assert torch.equal(kda_ops.validate_cu_seqlens(cu, 10), cu)
     kda_ops.validate_state_indices(torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), 6, allow_inactive=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA graph capture (SPEC §3.1, §3.3): eager warm call, capture, replay with new values in the buffers
+
+
+def _capture(fn):
+    """Warm fn eagerly on a side stream (the torch recipe), then capture it; returns the graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _refill(static: dict, fresh: dict) -> None:
+    for n, t in static.items():
+        t.copy_(fresh[n])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_and_spec():
+    x = inputs(B=4, T=1, H=1, HV=2, K=K, V=V, N_pool=6, device="cuda", seed=30)
+    static = {**tokens(x), "idx": torch.tensor([5, 0, -1, 2], dtype=torch.int32, device="cuda")}
+    gkw = gate_kwargs(x, "lower_bound")
+    pool = x["initial_state"].clone()
+    out = torch.empty_like(x["v"])
+    ws = kda_ops.RecurrentKDAPrefillWorkspace()
+
+    def call(p=pool, o=out):
+        t = {n: static[n] for n in ("q", "k", "v", "g", "beta")}
+        return kda_ops.recurrent_kda(
+            **t,
+            **gkw,
+            beta_is_logit=True,
+            initial_state=p,
+            ssm_state_indices=static["idx"],
+            output=o,
+            prefill_workspace=ws,
+        )
+
+    graph = _capture(call)
+    y = inputs(B=4, T=1, H=1, HV=2, K=K, V=V, N_pool=6, device="cuda", seed=31)
+    fresh = {**tokens(y), "idx": torch.tensor([1, 3, 4, 6], dtype=torch.int32, device="cuda")}
+    _refill(static, fresh)
+    pool.copy_(y["initial_state"])
+    graph.replay()
+    pool_e, out_e = y["initial_state"].clone(), torch.empty_like(out)
+    call(pool_e, out_e)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out_e) and torch.equal(pool, pool_e)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_packed_prefill_checkpoints():
+    lens = [20, 0, 45]
+    x = inputs(H=1, HV=2, K=K, V=V, cu_seqlens=lengths_to_cu(lens).tolist(), N_pool=4, device="cuda", seed=32)
+    static = {
+        **tokens(x),
+        "cu": x["cu_seqlens"].clone(),
+        "idx": torch.tensor([3, 0, 1], dtype=torch.int32, device="cuda"),
+    }
+    gkw = gate_kwargs(x, "lower_bound")
+    pool = x["initial_state"].clone()
+    out = torch.empty_like(x["v"])
+    ck = torch.zeros(6, 2, V, K, device="cuda")
+    starts = torch.tensor([0, 2, 2, 5], dtype=torch.int64, device="cuda")
+    ws = kda_ops.RecurrentKDAPrefillWorkspace()
+
+    def call(p=pool, o=out, c=ck):
+        t = {n: static[n] for n in ("q", "k", "v", "g", "beta")}
+        return kda_ops.recurrent_kda(
+            **t,
+            **gkw,
+            beta_is_logit=True,
+            initial_state=p,
+            cu_seqlens=static["cu"],
+            ssm_state_indices=static["idx"],
+            output=o,
+            prefill_workspace=ws,
+            state_checkpoints=c,
+            checkpoint_cu_starts=starts,
+            checkpoint_every_n_tokens=16,
+        )
+
+    graph = _capture(call)
+    # New lengths in the same buffers: [33, 32, 0] (still 65 tokens; starts rewritten to match).
+    y = inputs(H=1, HV=2, K=K, V=V, cu_seqlens=[0, 33, 65, 65], N_pool=4, device="cuda", seed=33)
+    _refill(
+        static, {**tokens(y), "cu": y["cu_seqlens"], "idx": torch.tensor([2, 1, 0], dtype=torch.int32, device="cuda")}
+    )
+    starts.copy_(torch.tensor([0, 3, 5, 5]))
+    pool.copy_(y["initial_state"])
+    ck.zero_()
+    graph.replay()
+    pool_e, out_e, ck_e = y["initial_state"].clone(), torch.empty_like(out), torch.zeros_like(ck)
+    call(pool_e, out_e, ck_e)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out_e) and torch.equal(pool, pool_e) and torch.equal(ck, ck_e)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_unplanned_workspace_raises():
+    x = inputs(B=2, T=1, H=1, HV=2, K=K, V=V, device="cuda", seed=34)
+    y = inputs(B=3, T=1, H=1, HV=2, K=K, V=V, device="cuda", seed=35)
+    ws = kda_ops.RecurrentKDAPrefillWorkspace()
+    gkw = gate_kwargs(x, "lower_bound")
+    kda_ops.recurrent_kda(**tokens(x), **gkw, beta_is_logit=True, prefill_workspace=ws)  # plans B=2
+    torch.cuda.synchronize()
+    out = torch.empty_like(y["v"])
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="prefill_workspace"):
+        with torch.cuda.graph(graph):
+            kda_ops.recurrent_kda(**tokens(y), **gkw, beta_is_logit=True, prefill_workspace=ws, output=out)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_backward():
+    x = _train_inputs("cuda")
+    static = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0", "do", "dfinal")}
+    cu = x["cu_seqlens"]
+    ws = kda_ops.RecurrentKDABackwardWorkspace()
+    outs = [torch.empty_like(static[n]) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
+
+    def call(o=outs):
+        s = static
+        return kda_ops.recurrent_kda_backward(
+            s["q"],
+            s["k"],
+            s["v"],
+            s["g"],
+            s["beta"],
+            s["A_log"],
+            s["dt_bias"],
+            s["h0"],
+            s["do"],
+            s["dfinal"],
+            cu_seqlens=cu,
+            workspace=ws,
+            out=o,
+        )
+
+    graph = _capture(call)
+    y = _train_inputs("cuda", seed=40)
+    _refill(static, {n: y[n] for n in static})
+    graph.replay()
+    ref_outs = [torch.empty_like(t) for t in outs]
+    call(ref_outs)
+    torch.cuda.synchronize()
+    for a, b in zip(outs, ref_outs, strict=True):
+        assert torch.equal(a, b)

@@ -29,10 +29,14 @@ def _compile(fn, backend):
     return torch.compile(fn, fullgraph=True, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compile_decode_step(backend):
-    x = inputs(B=3, T=1, H=1, HV=2, K=K, V=V, N_pool=5)
-    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
+@pytest.mark.parametrize(
+    "backend,device",
+    [("aot_eager", "cpu"), ("inductor", "cpu"), pytest.param("inductor", "cuda", marks=pytest.mark.gpu)],
+)
+def test_compile_decode_step(backend, device):
+    D = 64 if device == "cuda" else K  # CUDA decode takes K == V in {64, 128}
+    x = inputs(B=3, T=1, H=1, HV=2, K=D, V=D, N_pool=5, device=device)
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=device)
 
     def step(q, k, v, g, beta, A_log, dt_bias, pool, slots):
         o, fs = kda_ops.recurrent_kda(
