@@ -107,8 +107,15 @@ def recurrent_kda(
     """KDA inference: decode (T=1), speculative decode (1+S tokens) and prefill (any T), fixed or packed,
     with an in-place state pool (SPEC §3.1; the signature of FlashInfer's ``recurrent_kda``).
 
-    Computes the recurrence of SPEC §2 (see the module docstring) token by token from each sequence's
-    start state, writing the output of every token and the state after the last token.
+    Computes the recurrence of SPEC §2 token by token from each sequence's start state S [V, K] (per
+    value head hv, q/k head hv // (HV // H)), all in fp32:
+
+        q, k = l2norm(q), l2norm(k)     (x * rsqrt(sum x^2 + 1e-6), when use_qk_l2norm_in_kernel)
+        q    = q * scale
+        a    = g | -exp(A_log) softplus(g + dt_bias) | λ sigmoid(exp(A_log) (g + dt_bias))
+               (log-decay per token in nats, a K-vector: precomputed / softplus / lower-bound gate)
+        β    = sigmoid(beta) if beta_is_logit else beta
+        S    = S diag(exp(a));  S = S + β (v - S k) kᵀ;  o = S q
 
     Args:
         q, k: [B, T, H, K]. v: [B, T, HV, V], HV % H == 0. g: [B, T, HV, K] (log-decay when
