@@ -367,28 +367,56 @@ def test_cuda_graph_capture_backward():
         assert torch.equal(a, b), f"{n_}: graph replay differs from the eager call"
 
 
-def test_rejects_unsupported():
+def test_rejects_unsupported_public_api():
     x = make_inputs(B=1, T=4, H=1, HV=1, K=64, V=64, device="cuda")
-    with pytest.raises(ValueError, match="K == V == 128"):
-        torch.ops.kda.recurrent_kda_training_forward(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], None, 0.1, -5.0
-        )
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"])
+    with pytest.raises(ValueError):
+        kda_ops.recurrent_kda_training_forward(*args)
     x = make_inputs(B=1, T=4, H=1, HV=1, device="cuda")
+    half = [x[n].half() for n in ("q", "k", "v", "g", "beta")]
     with pytest.raises(TypeError):
-        torch.ops.kda.recurrent_kda_training_forward(
-            x["q"].half(),
-            x["k"].half(),
-            x["v"].half(),
-            x["g"].half(),
-            x["beta"].half(),
-            x["A_log"],
-            x["dt_bias"],
-            x["initial_state"],
-            None,
-            0.1,
-            -5.0,
+        kda_ops.recurrent_kda_training_forward(*half, x["A_log"], x["dt_bias"], x["initial_state"])
+    with pytest.raises(ValueError):
+        kda_ops.recurrent_kda_training_forward(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], lower_bound=-6.0
         )
-    with pytest.raises(ValueError, match="lower_bound"):
-        torch.ops.kda.recurrent_kda_training_forward(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], None, 0.1, -6.0
-        )
+
+
+_DIRECT_OP_REJECTIONS = """
+import torch, kda_ops
+from kda_ops.reference import make_inputs
+f = torch.ops.kda.recurrent_kda_training_forward
+N = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+x = make_inputs(B=1, T=4, H=1, HV=1, K=64, V=64, device="cuda")
+y = make_inputs(B=1, T=4, H=1, HV=1, device="cuda")
+a64, a = [x[n] for n in N], [y[n] for n in N]
+half = [t.half() for t in a[:5]] + a[5:]
+for label, args, exc in (("K64", a64 + [None, 0.1, -5.0], ValueError), ("lambda", a + [None, 0.1, -6.0], ValueError),
+                         ("fp16", half + [None, 0.1, -5.0], TypeError)):
+    try:
+        f(*args)
+        print(label, "NO_ERROR", flush=True)
+    except exc as e:
+        print(label, "RAISED", type(e).__name__, str(e).splitlines()[0][:120], flush=True)
+"""
+
+
+def test_rejects_unsupported_direct_op():
+    """Direct torch.ops calls (no Python validation) must raise, not crash. Run in a subprocess: on the
+    device (torch 2.11, Python 3.12) the first version of this test died with SIGSEGV inside the
+    redispatch beneath the Python autograd kernel, which took the whole session down with it."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _DIRECT_OP_REJECTIONS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    report = f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr (tail):\n{r.stderr[-4000:]}"
+    _report("direct_op_rejections: " + " | ".join(r.stdout.strip().splitlines()) + f" rc={r.returncode}")
+    assert r.returncode == 0, report
+    assert r.stdout.count("RAISED") == 3, report
