@@ -295,10 +295,16 @@ __device__ __forceinline__ void load_token(const RecurrentParams& p, int64_t bat
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Start-state ring: each warp streams the pool tiles of its next items through shared memory with
-// cp.async (L2 only, no registers held), kStages items deep, so the bytes in flight per SM are not capped
-// by the register file. A lane reads back only the 16-byte pieces it copied itself (lane-major layout,
-// conflict-free), so cp.async.wait_group plus __syncwarp is all the synchronisation needed.
+// The item pipeline of a warp (items w, w + W, w + 2W, ... in "pipeline order" j = 0, 1, 2, ...):
+//  * item metadata (sequence range, start slot) is resolved 32 items at a time, one item per lane, into a
+//    double-buffered per-warp table in shared memory: the slot lookups (cu_seqlens, ssm_state_indices,
+//    num_accepted_tokens, initial_state_indices) cost one stall per 32 items instead of one per item;
+//  * an item's start state is copied from the pool into a per-warp ring with cp.async (L2 only, no registers
+//    held) kStages items ahead, so the bytes in flight per SM are bounded by shared memory, not registers;
+//    a lane reads back only the 16-byte pieces it copied itself (lane-major, conflict-free), so
+//    cp.async.wait_group plus __syncwarp is all the synchronisation needed;
+//  * when an item's copy is issued, its first token's q, k, g, v, beta, its gate parameters and (spec
+//    decode) its slot row are prefetched into L1, so the loads at the start of the item hit L1.
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -309,23 +315,34 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+__device__ __forceinline__ void prefetch_l1(const void* ptr) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ptr));
+}
 
-// What the prefetch resolved about an item (written by lane 0, read by the warp when it consumes it).
+// What the resolution found about an item. kind: StartState kind (0 zeros, 1 pool, 2 source, -1 inactive);
+// kNoItem: past the end or a broken seq_order entry.
 struct ItemMeta {
-  int64_t batch, bos, len;  // SeqRange
-  int64_t slot;             // StartState slot
-  int64_t n;                // sequence; -1: no valid item (broken seq_order)
-  int32_t kind;             // StartState kind
+  int64_t bos, len;  // SeqRange (token range along T)
+  int64_t slot;      // StartState slot
+  int32_t batch;     // SeqRange batch row
+  int32_t n;         // sequence
+  int32_t kind;
   int32_t tile, hv;
+  int32_t pad;
 };
+constexpr int kNoItem = -100;
+constexpr int kMetaBatch = 32;  // items resolved at once (one per lane)
 
 template <class Tile>
 struct RingLayout {
   static constexpr int kTileBytes = Tile::NR * Tile::kChunks * 32 * 16;
   // About 12 KB of ring per warp: 2 to 4 items deep (bf16 NR=8: 3 x 4 KB; fp32 NR=8: 2 x 8 KB).
   static constexpr int kStages = kTileBytes >= 6144 ? 2 : (kTileBytes >= 3072 ? 3 : 4);
-  // Per warp: the tiles, then the metas; rounded so the next warp's ring stays 128-byte aligned.
-  static constexpr int kWarpBytes = (kStages * (kTileBytes + int(sizeof(ItemMeta))) + 127) / 128 * 128;
+  static constexpr int kRingBytes = kStages * kTileBytes;
+  static constexpr int kMetaBytes = 2 * kMetaBatch * int(sizeof(ItemMeta));
+  // Per warp: the ring, then the two meta tables; a multiple of 128 bytes keeps every warp's ring aligned.
+  static constexpr int kWarpBytes = (kRingBytes + kMetaBytes + 127) / 128 * 128;
+  static_assert(kStages < kMetaBatch, "a meta table must outlive the items in flight");
 };
 
 __device__ __forceinline__ bool decode_item(const RecurrentParams& p, int64_t item, int tiles_per_head, int& tile,
@@ -348,36 +365,72 @@ __device__ __forceinline__ bool decode_item(const RecurrentParams& p, int64_t it
   return true;
 }
 
+// Lane l resolves pipeline item j0 + l into table[l] (SeqRange and StartState: the shared rules).
 template <class Tile>
-__device__ __forceinline__ void prefetch_item(const RecurrentParams& p, int64_t item, int64_t total, uint4* ring,
-                                              ItemMeta* meta, int lane) {
-  using StateT = typename Tile::StateT;
-  if (item < total) {
-    int tile, hv;
-    int64_t n;
-    ItemMeta m{};
-    if (decode_item(p, item, Tile::kTilesPerHead, tile, hv, n)) {
-      const SeqRange sr = seq_range(p, n);
-      const StartState st = start_state(p, n);
-      m = ItemMeta{sr.batch, sr.bos, sr.len, st.slot, n, st.kind, tile, hv};
-      if (st.kind == 1 && sr.len > 0) {  // a zero-length sequence's pool state is never needed
-        const int kl = lane % Tile::KL, rg = lane / Tile::KL;
-        const StateT* head = static_cast<const StateT*>(p.state) + st.slot * p.state_slot_stride +
-                             int64_t(hv) * Tile::K * Tile::K;
-#pragma unroll
-        for (int i = 0; i < Tile::NR; ++i)
-#pragma unroll
-          for (int c = 0; c < Tile::kChunks; ++c)
-            cp_async_16(ring + (i * Tile::kChunks + c) * 32 + lane,
-                        head + int64_t(tile * Tile::kRowsPerWarp + i * Tile::RP + rg) * Tile::K +
-                            Tile::chunk_offset(kl, c));
-      }
-    } else {
-      m.n = -1;
-    }
-    if (lane == 0) *meta = m;
+__device__ __forceinline__ void resolve_items(const RecurrentParams& p, int64_t j0, int64_t first, int64_t stride,
+                                              int64_t total, ItemMeta* table, int lane) {
+  const int64_t item = first + (j0 + lane) * stride;
+  ItemMeta m{};
+  m.kind = kNoItem;
+  int tile, hv;
+  int64_t n;
+  if (item < total && decode_item(p, item, Tile::kTilesPerHead, tile, hv, n)) {
+    const SeqRange sr = seq_range(p, n);
+    const StartState st = start_state(p, n);
+    m.bos = sr.bos, m.len = sr.len, m.slot = st.slot, m.batch = static_cast<int32_t>(sr.batch);
+    m.n = static_cast<int32_t>(n), m.kind = st.kind, m.tile = tile, m.hv = hv;
   }
-  cp_async_commit();  // one group per item slot, empty or not, so wait_group counts stay uniform
+  table[lane] = m;
+  __syncwarp();
+}
+
+// Issue the start-state copy of item m into `ring` (one cp.async group, empty or not, so the wait_group
+// counts stay uniform) and prefetch its first token's inputs into L1.
+template <class Tile>
+__device__ __forceinline__ void prefetch_item(const RecurrentParams& p, const ItemMeta& m, uint4* ring, int lane) {
+  using StateT = typename Tile::StateT;
+  const int kl = lane % Tile::KL, rg = lane / Tile::KL;
+  if (m.kind >= 0 && m.len > 0) {  // a zero-length or inactive sequence's pool state is never needed
+    if (m.kind == 1) {
+      const StateT* head =
+          static_cast<const StateT*>(p.state) + m.slot * p.state_slot_stride + int64_t(m.hv) * Tile::K * Tile::K;
+#pragma unroll
+      for (int i = 0; i < Tile::NR; ++i)
+#pragma unroll
+        for (int c = 0; c < Tile::kChunks; ++c)
+          cp_async_16(ring + (i * Tile::kChunks + c) * 32 + lane,
+                      head + int64_t(m.tile * Tile::kRowsPerWarp + i * Tile::RP + rg) * Tile::K +
+                          Tile::chunk_offset(kl, c));
+    }
+    const int h = m.hv / (p.HV / p.H);
+    const int64_t b = m.batch, t = m.bos;
+    const auto* q = static_cast<const __nv_bfloat16*>(p.q.ptr) + b * p.q.batch_stride + t * p.q.token_stride +
+                    int64_t(h) * p.q.head_stride;
+    const auto* k = static_cast<const __nv_bfloat16*>(p.k.ptr) + b * p.k.batch_stride + t * p.k.token_stride +
+                    int64_t(h) * p.k.head_stride;
+    const auto* g = static_cast<const __nv_bfloat16*>(p.g.ptr) + b * p.g.batch_stride + t * p.g.token_stride +
+                    int64_t(m.hv) * p.g.head_stride;
+#pragma unroll
+    for (int c = 0; c < Tile::kChunks; ++c) {
+      prefetch_l1(q + Tile::chunk_offset(kl, c));
+      prefetch_l1(k + Tile::chunk_offset(kl, c));
+      prefetch_l1(g + Tile::chunk_offset(kl, c));
+    }
+    if (lane < 2) {  // the warp's rows of v (<= 64 contiguous bytes): its first and last element
+      const int row = m.tile * Tile::kRowsPerWarp + lane * (Tile::kRowsPerWarp - 1);
+      prefetch_l1(static_cast<const __nv_bfloat16*>(p.v.ptr) + b * p.v.batch_stride + t * p.v.token_stride +
+                  int64_t(m.hv) * p.v.head_stride + row);
+    }
+    if (lane == 0) {
+      prefetch_l1(static_cast<const __nv_bfloat16*>(p.beta.ptr) + b * p.beta.batch_stride +
+                  t * p.beta.token_stride + int64_t(m.hv) * p.beta.head_stride);
+      if (p.gate_mode != GateMode::kPrecomputed) prefetch_l1(p.A_log + m.hv);
+      if (p.num_spec_tokens > 0) prefetch_l1(p.ssm_state_indices + int64_t(m.n) * (p.num_spec_tokens + 1));
+    }
+    if (p.dt_bias != nullptr && p.gate_mode != GateMode::kPrecomputed && lane < Tile::K / 32)
+      prefetch_l1(p.dt_bias + int64_t(m.hv) * Tile::K + lane * 32);  // 128-byte lines
+  }
+  cp_async_commit();
 }
 
 template <class Tile>
@@ -409,22 +462,23 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
   using StateT = typename Tile::StateT;
   using Ring = RingLayout<Tile>;
   constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP, kStages = Ring::kStages;
+  constexpr int kTileU4 = Ring::kTileBytes / 16;
   extern __shared__ __align__(16) unsigned char smem_raw[];
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int warps_per_block = blockDim.x >> 5;
   uint4* ring = reinterpret_cast<uint4*>(smem_raw + warp * Ring::kWarpBytes);
-  ItemMeta* metas = reinterpret_cast<ItemMeta*>(smem_raw + warp * Ring::kWarpBytes + kStages * Ring::kTileBytes);
-  constexpr int kTileU4 = Ring::kTileBytes / 16;
+  ItemMeta* metas = reinterpret_cast<ItemMeta*>(smem_raw + warp * Ring::kWarpBytes + Ring::kRingBytes);
 
   const int64_t total = p.N * p.HV * Tile::kTilesPerHead;
   const int64_t stride = int64_t(gridDim.x) * warps_per_block;
   const int64_t first = int64_t(blockIdx.x) * warps_per_block + warp;
+  auto meta_at = [&](int64_t j) -> ItemMeta* { return metas + ((j / kMetaBatch) & 1) * kMetaBatch + j % kMetaBatch; };
 
+  resolve_items<Tile>(p, 0, first, stride, total, metas, lane);
 #pragma unroll
-  for (int st = 0; st < kStages; ++st)
-    prefetch_item<Tile>(p, first + st * stride, total, ring + st * kTileU4, metas + st, lane);
+  for (int st = 0; st < kStages; ++st) prefetch_item<Tile>(p, *meta_at(st), ring + st * kTileU4, lane);
 
   const int kl = lane % KL, rg = lane / KL;
   const int my_idx = rs_row_index<KL, NR>(lane);
@@ -434,12 +488,12 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
   const int every = p.checkpoint_every_n_tokens;
 
   int stage = 0;
-  for (int64_t item = first; item < total; item += stride, stage = stage + 1 == kStages ? 0 : stage + 1) {
+  int64_t j = 0;
+  for (int64_t item = first; item < total; item += stride, ++j, stage = stage + 1 == kStages ? 0 : stage + 1) {
     cp_async_wait<kStages - 1>();  // this item's group (the oldest) has landed
     __syncwarp();
-    const ItemMeta m = metas[stage];
-    float s[NR][8];
-    bool skip = m.n < 0;
+    const ItemMeta m = *meta_at(j);
+    const bool skip = m.kind == kNoItem;
     const int tile = m.tile, hv = m.hv;
     const int64_t n = m.n;
     const int row0 = tile * Tile::kRowsPerWarp;
@@ -447,8 +501,14 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
     const int h = hv / (p.HV / p.H);             // GQA: contiguous groups of value heads per q/k head
     const int64_t head_off = int64_t(hv) * K * K;
 
+    // First-token inputs and (spec decode) the slot row: L1 hits, prefetched with the state.
     TokenRaw cur;
-    if (!skip && m.kind >= 0 && m.len > 0) load_token<Tile>(p, m.batch, m.bos, h, hv, kl, my_row, cur);
+    int32_t spec_slot = -1;  // lane t holds the write slot of token t (t <= S < 32)
+    if (!skip && m.kind >= 0 && m.len > 0) {
+      load_token<Tile>(p, m.batch, m.bos, h, hv, kl, my_row, cur);
+      if (S > 0 && S < 32 && lane <= S) spec_slot = p.ssm_state_indices[n * (S + 1) + lane];
+    }
+    float s[NR][8];
     if (!skip && m.kind == 1 && m.len > 0) {
       unpack_ring_tile<Tile>(ring + stage * kTileU4, lane, s);
     } else if (!skip && m.kind == 2) {
@@ -460,13 +520,14 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
 #pragma unroll
         for (int e = 0; e < 8; ++e) s[i][e] = 0.f;
     }
-    __syncwarp();  // every lane has read its slot and the meta before the slot is refilled
-    prefetch_item<Tile>(p, item + kStages * stride, total, ring + stage * kTileU4, metas + stage, lane);
+    __syncwarp();  // every lane has read its ring slot before it is refilled
+    if ((j + kStages) % kMetaBatch == 0)  // the next table, one stall per 32 items (its buffer is consumed)
+      resolve_items<Tile>(p, j + kStages, first, stride, total, meta_at(j + kStages), lane);
+    prefetch_item<Tile>(p, *meta_at(j + kStages), ring + stage * kTileU4, lane);
     if (skip) continue;
 
-    uint16_t* out = static_cast<uint16_t*>(p.out) + m.batch * p.out_batch_stride +
+    uint16_t* out = static_cast<uint16_t*>(p.out) + int64_t(m.batch) * p.out_batch_stride +
                     int64_t(hv) * p.out_head_stride + my_row;
-    const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
 
     if (m.kind < 0) {
       // Inactive sequence: zero output, no state read or write (its final-state and checkpoint rows are
@@ -475,6 +536,7 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
         for (int64_t t = 0; t < m.len; ++t) out[(m.bos + t) * p.out_token_stride] = 0;
       continue;
     }
+    const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
 
     // Gate constant of this value head (dt_bias is re-read per token from L1 instead of held in registers).
     const float A = p.gate_mode != GateMode::kPrecomputed ? __expf(p.A_log[hv]) : 0.f;
@@ -492,9 +554,12 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
         next_ckpt += every;
       }
 
-      // Speculative decode: a token whose slot is outside the pool is inactive (and a sequence longer than
-      // 1+S, a broken contract, never indexes past its row of ssm_state_indices).
-      const bool active = S == 0 || (t <= S && token_active(p, n, t));
+      // Speculative decode: the state after token t goes to slot ssm_state_indices[n, t]; a token whose slot
+      // is outside the pool is inactive (token_active in recurrent_rules.h), as is a token past column S
+      // (a sequence longer than 1+S, a broken contract, never indexes past its row).
+      int64_t wslot = -1;
+      if (S > 0 && t <= S) wslot = S < 32 ? __shfl_sync(kFullMask, spec_slot, static_cast<int>(t)) : write_slot(p, n, t);
+      const bool active = S == 0 || (t <= S && slot_in_pool(wslot, p.n_pool));
       if (!active) {
         if (writer) out[(m.bos + t) * p.out_token_stride] = 0;
         cur = nxt;
@@ -572,10 +637,8 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
         const __nv_bfloat16 ob = __float2bfloat16_rn(o);
         out[(m.bos + t) * p.out_token_stride] = *reinterpret_cast<const uint16_t*>(&ob);
       }
-      if (S > 0) {  // speculative decode: the state after token t goes to its own slot
-        StateT* dst = static_cast<StateT*>(p.state) + write_slot(p, n, t) * p.state_slot_stride + head_off;
-        store_tile<Tile>(dst, row0, rg, kl, s);
-      }
+      if (S > 0)  // speculative decode: the state after token t goes to its own slot
+        store_tile<Tile>(static_cast<StateT*>(p.state) + wslot * p.state_slot_stride + head_off, row0, rg, kl, s);
       cur = nxt;
     }
 

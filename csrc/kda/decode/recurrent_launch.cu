@@ -30,15 +30,13 @@ int num_sms_of_current_device() {
 }  // namespace
 
 int recurrent_rows_per_lane(const RecurrentParams& p, int num_sms) {
-  // Largest tile that still gives about one full wave of warps (16 resident warps per SM at <= 128
-  // registers): big tiles amortise the per-token prep (norms, gates) over more rows; small tiles spread
-  // few (sequence, head) pairs over the SMs and shorten each warp's serial work.
+  // The largest tile (8 rows per lane: the per-token prep of norms and gates amortised over the most rows)
+  // once there are enough warps for 8 per SM; below that (small batch, latency-bound) 4 rows per lane
+  // spread the few (sequence, head) pairs over more warps. Measured on H200 (bench_decode, HV=32, K=128):
+  // NR=8 is best from B=8 up, NR=4 at B=1; NR=1, 2 were slower everywhere.
   const int rows_per_pass = 32 / (p.K / 8);
   const int64_t units = p.N * p.HV;
-  const int64_t target = int64_t(num_sms) * 16;
-  for (int nr : {8, 4, 2})
-    if (units * (p.K / (nr * rows_per_pass)) >= target) return nr;
-  return 1;
+  return units * (p.K / (8 * rows_per_pass)) >= int64_t(num_sms) * 8 ? 8 : 4;
 }
 
 cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
