@@ -41,6 +41,18 @@ K = V = 128
 LOWER_BOUND = -5.0
 L2_BYTES = 60 * 2**20
 ROWS_ENV = "KDA_RECURRENT_ROWS_PER_LANE"
+# Host-side launch knobs and diagnostic switches of our launcher (csrc/kda/decode/recurrent_launch.cu):
+# each entry sets these environment variables for one measurement. The diagnostics break the results on
+# purpose (they take a stage out to show what it costs) and are only timed here, never checked.
+KNOBS = [
+    ("blocks/SM<=2", {"KDA_RECURRENT_BLOCKS_PER_SM": "2"}),
+    ("no L1 prefetch", {"KDA_RECURRENT_DIAG": "4"}),
+    ("diag: no state store", {"KDA_RECURRENT_DIAG": "1"}),
+    ("diag: no math", {"KDA_RECURRENT_DIAG": "2"}),
+    ("diag: no math, no store (read only)", {"KDA_RECURRENT_DIAG": "3"}),
+    ("carveout=min", {"KDA_RECURRENT_CARVEOUT": "min"}),
+    ("blocks/SM<=2, carveout=min", {"KDA_RECURRENT_BLOCKS_PER_SM": "2", "KDA_RECURRENT_CARVEOUT": "min"}),
+]
 
 
 def make_inputs(B: int, T: int, state_dtype: torch.dtype, slots: int, seed: int = 0) -> dict:
@@ -120,7 +132,7 @@ def main() -> None:
     batches = [1, 8, 64, 256] if args.quick else [1, 8, 64, 256, 1024]
     dtypes = [torch.bfloat16, torch.float32]
     rows, records = [], []
-    sweep_rows = []
+    sweep_rows, knob_rows = [], []
     plot: dict[str, dict[str, list]] = {}
     notes = [
         f"## decode T=1, H=HV={HV}, K=V={K}, lower-bound gate, logit beta, L2 norm ({torch.cuda.get_device_name()})",
@@ -158,6 +170,17 @@ def main() -> None:
                 os.environ[ROWS_ENV] = str(nr)
                 sweep[nr], _ = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i) for i in idxs], 10))
             os.environ.pop(ROWS_ENV, None)
+        knobs = {}
+        if not args.no_sweep and not S and B in (256, 1024):
+            for kname, env in KNOBS:
+                os.environ.update(env)
+                knobs[kname], _ = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i) for i in idxs], 10))
+                for e in env:
+                    os.environ.pop(e, None)
+            os.environ["KDA_RECURRENT_CARVEOUT"] = "default"  # restore the driver's carveout choice
+            ours_step(d, idxs[0])
+            os.environ.pop("KDA_RECURRENT_CARVEOUT", None)
+            knob_rows.append([label, fmt(t_ours, 1)] + [fmt(knobs[k], 1) for k, _ in KNOBS])
         # cross-check on one fresh slot set: our output vs fla's from identical pools
         xerr = None
         if fla_fwd is not None:
@@ -174,7 +197,7 @@ def main() -> None:
         tb = lambda t: None if t is None else nbytes / (t * 1e-6) / 1e12  # noqa: E731
         rec = dict(case=label, B=B, S=S, state_dtype=str(dt).replace("torch.", ""), bytes=nbytes, R=Rn,
                    ours_us=t_ours, fla_us=t_fla, ours_tbs=tb(t_ours), fla_tbs=tb(t_fla),
-                   sweep_us={str(k): v for k, v in sweep.items()}, xcheck_out_state_rel=xerr)
+                   sweep_us={str(k): v for k, v in sweep.items()}, knobs_us=knobs, xcheck_out_state_rel=xerr)
         records.append(rec)
         rows.append([label, fmt(t_ours, 1), fmt(tb(t_ours), 2), fmt(t_fla, 1), fmt(tb(t_fla), 2), ratio(t_fla, t_ours),
                      "n/a" if xerr is None else f"{xerr[0]:.1e}/{xerr[1]:.1e}"])
@@ -255,7 +278,15 @@ def main() -> None:
         sw = ["| case | NR=1 | NR=2 | NR=4 | NR=8 | best |", "|---|---|---|---|---|---|"]
         sw += ["| " + " | ".join(r) + " |" for r in sweep_rows]
         print("\n".join(["## our tile sweep (rows per lane; us/step; default = launcher heuristic)"] + sw), flush=True)
+    kn = []
+    if knob_rows:
+        kn = ["| case | default | " + " | ".join(k for k, _ in KNOBS) + " |", "|" + "---|" * (len(KNOBS) + 2)]
+        kn += ["| " + " | ".join(r) + " |" for r in knob_rows]
+        print("\n".join(["## launch knobs and diagnostics (us/step; diagnostics skip work on purpose)"] + kn),
+              flush=True)
     with open(os.path.join(args.out, "bench_decode.md"), "a") as f:
+        if kn:
+            f.write("\n## launch knobs and diagnostics (us/step)\n" + "\n".join(kn) + "\n")
         f.write("\n## latency and host overhead\n" + "\n".join(md) + "\n")
         if sweep_rows:
             f.write("\n## our tile sweep (rows per lane, us/step)\n" + "\n".join(sw) + "\n")

@@ -64,8 +64,8 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v,
   for (const Tensor* t : {&q_in, &k_in, &v, &g_in, &beta, &output})
     KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, "CUDA recurrent_kda token tensors (q, k, v, g, beta, output) "
                    "must be ", at::kBFloat16, ", got ", t->scalar_type());
-  KDA_CHECK(gate_mode >= 0 && gate_mode <= 2, "gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ",
-            gate_mode);
+  KDA_CHECK(gate_mode >= 0 && gate_mode <= 2,
+            "gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ", gate_mode);
   KDA_CHECK(num_spec_tokens >= 0, "num_spec_tokens must be >= 0, got ", num_spec_tokens);
   KDA_CHECK(checkpoint_every_n_tokens >= 0, "checkpoint_every_n_tokens must be >= 0, got ",
             checkpoint_every_n_tokens);

@@ -153,6 +153,36 @@ def test_tile_variants_bit_identical(monkeypatch, K, state_dtype):
     check_pool(pool, x["initial_state"], written)
 
 
+@cuda_only
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_persistent_grid_invariance(monkeypatch, state_dtype):
+    """Launch knobs change only the schedule: one block per SM (each warp then walks many items, wrapping
+    its slot-resolution table and state ring many times) and the minimal smem carveout give the same bits."""
+    lengths = [int(x) for x in torch.randint(0, 40, (48,), generator=torch.Generator().manual_seed(1))]
+    x = make(H=2, HV=8, K=128, state_dtype=state_dtype, lengths=lengths, seed=24)
+    t, g = tok(x), gkw(x)
+    runs = []
+    for env in ({}, {"KDA_RECURRENT_BLOCKS_PER_SM": "1"}, {"KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "2"},
+                {"KDA_RECURRENT_CARVEOUT": "min"}):
+        for n, v in env.items():
+            monkeypatch.setenv(n, v)
+        pool = x["initial_state"].clone()
+        o, _, ck = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=16)
+        runs.append((bits(o), bits(pool), bits(ck)))
+        for n in env:
+            monkeypatch.delenv(n)
+    monkeypatch.setenv("KDA_RECURRENT_CARVEOUT", "default")
+    call(t, g, initial_state=x["initial_state"].clone(), cu_seqlens=x["cu_seqlens"])
+    monkeypatch.delenv("KDA_RECURRENT_CARVEOUT")
+    for r_ in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r_, runs[0], strict=True))
+    r = ref(t, g, x["initial_state"], cu_seqlens=x["cu_seqlens"])
+    pool = x["initial_state"].clone()
+    o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
+    assert_output(o, r.output)
+    check_pool(pool, x["initial_state"], {i: r.final_state[i] for i, L in enumerate(lengths) if L > 0})
+
+
 @pytest.mark.parametrize("T", [1, 2, 17, 65, 1000])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_lengths(T, state_dtype):

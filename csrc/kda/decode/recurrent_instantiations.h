@@ -7,10 +7,22 @@
 
 namespace kda::decode {
 
+constexpr int kCarveoutUntouched = -2;  // leave the function's shared-memory carveout preference alone
+constexpr int kCarveoutMin = -3;        // the smallest carveout that holds the chosen blocks per SM
+
+// How to launch: chosen by csrc/kda/decode/recurrent_launch.cu (benchmark knobs come from the environment).
+struct RecurrentLaunch {
+  int warps_per_block = 4;
+  int num_sms = 132;
+  int max_blocks_per_sm = 0;                    // 0: as many as fit
+  int carveout_percent = kCarveoutUntouched;    // or kCarveoutMin, -1 (driver default), 0..100
+  int diag = 0;                                 // kDiag* switches (benchmarks only)
+};
+
 // K: head dim (K == V, 64 or 128). StateT: pool storage type (float or __nv_bfloat16). NR: state rows
 // per lane (1, 2, 4, 8); a warp owns NR * (32 / (K / 8)) value rows x all K of one (sequence, value head).
-// Launches a persistent grid: at most as many blocks of `warps_per_block` warps as fit on `num_sms` SMs.
+// Launches a persistent grid: at most as many blocks as fit on the SMs.
 template <int K, typename StateT, int NR>
-void run_recurrent_(const RecurrentParams& p, int warps_per_block, int num_sms, cudaStream_t stream);
+void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
 
 }  // namespace kda::decode

@@ -200,7 +200,8 @@ __device__ __forceinline__ void load_vals(const __nv_bfloat16* p, float* out) {
 template <int N>
 __device__ __forceinline__ void store_vals(float* p, const float* in) {
 #pragma unroll
-  for (int i = 0; i < N; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(in[i], in[i + 1], in[i + 2], in[i + 3]);
+  for (int i = 0; i < N; i += 4)
+    *reinterpret_cast<float4*>(p + i) = make_float4(in[i], in[i + 1], in[i + 2], in[i + 3]);
 }
 template <int N>
 __device__ __forceinline__ void store_vals(__nv_bfloat16* p, const float* in) {
@@ -331,7 +332,7 @@ struct ItemMeta {
   int32_t pad;
 };
 constexpr int kNoItem = -100;
-constexpr int kMetaBatch = 32;  // items resolved at once (one per lane)
+constexpr int kMetaBatch = 16;  // items resolved at once (one per lane of the first half-warp)
 
 template <class Tile>
 struct RingLayout {
@@ -369,25 +370,34 @@ __device__ __forceinline__ bool decode_item(const RecurrentParams& p, int64_t it
 template <class Tile>
 __device__ __forceinline__ void resolve_items(const RecurrentParams& p, int64_t j0, int64_t first, int64_t stride,
                                               int64_t total, ItemMeta* table, int lane) {
-  const int64_t item = first + (j0 + lane) * stride;
-  ItemMeta m{};
-  m.kind = kNoItem;
-  int tile, hv;
-  int64_t n;
-  if (item < total && decode_item(p, item, Tile::kTilesPerHead, tile, hv, n)) {
-    const SeqRange sr = seq_range(p, n);
-    const StartState st = start_state(p, n);
-    m.bos = sr.bos, m.len = sr.len, m.slot = st.slot, m.batch = static_cast<int32_t>(sr.batch);
-    m.n = static_cast<int32_t>(n), m.kind = st.kind, m.tile = tile, m.hv = hv;
+  if (lane < kMetaBatch) {
+    const int64_t item = first + (j0 + lane) * stride;
+    ItemMeta m{};
+    m.kind = kNoItem;
+    int tile, hv;
+    int64_t n;
+    if (item < total && decode_item(p, item, Tile::kTilesPerHead, tile, hv, n)) {
+      const SeqRange sr = seq_range(p, n);
+      const StartState st = start_state(p, n);
+      m.bos = sr.bos, m.len = sr.len, m.slot = st.slot, m.batch = static_cast<int32_t>(sr.batch);
+      m.n = static_cast<int32_t>(n), m.kind = st.kind, m.tile = tile, m.hv = hv;
+    }
+    table[lane] = m;
   }
-  table[lane] = m;
   __syncwarp();
 }
+
+// Diagnostic switches (launcher: KDA_RECURRENT_DIAG), for benchmarks that take one stage out to see what
+// it costs. Never set in normal use: they break the results on purpose.
+constexpr int kDiagNoStateStore = 1;  // skip writing states back to the pool
+constexpr int kDiagNoMath = 2;        // skip the token math (the state passes through unchanged)
+constexpr int kDiagNoL1Prefetch = 4;  // skip the L1 prefetch of the next items' token inputs
 
 // Issue the start-state copy of item m into `ring` (one cp.async group, empty or not, so the wait_group
 // counts stay uniform) and prefetch its first token's inputs into L1.
 template <class Tile>
-__device__ __forceinline__ void prefetch_item(const RecurrentParams& p, const ItemMeta& m, uint4* ring, int lane) {
+__device__ __forceinline__ void prefetch_item(const RecurrentParams& p, const ItemMeta& m, uint4* ring, int lane,
+                                              bool l1) {
   using StateT = typename Tile::StateT;
   const int kl = lane % Tile::KL, rg = lane / Tile::KL;
   if (m.kind >= 0 && m.len > 0) {  // a zero-length or inactive sequence's pool state is never needed
@@ -401,6 +411,10 @@ __device__ __forceinline__ void prefetch_item(const RecurrentParams& p, const It
           cp_async_16(ring + (i * Tile::kChunks + c) * 32 + lane,
                       head + int64_t(m.tile * Tile::kRowsPerWarp + i * Tile::RP + rg) * Tile::K +
                           Tile::chunk_offset(kl, c));
+    }
+    if (!l1) {
+      cp_async_commit();
+      return;
     }
     const int h = m.hv / (p.HV / p.H);
     const int64_t b = m.batch, t = m.bos;
@@ -458,7 +472,7 @@ __device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
 // is (sequence, value head, row tile). Per item: wait for its ring slot, read the start state into
 // registers, refill the slot with the item kStages ahead, then run the item's tokens.
 template <class Tile>
-__global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParams p) {
+__global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParams p, const int diag) {
   using StateT = typename Tile::StateT;
   using Ring = RingLayout<Tile>;
   constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP, kStages = Ring::kStages;
@@ -477,8 +491,9 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
   auto meta_at = [&](int64_t j) -> ItemMeta* { return metas + ((j / kMetaBatch) & 1) * kMetaBatch + j % kMetaBatch; };
 
   resolve_items<Tile>(p, 0, first, stride, total, metas, lane);
+  const bool l1 = !(diag & kDiagNoL1Prefetch);
 #pragma unroll
-  for (int st = 0; st < kStages; ++st) prefetch_item<Tile>(p, *meta_at(st), ring + st * kTileU4, lane);
+  for (int st = 0; st < kStages; ++st) prefetch_item<Tile>(p, *meta_at(st), ring + st * kTileU4, lane, l1);
 
   const int kl = lane % KL, rg = lane / KL;
   const int my_idx = rs_row_index<KL, NR>(lane);
@@ -523,7 +538,7 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
     __syncwarp();  // every lane has read its ring slot before it is refilled
     if ((j + kStages) % kMetaBatch == 0)  // the next table, one stall per 32 items (its buffer is consumed)
       resolve_items<Tile>(p, j + kStages, first, stride, total, meta_at(j + kStages), lane);
-    prefetch_item<Tile>(p, *meta_at(j + kStages), ring + stage * kTileU4, lane);
+    prefetch_item<Tile>(p, *meta_at(j + kStages), ring + stage * kTileU4, lane, l1);
     if (skip) continue;
 
     uint16_t* out = static_cast<uint16_t*>(p.out) + int64_t(m.batch) * p.out_batch_stride +
@@ -558,7 +573,8 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
       // is outside the pool is inactive (token_active in recurrent_rules.h), as is a token past column S
       // (a sequence longer than 1+S, a broken contract, never indexes past its row).
       int64_t wslot = -1;
-      if (S > 0 && t <= S) wslot = S < 32 ? __shfl_sync(kFullMask, spec_slot, static_cast<int>(t)) : write_slot(p, n, t);
+      if (S > 0 && t <= S)
+        wslot = S < 32 ? __shfl_sync(kFullMask, spec_slot, static_cast<int>(t)) : write_slot(p, n, t);
       const bool active = S == 0 || (t <= S && slot_in_pool(wslot, p.n_pool));
       if (!active) {
         if (writer) out[(m.bos + t) * p.out_token_stride] = 0;
@@ -566,84 +582,89 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
         continue;
       }
 
-      // ---- token prep: normalised q (with scale) and k, decay, beta (SPEC §2 steps 1-3)
-      float qf[8], kf[8], dec[8];
+      float o = 0.f;
+      if (!(diag & kDiagNoMath)) {
+        // ---- token prep: normalised q (with scale) and k, decay, beta (SPEC §2 steps 1-3)
+        float qf[8], kf[8], dec[8];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        qf[2 * w] = bf16_lo(cur.q[w]), qf[2 * w + 1] = bf16_hi(cur.q[w]);
-        kf[2 * w] = bf16_lo(cur.k[w]), kf[2 * w + 1] = bf16_hi(cur.k[w]);
-        dec[2 * w] = bf16_lo(cur.g[w]), dec[2 * w + 1] = bf16_hi(cur.g[w]);
-      }
-      float qscale = p.scale, kscale = 1.f;
-      if (p.use_qk_l2norm) {
-        float sq = 0.f, sk = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sq = fmaf(qf[e], qf[e], sq), sk = fmaf(kf[e], kf[e], sk);
-        allreduce2<KL>(sq, sk);
-        qscale = rsqrtf(sq + kL2NormEps) * p.scale;
-        kscale = rsqrtf(sk + kL2NormEps);
-      }
-      // Gate (SPEC §2 step 2): one branch per token, not per channel.
-      if (p.gate_mode == GateMode::kLowerBound) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          dec[e] = gate_log_decay<float>(GateMode::kLowerBound, dec[e], A, dt_bias_at<Tile>(dtb, kl, e), p.lower_bound);
-      } else if (p.gate_mode == GateMode::kSoftplus) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          dec[e] = gate_log_decay<float>(GateMode::kSoftplus, dec[e], A, dt_bias_at<Tile>(dtb, kl, e), p.lower_bound);
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        qf[e] *= qscale;
-        kf[e] *= kscale;
-        dec[e] = exp_decay(dec[e]);
-      }
-      const float beta = p.beta_is_logit ? kda_sigmoid(cur.beta) : cur.beta;
-
-      // ---- decay and prediction p = S k (SPEC §2 steps 4-5)
-      float acc[NR];
-#pragma unroll
-      for (int i = 0; i < NR; ++i) {
-        float a0 = 0.f, a1 = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[i][e] *= dec[e];
-          a0 = fmaf(s[i][e], kf[e], a0);
-          s[i][e + 4] *= dec[e + 4];
-          a1 = fmaf(s[i][e + 4], kf[e + 4], a1);
+        for (int w = 0; w < 4; ++w) {
+          qf[2 * w] = bf16_lo(cur.q[w]), qf[2 * w + 1] = bf16_hi(cur.q[w]);
+          kf[2 * w] = bf16_lo(cur.k[w]), kf[2 * w + 1] = bf16_hi(cur.k[w]);
+          dec[2 * w] = bf16_lo(cur.g[w]), dec[2 * w + 1] = bf16_hi(cur.g[w]);
         }
-        acc[i] = a0 + a1;
-      }
-      const float pred = reduce_scatter<KL, NR>(acc, lane);
-      const float r = beta * (cur.v - pred);
-
-      // ---- rank-1 update S += r k^T and output o = S q (steps 6-7)
+        float qscale = p.scale, kscale = 1.f;
+        if (p.use_qk_l2norm) {
+          float sq = 0.f, sk = 0.f;
 #pragma unroll
-      for (int i = 0; i < NR; ++i) {
-        const float ri = __shfl_sync(kFullMask, r, rg * KL + rs_source_lane<KL, NR>(i));
-        float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[i][e] = fmaf(ri, kf[e], s[i][e]);
-          o0 = fmaf(s[i][e], qf[e], o0);
-          s[i][e + 4] = fmaf(ri, kf[e + 4], s[i][e + 4]);
-          o1 = fmaf(s[i][e + 4], qf[e + 4], o1);
+          for (int e = 0; e < 8; ++e) sq = fmaf(qf[e], qf[e], sq), sk = fmaf(kf[e], kf[e], sk);
+          allreduce2<KL>(sq, sk);
+          qscale = rsqrtf(sq + kL2NormEps) * p.scale;
+          kscale = rsqrtf(sk + kL2NormEps);
         }
-        acc[i] = o0 + o1;
+        // Gate (SPEC §2 step 2): one branch per token, not per channel.
+        if (p.gate_mode == GateMode::kLowerBound) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            dec[e] = gate_log_decay<float>(GateMode::kLowerBound, dec[e], A, dt_bias_at<Tile>(dtb, kl, e),
+                                           p.lower_bound);
+        } else if (p.gate_mode == GateMode::kSoftplus) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            dec[e] = gate_log_decay<float>(GateMode::kSoftplus, dec[e], A, dt_bias_at<Tile>(dtb, kl, e),
+                                           p.lower_bound);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          qf[e] *= qscale;
+          kf[e] *= kscale;
+          dec[e] = exp_decay(dec[e]);
+        }
+        const float beta = p.beta_is_logit ? kda_sigmoid(cur.beta) : cur.beta;
+
+        // ---- decay and prediction p = S k (SPEC §2 steps 4-5)
+        float acc[NR];
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+          float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[i][e] *= dec[e];
+            a0 = fmaf(s[i][e], kf[e], a0);
+            s[i][e + 4] *= dec[e + 4];
+            a1 = fmaf(s[i][e + 4], kf[e + 4], a1);
+          }
+          acc[i] = a0 + a1;
+        }
+        const float pred = reduce_scatter<KL, NR>(acc, lane);
+        const float r = beta * (cur.v - pred);
+
+        // ---- rank-1 update S += r k^T and output o = S q (steps 6-7)
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+          const float ri = __shfl_sync(kFullMask, r, rg * KL + rs_source_lane<KL, NR>(i));
+          float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[i][e] = fmaf(ri, kf[e], s[i][e]);
+            o0 = fmaf(s[i][e], qf[e], o0);
+            s[i][e + 4] = fmaf(ri, kf[e + 4], s[i][e + 4]);
+            o1 = fmaf(s[i][e + 4], qf[e + 4], o1);
+          }
+          acc[i] = o0 + o1;
+        }
+        o = reduce_scatter<KL, NR>(acc, lane);
       }
-      const float o = reduce_scatter<KL, NR>(acc, lane);
       if (writer) {
         const __nv_bfloat16 ob = __float2bfloat16_rn(o);
         out[(m.bos + t) * p.out_token_stride] = *reinterpret_cast<const uint16_t*>(&ob);
       }
-      if (S > 0)  // speculative decode: the state after token t goes to its own slot
+      if (S > 0 && !(diag & kDiagNoStateStore))  // spec decode: the state after token t goes to its own slot
         store_tile<Tile>(static_cast<StateT*>(p.state) + wslot * p.state_slot_stride + head_off, row0, rg, kl, s);
       cur = nxt;
     }
 
     // A zero-length sequence leaves its slot bit-identical.
-    if (S == 0 && p.state != nullptr && m.len > 0)
+    if (S == 0 && p.state != nullptr && m.len > 0 && !(diag & kDiagNoStateStore))
       store_tile<Tile>(static_cast<StateT*>(p.state) + write_slot(p, n, 0) * p.state_slot_stride + head_off, row0,
                        rg, kl, s);
     if (p.final_state != nullptr) store_tile<Tile>(p.final_state + n * inner + head_off, row0, rg, kl, s);
@@ -652,19 +673,19 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
 }
 
 template <int K, typename StateT, int NR>
-void run_recurrent_(const RecurrentParams& p, int warps_per_block, int num_sms, cudaStream_t stream) {
+void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream) {
   using Tile = RecurrentTile<K, StateT, NR>;
   using Ring = RingLayout<Tile>;
   auto kernel = kda_recurrent_kernel<Tile>;
-  const int threads = warps_per_block * 32;
-  const int smem = warps_per_block * Ring::kWarpBytes;
+  const int threads = cfg.warps_per_block * 32;
+  const int smem = cfg.warps_per_block * Ring::kWarpBytes;
   // Occupancy is a property of the instantiation, the block shape and the device: query once per
   // (device, warps per block). The dynamic-smem opt-in above 48 KB is per device as well.
   static int max_blocks[64][5] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
-  int& mb = max_blocks[dev][warps_per_block];
-  if (mb == 0) {
+  int& mb = max_blocks[dev][cfg.warps_per_block];
+  if (mb == 0 || cfg.carveout_percent != kCarveoutUntouched) {
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     int v = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, smem) != cudaSuccess || v <= 0) {
@@ -673,11 +694,21 @@ void run_recurrent_(const RecurrentParams& p, int warps_per_block, int num_sms, 
     }
     mb = v;
   }
+  int blocks_per_sm = mb;
+  if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < blocks_per_sm) blocks_per_sm = cfg.max_blocks_per_sm;
+  if (cfg.carveout_percent != kCarveoutUntouched) {
+    // Benchmark knob: the smallest carveout that still holds blocks_per_sm blocks (1 KB reserved per block),
+    // leaving the rest of the 256 KB to L1; or the driver's default / the maximum.
+    int pct = cfg.carveout_percent;
+    if (pct == kCarveoutMin) pct = (blocks_per_sm * (smem + 1024) * 100 + 228 * 1024 - 1) / (228 * 1024);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
+    (void)cudaGetLastError();
+  }
   const int64_t warps = p.N * p.HV * Tile::kTilesPerHead;
-  const int64_t needed = (warps + warps_per_block - 1) / warps_per_block;
-  const int64_t resident = int64_t(mb) * num_sms;
+  const int64_t needed = (warps + cfg.warps_per_block - 1) / cfg.warps_per_block;
+  const int64_t resident = int64_t(blocks_per_sm) * cfg.num_sms;
   const int64_t blocks = needed < resident ? needed : resident;
-  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p);
+  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.diag);
 }
 
 }  // namespace kda::decode

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdlib>
+#include <string>
 
 #include "kda/decode/recurrent_instantiations.h"
 #include "kda/decode/recurrent_launch.h"
@@ -41,23 +42,31 @@ int recurrent_rows_per_lane(const RecurrentParams& p, int num_sms) {
 
 cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const int num_sms = num_sms_of_current_device();
-  int nr = recurrent_rows_per_lane(p, num_sms);
+  decode::RecurrentLaunch cfg;
+  cfg.num_sms = num_sms_of_current_device();
+  int nr = recurrent_rows_per_lane(p, cfg.num_sms);
+  // Benchmark/test knobs (host side, read per call; none changes results except KDA_RECURRENT_DIAG).
   if (const char* env = std::getenv("KDA_RECURRENT_ROWS_PER_LANE")) {
     const int v = std::atoi(env);
     if (v == 1 || v == 2 || v == 4 || v == 8) nr = v;
   }
+  if (const char* env = std::getenv("KDA_RECURRENT_BLOCKS_PER_SM")) cfg.max_blocks_per_sm = std::atoi(env);
+  if (const char* env = std::getenv("KDA_RECURRENT_CARVEOUT")) {
+    const std::string v(env);
+    cfg.carveout_percent = v == "min" ? decode::kCarveoutMin : v == "default" ? -1 : v == "max" ? 100
+                                                                               : decode::kCarveoutUntouched;
+  }
+  if (const char* env = std::getenv("KDA_RECURRENT_DIAG")) cfg.diag = std::atoi(env);
   const int rows_per_warp = nr * (32 / (p.K / 8));
   const int64_t warps = p.N * p.HV * (p.K / rows_per_warp);
   // Up to 4 warps (one head's neighbouring tiles) per block, fewer when that would leave SMs idle.
-  int warps_per_block = 4;
-  while (warps_per_block > 1 && warps / warps_per_block < num_sms) warps_per_block /= 2;
-  if ((warps + warps_per_block - 1) / warps_per_block > INT_MAX) return cudaErrorInvalidConfiguration;
+  while (cfg.warps_per_block > 1 && warps / cfg.warps_per_block < cfg.num_sms) cfg.warps_per_block /= 2;
+  if ((warps + cfg.warps_per_block - 1) / cfg.warps_per_block > INT_MAX) return cudaErrorInvalidConfiguration;
   const DType tile_dtype =
       p.state != nullptr ? p.state_dtype : (p.state_source != nullptr ? p.state_source_dtype : DType::kFloat32);
   KDA_HEADDIM_SWITCH(p.K, kK, [&] {
     KDA_STATE_DTYPE_SWITCH(tile_dtype, StateT, [&] {
-      KDA_ROWS_PER_LANE_SWITCH(nr, kNR, [&] { decode::run_recurrent_<kK, StateT, kNR>(p, warps_per_block, num_sms, stream); });
+      KDA_ROWS_PER_LANE_SWITCH(nr, kNR, [&] { decode::run_recurrent_<kK, StateT, kNR>(p, cfg, stream); });
     });
   });
   return cudaGetLastError();
