@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import DEVICES, HAS_CUDA, assert_close_rms, assert_output, bits, state_tol
+from conftest import DEVICES, HAS_CUDA, assert_close_rms, assert_output, state_tol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -99,7 +99,9 @@ def _snap(objs: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 def _unchanged(snap) -> None:
     for i, (t, b) in enumerate(snap):
         if b is not None:
-            assert torch.equal(b, raw_bytes(t)), f"tensor #{i} {tuple(t.shape)} {t.dtype} was modified by a rejected call"
+            assert torch.equal(b, raw_bytes(t)), (
+                f"tensor #{i} {tuple(t.shape)} {t.dtype} was modified by a rejected call"
+            )
 
 
 def _names_in(msg: str, names: tuple[str, ...]) -> bool:
@@ -495,10 +497,13 @@ R_SPECS: dict[str, TArg] = {
     "v": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1), stride="last"),
     "g": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2, 3), stride="last"),
     "beta": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2), stride="last"),
-    "A_log": TArg(frozenset({"gate"}), (torch.float64, torch.bfloat16, torch.float16, torch.int32), (0,), drop_rank=False),
+    "A_log": TArg(
+        frozenset({"gate"}), (torch.float64, torch.bfloat16, torch.float16, torch.int32), (0,), drop_rank=False
+    ),
     # rank + 1 at the end: a flat [HV*K] with a leading unit dim is the valid [HV, K] when HV == 1
-    "dt_bias": TArg(frozenset({"gate"}), (torch.float64, torch.bfloat16, torch.float16), (0,), rank_dim=-1,
-                    drop_rank=False),
+    "dt_bias": TArg(
+        frozenset({"gate"}), (torch.float64, torch.bfloat16, torch.float16), (0,), rank_dim=-1, drop_rank=False
+    ),
     "cu_seqlens": TArg(frozenset({"packed"}), CU_BAD, (), drop_rank=False, stride="flat"),
     "initial_state": TArg(frozenset({"pool"}), (torch.float16, torch.int32, torch.uint8), (1, 2, 3), stride="pool"),
     "ssm_state_indices": TArg(frozenset({"indices"}), IDX_BAD, (0,), drop_rank=False, stride="flat"),
@@ -508,8 +513,9 @@ R_SPECS: dict[str, TArg] = {
     "seq_order": TArg(frozenset({"seq_order"}), IDX_BAD, (0,), drop_rank=False, stride="flat"),
     "output": TArg(frozenset({"output"}), FLOATS, (0, 1, 2, 3), stride="last"),
     "state_checkpoints": TArg(frozenset({"ckpt"}), FLOATS, (1, 2, 3), stride="pool"),
-    "checkpoint_cu_starts": TArg(frozenset({"ckpt"}), (torch.int32, torch.float32, torch.float64), (0,),
-                                 drop_rank=False, stride="flat"),
+    "checkpoint_cu_starts": TArg(
+        frozenset({"ckpt"}), (torch.int32, torch.float32, torch.float64), (0,), drop_rank=False, stride="flat"
+    ),
 }
 
 
@@ -707,7 +713,9 @@ def _r_flag_muts() -> list[Mut]:
     add("value:output-overlap", {"nonempty"}, output_overlap)
 
     def workspace_type(kw, c, p):
-        kw["prefill_workspace"] = p.one([torch.zeros(16, dtype=torch.uint8), "ws", kda_ops.RecurrentKDABackwardWorkspace()])
+        kw["prefill_workspace"] = p.one(
+            [torch.zeros(16, dtype=torch.uint8), "ws", kda_ops.RecurrentKDABackwardWorkspace()]
+        )
         return kw, TypeError, ("prefill_workspace",)
 
     add("type:prefill_workspace", set(), workspace_type)
@@ -965,10 +973,6 @@ def kda_base(c: TCfg) -> dict:
     return kw
 
 
-def _pdt_bad(c_dtype_param: torch.dtype) -> tuple:
-    return (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32)
-
-
 TOKEN_SPECS = {
     "k": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2, 3), stride="last"),
     "v": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1), stride="last"),
@@ -1154,7 +1158,9 @@ def _grad_out_muts() -> list[Mut]:
         how = p.one(["dtype", "shape", "device", "type", "rank"])
         t = outs[i]
         if how == "dtype":
-            outs[i] = t.to(p.one([d for d in (torch.bfloat16, torch.float32, torch.float64, torch.int32) if d != t.dtype]))
+            outs[i] = t.to(
+                p.one([d for d in (torch.bfloat16, torch.float32, torch.float64, torch.int32) if d != t.dtype])
+            )
             exc = TypeError
         elif how == "shape":
             outs[i] = _bigger(t, p.int(0, t.dim() - 1))
@@ -1290,3 +1296,989 @@ def test_training_family_rejects(which, mut, data):
     kw, exc, names = mut.fn(dict(base(c)), c, p)
     STATS["inputs_tried"] += 1
     expect_rejection(fn, kw, exc, names)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. guard bands: tensors carved out of NaN-filled buffers
+
+
+INT_SENTINEL = -123456789
+
+
+@dataclass
+class Carved:
+    """A view carved out of a 1-D buffer whose other elements are a sentinel (NaN for floats)."""
+
+    view: torch.Tensor
+    buf: torch.Tensor
+    role: str  # "in": the whole buffer must stay bit-identical; "out": everything outside the view
+    name: str
+    before: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.before = raw_bytes(self.buf)
+
+    def region(self) -> torch.Tensor:
+        n = self.buf.numel()
+        m = torch.zeros(n, dtype=torch.bool)
+        if self.view.numel():
+            idx = torch.arange(n).as_strided(tuple(self.view.shape), self.view.stride(), self.view.storage_offset())
+            m[idx.reshape(-1)] = True
+        return m
+
+    def check(self) -> None:
+        now = raw_bytes(self.buf)
+        if self.role == "in":
+            assert torch.equal(now, self.before), f"{self.name}: an input buffer was modified"
+            return
+        es = self.buf.element_size()
+        keep = ~self.region()
+        a, b = now.view(-1, es)[keep], self.before.view(-1, es)[keep]
+        bad = (a != b).any(1).nonzero()
+        assert bad.numel() == 0, f"{self.name}: {bad.numel()} guard elements outside the view were written"
+        STATS["guard_elements_checked"] += int(keep.sum())
+
+
+def carve(
+    src: torch.Tensor, name: str, role: str = "in", pads: dict[int, int] | None = None, lead: int = 16, tail: int = 16
+) -> Carved:
+    """A copy of `src` as a view of a larger sentinel-filled buffer: storage offset `lead` elements, stride of
+    dim d padded by pads[d] elements (the last dim stays contiguous), `tail` sentinel elements after it."""
+    shape = tuple(src.shape)
+    nd = len(shape)
+    pads = {(d % nd): p for d, p in (pads or {}).items()}
+    st = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        st[d] = st[d + 1] * max(shape[d + 1], 1) + pads.get(d, 0)
+    span = 1 + sum((s - 1) * t for s, t in zip(shape, st, strict=True)) if all(s > 0 for s in shape) else 0
+    fill = math.nan if src.dtype.is_floating_point else INT_SENTINEL
+    buf = torch.full((lead + span + tail,), fill, dtype=src.dtype, device=src.device)
+    view = buf.as_strided(shape, st, lead)
+    view.copy_(src)
+    return Carved(view, buf, role, name)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A compact copy with the same values (the run without guards)."""
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _rand(gen, shape, dtype, device, s=1.0):
+    return (torch.randn(*shape, generator=gen) * s).to(dtype).to(device)
+
+
+def _dims(device: str) -> int:
+    """Head dim of the device tests: the CUDA kernels take 64/128 (training: 128); CPU stays small."""
+    return 128 if device == "cuda" else 16
+
+
+def _dims_decode(device: str) -> int:
+    """Head dim of the recurrent-only tests: 64 exercises the CUDA decode kernel's second size."""
+    return 64 if device == "cuda" else 8
+
+
+def _check_cuda_training(device: str) -> None:
+    if device != "cuda":
+        return
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("kda::recurrent_kda_training_forward", "CUDA"):
+        pytest.skip("CUDA training ops not built")
+
+
+def _skip_not_implemented(fn: Callable, *a, **kw):
+    try:
+        return fn(*a, **kw)
+    except NotImplementedError as e:
+        pytest.skip(f"not implemented on this device yet: {e}")
+
+
+def recurrent_guard_case(name: str, device: str, K: int, pool_dtype: torch.dtype, seed: int = 0):
+    """(guarded kwargs, plain kwargs, carved buffers, names of the written tensors) of one recurrent_kda call."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch.bfloat16  # the CUDA token dtype; the CPU path takes it too
+    H, HV = 1, 2
+    if name == "decode":
+        B, T, cu, n_pool = 4, 1, None, 6
+        extra = dict(ssm_state_indices=torch.tensor([5, 0, -1, 2], dtype=torch.int32))
+        live_slots = [5, 0, 2]
+        gate = dict(use_gate_in_kernel=True, lower_bound=-5.0)
+        beta_is_logit = True
+    elif name == "prefill_ckpt":
+        lengths = [5, 0, 17, 1, 33, 16]
+        B, T, cu, n_pool = 1, sum(lengths), lengths, 8
+        extra = dict(
+            ssm_state_indices=torch.tensor([3, 1, 0, -1, 6, 2], dtype=torch.int32), checkpoint_every_n_tokens=16
+        )
+        live_slots = [3, 1, 0, 6, 2]
+        gate = dict(use_gate_in_kernel=True)
+        beta_is_logit = False
+    elif name == "spec":
+        S, N = 2, 3
+        lengths = [1 + S] * N
+        B, T, cu, n_pool = 1, N * (1 + S), lengths, 10
+        extra = dict(
+            ssm_state_indices=torch.tensor([[0, 1, 2], [3, -1, 5], [6, 7, 8]], dtype=torch.int32),
+            num_spec_tokens=S,
+            num_accepted_tokens=torch.tensor([1, 3, 2], dtype=torch.int32),
+        )
+        live_slots = [0, 5, 7]  # the slots read (clamp(accepted - 1, 0, S)); written-only slots start as NaN
+        gate = dict(use_gate_in_kernel=True, lower_bound=-2.0)
+        beta_is_logit = True
+    elif name == "source":
+        B, T, cu, n_pool = 3, 4, None, 4
+        extra = dict(ssm_state_indices=torch.tensor([1, 3, 0], dtype=torch.int32))
+        live_slots = []  # start states come from the source pool: the pool slots are written only
+        gate = dict(use_gate_in_kernel=False)
+        beta_is_logit = False
+    elif name == "no_pool":
+        lengths = [3, 0, 4]
+        B, T, cu, n_pool = 1, 7, lengths, 0
+        extra = dict(output_final_state=True, use_qk_l2norm_in_kernel=False)
+        live_slots = []
+        gate = dict(use_gate_in_kernel=False)
+        beta_is_logit = True
+    else:
+        raise AssertionError(name)
+    V = K
+    q = _rand(gen, (B, T, H, K), dt, device)
+    k = _rand(gen, (B, T, H, K), dt, device, s=1.0 if extra.get("use_qk_l2norm_in_kernel", True) else 0.1)
+    v = _rand(gen, (B, T, HV, V), dt, device)
+    g_raw = _rand(gen, (B, T, HV, K), dt, device)
+    g = g_raw if gate["use_gate_in_kernel"] else (-torch.nn.functional.softplus(g_raw.float())).to(dt)
+    beta = (
+        _rand(gen, (B, T, HV), dt, device) if beta_is_logit else torch.rand(B, T, HV, generator=gen).to(dt).to(device)
+    )
+    carved = [
+        carve(q, "q", pads={2: 8}),
+        carve(k, "k", pads={2: 8}, lead=32),
+        carve(v, "v", pads={2: 8}),
+        carve(g, "g", pads={2: 3 if name == "decode" else 8}),  # stride not a multiple of 8: a compact copy on CUDA
+        carve(beta, "beta", pads={1: 3}),
+    ]
+    gk: dict[str, Any] = dict(gate)
+    if gate["use_gate_in_kernel"]:
+        carved.append(carve((torch.rand(HV, generator=gen) * 0.5).to(device), "A_log", lead=4))
+        carved.append(carve((torch.randn(HV, K, generator=gen) * 0.1).to(device), "dt_bias"))
+    out0 = torch.full((B, T, HV, V), 7.0, dtype=dt, device=device)  # pre-call contents of the output
+    carved.append(carve(out0, "output", "out", pads={2: 8}))
+    written = ["output"]
+    if n_pool:
+        pool = torch.full((n_pool, HV, V, K), math.nan, dtype=pool_dtype)
+        for s_ in live_slots:
+            pool[s_] = (torch.randn(HV, V, K, generator=gen) * 0.1).to(pool_dtype)
+        slot = HV * V * K + 32
+        carved.append(carve(pool.to(device), "initial_state", "out", pads={0: 32}, lead=slot, tail=slot))
+        written.append("initial_state")
+    if name == "source":
+        src = (torch.randn(4, HV, V, K, generator=gen) * 0.1).to(pool_dtype).to(device)
+        slot = HV * V * K + 16
+        carved.append(carve(src, "initial_state_source", pads={0: 16}, lead=slot, tail=slot))
+        extra["initial_state_indices"] = torch.tensor([2, 0, 7], dtype=torch.int32)  # 7: out of range, inactive
+    if cu is not None:
+        extra["cu_seqlens"] = _cu(cu)
+    if extra.get("checkpoint_every_n_tokens"):
+        n = extra["checkpoint_every_n_tokens"]
+        starts = _cu([(L + n - 1) // n for L in cu])
+        extra["checkpoint_cu_starts"] = starts
+        ck = torch.full((int(starts[-1]), HV, V, K), math.nan, dtype=pool_dtype, device=device)
+        carved.append(carve(ck, "state_checkpoints", "out", lead=64, tail=64))
+        written.append("state_checkpoints")
+    for n_, t in list(extra.items()):  # index tensors: contiguous, at an offset in a sentinel buffer
+        if isinstance(t, torch.Tensor):
+            carved.append(carve(t.to(device), n_, lead=8, tail=8))
+            extra.pop(n_)
+    guarded = {c.name: c.view for c in carved}
+    guarded.update(extra)
+    guarded["beta_is_logit"] = beta_is_logit
+    guarded.update({n_: t for n_, t in gk.items() if not isinstance(t, torch.Tensor)})
+    plain = {n_: (_plain(t) if isinstance(t, torch.Tensor) else t) for n_, t in guarded.items()}
+    return guarded, plain, carved, written
+
+
+def _assert_same(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> None:
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    assert torch.equal(raw_bytes(a), raw_bytes(b)), f"{what}: differs bitwise from the run without guards"
+
+
+RECURRENT_GUARD_CASES = ["decode", "prefill_ckpt", "spec", "source", "no_pool"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", RECURRENT_GUARD_CASES)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_guard_bands_recurrent(device, case, pool_dtype):
+    """recurrent_kda on views carved out of NaN buffers (offsets, padded head strides, a pool with a padded
+    slot stride surrounded by NaN slots, NaN in every unused or write-only slot) equals the run on compact
+    copies bit for bit, and writes nothing outside the output/state/checkpoint views."""
+    for K in [_dims(device)] + ([64] if device == "cuda" else []):
+        guarded, plain, carved, written = recurrent_guard_case(case, device, K, pool_dtype)
+        res_g = R(**guarded)
+        res_p = R(**plain)
+        _assert_same(res_g[0], res_p[0], "output")
+        assert res_g[0].data_ptr() == guarded["output"].data_ptr(), "output must be written in place"
+        for n_ in written[1:]:
+            _assert_same(guarded[n_], plain[n_], n_)
+        if case == "no_pool":
+            _assert_same(res_g[1], res_p[1], "final_state")
+            assert torch.isfinite(res_g[1].float()).all()
+        for c in carved:
+            c.check()
+        assert torch.isfinite(res_g[0].float()).all(), "NaN from a guard band reached the output"
+        STATS["guard_runs"] += 1
+
+
+def training_guard_inputs(device: str, K: int, packed: bool, seed: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch.bfloat16  # the CUDA token dtype; the CPU path takes it too
+    H, HV, V = 1, 2, K
+    if packed:
+        lengths = [5, 0, 70, 1]
+        B, T, N = 1, sum(lengths), len(lengths)
+    else:
+        lengths = None
+        B, T, N = 2, 67, 2
+    carved = [
+        carve(_rand(gen, (B, T, H, K), dt, device), "q", pads={2: 8}),
+        carve(_rand(gen, (B, T, H, K), dt, device), "k", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV, V), dt, device), "v", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV, K), dt, device), "g", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV), dt, device), "beta", pads={1: 3}),
+        carve((torch.rand(HV, generator=gen) * 0.5).to(device), "A_log", lead=4),
+        carve((torch.randn(HV, K, generator=gen) * 0.1).to(device), "dt_bias"),
+        carve((torch.randn(N, HV, V, K, generator=gen) * 0.1).to(device), "initial_state", lead=64, tail=64),
+    ]
+    if packed:
+        carved.append(carve(_cu(lengths, device=device), "cu_seqlens", lead=8, tail=8))
+    do = carve(_rand(gen, (B, T, HV, V), dt, device), "do", pads={2: 8})
+    dfinal = carve((torch.randn(N, HV, V, K, generator=gen) * 0.1).to(device), "dfinal_state", lead=32, tail=32)
+    return carved, do, dfinal, (B, T, N, H, HV, K, V, dt)
+
+
+def _grad_out_buffers(dims, device) -> list[Carved]:
+    B, T, N, H, HV, K, V, dt = dims
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV, K), (B, T, HV), (HV,), (HV, K), (N, HV, V, K)]
+    dts = [dt] * 5 + [torch.float32] * 3
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state"]
+    return [
+        carve(
+            torch.full(s, 5.0, dtype=d, device=device),
+            f"out.{n}",
+            "out",
+            pads=({len(s) - 2: 8} if len(s) >= 3 else None),
+        )
+        for s, d, n in zip(shapes, dts, names, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_guard_bands_training(device, packed):
+    """Training forward (with out buffers), training backward, recurrent_kda_backward (with out buffers)
+    and kda() autograd on carved inputs: bit-identical to compact copies, no write outside the views,
+    gradients of kda() land only inside the views of the NaN buffers (zero outside)."""
+    _check_cuda_training(device)
+    K = _dims(device)
+    carved, do, dfinal, dims = training_guard_inputs(device, K, packed)
+    B, T, N, H, HV, _, V, dt = dims
+    inp = {c.name: c.view for c in carved}
+    plain = {n_: _plain(t) for n_, t in inp.items()}
+    mirror = {"cu_seqlens_cpu": inp["cu_seqlens"].cpu()} if packed else {}
+
+    out_c = carve(torch.full((B, T, HV, V), 5.0, dtype=dt, device=device), "out", "out", pads={2: 8})
+    fs_c = carve(torch.full((N, HV, V, K), 5.0, device=device), "final_state_out", "out", lead=32, tail=32)
+    o_g, fs_g, ctx_g = _skip_not_implemented(TF, **inp, out=out_c.view, final_state_out=fs_c.view, **mirror)
+    o_p, fs_p, ctx_p = TF(**plain, **mirror)
+    _assert_same(o_g, o_p, "training out")
+    _assert_same(fs_g, fs_p, "training final_state")
+    _assert_same(ctx_g.tapes, ctx_p.tapes, "tapes")
+
+    outs_tb = _grad_out_buffers(dims, device)
+    g_tb = TB(ctx_g, do.view, dfinal.view, out=[c.view for c in outs_tb])
+    g_tb_p = TB(ctx_p, _plain(do.view), _plain(dfinal.view))
+    for i, (a, b) in enumerate(zip(g_tb, g_tb_p, strict=True)):
+        _assert_same(a, b, f"training backward grad {i}")
+
+    outs_rb = _grad_out_buffers(dims, device)
+    g_rb = RB(**inp, do=do.view, dfinal_state=dfinal.view, out=[c.view for c in outs_rb])
+    g_rb_p = RB(**plain, do=_plain(do.view), dfinal_state=_plain(dfinal.view))
+    for i, (a, b) in enumerate(zip(g_rb, g_rb_p, strict=True)):
+        _assert_same(a, b, f"recurrent_kda_backward grad {i}")
+        assert torch.isfinite(a.float()).all(), f"grad {i}: NaN from a guard band"
+
+    for c in carved + [do, dfinal, out_c, fs_c] + outs_tb + outs_rb:
+        c.check()
+
+    # kda(): the leaves are the whole NaN buffers, the inputs views of them
+    leaves = {}
+    for c in carved:
+        if c.name == "cu_seqlens":
+            continue
+        buf = c.buf.detach().clone()
+        if buf.dtype.is_floating_point:
+            buf.requires_grad_(True)
+        leaves[c.name] = (buf, buf.as_strided(tuple(c.view.shape), c.view.stride(), c.view.storage_offset()), c)
+    args = {n_: v_ for n_, (_, v_, _) in leaves.items()}
+    cu_kw = {"cu_seqlens": inp["cu_seqlens"]} if packed else {}
+    o1, f1 = KDA(**args, **cu_kw, output_final_state=True)
+    ((o1.float() * plain_do(do)).sum() + (f1 * dfinal.view).sum()).backward()
+    pl = {n_: plain[n_].clone().requires_grad_(True) for n_ in args}
+    o2, f2 = KDA(**pl, **cu_kw, output_final_state=True)
+    ((o2.float() * plain_do(do)).sum() + (f2 * dfinal.view).sum()).backward()
+    _assert_same(o1, o2, "kda output")
+    _assert_same(f1, f2, "kda final state")
+    for n_, (buf, view, c) in leaves.items():
+        grad = buf.grad
+        assert grad is not None, n_
+        inside = c.region().to(grad.device)
+        assert torch.count_nonzero(grad[~inside]) == 0, f"kda: gradient of {n_} leaked outside its view"
+        got = grad.as_strided(tuple(view.shape), view.stride(), view.storage_offset())
+        _assert_same(got, pl[n_].grad, f"kda grad of {n_}")
+    STATS["guard_runs"] += 1
+
+
+def plain_do(do: Carved) -> torch.Tensor:
+    return _plain(do.view).float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. device-value contracts
+
+
+@settings(max_examples=40, **HSET)
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=8),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    corrupt=st.sampled_from(["none", "start", "decreasing", "end", "total"]),
+    data=st.data(),
+)
+def test_validate_cu_seqlens_oracle(lengths, dtype, corrupt, data):
+    cu = _cu(lengths, dtype)
+    T = int(cu[-1])
+    total = T
+    if corrupt == "start":
+        cu[0] = data.draw(st.sampled_from([1, -1, 5]))
+    elif corrupt == "decreasing":
+        if len(lengths) < 2:
+            cu = torch.cat([cu, cu[-1:]])
+        i = data.draw(st.integers(1, cu.numel() - 2)) if cu.numel() > 2 else 1
+        cu[i] = cu[i - 1] - data.draw(st.integers(1, 3))
+    elif corrupt == "end":
+        cu[-1] += data.draw(st.sampled_from([1, 2]))
+    elif corrupt == "total":
+        total = T + data.draw(st.sampled_from([-1, 1, 100])) if T > 0 else T + 1
+    before = raw_bytes(cu)
+    c64 = cu.to(torch.int64)
+    oracle_ok = int(c64[0]) == 0 and bool((c64[1:] >= c64[:-1]).all()) and int(c64[-1]) == total
+    STATS["contract_inputs"] += 1
+    if oracle_ok:
+        host = kda_ops.validate_cu_seqlens(cu, total)
+        assert host.device.type == "cpu" and host.dtype == torch.int64 and torch.equal(host, c64)
+    else:
+        msg = expect_rejection(kda_ops.validate_cu_seqlens, {}, ValueError, ("cu_seqlens",), args=(cu, total))
+        want = {"start": "start at 0", "decreasing": "non-decreasing", "end": "end at", "total": "end at"}[corrupt]
+        if corrupt == "start" and int(c64[0]) != 0:
+            assert want in msg, msg
+        elif corrupt == "decreasing":
+            assert want in msg or "start at 0" in msg, msg
+    assert torch.equal(raw_bytes(cu), before)
+
+
+def test_validate_cu_seqlens_types_and_shapes():
+    V_ = kda_ops.validate_cu_seqlens
+    expect_rejection(V_, {}, TypeError, ("cu_seqlens",), args=(torch.tensor([0.0, 3.0]), 3))
+    expect_rejection(V_, {}, TypeError, ("cu_seqlens",), args=([0, 3], 3))
+    expect_rejection(V_, {}, ValueError, ("cu_seqlens",), args=(torch.tensor([[0, 3]]), 3))
+    expect_rejection(V_, {}, ValueError, ("cu_seqlens",), args=(torch.tensor([0]), 0))
+    assert V_(torch.tensor([0, 0], dtype=torch.int32), 0).tolist() == [0, 0]  # T = 0, one empty sequence
+
+
+@settings(max_examples=60, **HSET)
+@given(
+    n_pool=st.integers(1, 9),
+    shape=st.sampled_from([(1,), (4,), (7,), (2, 3), (3, 2)]),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    allow_inactive=st.booleans(),
+    allow_duplicates=st.booleans(),
+    data=st.data(),
+)
+def test_validate_state_indices_oracle(n_pool, shape, dtype, allow_inactive, allow_duplicates, data):
+    extreme = [-(2**31), 2**31 - 1] if dtype == torch.int32 else [-(2**40), 2**40]
+    vals = data.draw(
+        st.lists(
+            st.one_of(st.integers(-2, n_pool + 2), st.sampled_from(extreme)),
+            min_size=math.prod(shape),
+            max_size=math.prod(shape),
+        )
+    )
+    idx = torch.tensor(vals, dtype=dtype).view(shape)
+    active = [x for x in vals if 0 <= x < n_pool]
+    bad_range = len(active) != len(vals) and not allow_inactive
+    dup = len(set(active)) != len(active) and not allow_duplicates
+    kw = dict(allow_inactive=allow_inactive, allow_duplicates=allow_duplicates)
+    STATS["contract_inputs"] += 1
+    if bad_range or dup:
+        msg = expect_rejection(kda_ops.validate_state_indices, kw, ValueError, ("indices",), args=(idx, n_pool))
+        if bad_range:
+            assert "n_pool" in msg
+        else:
+            assert "at most once" in msg
+    else:
+        before = raw_bytes(idx)
+        kda_ops.validate_state_indices(idx, n_pool, **kw)
+        assert torch.equal(raw_bytes(idx), before)
+
+
+def test_validate_state_indices_types():
+    f = kda_ops.validate_state_indices
+    expect_rejection(f, {}, TypeError, ("indices",), args=(torch.tensor([0.0]), 4))
+    expect_rejection(f, {}, TypeError, ("indices",), args=([0, 1], 4))
+    expect_rejection(f, {}, TypeError, ("n_pool",), args=(torch.tensor([0], dtype=torch.int32), 4.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_validate_helpers_on_cuda_tensors():
+    cu = torch.tensor([0, 3, 2, 7], dtype=torch.int32, device="cuda")
+    expect_rejection(kda_ops.validate_cu_seqlens, {}, ValueError, ("cu_seqlens",), args=(cu, 7))
+    assert kda_ops.validate_cu_seqlens(torch.tensor([0, 3, 7], device="cuda"), 7).tolist() == [0, 3, 7]
+    idx = torch.tensor([[0, 1], [1, -1]], dtype=torch.int32, device="cuda")
+    expect_rejection(kda_ops.validate_state_indices, {}, ValueError, ("indices",), args=(idx, 4))
+    kda_ops.validate_state_indices(idx, 4, allow_duplicates=True)
+
+
+def raw_recurrent(q, k, v, g, beta, **kw):
+    """torch.ops.kda.recurrent_kda with every argument (the public API's host checks bypassed: how a CUDA
+    caller's device values reach the kernel)."""
+    a = dict(
+        A_log=None,
+        dt_bias=None,
+        state=None,
+        state_source=None,
+        initial_state_indices=None,
+        cu_seqlens=None,
+        ssm_state_indices=None,
+        num_accepted_tokens=None,
+        seq_order=None,
+        output=None,
+        final_state=None,
+        state_checkpoints=None,
+        checkpoint_cu_starts=None,
+        workspace=None,
+        scale=1.0 / math.sqrt(q.shape[-1]),
+        gate_mode=2,
+        lower_bound=-5.0,
+        use_qk_l2norm=True,
+        beta_is_logit=True,
+        num_spec_tokens=0,
+        checkpoint_every_n_tokens=0,
+        backend=0,
+    )
+    a.update(kw)
+    torch.ops.kda.recurrent_kda.default(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a["A_log"],
+        a["dt_bias"],
+        a["state"],
+        a["state_source"],
+        a["initial_state_indices"],
+        a["cu_seqlens"],
+        a["ssm_state_indices"],
+        a["num_accepted_tokens"],
+        a["seq_order"],
+        a["output"],
+        a["final_state"],
+        a["state_checkpoints"],
+        a["checkpoint_cu_starts"],
+        a["workspace"],
+        a["scale"],
+        a["gate_mode"],
+        a["lower_bound"],
+        a["use_qk_l2norm"],
+        a["beta_is_logit"],
+        a["num_spec_tokens"],
+        a["checkpoint_every_n_tokens"],
+        a["backend"],
+    )
+
+
+I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
+BROKEN = {
+    # name: (lengths or None (fixed B=5, T=3), overrides)
+    "cu_non_monotone": ([4, 6, 3], dict(cu=[0, 9, 4, 13])),
+    "cu_out_of_range": ([4, 6, 3], dict(cu=[-7, 5, 40, 13])),
+    "cu_huge": ([4, 6, 3], dict(cu=[0, 2**40, -(2**40), 13], cu_dtype=torch.int64)),
+    "cu_not_covering": ([4, 6, 3], dict(cu=[2, 5, 9, 9])),
+    "slots_out_of_range": (None, dict(slots=[6, I32_MAX, I32_MIN, -1, 0])),
+    "slots_duplicate": (None, dict(slots=[1, 1, 1, 4, 4])),
+    "spec_accepted": (None, dict(spec=2, accepted=[0, -5, 1000, I32_MIN, I32_MAX])),
+    "spec_slots": (None, dict(spec=2, spec_slots=[[0, 6, 1], [I32_MIN, 2, 3], [4, -1, 5], [6, 7, 8], [9, I32_MAX, 0]])),
+    "source_out_of_range": (None, dict(source=[3, -3, I32_MAX, I32_MIN, 0])),
+    "ckpt_starts": ([20, 3, 40], dict(ckpt=[0, -5, 2**40, 3])),
+    "seq_order": ([4, 6, 3], dict(order=[0, 0, 5])),
+    "seq_order_neg": ([4, 6, 3], dict(order=[-1, I32_MAX, I32_MIN])),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_contracts_stay_in_bounds(device, case):
+    """Broken device-value contracts (SPEC §5): the op runs, reads nothing outside its inputs (NaN guard
+    bands would reach the results) and writes nothing outside its output, pool and checkpoint views."""
+    lengths, o = BROKEN[case]
+    gen = torch.Generator().manual_seed(11)
+    K = _dims_decode(device)
+    H, HV, V = 1, 2, K
+    dt = torch.bfloat16  # the CUDA token dtype; the CPU path takes it too
+    S = o.get("spec", 0)
+    if lengths is None:
+        B, T = 5, 1 + S if S else 3
+    else:
+        B, T = 1, sum(lengths)
+    n_pool = 7 if not S else 10
+    c = [
+        carve(_rand(gen, (B, T, H, K), dt, device), "q", pads={2: 8}),
+        carve(_rand(gen, (B, T, H, K), dt, device), "k", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV, V), dt, device), "v", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV, K), dt, device), "g", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV), dt, device), "beta", pads={1: 3}),
+        carve((torch.rand(HV, generator=gen) * 0.5).to(device), "A_log"),
+        carve((torch.randn(HV, K, generator=gen) * 0.1).to(device), "dt_bias"),
+    ]
+    slot = HV * V * K + 32
+    pool = carve(
+        (torch.randn(n_pool, HV, V, K, generator=gen) * 0.1).to(device),
+        "state",
+        "out",
+        pads={0: 32},
+        lead=slot,
+        tail=slot,
+    )
+    out = carve(torch.full((B, T, HV, V), 7.0, dtype=dt, device=device), "output", "out", pads={2: 8})
+    c += [pool, out]
+    kw: dict[str, Any] = {}
+
+    def idx(name, vals, dtype=torch.int32):
+        cc = carve(torch.tensor(vals, dtype=dtype, device=device), name, lead=8, tail=8)
+        c.append(cc)
+        kw[name] = cc.view
+
+    if lengths is not None:
+        idx("cu_seqlens", o.get("cu", _cu(lengths).tolist()), o.get("cu_dtype", torch.int64))
+    N = B if lengths is None else len(lengths)
+    if "slots" in o:
+        idx("ssm_state_indices", o["slots"])
+    if S:
+        kw["num_spec_tokens"] = S
+        idx(
+            "ssm_state_indices",
+            o.get("spec_slots", torch.arange(N * (1 + S)).remainder(n_pool).view(N, 1 + S).tolist()),
+        )
+        idx("num_accepted_tokens", o.get("accepted", [1] * N))
+    if "source" in o:
+        src = carve(
+            (torch.randn(4, HV, V, K, generator=gen) * 0.1).to(device),
+            "state_source",
+            pads={0: 16},
+            lead=slot,
+            tail=slot,
+        )
+        c.append(src)
+        kw["state_source"] = src.view
+        idx("initial_state_indices", o["source"])
+    if "order" in o:
+        idx("seq_order", o["order"])
+    if "ckpt" in o:
+        kw["checkpoint_every_n_tokens"] = 16
+        idx("checkpoint_cu_starts", o["ckpt"], torch.int64)
+        ck = carve(torch.full((5, HV, V, K), 3.0, device=device), "state_checkpoints", "out", lead=64, tail=64)
+        c.append(ck)
+        kw["state_checkpoints"] = ck.view
+    t = {x.name: x.view for x in c}
+    pool_before = pool.view.detach().cpu().clone()
+    raw_recurrent(
+        t["q"],
+        t["k"],
+        t["v"],
+        t["g"],
+        t["beta"],
+        A_log=t["A_log"],
+        dt_bias=t["dt_bias"],
+        state=pool.view,
+        output=out.view,
+        **kw,
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for x in c:
+        x.check()
+    assert torch.isfinite(out.view.float()).all(), "NaN from a guard band reached the output"
+    assert torch.isfinite(pool.view.float()).all(), "NaN from a guard band reached the pool"
+    # what the contract does define: inactive sequences produce zero output and touch no slot
+    if case == "slots_out_of_range":
+        assert torch.count_nonzero(out.view[1:4].float()) == 0, "inactive rows must have zero output"
+        untouched = [1, 2, 3, 4, 5]  # slot 0 (row 4) is the only active one
+        assert torch.equal(raw_bytes(pool.view[untouched]), raw_bytes(pool_before[untouched])), (
+            "slots nobody names must be untouched"
+        )
+    if case == "source_out_of_range":
+        assert torch.count_nonzero(out.view[1:4].float()) == 0, "sequences with an out-of-range source are inactive"
+    STATS["broken_contract_runs"] += 1
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="csrc/cpu/recurrent.cpp zeroes the whole caller output (output.zero_()), while the "
+                "recurrent_kda docstring says tokens outside every packed sequence are left as they were",
+            ),
+        ),
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_tokens_outside_every_sequence_keep_caller_output(device):
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(5)
+    K = _dims_decode(device)
+    dt = torch.bfloat16  # the CUDA token dtype; the CPU path takes it too
+    T = 9
+    q, k = _rand(gen, (1, T, 1, K), dt, device), _rand(gen, (1, T, 1, K), dt, device)
+    v, g = _rand(gen, (1, T, 2, K), dt, device), _rand(gen, (1, T, 2, K), dt, device)
+    beta = _rand(gen, (1, T, 2), dt, device)
+    out = torch.full((1, T, 2, K), 7.0, dtype=dt, device=device)
+    cu = torch.tensor([2, 5, 7], dtype=torch.int64, device=device)  # tokens 0-1 and 7-8 belong to no sequence
+    raw_recurrent(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=torch.zeros(2, device=device),
+        dt_bias=torch.zeros(2, K, device=device),
+        cu_seqlens=cu,
+        output=out,
+    )
+    assert torch.all(out[:, [0, 1, 7, 8]].float() == 7.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["non_monotone", "negative", "beyond_T"])
+def test_training_ops_broken_cu_seqlens(device, how):
+    """CPU: the training ops read cu_seqlens on the host and reject a broken one (ValueError, nothing
+    written). CUDA (no host copy in recurrent_kda_backward / the raw forward op): they run and stay in
+    bounds: inputs bit-identical and no NaN from the guard bands in any result."""
+    _check_cuda_training(device)
+    K = _dims(device)
+    carved, do, dfinal, dims = training_guard_inputs(device, K, packed=True)
+    t = {c_.name: c_.view for c_ in carved}
+    T = t["q"].shape[1]
+    cu = {"non_monotone": [0, T - 4, 4, T], "negative": [-3, 5, T, T], "beyond_T": [0, 5, T + 40, T]}[how]
+    bad = carve(torch.tensor(cu, dtype=torch.int64, device=device), "cu_bad", lead=8, tail=8)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], t["A_log"], t["dt_bias"], t["initial_state"][:3].contiguous())
+    fwd = torch.ops.kda.recurrent_kda_training_forward.default
+    bwd = torch.ops.kda.recurrent_kda_backward.default
+    if device == "cpu":
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            fwd(*args, bad.view, 0.25, -5.0)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            bwd(*args, bad.view, do.view, dfinal.view[:3], 0.25, -5.0)
+    else:
+        res = list(fwd(*args, bad.view, 0.25, -5.0))
+        res += list(bwd(*args, bad.view, do.view, dfinal.view[:3].contiguous(), 0.25, -5.0))
+        torch.cuda.synchronize()
+        for i, r in enumerate(res):
+            if r.is_floating_point():
+                assert torch.isfinite(r.float()).all(), f"result {i}: NaN from a guard band"
+    for c_ in carved + [do, dfinal, bad]:
+        c_.check()
+    STATS["broken_contract_runs"] += 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. determinism: every op, 10 runs, bit-identical (CPU: alternating 1 and 2 threads)
+
+
+def _det_runs(device: str, fn: Callable, n: int = 10) -> list[list[torch.Tensor]]:
+    runs = []
+    old = torch.get_num_threads()
+    try:
+        for i in range(n):
+            if device == "cpu":
+                torch.set_num_threads(1 if i % 2 == 0 else max(2, old))
+            res = [r.detach() for r in fn() if isinstance(r, torch.Tensor)]
+            runs.append([raw_bytes(r) for r in res])
+    finally:
+        torch.set_num_threads(old)
+    for i, r in enumerate(runs[1:], 1):
+        assert len(r) == len(runs[0])
+        for j, (a, b) in enumerate(zip(r, runs[0], strict=True)):
+            assert torch.equal(a, b), f"run {i}: result {j} differs bitwise from run 0"
+    STATS["determinism_runs"] += n
+    return runs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["prefill_ckpt", "decode", "spec"])
+def test_determinism_recurrent(device, mode):
+    K = _dims(device)
+    gen = torch.Generator().manual_seed(21)
+    H, HV = 1, 2
+    dt = torch.bfloat16
+    if mode == "prefill_ckpt":
+        lengths = [1, 37, 0, 70, 16]
+        B, T = 1, sum(lengths)
+        extra: dict[str, Any] = dict(
+            cu_seqlens=_cu(lengths, device=device),
+            checkpoint_every_n_tokens=16,
+            ssm_state_indices=torch.tensor([4, 0, 2, 1, 3], dtype=torch.int32, device=device),
+        )
+        pdt = torch.bfloat16
+    elif mode == "decode":
+        B, T = 8, 1
+        extra = dict(ssm_state_indices=torch.tensor([7, 6, -1, 4, 3, 2, 1, 0], dtype=torch.int32, device=device))
+        pdt = torch.float32
+    else:
+        S, B = 3, 4
+        T = 1 + S
+        extra = dict(
+            num_spec_tokens=S,
+            ssm_state_indices=torch.arange(16, dtype=torch.int32, device=device).view(4, 4),
+            num_accepted_tokens=torch.tensor([1, 4, 2, 3], dtype=torch.int32, device=device),
+        )
+        pdt = torch.float32
+    x = dict(
+        q=_rand(gen, (B, T, H, K), dt, device),
+        k=_rand(gen, (B, T, H, K), dt, device),
+        v=_rand(gen, (B, T, HV, K), dt, device),
+        g=_rand(gen, (B, T, HV, K), dt, device),
+        beta=_rand(gen, (B, T, HV), dt, device),
+    )
+    pool0 = (torch.randn(16, HV, K, K, generator=gen) * 0.1).to(pdt).to(device)
+    gate = dict(
+        use_gate_in_kernel=True,
+        A_log=(torch.rand(HV, generator=gen) * 0.5).to(device),
+        dt_bias=(torch.randn(HV, K, generator=gen) * 0.1).to(device),
+        lower_bound=-5.0,
+        beta_is_logit=True,
+    )
+
+    def once():
+        pool = pool0.clone()
+        res = R(**x, **gate, **extra, initial_state=pool)
+        return [res[0], pool] + ([res[2]] if len(res) == 3 else [])
+
+    _det_runs(device, once)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_determinism_training_family(device):
+    """Training forward (out, final state, tapes), training backward, recurrent_kda_backward and kda()
+    autograd (output, final state, all eight gradients): 10 runs each, bit-identical."""
+    _check_cuda_training(device)
+    K = _dims(device)
+    carved, do, dfinal, _ = training_guard_inputs(device, K, packed=True, seed=9)
+    inp = {c.name: _plain(c.view) for c in carved}
+    do_, df_ = _plain(do.view), _plain(dfinal.view)
+    mirror = {"cu_seqlens_cpu": inp["cu_seqlens"].cpu()}
+    _det_runs(device, lambda: _skip_not_implemented(TF, **inp, **mirror)[:2] + (TF(**inp, **mirror)[2].tapes,))
+    _, _, ctx = TF(**inp, **mirror)
+    _det_runs(device, lambda: TB(ctx, do_, df_))
+    _det_runs(device, lambda: RB(**inp, do=do_, dfinal_state=df_))
+
+    def autograd_once():
+        leaves = {n_: t.clone().requires_grad_(True) for n_, t in inp.items() if t.is_floating_point()}
+        o, f = KDA(**leaves, cu_seqlens=inp["cu_seqlens"], output_final_state=True)
+        ((o.float() * do_.float()).sum() + (f * df_).sum()).backward()
+        return [o, f] + [leaves[n_].grad for n_ in sorted(leaves)]
+
+    _det_runs(device, autograd_once)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. stress: mixed decode / prefill / packed / speculative calls on persistent pools
+
+
+STRESS_POOL_SLOTS = 24
+
+
+@dataclass
+class StressState:
+    device: str
+    K_choices: tuple
+    seed: int = 0
+    pools: dict = field(default_factory=dict)
+    stats: collections.Counter = field(default_factory=collections.Counter)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.gen = torch.Generator().manual_seed(self.seed)
+
+    def pool(self, HV: int, K: int, pdt: torch.dtype) -> torch.Tensor:
+        key = (HV, K, pdt)
+        if key not in self.pools:
+            self.pools[key] = (
+                (torch.randn(STRESS_POOL_SLOTS, HV, K, K, generator=self.gen) * 0.1).to(pdt).to(self.device)
+            )
+        return self.pools[key]
+
+    def make_all_pools(self) -> None:
+        """Every pool the calls may use, up front (so that a later phase allocates no long-lived memory)."""
+        for HV in (1, 2, 4):
+            for K in self.K_choices:
+                for pdt in (torch.float32, torch.bfloat16):
+                    self.pool(HV, K, pdt)
+
+
+def _stress_slots(r: random.Random, n: int, n_pool: int, p_inactive: float) -> list[int]:
+    slots = r.sample(range(n_pool), n)
+    return [-1 if r.random() < p_inactive else s for s in slots]
+
+
+def stress_call(s: StressState, check: bool) -> None:
+    """One random recurrent_kda call on the persistent pools; with `check`, compared against the fp64
+    reference from the pre-call pool (outputs, written slots, checkpoints) and every other slot bit for bit."""
+    r, dev = s.rng, s.device
+    mode = r.choice(["decode", "decode", "prefill", "packed", "spec"])
+    H = r.choice([1, 2])
+    HV = H * r.choice([1, 2])
+    K = r.choice(s.K_choices)
+    pdt = r.choice([torch.float32, torch.bfloat16])
+    gate = r.choice(["precomputed", "softplus", "lower_bound"])
+    logit = r.random() < 0.5
+    pool = s.pool(HV, K, pdt)
+    n_pool = pool.shape[0]
+    S, lengths, ckpt = 0, None, 0
+    if mode == "decode":
+        B, T = r.randint(1, 8), 1
+    elif mode == "prefill":
+        B, T = r.randint(1, 3), r.randint(1, 40)
+        ckpt = 16 if r.random() < 0.25 else 0
+    elif mode == "packed":
+        lengths = [r.choice([0, 1, 2, r.randint(1, 70)]) for _ in range(r.randint(1, 5))]
+        B, T = 1, sum(lengths)
+        ckpt = 16 if r.random() < 0.25 else 0
+    else:
+        S = r.randint(1, 3)
+        N_ = r.randint(1, 5)
+        if r.random() < 0.5:
+            lengths = [1 + S] * N_
+            B, T = 1, N_ * (1 + S)
+        else:
+            B, T = N_, 1 + S
+    N = B if lengths is None else len(lengths)
+    g_ = s.gen
+    dt = torch.bfloat16 if dev == "cuda" or r.random() < 0.7 else torch.float32
+    q = _rand(g_, (B, T, H, K), dt, dev)
+    k = _rand(g_, (B, T, H, K), dt, dev)
+    v = _rand(g_, (B, T, HV, K), dt, dev)
+    g = _rand(g_, (B, T, HV, K), dt, dev)
+    if gate == "precomputed":
+        g = (-torch.nn.functional.softplus(g.float())).to(dt)
+    beta = _rand(g_, (B, T, HV), dt, dev) if logit else torch.rand(B, T, HV, generator=g_).to(dt).to(dev)
+    kw: dict[str, Any] = dict(q=q, k=k, v=v, g=g, beta=beta, beta_is_logit=logit, initial_state=pool)
+    if gate != "precomputed":
+        kw.update(
+            use_gate_in_kernel=True,
+            A_log=(torch.rand(HV, generator=g_) * 0.5).to(dev),
+            dt_bias=(torch.randn(HV, K, generator=g_) * 0.1).to(dev),
+            lower_bound=-5.0 if gate == "lower_bound" else None,
+        )
+    if lengths is not None:
+        kw["cu_seqlens"] = _cu(lengths, r.choice([torch.int32, torch.int64]), dev)
+    if S:
+        slots = _stress_slots(r, N * (1 + S), n_pool, 0.1)
+        kw["num_spec_tokens"] = S
+        kw["ssm_state_indices"] = torch.tensor(slots, dtype=torch.int32, device=dev).view(N, 1 + S)
+        acc = [r.randint(0, S + 2) for _ in range(N)]
+        kw["num_accepted_tokens"] = torch.tensor(acc, dtype=torch.int32, device=dev)
+    else:
+        slots = _stress_slots(r, N, n_pool, 0.15)
+        kw["ssm_state_indices"] = torch.tensor(slots, dtype=torch.int32, device=dev)
+    if ckpt:
+        kw["checkpoint_every_n_tokens"] = ckpt
+    before = pool.detach().cpu().clone() if check else None
+    res = R(**kw)
+    o = res[0]
+    s.stats["calls"] += 1
+    s.stats[f"mode_{mode}"] += 1
+    s.stats["tokens"] += B * T
+    if not check:
+        return
+    assert torch.isfinite(o.float()).all(), "non-finite output"
+    after = pool.detach().cpu()
+    cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    ref_kw = dict(
+        use_gate_in_kernel=gate != "precomputed",
+        lower_bound=kw.get("lower_bound"),
+        beta_is_logit=logit,
+        A_log=cpu(kw.get("A_log")),
+        dt_bias=cpu(kw.get("dt_bias")),
+    )
+    o_c = o.cpu()
+    bounds = (
+        [(b, 0, T) for b in range(B)]
+        if lengths is None
+        else [(0, int(c0), L) for c0, L in zip(_cu(lengths)[:-1], lengths, strict=True)]
+    )
+    written: set[int] = set()
+    exp_out = torch.zeros(o_c.shape, dtype=torch.float64)
+    for n, (b, bos, L) in enumerate(bounds):
+        if S:
+            row = slots[n * (1 + S) : (n + 1) * (1 + S)]
+            c = min(max(acc[n] - 1, 0), S)
+            if not 0 <= row[c] < n_pool:
+                continue
+            active = [t for t in range(L) if 0 <= row[t] < n_pool]
+            start = before[row[c]]
+        else:
+            if not 0 <= slots[n] < n_pool or L == 0:
+                continue
+            active = list(range(L))
+            start = before[slots[n]]
+        if not active:
+            continue
+        tk = {nm: cpu(kw[nm])[b, [bos + t for t in active]].unsqueeze(0) for nm in ("q", "k", "v", "g", "beta")}
+        ref = recurrent_kda_reference(
+            **tk, **ref_kw, initial_state=start.unsqueeze(0), return_all_states=True, checkpoint_every_n_tokens=ckpt
+        )
+        for j, t in enumerate(active):
+            exp_out[b, bos + t] = ref.output[0, j]
+        if S:
+            for j, t in enumerate(active):
+                written.add(row[t])
+                if t == active[-1] or row[t] not in row[t + 1 :]:
+                    assert_close_rms(after[row[t]], ref.all_states[0][j], state_tol(pdt), f"spec slot {row[t]}")
+        else:
+            written.add(slots[n])
+            assert_close_rms(after[slots[n]], ref.final_state[0], state_tol(pdt), f"slot {slots[n]}")
+        if ckpt and not S:
+            ck = res[2].cpu()
+            per = [(L_ + ckpt - 1) // ckpt for _, _, L_ in bounds]
+            first = sum(per[:n])
+            assert_close_rms(ck[first : first + per[n]], ref.checkpoints[0], state_tol(pdt), "checkpoints")
+    assert_output(o_c, exp_out, f"stress {mode} output")
+    untouched = [i for i in range(n_pool) if i not in written]
+    assert torch.equal(raw_bytes(after[untouched]), raw_bytes(before[untouched])), "a slot nobody writes changed"
+    s.stats["checked"] += 1
+
+
+def test_stress_cpu():
+    """~200 mixed calls of tiny shapes on persistent CPU pools; every 4th checked against the reference."""
+    s = StressState("cpu", K_choices=(4, 8, 16), seed=7)
+    for i in range(200):
+        stress_call(s, check=i % 4 == 0)
+    for p_ in s.pools.values():
+        assert torch.isfinite(p_.float()).all()
+    STATS["stress_calls"] += s.stats["calls"]
+    STATS["stress_checked"] += s.stats["checked"]
+    assert s.stats["checked"] == 50 and all(s.stats[f"mode_{m}"] > 0 for m in ("decode", "prefill", "packed", "spec"))
