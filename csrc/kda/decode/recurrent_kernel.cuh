@@ -387,11 +387,14 @@ __device__ __forceinline__ void resolve_items(const RecurrentParams& p, int64_t 
   __syncwarp();
 }
 
-// Diagnostic switches (launcher: KDA_RECURRENT_DIAG), for benchmarks that take one stage out to see what
-// it costs. Never set in normal use: they break the results on purpose.
+// Kernel flags (the kernel's second argument, RecurrentLaunch::flags). kFlagNoL1Prefetch is a schedule
+// choice that leaves the results unchanged (a prefetch is only a hint); it is set by default because on
+// H200 the prefetches cost more than they saved at large batch (bench_decode, B=256/1024: 5-8% faster
+// without). The kDiag* switches (KDA_RECURRENT_DIAG) are for benchmarks that take one stage out to see
+// what it costs: they break the results on purpose and are never set in normal use.
 constexpr int kDiagNoStateStore = 1;  // skip writing states back to the pool
 constexpr int kDiagNoMath = 2;        // skip the token math (the state passes through unchanged)
-constexpr int kDiagNoL1Prefetch = 4;  // skip the L1 prefetch of the next items' token inputs
+constexpr int kFlagNoL1Prefetch = 4;  // skip the L1 prefetch of the next items' token inputs
 
 // Issue the start-state copy of item m into `ring` (one cp.async group, empty or not, so the wait_group
 // counts stay uniform) and prefetch its first token's inputs into L1.
@@ -472,7 +475,7 @@ __device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
 // is (sequence, value head, row tile). Per item: wait for its ring slot, read the start state into
 // registers, refill the slot with the item kStages ahead, then run the item's tokens.
 template <class Tile>
-__global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParams p, const int diag) {
+__global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParams p, const int flags) {
   using StateT = typename Tile::StateT;
   using Ring = RingLayout<Tile>;
   constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP, kStages = Ring::kStages;
@@ -491,7 +494,7 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
   auto meta_at = [&](int64_t j) -> ItemMeta* { return metas + ((j / kMetaBatch) & 1) * kMetaBatch + j % kMetaBatch; };
 
   resolve_items<Tile>(p, 0, first, stride, total, metas, lane);
-  const bool l1 = !(diag & kDiagNoL1Prefetch);
+  const bool l1 = !(flags & kFlagNoL1Prefetch);
 #pragma unroll
   for (int st = 0; st < kStages; ++st) prefetch_item<Tile>(p, *meta_at(st), ring + st * kTileU4, lane, l1);
 
@@ -583,7 +586,7 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
       }
 
       float o = 0.f;
-      if (!(diag & kDiagNoMath)) {
+      if (!(flags & kDiagNoMath)) {
         // ---- token prep: normalised q (with scale) and k, decay, beta (SPEC §2 steps 1-3)
         float qf[8], kf[8], dec[8];
 #pragma unroll
@@ -658,13 +661,13 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
         const __nv_bfloat16 ob = __float2bfloat16_rn(o);
         out[(m.bos + t) * p.out_token_stride] = *reinterpret_cast<const uint16_t*>(&ob);
       }
-      if (S > 0 && !(diag & kDiagNoStateStore))  // spec decode: the state after token t goes to its own slot
+      if (S > 0 && !(flags & kDiagNoStateStore))  // spec decode: the state after token t goes to its own slot
         store_tile<Tile>(static_cast<StateT*>(p.state) + wslot * p.state_slot_stride + head_off, row0, rg, kl, s);
       cur = nxt;
     }
 
     // A zero-length sequence leaves its slot bit-identical.
-    if (S == 0 && p.state != nullptr && m.len > 0 && !(diag & kDiagNoStateStore))
+    if (S == 0 && p.state != nullptr && m.len > 0 && !(flags & kDiagNoStateStore))
       store_tile<Tile>(static_cast<StateT*>(p.state) + write_slot(p, n, 0) * p.state_slot_stride + head_off, row0,
                        rg, kl, s);
     if (p.final_state != nullptr) store_tile<Tile>(p.final_state + n * inner + head_off, row0, rg, kl, s);
@@ -679,36 +682,57 @@ void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaSt
   auto kernel = kda_recurrent_kernel<Tile>;
   const int threads = cfg.warps_per_block * 32;
   const int smem = cfg.warps_per_block * Ring::kWarpBytes;
-  // Occupancy is a property of the instantiation, the block shape and the device: query once per
-  // (device, warps per block). The dynamic-smem opt-in above 48 KB is per device as well.
+  // Occupancy is a property of the instantiation, the block shape and the device: queried once per device
+  // for every block shape, on the first (eager) call, together with the dynamic-smem opt-in above 48 KB and
+  // the shared-memory carveout. The carveout defaults to the smallest one that holds the resident blocks of
+  // any block shape, leaving the rest of the SM's 256 KB to L1 (token inputs, gate parameters): on H200
+  // that was up to 22% faster at large batch than the driver's choice (bench_decode, B=1024 bf16) and never
+  // slower. Graph capture sees no attribute call after the first call (KDA_RECURRENT_CARVEOUT overrides
+  // it per call, for benchmarks only).
   static int max_blocks[64][5] = {};
+  static int carveout_set[64] = {};  // percent + 1 set by us (0: never)
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
-  int& mb = max_blocks[dev][cfg.warps_per_block];
-  if (mb == 0 || cfg.carveout_percent != kCarveoutUntouched) {
-    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    int v = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, smem) != cudaSuccess || v <= 0) {
-      (void)cudaGetLastError();
-      v = 1;
+  if (max_blocks[dev][cfg.warps_per_block] == 0) {
+    if (Ring::kWarpBytes * 4 > 48 * 1024)
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ring::kWarpBytes * 4);
+    for (int w : {1, 2, 4}) {
+      int v = 0;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, w * 32, w * Ring::kWarpBytes) != cudaSuccess ||
+          v <= 0) {
+        (void)cudaGetLastError();
+        v = 1;
+      }
+      max_blocks[dev][w] = v;
     }
-    mb = v;
   }
+  const int mb = max_blocks[dev][cfg.warps_per_block];
   int blocks_per_sm = mb;
   if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < blocks_per_sm) blocks_per_sm = cfg.max_blocks_per_sm;
   if (cfg.carveout_percent != kCarveoutUntouched) {
-    // Benchmark knob: the smallest carveout that still holds blocks_per_sm blocks (1 KB reserved per block),
-    // leaving the rest of the 256 KB to L1; or the driver's default / the maximum.
     int pct = cfg.carveout_percent;
-    if (pct == kCarveoutMin) pct = (blocks_per_sm * (smem + 1024) * 100 + 228 * 1024 - 1) / (228 * 1024);
-    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
-    (void)cudaGetLastError();
+    if (pct == kCarveoutMin) {
+      int need = 0;  // bytes: 1 KB per block is reserved by the system
+      for (int w : {1, 2, 4}) {
+        int b = max_blocks[dev][w];
+        if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < b) b = cfg.max_blocks_per_sm;
+        const int bytes = b * (w * Ring::kWarpBytes + 1024);
+        need = bytes > need ? bytes : need;
+      }
+      pct = (need * 100 + 228 * 1024 - 1) / (228 * 1024);
+      pct = pct > 100 ? 100 : pct;
+    }
+    if (carveout_set[dev] != pct + 2) {  // -1 (driver default) is a valid value: store pct + 2
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
+      (void)cudaGetLastError();
+      carveout_set[dev] = pct + 2;
+    }
   }
   const int64_t warps = p.N * p.HV * Tile::kTilesPerHead;
   const int64_t needed = (warps + cfg.warps_per_block - 1) / cfg.warps_per_block;
   const int64_t resident = int64_t(blocks_per_sm) * cfg.num_sms;
   const int64_t blocks = needed < resident ? needed : resident;
-  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.diag);
+  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.flags);
 }
 
 }  // namespace kda::decode

@@ -45,18 +45,20 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
   decode::RecurrentLaunch cfg;
   cfg.num_sms = num_sms_of_current_device();
   int nr = recurrent_rows_per_lane(p, cfg.num_sms);
-  // Benchmark/test knobs (host side, read per call; none changes results except KDA_RECURRENT_DIAG).
+  // Benchmark/test knobs (read per call; none changes the results except KDA_RECURRENT_DIAG):
+  //   KDA_RECURRENT_ROWS_PER_LANE=1|2|4|8, KDA_RECURRENT_BLOCKS_PER_SM=n (cap), KDA_RECURRENT_CARVEOUT=min|default|max,
+  //   KDA_RECURRENT_L1_PREFETCH=1 (prefetch the next items' token inputs into L1), KDA_RECURRENT_DIAG=1|2|3.
   if (const char* env = std::getenv("KDA_RECURRENT_ROWS_PER_LANE")) {
     const int v = std::atoi(env);
     if (v == 1 || v == 2 || v == 4 || v == 8) nr = v;
   }
   if (const char* env = std::getenv("KDA_RECURRENT_BLOCKS_PER_SM")) cfg.max_blocks_per_sm = std::atoi(env);
-  if (const char* env = std::getenv("KDA_RECURRENT_CARVEOUT")) {
+  if (const char* env = std::getenv("KDA_RECURRENT_CARVEOUT")) {  // min (default) | default (driver) | max
     const std::string v(env);
-    cfg.carveout_percent = v == "min" ? decode::kCarveoutMin : v == "default" ? -1 : v == "max" ? 100
-                                                                               : decode::kCarveoutUntouched;
+    cfg.carveout_percent = v == "default" ? -1 : v == "max" ? 100 : decode::kCarveoutMin;
   }
-  if (const char* env = std::getenv("KDA_RECURRENT_DIAG")) cfg.diag = std::atoi(env);
+  if (const char* env = std::getenv("KDA_RECURRENT_L1_PREFETCH")) cfg.flags = std::atoi(env) == 1 ? 0 : 4;
+  if (const char* env = std::getenv("KDA_RECURRENT_DIAG")) cfg.flags |= std::atoi(env) & 3;
   const int rows_per_warp = nr * (32 / (p.K / 8));
   const int64_t warps = p.N * p.HV * (p.K / rows_per_warp);
   // Up to 4 warps (one head's neighbouring tiles) per block, fewer when that would leave SMs idle.

@@ -14,8 +14,9 @@ namespace kda {
 // strides; q, k, g 16-byte aligned with strides that are multiples of 8 elements.
 // Returns the launch error (cudaSuccess when nothing was launched because N == 0).
 //
-// The environment variable KDA_RECURRENT_ROWS_PER_LANE (1, 2, 4 or 8) overrides the tile choice;
-// it exists for benchmarks and tests (results are bit-identical for every choice).
+// Environment knobs for benchmarks and tests (see recurrent_launch.cu): KDA_RECURRENT_ROWS_PER_LANE (1, 2, 4
+// or 8: the tile), KDA_RECURRENT_BLOCKS_PER_SM, KDA_RECURRENT_CARVEOUT, KDA_RECURRENT_L1_PREFETCH only change
+// the schedule (results are bit-identical for every choice); KDA_RECURRENT_DIAG skips work on purpose.
 cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream);
 
 // The tile the launcher would pick: state rows per lane (1, 2, 4, 8). Exposed for tests and benchmarks.
