@@ -14,6 +14,9 @@ OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
+# ../shared/golden does not travel to the device: carry a copy as .golden/ (git-ignored).
+[ -d .golden ] && export KDA_GOLDEN_DIR=${KDA_GOLDEN_DIR:-$PWD/.golden}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}  # seconds per stage; the device allows 600 per command
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests bench_decode bench_prefill bench_train")}
@@ -33,7 +36,7 @@ stage() {  # stage NAME CMD...: run, time, log to $OUT/NAME.log
   local name=$1; shift
   local t0=$(date +%s)
   echo "== $name: $*"
-  "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout "$STAGE_TIMEOUT" "$@" 2>&1 | tee "$OUT/$name.log"
   RC[$name]=${PIPESTATUS[0]}
   SECS[$name]=$(( $(date +%s) - t0 ))
   echo "== $name: rc=${RC[$name]} in ${SECS[$name]} s"
