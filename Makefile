@@ -42,6 +42,10 @@ bench: build
 device-check:
 	bash scripts/device_check.sh
 
+.PHONY: sanitize
+sanitize: build  # compute-sanitizer memcheck/racecheck/synccheck/initcheck over every CUDA op (GPU machine)
+	PY=$(PY) bash scripts/sanitize.sh
+
 lint:
 	$(PY) -m ruff check kda_ops tests benchmarks
 	$(PY) -m mypy

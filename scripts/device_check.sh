@@ -19,7 +19,7 @@ export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}  # seconds per stage; the device allows 600 per command
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
-STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests bench_decode bench_prefill bench_train")}
+STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests sanitize bench_decode bench_prefill bench_train")}
 # Benchmark tables/plots go to $RESULTS and come back as one archive ($OUT returns at most 8 files).
 RESULTS=${RESULTS:-/tmp/kda_results}
 mkdir -p "$RESULTS"
@@ -47,6 +47,7 @@ for s in $STAGES; do
     build) stage build python3 setup.py -q build_ext --inplace ;;
     tests) stage tests python3 -m pytest -q -p no:cacheprovider tests ;;
     tests_gpu) stage tests_gpu python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+    sanitize) stage sanitize bash scripts/sanitize.sh ;;  # compute-sanitizer, 4 tools (full run only)
     bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ;;
     *) echo "unknown stage $s"; RC[$s]=2; SECS[$s]=0 ;;
   esac
