@@ -48,7 +48,11 @@ for s in $STAGES; do
     tests) stage tests python3 -m pytest -q -p no:cacheprovider tests ;;
     tests_gpu) stage tests_gpu python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
     sanitize) stage sanitize bash scripts/sanitize.sh ;;  # compute-sanitizer, 4 tools (full run only)
-    bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ;;
+    bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ${BENCH_ARGS:-} ;;
+    demo) stage demo python3 -m kda_ops.demo ;;
+    ncu) stage ncu ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 \
+           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+           --section WarpStateStats --section SchedulerStats python3 scripts/ncu_profile.py decode_bf16 ;;
     *) echo "unknown stage $s"; RC[$s]=2; SECS[$s]=0 ;;
   esac
   [ "$s" = build ] && [ "${RC[build]}" != 0 ] && break

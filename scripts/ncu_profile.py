@@ -1,0 +1,26 @@
+"""Workloads for Nsight Compute (scripts/device_check.sh stage `ncu`): the hot kernels at the issue shapes.
+
+  ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 --section SpeedOfLight ... \
+      python3 scripts/ncu_profile.py decode_bf16
+"""
+
+import sys
+
+import torch
+
+import kda_ops
+
+case = sys.argv[1] if len(sys.argv) > 1 else "decode_bf16"
+dev, H, K = "cuda", 32, 128
+gen = torch.Generator(device=dev).manual_seed(0)
+if case.startswith("decode"):
+    B = 256
+    dt = torch.bfloat16 if case.endswith("bf16") else torch.float32
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, g, beta = r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H)
+    pool = torch.zeros(B, H, K, K, device=dev, dtype=dt)
+    A_log, dt_bias = torch.zeros(H, device=dev), torch.zeros(H, K, device=dev)
+    for _ in range(5):
+        kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+                              use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True)
+torch.cuda.synchronize()
