@@ -19,7 +19,7 @@ export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}  # seconds per stage; the device allows 600 per command
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
-STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests sanitize bench_decode bench_prefill bench_train")}
+STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests demo sanitize ncu bench_decode bench_prefill bench_train")}
 # Benchmark tables/plots go to $RESULTS and come back as one archive ($OUT returns at most 8 files).
 RESULTS=${RESULTS:-/tmp/kda_results}
 mkdir -p "$RESULTS"
