@@ -1939,14 +1939,7 @@ def test_broken_contracts_stay_in_bounds(device, case):
 @pytest.mark.parametrize(
     "device",
     [
-        pytest.param(
-            "cpu",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="csrc/cpu/recurrent.cpp zeroes the whole caller output (output.zero_()), while the "
-                "recurrent_kda docstring says tokens outside every packed sequence are left as they were",
-            ),
-        ),
+        "cpu",
         pytest.param("cuda", marks=pytest.mark.gpu),
     ],
 )
@@ -2343,12 +2336,6 @@ def _strided_gate_params_body() -> None:
         assert torch.equal(raw_bytes(x), raw_bytes(y))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="inconsistent: the CPU training ops (csrc/cpu/training.cpp) require contiguous A_log / dt_bias and "
-    "raise ValueError for a strided view, which the Python layer accepts (check_training_params) and the CUDA "
-    "ops make contiguous (csrc/api/training_cuda.cpp); recurrent_kda makes them contiguous in Python",
-)
 def test_training_ops_take_strided_gate_params_cpu():
     """(run in the child process of test_training_ops_broken_cu_seqlens: the rejection is raised beneath the
     autograd kernel)"""

@@ -73,8 +73,8 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   x.final_state = p.final_state;
   x.final_dtype = DType::kFloat32;
 
-  // Tokens of inactive sequences/tokens and tokens outside every packed sequence read as zero.
-  output.zero_();
+  // Inactive sequences/tokens are zeroed by the loop; tokens outside every packed sequence (a broken
+  // cu_seqlens contract) keep their values, as on CUDA.
   run_forward(p, x);
 }
 

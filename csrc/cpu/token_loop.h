@@ -214,7 +214,7 @@ struct HeadContext {
 
 // Runs the whole bound sequence for the bound value head with every rule of SPEC §3.1 (start state,
 // token activity, pool/spec writes, checkpoints or tapes, final state). S: [V*K] scratch, o: [V].
-// The output must be zeroed by the caller: inactive tokens and sequences write nothing.
+// Inactive tokens and sequences get zero output; tokens outside every sequence are never touched.
 template <typename TokT>
 void run_sequence_head(HeadContext<TokT>& c, acc_t<TokT>* S, acc_t<TokT>* o) {
   using Acc = acc_t<TokT>;
@@ -226,7 +226,14 @@ void run_sequence_head(HeadContext<TokT>& c, acc_t<TokT>* S, acc_t<TokT>* o) {
   const int64_t seq_off = (n * p.HV) * blk + head_off;  // in [N, HV, V, K] buffers
 
   const StartState st = start_state(p, n);
-  if (st.kind < 0) return;  // inactive: no state read or write, zero output
+  auto zero_output = [&](int64_t t) {
+    TokT* out = c.out_ptr(t);
+    for (int vi = 0; vi < p.V; ++vi) out[vi] = TokT(0);
+  };
+  if (st.kind < 0) {  // inactive: no state read or write, zero output
+    for (int64_t t = 0; t < c.seq.len; ++t) zero_output(t);
+    return;
+  }
   if (x.init_state != nullptr) {
     load_vec(S, elem_ptr(x.init_state, x.init_dtype, seq_off), x.init_dtype, blk);
   } else if (st.kind == 0) {
@@ -248,7 +255,10 @@ void run_sequence_head(HeadContext<TokT>& c, acc_t<TokT>* S, acc_t<TokT>* o) {
         store_vec(elem_ptr(p.state_checkpoints, p.checkpoint_dtype, row * p.HV * blk + head_off),
                   p.checkpoint_dtype, S, blk);
     }
-    if (!token_active(p, n, t)) continue;
+    if (!token_active(p, n, t)) {
+      zero_output(t);
+      continue;
+    }
     c.load(t);
     c.step(S, o);
     TokT* out = c.out_ptr(t);

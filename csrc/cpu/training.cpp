@@ -139,8 +139,10 @@ RecurrentParams training_params(const at::Tensor& q, const at::Tensor& k, const 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-    const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& initial_state,
+    const at::Tensor& A_log_in, const at::Tensor& dt_bias_in, const at::Tensor& initial_state,
     const std::optional<at::Tensor>& cu_seqlens, double scale, double lower_bound) {
+  // Strided parameter views are accepted (as on CUDA): the loop reads compact copies.
+  const at::Tensor A_log = A_log_in.contiguous(), dt_bias = dt_bias_in.contiguous();
   const TrainingProblem pb = check_training_inputs(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
   check_state(initial_state, pb, "initial_state");
   const at::Tensor init = initial_state.contiguous();
@@ -384,10 +386,11 @@ void run_backward_typed(const RecurrentParams& p, const CpuExtras& x, const Trai
 }
 
 Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                            const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                            const at::Tensor& beta, const at::Tensor& A_log_in, const at::Tensor& dt_bias_in,
                             const at::Tensor& tapes, const at::Tensor& tape_cu_starts,
                             const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& dout,
                             const std::optional<at::Tensor>& dfinal_state, double scale, double lower_bound) {
+  const at::Tensor A_log = A_log_in.contiguous(), dt_bias = dt_bias_in.contiguous();
   const TrainingProblem pb = check_training_inputs(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
   KDA_CHECK(dout.sizes() == v.sizes(), "do must have the shape of v ", v.sizes(), ", got ", dout.sizes());
   KDA_CHECK(dout.is_floating_point(), "do must be a floating tensor, got ", dout.scalar_type());
