@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +30,12 @@ TAPE_CHUNK = 64  # kda::kTapeChunk (csrc/kda/params.h)
 TRAINING_MIN_LOWER_BOUND = -5.0  # SPEC §3.2: λ ∈ [-5, 0)
 CHECKPOINT_MULTIPLE = 16
 CPU_TOKEN_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+POOL_DTYPES_CUDA = (torch.bfloat16, torch.float32)
+POOL_DTYPES_CPU = (torch.bfloat16, torch.float32, torch.float64)
+# Tensor types whose memory is real (data_ptr, host values): not FakeTensor or other subclasses.
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_PLAIN = (_Tensor, _Parameter)
+_ITEMSIZE = {torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}  # the token dtypes
 
 # ---------------------------------------------------------------------------------------------------
 # message helpers
@@ -112,7 +117,7 @@ def host_values_available(t: torch.Tensor | None) -> bool:
     tensor in eager mode (not a FakeTensor, not under torch.compile)."""
     if t is None or torch.compiler.is_compiling():
         return False
-    return t.device.type == "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter)
+    return t.is_cpu and type(t) in _PLAIN
 
 
 def capturing(device: torch.device) -> bool:
@@ -132,8 +137,12 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+# CUDA devices that passed _check_cuda_device (a build and a compute capability never change in a process).
+_CUDA_DEVICES_OK: set[torch.device] = set()
+
+
 def _check_cuda_device(device: torch.device) -> None:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or device in _CUDA_DEVICES_OK:
         return
     if not _cuda_kernels_built():
         raise RuntimeError(
@@ -147,30 +156,53 @@ def _check_cuda_device(device: torch.device) -> None:
             f"q must be on a GPU of compute capability >= 9.0 (sm_90a, sm_100a, sm_103a, sm_120a), got "
             f"{major}.{minor} on {device}"
         )
+    if device.index is not None:
+        _CUDA_DEVICES_OK.add(device)
 
 
 # ---------------------------------------------------------------------------------------------------
 # token tensors
 
 
-@dataclass(frozen=True)
 class Dims:
-    """Problem sizes of one call (SPEC §1). Packed: B == 1, N = len(cu_seqlens) - 1."""
+    """Problem sizes of one call (SPEC §1). Packed: B == 1, N = len(cu_seqlens) - 1.
 
-    B: Any
-    T: Any
-    H: int
-    HV: int
-    K: int
-    V: int
-    N: Any
-    packed: bool
-    device: torch.device
-    dtype: torch.dtype
+    A plain slotted class (not a frozen dataclass): it is built on every call of the public API, and a
+    frozen dataclass's ``__init__`` costs several µs of ``object.__setattr__``. Treat it as read-only.
+    """
 
-    @property
-    def on_cuda(self) -> bool:
-        return self.device.type == "cuda"
+    __slots__ = ("B", "T", "H", "HV", "K", "V", "N", "packed", "device", "dtype", "dev_type", "on_cuda", "token_nbytes")
+
+    def __init__(
+        self,
+        B: Any,
+        T: Any,
+        H: int,
+        HV: int,
+        K: int,
+        V: int,
+        N: Any,
+        packed: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        dev_type: str | None = None,
+        token_nbytes: tuple[Any, ...] | None = None,
+    ) -> None:
+        self.B, self.T, self.H, self.HV, self.K, self.V, self.N = B, T, H, HV, K, V, N
+        self.packed, self.device, self.dtype = packed, device, dtype
+        self.dev_type = device.type if dev_type is None else dev_type  # device.type costs ~1 µs: once
+        self.on_cuda = self.dev_type == "cuda"
+        # Bytes of q, k, v, g, beta when all five are contiguous and non-empty (then each one's memory is
+        # [data_ptr, data_ptr + nbytes)), else None: spares the overlap check five tensor queries.
+        self.token_nbytes = token_nbytes
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__[:10])
+        return f"Dims({fields})"
+
+
+_KV_ALLOWED = {"recurrent": (64, 128), "auto": (64, 128), "chunked": (128,), "training": (128,)}
+_TOKEN_NAMES = ("q", "k", "v", "g", "beta")
 
 
 def check_tokens(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, kv_rule: str) -> Dims:
@@ -178,60 +210,95 @@ def check_tokens(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, 
 
     kv_rule: which head dims the path takes on CUDA: "recurrent" (K == V in {64, 128}), "chunked" or
     "training" (K == V == 128), "auto" (either). CPU takes any K, V >= 1.
+
+    Hot path of every call: each group of checks is one cheap combined test; only when it fails are the
+    checks of the group redone one tensor at a time, in the fixed order q, k, v, g, beta, to raise the
+    error that names the argument.
     """
-    q = _tensor(q, "q")
-    k, v, g, beta = (_tensor(x, n) for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
+    Tensor = _Tensor
+    if not (
+        isinstance(q, Tensor)
+        and isinstance(k, Tensor)
+        and isinstance(v, Tensor)
+        and isinstance(g, Tensor)
+        and isinstance(beta, Tensor)
+    ):
+        for x, n in zip((q, k, v, g, beta), _TOKEN_NAMES, strict=True):
+            _tensor(x, n)
     device = q.device
-    if device.type not in ("cpu", "cuda", "meta"):
+    # (is_cuda / is_cpu / is_meta: a fraction of the cost of device.type, which builds a string)
+    if q.is_cuda:
+        dev_type = "cuda"
+    elif q.is_cpu:
+        dev_type = "cpu"
+    elif q.is_meta:
+        dev_type = "meta"
+    else:
         raise RuntimeError(f"q must be on a CPU or CUDA device, got {device}")
-    for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
-        _device(x, n, device)
-    if device.type == "cuda":
+    if not (k.device == device and v.device == device and g.device == device and beta.device == device):
+        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
+            _device(x, n, device)
+    on_cuda = dev_type == "cuda"
+    if on_cuda:
         _check_cuda_device(device)
 
-    _rank(q, "q", 4, "[B, T, H, K]")
-    _rank(k, "k", 4, "[B, T, H, K]")
-    _rank(v, "v", 4, "[B, T, HV, V]")
-    _rank(g, "g", 4, "[B, T, HV, K]")
-    _rank(beta, "beta", 3, "[B, T, HV]")
+    qs, ks, vs, gs, bs = q.shape, k.shape, v.shape, g.shape, beta.shape
+    if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and len(gs) == 4 and len(bs) == 3):
+        _rank(q, "q", 4, "[B, T, H, K]")
+        _rank(k, "k", 4, "[B, T, H, K]")
+        _rank(v, "v", 4, "[B, T, HV, V]")
+        _rank(g, "g", 4, "[B, T, HV, K]")
+        _rank(beta, "beta", 3, "[B, T, HV]")
 
-    if device.type == "cuda":
-        if q.dtype != torch.bfloat16:
+    dtype = q.dtype
+    if on_cuda:
+        if dtype != torch.bfloat16:
             note = (
                 " (fp32/fp64 token tensors run on the CPU path only: move the tensors to CPU)"
-                if q.dtype in (torch.float32, torch.float64)
+                if dtype in (torch.float32, torch.float64)
                 else " (fp16 is not supported)"
             )
-            raise TypeError(f"q must be torch.bfloat16 on CUDA, got {q.dtype}{note}")
-    else:
+            raise TypeError(f"q must be torch.bfloat16 on CUDA, got {dtype}{note}")
+    elif dtype not in CPU_TOKEN_DTYPES:
         _dtype(q, "q", CPU_TOKEN_DTYPES, " on CPU (fp16 is not supported)")
-    for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{n} must be {q.dtype} (the dtype of q), got {x.dtype}")
+    if not (k.dtype == dtype and v.dtype == dtype and g.dtype == dtype and beta.dtype == dtype):
+        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
+            if x.dtype != dtype:
+                raise TypeError(f"{n} must be {dtype} (the dtype of q), got {x.dtype}")
 
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    _exact_shape(k, "k", (B, T, H, K), "[B, T, H, K]")
-    if v.shape[0] != B or v.shape[1] != T:
-        raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T}, got {_shape(v)}")
-    _exact_shape(g, "g", (B, T, HV, K), "[B, T, HV, K]")
-    _exact_shape(beta, "beta", (B, T, HV), "[B, T, HV]")
+    B, T, H, K = qs
+    HV, V = vs[2], vs[3]
+    if not (ks == qs and vs[0] == B and vs[1] == T and gs == (B, T, HV, K) and bs == (B, T, HV)):
+        _exact_shape(k, "k", (B, T, H, K), "[B, T, H, K]")
+        if vs[0] != B or vs[1] != T:
+            raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T}, got {_shape(v)}")
+        _exact_shape(g, "g", (B, T, HV, K), "[B, T, HV, K]")
+        _exact_shape(beta, "beta", (B, T, HV), "[B, T, HV]")
     if H < 1 or HV < 1 or K < 1 or V < 1:
         raise ValueError(f"q and v must have H, HV, K, V >= 1, got q {_shape(q)}, v {_shape(v)}")
     if HV % H != 0:
         raise ValueError(f"v must have a multiple of H={H} heads (HV % H == 0), got HV={HV}")
-    if device.type == "cuda":
-        allowed = {"recurrent": (64, 128), "auto": (64, 128), "chunked": (128,), "training": (128,)}[kv_rule]
-        what = " or ".join(str(a) for a in allowed)
+    if on_cuda:
+        allowed = _KV_ALLOWED[kv_rule]
         if K not in allowed:
+            what = " or ".join(str(a) for a in allowed)
             raise ValueError(f"q.shape[-1] (K) must be {what} on CUDA ({kv_rule} path), got K={K}")
         if V != K:
             raise ValueError(f"v.shape[-1] (V) must equal K={K} on CUDA, got V={V}")
-    for x, n in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
-        _lastdim_contiguous(x, n)
+    # A non-empty contiguous tensor has a contiguous last dim: one cheap test per tensor on the common path.
+    # (An empty tensor counts as contiguous whatever its strides: B*T == 0 takes the per-tensor test.)
+    if B * T == 0 or not (
+        q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous() and beta.is_contiguous()
+    ):
+        for x, n in zip((q, k, v, g, beta), _TOKEN_NAMES, strict=True):
+            _lastdim_contiguous(x, n)
+        token_nbytes = None
+    else:
+        bt = B * T * _ITEMSIZE[dtype]
+        token_nbytes = (bt * H * K, bt * H * K, bt * HV * V, bt * HV * K, bt * HV)
 
-    packed = cu_seqlens is not None
     N: Any = B
+    packed = cu_seqlens is not None
     if packed:
         cu = _tensor(cu_seqlens, "cu_seqlens")
         _device(cu, "cu_seqlens", device)
@@ -245,7 +312,7 @@ def check_tokens(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, 
         N = cu.shape[0] - 1
         if host_values_available(cu):
             _cu_values(cu, T, "cu_seqlens")
-    return Dims(B, T, H, HV, K, V, N, packed, device, q.dtype)
+    return Dims(B, T, H, HV, K, V, N, packed, device, dtype, dev_type, token_nbytes)
 
 
 def _cu_values(cu: torch.Tensor, total: Any, name: str) -> None:
@@ -289,10 +356,16 @@ def check_gate(
 
     A_log [H] and dt_bias [H, K] / [H*K] (per q/k head, FlashInfer's decode signature) are expanded to
     per value head: value head hv uses q/k head hv // (HV // H). Flat dt_bias [HV*K] is viewed as [HV, K].
+    A_log [HV] and dt_bias [HV, K] that are already contiguous are passed through as they are (no new
+    tensor on the common path).
     """
-    use_gate = _bool(use_gate_in_kernel, "use_gate_in_kernel")
-    A = _opt_tensor(A_log, "A_log")
-    dtb = _opt_tensor(dt_bias, "dt_bias")
+    use_gate = use_gate_in_kernel
+    if not isinstance(use_gate, bool):
+        _bool(use_gate, "use_gate_in_kernel")
+    A, dtb = A_log, dt_bias
+    if not ((A is None or isinstance(A, torch.Tensor)) and (dtb is None or isinstance(dtb, torch.Tensor))):
+        _opt_tensor(A, "A_log")
+        _opt_tensor(dtb, "dt_bias")
     if not use_gate:
         if lower_bound is not None:
             raise ValueError(
@@ -313,34 +386,43 @@ def check_gate(
         raise ValueError("A_log must be a [HV] fp32 tensor with use_gate_in_kernel=True, got None")
     mode, lb = GATE_SOFTPLUS, 0.0
     if lower_bound is not None:
-        lb = _real(lower_bound, "lower_bound")
+        lb = float(lower_bound) if type(lower_bound) is float else _real(lower_bound, "lower_bound")
         if not math.isfinite(lb) or lb >= 0.0:
             raise ValueError(f"lower_bound must be a finite float < 0, got {lower_bound}")
         mode = GATE_LOWER_BOUND
-    group = d.HV // d.H
-    _device(A, "A_log", d.device)
-    _dtype(A, "A_log", (torch.float32,))
-    if A.dim() != 1 or (A.shape[0] != d.HV and A.shape[0] != d.H):
-        exp = f"[HV] = [{d.HV}]" + (f" or [H] = [{d.H}]" if d.H != d.HV else "")
+    H, HV, K = d.H, d.HV, d.K
+    group = HV // H
+    device = d.device
+    if A.device != device:
+        _device(A, "A_log", device)
+    if A.dtype != torch.float32:
+        _dtype(A, "A_log", (torch.float32,))
+    a_shape = A.shape
+    if len(a_shape) != 1 or (a_shape[0] != HV and a_shape[0] != H):
+        exp = f"[HV] = [{HV}]" + (f" or [H] = [{H}]" if H != HV else "")
         raise ValueError(f"A_log must have shape {exp}, got {_shape(A)}")
-    if A.shape[0] != d.HV:
+    if a_shape[0] != HV:
         A = A.repeat_interleave(group)
     A = A.contiguous()
     if dtb is not None:
-        _device(dtb, "dt_bias", d.device)
-        _dtype(dtb, "dt_bias", (torch.float32,))
-        ok_hv = (dtb.dim() == 2 and tuple(dtb.shape) == (d.HV, d.K)) or (dtb.dim() == 1 and dtb.shape[0] == d.HV * d.K)
-        ok_h = d.H != d.HV and (
-            (dtb.dim() == 2 and tuple(dtb.shape) == (d.H, d.K)) or (dtb.dim() == 1 and dtb.shape[0] == d.H * d.K)
-        )
-        if not (ok_hv or ok_h):
-            exp = f"[HV, K] = [{d.HV}, {d.K}] or [HV*K] = [{d.HV * d.K}]"
-            if d.H != d.HV:
-                exp += f" or [H, K] = [{d.H}, {d.K}] or [H*K] = [{d.H * d.K}]"
-            raise ValueError(f"dt_bias must have shape {exp}, got {_shape(dtb)}")
-        dtb = dtb.reshape(-1, d.K)
-        if ok_h and not ok_hv:
-            dtb = dtb.repeat_interleave(group, dim=0)
+        if dtb.device != device:
+            _device(dtb, "dt_bias", device)
+        if dtb.dtype != torch.float32:
+            _dtype(dtb, "dt_bias", (torch.float32,))
+        d_shape = dtb.shape
+        nd = len(d_shape)
+        ok_hv = (nd == 2 and d_shape == (HV, K)) or (nd == 1 and d_shape[0] == HV * K)
+        if ok_hv:
+            if nd != 2:
+                dtb = dtb.reshape(-1, K)
+        else:
+            ok_h = H != HV and ((nd == 2 and d_shape == (H, K)) or (nd == 1 and d_shape[0] == H * K))
+            if not ok_h:
+                exp = f"[HV, K] = [{HV}, {K}] or [HV*K] = [{HV * K}]"
+                if H != HV:
+                    exp += f" or [H, K] = [{H}, {K}] or [H*K] = [{H * K}]"
+                raise ValueError(f"dt_bias must have shape {exp}, got {_shape(dtb)}")
+            dtb = dtb.reshape(-1, K).repeat_interleave(group, dim=0)
         dtb = dtb.contiguous()
     return mode, lb, A, dtb
 
@@ -393,35 +475,55 @@ def check_training_params(
 
 def pool_dtypes(d: Dims) -> tuple[torch.dtype, ...]:
     """Pool (initial_state / initial_state_source) dtypes: bf16 or fp32; also fp64 on CPU."""
-    return (torch.bfloat16, torch.float32) if d.on_cuda else (torch.bfloat16, torch.float32, torch.float64)
+    return POOL_DTYPES_CUDA if d.on_cuda else POOL_DTYPES_CPU
 
 
 def check_pool(t: Any, name: str, d: Dims) -> torch.Tensor:
     """A state pool [N_pool, HV, V, K]: compact [HV, V, K] block per slot, slot stride a multiple of 16
     elements when padded (SPEC §3.1)."""
+    return check_pool_span(t, name, d)[0]
+
+
+def check_pool_span(t: Any, name: str, d: Dims) -> tuple[torch.Tensor, int]:
+    """check_pool, and the byte length of the pool's memory span: ((N_pool-1) * slot stride + HV*V*K)
+    elements (0 when empty), so that the overlap check needs only its data_ptr."""
     s = _tensor(t, name)
-    _device(s, name, d.device)
-    _dtype(s, name, pool_dtypes(d), "" if d.on_cuda else " (or torch.float64 on CPU)")
-    _rank(s, name, 4, "[N_pool, HV, V, K]")
-    if tuple(s.shape[1:]) != (d.HV, d.V, d.K):
-        raise ValueError(f"{name} must have shape [N_pool, HV, V, K] = [*, {d.HV}, {d.V}, {d.K}], got {_shape(s)}")
-    inner = d.HV * d.V * d.K
-    compact = s.stride(3) == 1 and s.stride(2) == d.K and s.stride(1) == d.V * d.K
-    if s.shape[0] > 1 and compact:
-        st = s.stride(0)
-        compact = st == inner or (st > inner and st % 16 == 0)
+    if s.device != d.device:
+        _device(s, name, d.device)
+    on_cuda = d.on_cuda
+    dtype = s.dtype
+    if dtype not in (POOL_DTYPES_CUDA if on_cuda else POOL_DTYPES_CPU):
+        _dtype(s, name, pool_dtypes(d), "" if on_cuda else " (or torch.float64 on CPU)")
+    shape = s.shape
+    if len(shape) != 4:
+        _rank(s, name, 4, "[N_pool, HV, V, K]")
+    HV, V, K = d.HV, d.V, d.K
+    if shape[1] != HV or shape[2] != V or shape[3] != K:
+        raise ValueError(f"{name} must have shape [N_pool, HV, V, K] = [*, {HV}, {V}, {K}], got {_shape(s)}")
+    inner = HV * V * K
+    st = s.stride()
+    compact = st[3] == 1 and st[2] == K and st[1] == V * K
+    n_pool = shape[0]
+    if n_pool > 1 and compact:
+        st0 = st[0]
+        compact = st0 == inner or (st0 > inner and st0 % 16 == 0)
     if not compact:
         raise ValueError(
             f"{name} must have a compact [HV, V, K] block per slot and a slot stride of HV*V*K={inner} or a larger "
-            f"multiple of 16 elements, got strides {list(s.stride())}"
+            f"multiple of 16 elements, got strides {list(st)}"
         )
-    check_aligned(s, name, d)
-    return s
+    if on_cuda and n_pool > 0:  # check_aligned, inlined (n_pool > 0: the pool is not empty)
+        tp = type(s)
+        if (tp is _Tensor or tp is _Parameter) and not torch.compiler.is_compiling() and s.data_ptr() % 16 != 0:
+            raise ValueError(f"{name} must start at a 16-byte aligned address on CUDA, got {hex(s.data_ptr())}")
+    # The extent of the strides (as _span computes it), in bytes.
+    span = ((n_pool - 1) * st[0] + inner) * _ITEMSIZE[dtype] if n_pool > 0 else 0
+    return s, span
 
 
 def check_aligned(t: torch.Tensor, name: str, d: Dims) -> None:
     """CUDA kernels move states in 16-byte vectors: the base address must be 16-byte aligned."""
-    if not d.on_cuda or torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if not d.on_cuda or torch.compiler.is_compiling() or type(t) not in _PLAIN:
         return
     if t.numel() > 0 and t.data_ptr() % 16 != 0:
         raise ValueError(f"{name} must start at a 16-byte aligned address on CUDA, got {hex(t.data_ptr())}")
@@ -429,6 +531,15 @@ def check_aligned(t: torch.Tensor, name: str, d: Dims) -> None:
 
 def check_index(t: Any, name: str, shape: tuple[Any, ...], layout: str, d: Dims) -> torch.Tensor:
     """An int32 contiguous index tensor of the given shape on the device of q."""
+    if (
+        isinstance(t, torch.Tensor)
+        and t.dtype == torch.int32
+        and t.device == d.device
+        and t.shape == shape
+        and t.is_contiguous()
+    ):
+        return t
+    # Something is wrong: redo the checks one by one, in order, for the error that names it.
     x = _tensor(t, name)
     _device(x, name, d.device)
     _dtype(x, name, (torch.int32,))
@@ -450,6 +561,33 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
     return lo, lo + (extent + 1) * t.element_size()
 
 
+def _plain_spans(
+    names: tuple[str, ...], tensors: tuple[torch.Tensor | None, ...], nbytes: tuple[Any, ...] | None = None
+) -> list[tuple[str, int, int]]:
+    """(name, first byte, one past the last byte) of each non-empty plain tensor of ``tensors`` (None, a
+    FakeTensor or another subclass has no memory to compare and is left out). ``nbytes[i]``, when given
+    and not None, is the byte count of ``tensors[i]`` known to be contiguous; otherwise contiguous
+    tensors span data_ptr + nbytes and others the extent of their strides (_span)."""
+    res = []
+    for n, o, nb in zip(names, tensors, nbytes or _NONES, strict=False):
+        if o is None:
+            continue
+        tp = type(o)
+        if tp is not _Tensor and tp is not _Parameter:
+            continue
+        if nb is None:
+            if not o.is_contiguous():
+                sp = _span(o)
+                if sp is not None:
+                    res.append((n, sp[0], sp[1]))
+                continue
+            nb = o.nbytes
+        if nb:
+            lo = o.data_ptr()
+            res.append((n, lo, lo + nb))
+    return res
+
+
 def check_no_overlap(name: str, t: torch.Tensor, others: list[tuple[str, torch.Tensor | None]]) -> None:
     """ValueError when the memory span of ``t`` intersects the span of any other tensor (same device).
 
@@ -457,17 +595,85 @@ def check_no_overlap(name: str, t: torch.Tensor, others: list[tuple[str, torch.T
     overlapping: a conservative rule, in line with SPEC §3.1 ("must not overlap any input").
     Skipped while tracing (FakeTensors have no memory).
     """
-    if torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta":
+    if torch.compiler.is_compiling() or type(t) not in _PLAIN or t.is_meta:
         return
     a = _span(t)
     if a is None:
         return
     for oname, o in others:
-        if o is None or o.device != t.device or type(o) not in (torch.Tensor, torch.nn.Parameter):
+        if o is None or o.device != t.device or type(o) not in _PLAIN:
             continue
         b = _span(o)
         if b is not None and a[0] < b[1] and b[0] < a[1]:
             raise ValueError(f"{name} must not overlap {oname} in memory, got overlapping storage")
+
+
+_NONES = (None,) * 16
+_NO_SPAN = ("", 0, 0)  # a span that intersects nothing (lo < 0 never holds)
+
+
+def check_writes_no_overlap(
+    write_names: tuple[str, ...],
+    writes: tuple[torch.Tensor | None, ...],
+    read_names: tuple[str, ...],
+    reads: tuple[torch.Tensor | None, ...],
+    d: Dims,
+    write_nbytes: tuple[Any, ...] | None = None,
+    read_nbytes: tuple[Any, ...] | None = None,
+) -> None:
+    """``check_no_overlap`` for up to 3 written tensors at once, each span computed once.
+
+    Every tensor given must already be validated to be on ``d.device`` (so no per-pair device test).
+    Written tensor i is checked against every read, then against the written tensors after it, and the
+    first intersection raises ``ValueError("<write> must not overlap <other> ...")``, exactly as calling
+    ``check_no_overlap(write_i, reads + writes[i+1:])`` for i = 0, 1, ... would. Skipped while tracing
+    and on the meta device (no memory). ``write_nbytes`` / ``read_nbytes`` (aligned with ``writes`` /
+    ``reads``, entries may be None): the byte count of a tensor known to be contiguous (its memory is
+    then [data_ptr, data_ptr + nbytes)), sparing two tensor queries.
+    """
+    if d.dev_type == "meta" or torch.compiler.is_compiling():
+        return
+    ws = _plain_spans(write_names, writes, write_nbytes)
+    if not ws:
+        return
+    nw = len(ws)
+    _, a0, b0 = ws[0]
+    _, a1, b1 = ws[1] if nw > 1 else _NO_SPAN
+    _, a2, b2 = ws[2] if nw > 2 else _NO_SPAN
+    # One pass over the reads: each span against every write (unrolled). Only when something intersects
+    # does the ordered search below run, for the error check_no_overlap would raise first.
+    hit = False
+    for o, nb in zip(reads, read_nbytes or _NONES, strict=False):
+        if o is None:
+            continue
+        tp = type(o)
+        if tp is not _Tensor and tp is not _Parameter:
+            continue
+        if nb is None:
+            if not o.is_contiguous():
+                sp = _span(o)
+                if sp is not None:
+                    lo, hi = sp
+                    if (lo < b0 and a0 < hi) or (lo < b1 and a1 < hi) or (lo < b2 and a2 < hi):
+                        hit = True
+                        break
+                continue
+            nb = o.nbytes
+        if nb:
+            lo = o.data_ptr()
+            hi = lo + nb
+            if (lo < b0 and a0 < hi) or (lo < b1 and a1 < hi) or (lo < b2 and a2 < hi):
+                hit = True
+                break
+    if not hit:  # only the writes among themselves can intersect: pairs (0, 1), (0, 2), (1, 2)
+        if nw == 1 or not ((a0 < b1 and a1 < b0) or (a0 < b2 and a2 < b0) or (a1 < b2 and a2 < b1)):
+            return
+    rs = _plain_spans(read_names, reads) if hit else []
+    for i, (name, lo, hi) in enumerate(ws):
+        for others in (rs, ws[i + 1 :]):
+            for oname, blo, bhi in others:
+                if lo < bhi and blo < hi:
+                    raise ValueError(f"{name} must not overlap {oname} in memory, got overlapping storage")
 
 
 # ---------------------------------------------------------------------------------------------------

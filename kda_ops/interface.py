@@ -45,6 +45,29 @@ __all__ = [
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
 
+# The op handle, resolved once (torch.ops.kda.recurrent_kda.default is three attribute lookups, ~1 µs).
+# kda_ops/__init__.py loads the op library (_C) before importing this module.
+_recurrent_kda_op = torch.ops.kda.recurrent_kda.default
+# What recurrent_kda writes and reads, in the order of the overlap checks (SPEC §3.1, §5).
+_NO_TOKEN_NBYTES = (None,) * 5
+_WRITE_NAMES = ("output", "initial_state", "state_checkpoints")
+_READ_NAMES = (
+    "q",
+    "k",
+    "v",
+    "g",
+    "beta",
+    "A_log",
+    "dt_bias",
+    "initial_state_source",
+    "cu_seqlens",
+    "ssm_state_indices",
+    "num_accepted_tokens",
+    "initial_state_indices",
+    "seq_order",
+    "checkpoint_cu_starts",
+)
+
 
 # ---------------------------------------------------------------------------------------------------
 # recurrent_kda
@@ -192,15 +215,22 @@ def recurrent_kda(
         RuntimeError: tensors on different devices, an unsupported GPU, or a captured call that would
             allocate workspace (plan it with an eager call first).
     """
+    # Hot path: an eager decode step's kernel takes a few µs, so the Python layer must stay in the same
+    # range. Every check below is a cheap combined test on the common path; the one-by-one helpers run
+    # only to raise the error that names the argument (benchmarks/bench_api_overhead.py times this).
     backend_code = V.check_backend(backend)
     d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule=backend)
-    out_final = V._bool(output_final_state, "output_final_state")
-    l2 = V._bool(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel")
-    logit = V._bool(beta_is_logit, "beta_is_logit")
+    out_final, l2, logit = output_final_state, use_qk_l2norm_in_kernel, beta_is_logit
+    if not (isinstance(out_final, bool) and isinstance(l2, bool) and isinstance(logit, bool)):
+        V._bool(output_final_state, "output_final_state")
+        V._bool(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel")
+        V._bool(beta_is_logit, "beta_is_logit")
     gate_mode, lb, A_hv, dtb_hv = V.check_gate(use_gate_in_kernel, lower_bound, A_log, dt_bias, d)
     sc = V.check_scale(scale, d.K)
 
-    pool = None if initial_state is None else V.check_pool(initial_state, "initial_state", d)
+    pool = pool_nbytes = None
+    if initial_state is not None:
+        pool, pool_nbytes = V.check_pool_span(initial_state, "initial_state", d)
 
     # speculative decode
     S = 0 if num_spec_tokens is None else V._int(num_spec_tokens, "num_spec_tokens")
@@ -230,6 +260,7 @@ def recurrent_kda(
         elif d.T != 1 + S:
             raise ValueError(f"q must have T == 1+S = {1 + S} tokens per row in speculative decode, got T={d.T}")
         ssm_idx = V.check_index(ssm_state_indices, "ssm_state_indices", (d.N, 1 + S), "[N, 1+S]", d)
+        ssm_idx_numel = d.N * (1 + S)
     else:
         if num_accepted_tokens is not None:
             raise ValueError(
@@ -242,6 +273,7 @@ def recurrent_kda(
                     "ssm_state_indices must be None without a state pool (initial_state=None), got a tensor"
                 )
             ssm_idx = V.check_index(ssm_state_indices, "ssm_state_indices", (d.N,), "[N]", d)
+            ssm_idx_numel = d.N
     n_acc = None
     if num_accepted_tokens is not None:
         n_acc = V.check_index(num_accepted_tokens, "num_accepted_tokens", (d.N,), "[N]", d)
@@ -254,9 +286,9 @@ def recurrent_kda(
             else ("initial_state_indices", "initial_state_source")
         )
         raise ValueError(f"{missing} must be given together with {given}, got None")
-    source = src_idx = None
+    source = src_idx = source_nbytes = None
     if initial_state_source is not None:
-        source = V.check_pool(initial_state_source, "initial_state_source", d)
+        source, source_nbytes = V.check_pool_span(initial_state_source, "initial_state_source", d)
         src_idx = V.check_index(initial_state_indices, "initial_state_indices", (d.N,), "[N]", d)
 
     # scheduling hint
@@ -268,25 +300,34 @@ def recurrent_kda(
         V.check_permutation(order, d.N)
 
     # output buffer
+    out_nbytes = None  # its byte count when known to be contiguous and non-empty
     if output is not None:
-        out = V._tensor(output, "output")
-        V._device(out, "output", d.device)
+        out = output if isinstance(output, torch.Tensor) else V._tensor(output, "output")
+        if out.device != d.device:
+            V._device(out, "output", d.device)
         if out.dtype != d.dtype:
             raise TypeError(f"output must be {d.dtype} (the dtype of q), got {out.dtype}")
-        V._exact_shape(out, "output", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]")
-        V._lastdim_contiguous(out, "output")
+        if out.shape != (d.B, d.T, d.HV, d.V):
+            V._exact_shape(out, "output", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]")
+        if d.B * d.T == 0 or not out.is_contiguous():  # (an empty tensor is "contiguous" whatever its strides)
+            V._lastdim_contiguous(out, "output")
+        elif d.token_nbytes is not None:
+            out_nbytes = d.token_nbytes[2]  # v's: same shape and dtype
 
     # checkpoints
-    n_ck = V._int(checkpoint_every_n_tokens, "checkpoint_every_n_tokens")
-    ck_dtype = torch.float32 if pool is None else pool.dtype
+    n_ck = checkpoint_every_n_tokens
+    if type(n_ck) is not int:
+        n_ck = V._int(n_ck, "checkpoint_every_n_tokens")
     ck = ck_starts = None
     if n_ck < 0 or n_ck % V.CHECKPOINT_MULTIPLE != 0:
         raise ValueError(f"checkpoint_every_n_tokens must be 0 or a positive multiple of 16, got {n_ck}")
     if n_ck == 0:
-        for t, name in ((state_checkpoints, "state_checkpoints"), (checkpoint_cu_starts, "checkpoint_cu_starts")):
-            if t is not None:
-                raise ValueError(f"{name} must be None without checkpoint_every_n_tokens > 0, got a tensor")
+        if state_checkpoints is not None or checkpoint_cu_starts is not None:
+            for t, name in ((state_checkpoints, "state_checkpoints"), (checkpoint_cu_starts, "checkpoint_cu_starts")):
+                if t is not None:
+                    raise ValueError(f"{name} must be None without checkpoint_every_n_tokens > 0, got a tensor")
     else:
+        ck_dtype = torch.float32 if pool is None else pool.dtype
         if S > 0:
             raise ValueError(
                 f"checkpoint_every_n_tokens must be 0 in speculative decode (num_spec_tokens={S}), got {n_ck}"
@@ -317,34 +358,40 @@ def recurrent_kda(
     if ws_obj is not None and not isinstance(ws_obj, RecurrentKDAPrefillWorkspace):
         raise TypeError(f"prefill_workspace must be a kda_ops.RecurrentKDAPrefillWorkspace, got {V._type_name(ws_obj)}")
 
-    # memory overlap of everything the op writes with everything it reads
-    reads = [
-        ("q", q),
-        ("k", k),
-        ("v", v),
-        ("g", g),
-        ("beta", beta),
-        ("A_log", A_log),
-        ("dt_bias", dt_bias),
-        ("initial_state_source", source),
-        ("cu_seqlens", cu_seqlens),
-        ("ssm_state_indices", ssm_idx),
-        ("num_accepted_tokens", n_acc),
-        ("initial_state_indices", src_idx),
-        ("seq_order", order),
-        ("checkpoint_cu_starts", ck_starts),
-    ]
-    if output is not None:
-        V.check_no_overlap("output", out, reads + [("initial_state", pool), ("state_checkpoints", ck)])
-    if pool is not None:
-        V.check_no_overlap("initial_state", pool, reads + [("state_checkpoints", ck)])
-    if ck is not None:
-        V.check_no_overlap("state_checkpoints", ck, reads)
+    # memory overlap of everything the op writes with everything it reads (all validated on d.device):
+    # output against the reads, the pool and the checkpoints; the pool against the reads and the
+    # checkpoints; the checkpoints against the reads
+    if output is not None or pool is not None or ck is not None:
+        V.check_writes_no_overlap(
+            _WRITE_NAMES,
+            (None if output is None else out, pool, ck),
+            _READ_NAMES,
+            (q, k, v, g, beta, A_log, dt_bias, source, cu_seqlens, ssm_idx, n_acc, src_idx, order, ck_starts),
+            d,
+            (out_nbytes, pool_nbytes, None),
+            # byte counts of the reads known contiguous: A_log / dt_bias passed through check_gate unchanged
+            # (then contiguous [HV] / [HV, K] fp32), the index tensors (contiguous, checked shapes)
+            (_NO_TOKEN_NBYTES if d.token_nbytes is None else d.token_nbytes)
+            + (
+                None if A_hv is None or A_hv is not A_log else 4 * d.HV,
+                None if dtb_hv is None or dtb_hv is not dt_bias else 4 * d.HV * d.K,
+                source_nbytes,
+                None,
+                None if ssm_idx is None else 4 * ssm_idx_numel,
+                None,
+                None,
+                None,
+                None,
+            ),
+        )
 
-    capturing = V.capturing(d.device)
+    # Scratch bytes are a function of shapes only; the capture state is queried only where it matters
+    # (checkpoint row counts, workspace allocation): a decode step never asks the CUDA runtime.
+    nbytes = prefill_workspace_bytes(d.device, d.B, d.T, d.N, d.H, d.HV, d.K, d.V, backend_code)
+    capturing = V.capturing(d.device) if d.on_cuda and (n_ck > 0 or nbytes > 0) else False
     # Exact checkpoint row counts need cu_seqlens values: not while tracing, capturing, or on meta tensors.
-    exact = not (torch.compiler.is_compiling() or capturing or d.device.type == "meta" or type(q) is not torch.Tensor)
     if n_ck > 0:
+        exact = not (torch.compiler.is_compiling() or capturing or d.dev_type == "meta" or type(q) is not torch.Tensor)
         if ck_starts is None:
             ck_starts, n_rows = _checkpoint_starts(d, n_ck, cu_seqlens, exact)
         else:
@@ -365,7 +412,6 @@ def recurrent_kda(
             ck = torch.zeros((n_rows, d.HV, d.V, d.K), dtype=ck_dtype, device=d.device)
 
     # all checks done: allocate, plan the workspace, run
-    nbytes = prefill_workspace_bytes(d.device, d.B, d.T, d.N, d.H, d.HV, d.K, d.V, backend_code)
     ws = None
     if ws_obj is not None:
         key = (d.B, d.T, d.N, d.H, d.HV, d.K, d.V, d.packed, backend_code)
@@ -391,7 +437,7 @@ def recurrent_kda(
     if pool is None and out_final:
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
-    torch.ops.kda.recurrent_kda.default(
+    _recurrent_kda_op(
         q,
         k,
         v,
