@@ -646,13 +646,16 @@ def recurrent_kda_training_forward(
         ("initial_state", h0),
         ("cu_seqlens", cu_seqlens),
     ]
+    # Type/shape checks of both buffers first, so the overlap test only ever sees checked tensors.
     if out is not None:
         out = _check_out_tensor(out, "out", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype, d)
-        V.check_no_overlap("out", out, reads + [("final_state_out", final_state_out)])
     if final_state_out is not None:
         final_state_out = _check_out_tensor(
             final_state_out, "final_state_out", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]", pdt, d
         )
+    if out is not None:
+        V.check_no_overlap("out", out, reads + [("final_state_out", final_state_out)])
+    if final_state_out is not None:
         V.check_no_overlap("final_state_out", final_state_out, reads)
     if context_out is not None:
         if not isinstance(context_out, RecurrentKDATrainingContext):

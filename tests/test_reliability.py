@@ -1267,12 +1267,7 @@ FAMILY = {
     "kda": (KDA, kda_base, KDA_MUTS),
 }
 # Known failures (found by this catalogue; the fix belongs in kda_ops/interface.py).
-XFAIL = {
-    ("recurrent_kda_training_forward", "type:final_state_out"): (
-        "interface.py checks `out` for overlap against the raw final_state_out before final_state_out's own type "
-        "check, so a non-tensor final_state_out (with out given) raises AttributeError, not TypeError"
-    ),
-}
+XFAIL: dict = {}  # (function, mutation label) -> reason, for known bugs
 FAMILY_CASES = [
     pytest.param(fn, m, id=f"{fn}-{m.label}", marks=[pytest.mark.xfail(reason=XFAIL[fn, m.label], strict=False)])
     if (fn, m.label) in XFAIL
