@@ -86,6 +86,10 @@ for tool in $TOOLS; do
   run=$(sed -nE 's/.*run=([0-9]+).*/\1/p' <<<"$cases")
   skipped=$(sed -nE 's/.*skipped=([0-9]+).*/\1/p' <<<"$cases")
   failed=$(sed -nE 's/.*failed=([0-9]+).*/\1/p' <<<"$cases")
+  # racecheck of compute-sanitizer 2025.3 prints only its RACECHECK SUMMARY: take its error count.
+  if [ -z "$errs" ] && [ -n "$hazards" ]; then
+    errs=$(grep -oE "RACECHECK SUMMARY: .*\(([0-9]+) error" "$log" | tail -1 | grep -oE "\([0-9]+" | tr -d '(')
+  fi
   reports=${errs:-?}
   [ -n "$hazards" ] && reports="$reports (hazards $hazards)"
   line=$(printf "%-10s rc=%-3s reports=%-18s cases run=%s skipped=%s failed=%s  %ss" \
