@@ -15,7 +15,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
-    bar_plot, cuda_time_ms, fmt, import_flash_kda, import_fla_kda, parse_args, ratio, try_call, write_results,
+    bar_plot,
+    cuda_time_ms,
+    fmt,
+    import_fla_kda,
+    import_flash_kda,
+    parse_args,
+    ratio,
+    try_call,
+    write_results,
 )
 
 FLOPS_PER_TOKEN_HEAD = 106e3
@@ -57,22 +65,51 @@ def main() -> None:
         T = sum(lens)
         ours = {}
         for backend in ("chunked", "recurrent"):
+
             def run(backend=backend):
                 return kda_ops.recurrent_kda(
-                    d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                    initial_state=d["state"], cu_seqlens=d["cu"], use_gate_in_kernel=True, lower_bound=-5.0,
-                    beta_is_logit=True, backend=backend)
+                    d["q"],
+                    d["k"],
+                    d["v"],
+                    d["g"],
+                    d["beta"],
+                    A_log=d["A_log"],
+                    dt_bias=d["dt_bias"],
+                    initial_state=d["state"],
+                    cu_seqlens=d["cu"],
+                    use_gate_in_kernel=True,
+                    lower_bound=-5.0,
+                    beta_is_logit=True,
+                    backend=backend,
+                )
+
             ours[backend], err = try_call(lambda: cuda_time_ms(run, warmup=2, rep=5))
             if err:
                 print(f"[ours/{backend}] {name}: {err}")
         t_fla = None
         if fla is not None:
+
             def run_fla():
                 return fla.chunk_kda(
-                    d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"].flatten(),
-                    initial_state=d["state"].float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-                    state_v_first=True, cu_seqlens=d["cu"], cu_seqlens_cpu=d["cu"].cpu())
+                    d["q"],
+                    d["k"],
+                    d["v"],
+                    d["g"],
+                    d["beta"],
+                    A_log=d["A_log"],
+                    dt_bias=d["dt_bias"].flatten(),
+                    initial_state=d["state"].float(),
+                    output_final_state=True,
+                    use_qk_l2norm_in_kernel=True,
+                    use_gate_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True,
+                    safe_gate=True,
+                    lower_bound=-5.0,
+                    state_v_first=True,
+                    cu_seqlens=d["cu"],
+                    cu_seqlens_cpu=d["cu"].cpu(),
+                )
+
             with torch.inference_mode():
                 t_fla, err = try_call(lambda: cuda_time_ms(run_fla, warmup=3, rep=10))
             if err:
@@ -80,22 +117,52 @@ def main() -> None:
         t_fk = None  # flash_kda: measured when importable (not shipped on the device image)
         best = ours["chunked"] if ours["chunked"] is not None else ours["recurrent"]
         tflops = None if best is None else T * H * FLOPS_PER_TOKEN_HEAD / (best * 1e-3) / 1e12
-        rows.append([name, fmt(ours["chunked"]), fmt(ours["recurrent"]), fmt(t_fla), fmt(t_fk),
-                     ratio(t_fla, best), fmt(tflops, 1)])
-        records.append(dict(case=name, H=H, lens=lens, ours_chunked_ms=ours["chunked"],
-                            ours_recurrent_ms=ours["recurrent"], fla_ms=t_fla, flash_kda_ms=t_fk, tflops=tflops))
-        del d
+        rows.append(
+            [
+                name,
+                fmt(ours["chunked"]),
+                fmt(ours["recurrent"]),
+                fmt(t_fla),
+                fmt(t_fk),
+                ratio(t_fla, best),
+                fmt(tflops, 1),
+            ]
+        )
+        records.append(
+            dict(
+                case=name,
+                H=H,
+                lens=lens,
+                ours_chunked_ms=ours["chunked"],
+                ours_recurrent_ms=ours["recurrent"],
+                fla_ms=t_fla,
+                flash_kda_ms=t_fk,
+                tflops=tflops,
+            )
+        )
+        d = {}
         torch.cuda.empty_cache()
-    notes = [f"# prefill forward, {torch.cuda.get_device_name()}",
-             "times in ms (median of CUDA-event timings); ratio = fla / ours (best of our backends)",
-             "TFLOP/s = tokens * H * 106e3 / time (chunked-form useful work, KERNEL_NOTES F0)",
-             f"flash_kda importable: {fkda is not None}"]
-    write_results(args.out, "bench_prefill",
-                  ["case", "ours chunked ms", "ours recurrent ms", "fla ms", "flash_kda ms", "fla/ours", "TFLOP/s"],
-                  rows, records, notes)
-    bar_plot(args.out, "bench_prefill", [r["case"] for r in records],
-             {"ours recurrent": [r["ours_recurrent_ms"] for r in records], "fla": [r["fla_ms"] for r in records]},
-             "ms (lower is better)")
+    notes = [
+        f"# prefill forward, {torch.cuda.get_device_name()}",
+        "times in ms (median of CUDA-event timings); ratio = fla / ours (best of our backends)",
+        "TFLOP/s = tokens * H * 106e3 / time (chunked-form useful work, KERNEL_NOTES F0)",
+        f"flash_kda importable: {fkda is not None}",
+    ]
+    write_results(
+        args.out,
+        "bench_prefill",
+        ["case", "ours chunked ms", "ours recurrent ms", "fla ms", "flash_kda ms", "fla/ours", "TFLOP/s"],
+        rows,
+        records,
+        notes,
+    )
+    bar_plot(
+        args.out,
+        "bench_prefill",
+        [r["case"] for r in records],
+        {"ours recurrent": [r["ours_recurrent_ms"] for r in records], "fla": [r["fla_ms"] for r in records]},
+        "ms (lower is better)",
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
-    bar_plot, cuda_time_ms, fmt, import_fla_kda, parse_args, ratio, try_call, write_results,
+    bar_plot,
+    cuda_time_ms,
+    fmt,
+    import_fla_kda,
+    parse_args,
+    ratio,
+    try_call,
+    write_results,
 )
 
 CASES = [
@@ -42,21 +49,45 @@ def main() -> None:
 
     fla = None if args.no_peers else import_fla_kda()
     rows, records = [], []
-    for name, H, lens in (CASES[:1] if args.quick else CASES):
+    for name, H, lens in CASES[:1] if args.quick else CASES:
         d = make(H, lens)
         leaves = [d[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
 
         def ours_fwd():
-            o, _ = kda_ops.kda(d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"].view(H, -1),
-                               d["h0"], cu_seqlens=d["cu"], lower_bound=-5.0)
+            o, _ = kda_ops.kda(
+                d["q"],
+                d["k"],
+                d["v"],
+                d["g"],
+                d["beta"],
+                d["A_log"],
+                d["dt_bias"].view(H, -1),
+                d["h0"],
+                cu_seqlens=d["cu"],
+                lower_bound=-5.0,
+            )
             return o
 
         def fla_fwd():
-            o, _ = fla.chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                                 initial_state=d["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                 use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
-                                 lower_bound=-5.0, state_v_first=True, cu_seqlens=d["cu"],
-                                 cu_seqlens_cpu=d["cu"].cpu())
+            o, _ = fla.chunk_kda(
+                d["q"],
+                d["k"],
+                d["v"],
+                d["g"],
+                d["beta"],
+                A_log=d["A_log"],
+                dt_bias=d["dt_bias"],
+                initial_state=d["h0"],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                safe_gate=True,
+                lower_bound=-5.0,
+                state_v_first=True,
+                cu_seqlens=d["cu"],
+                cu_seqlens_cpu=d["cu"].cpu(),
+            )
             return o
 
         res = {}
@@ -81,21 +112,61 @@ def main() -> None:
         bwd = lambda f, fb: None if f is None or fb is None else fb - f  # noqa: E731
         # Our context: q,k,v,g,beta are saved by reference; the tapes are fp32 [128,128] states every 64 tokens.
         ctx_bytes = 128 * 128 * 4 / 64
-        rows.append([name, fmt(of), fmt(bwd(of, ofb)), fmt(ofb), fmt(ff), fmt(bwd(ff, ffb)), fmt(ffb),
-                     ratio(ffb, ofb), f"{ctx_bytes:.0f}"])
-        records.append(dict(case=name, ours_fwd_ms=of, ours_fwd_bwd_ms=ofb, fla_fwd_ms=ff, fla_fwd_bwd_ms=ffb,
-                            ctx_bytes_per_token_head=ctx_bytes))
-        del d, leaves
+        rows.append(
+            [
+                name,
+                fmt(of),
+                fmt(bwd(of, ofb)),
+                fmt(ofb),
+                fmt(ff),
+                fmt(bwd(ff, ffb)),
+                fmt(ffb),
+                ratio(ffb, ofb),
+                f"{ctx_bytes:.0f}",
+            ]
+        )
+        records.append(
+            dict(
+                case=name,
+                ours_fwd_ms=of,
+                ours_fwd_bwd_ms=ofb,
+                fla_fwd_ms=ff,
+                fla_fwd_bwd_ms=ffb,
+                ctx_bytes_per_token_head=ctx_bytes,
+            )
+        )
+        d, leaves = {}, []
         torch.cuda.empty_cache()
-    notes = [f"# training forward+backward, {torch.cuda.get_device_name()}",
-             "ms, median of CUDA-event timings; bwd = (fwd+bwd) - fwd; ratio = fla / ours on fwd+bwd",
-             "context bytes per token-head = fp32 128x128 tape every 64 tokens (q+k+v+g bf16 = 1024 B)"]
-    write_results(args.out, "bench_train",
-                  ["case", "ours fwd", "ours bwd", "ours fwd+bwd", "fla fwd", "fla bwd", "fla fwd+bwd", "fla/ours",
-                   "ctx B/token-head"], rows, records, notes)
-    bar_plot(args.out, "bench_train", [r["case"] for r in records],
-             {"ours": [r["ours_fwd_bwd_ms"] for r in records], "fla": [r["fla_fwd_bwd_ms"] for r in records]},
-             "fwd+bwd ms (lower is better)")
+    notes = [
+        f"# training forward+backward, {torch.cuda.get_device_name()}",
+        "ms, median of CUDA-event timings; bwd = (fwd+bwd) - fwd; ratio = fla / ours on fwd+bwd",
+        "context bytes per token-head = fp32 128x128 tape every 64 tokens (q+k+v+g bf16 = 1024 B)",
+    ]
+    write_results(
+        args.out,
+        "bench_train",
+        [
+            "case",
+            "ours fwd",
+            "ours bwd",
+            "ours fwd+bwd",
+            "fla fwd",
+            "fla bwd",
+            "fla fwd+bwd",
+            "fla/ours",
+            "ctx B/token-head",
+        ],
+        rows,
+        records,
+        notes,
+    )
+    bar_plot(
+        args.out,
+        "bench_train",
+        [r["case"] for r in records],
+        {"ours": [r["ours_fwd_bwd_ms"] for r in records], "fla": [r["fla_fwd_bwd_ms"] for r in records]},
+        "fwd+bwd ms (lower is better)",
+    )
 
 
 if __name__ == "__main__":

@@ -84,8 +84,9 @@ def ratio(peer: float | None, ours: float | None) -> str:
     return f"{peer / ours:.2f}x"
 
 
-def write_results(out_dir: str, name: str, header: list[str], rows: list[list[str]], records: list[dict],
-                  notes: list[str]) -> str:
+def write_results(
+    out_dir: str, name: str, header: list[str], rows: list[list[str]], records: list[dict], notes: list[str]
+) -> str:
     md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     text = "\n".join(notes + [""] + md) + "\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
@@ -51,12 +52,16 @@ def run(dev: str, full: bool) -> bool:
     gen = torch.Generator().manual_seed(0)
     A_log = (torch.rand(HV, generator=gen) * 0.5 + 0.1).to(dev)
     dt_bias = (torch.randn(HV, K, generator=gen) * 0.1).to(dev)
-    gate = dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, lower_bound=LB, beta_is_logit=True)
-    ref_gate = dict(A_log=A_log.cpu(), dt_bias=dt_bias.cpu(), use_gate_in_kernel=True, lower_bound=LB,
-                    beta_is_logit=True)
+    gate: dict[str, Any] = dict(
+        A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, lower_bound=LB, beta_is_logit=True
+    )
+    ref_gate: dict[str, Any] = dict(
+        A_log=A_log.cpu(), dt_bias=dt_bias.cpu(), use_gate_in_kernel=True, lower_bound=LB, beta_is_logit=True
+    )
     lens = [1300, 547, 2048, 963, 271, 3063] if full else [130, 47, 1, 0, 64]
     n_decode = 256 if full else 8
-    timings, checks = [], []
+    timings: list[tuple[str, float, int]] = []
+    checks: list[tuple[str, str, str, str]] = []
     ok = True
 
     # 1. packed prefill into a bf16 pool; pool slots are not the sequence order (a serving engine's pool).
@@ -66,8 +71,12 @@ def run(dev: str, full: bool) -> bool:
     slots = torch.randperm(n_pool, generator=gen)[:N].to(torch.int32).to(dev)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device=dev)
     x = _tokens(sum(lens), dev, gen)
-    (o, _, ckpt), ms = _timed(dev, lambda: kda_ops.recurrent_kda(
-        **x, **gate, initial_state=pool, cu_seqlens=cu, ssm_state_indices=slots, checkpoint_every_n_tokens=64))
+    (o, _, ckpt), ms = _timed(
+        dev,
+        lambda: kda_ops.recurrent_kda(
+            **x, **gate, initial_state=pool, cu_seqlens=cu, ssm_state_indices=slots, checkpoint_every_n_tokens=64
+        ),
+    )
     timings.append((f"prefill packed {lens} (recurrent backend)", ms, sum(lens)))
     # Reference on a sample: the second sequence, from a zero state.
     i = 1
@@ -75,8 +84,7 @@ def run(dev: str, full: bool) -> bool:
     sl = {n: t[:, a:b].cpu() for n, t in x.items()}
     ref = recurrent_kda_reference(**sl, **ref_gate)
     ok &= _check("prefill output (rel RMS)", rel_rms(o[:, a:b], ref.output), 5e-3, checks)
-    ok &= _check("prefill bf16 state (rel RMS)", rel_rms(pool[slots[i].item()].float(), ref.final_state[0]), 1e-2,
-                 checks)
+    ok &= _check("prefill bf16 state (rel RMS)", rel_rms(pool[int(slots[i])].float(), ref.final_state[0]), 1e-2, checks)
 
     # 2. decode: every slot of the pool advances one token (fixed layout [B, 1, ...]).
     B = n_decode
@@ -86,9 +94,10 @@ def run(dev: str, full: bool) -> bool:
     (o1, _), ms = _timed(dev, lambda: kda_ops.recurrent_kda(**xs, **gate, initial_state=pool, ssm_state_indices=dslots))
     timings.append((f"decode T=1, B={B}, bf16 pool", ms, B))
     j = 3
-    ref = recurrent_kda_reference(**{n: t[j:j + 1].cpu() for n, t in xs.items()}, **ref_gate,
-                                  initial_state=before[j:j + 1])
-    ok &= _check("decode output (rel RMS)", rel_rms(o1[j:j + 1], ref.output), 5e-3, checks)
+    ref = recurrent_kda_reference(
+        **{n: t[j : j + 1].cpu() for n, t in xs.items()}, **ref_gate, initial_state=before[j : j + 1]
+    )
+    ok &= _check("decode output (rel RMS)", rel_rms(o1[j : j + 1], ref.output), 5e-3, checks)
 
     # Speculative decode, S = 3: 4 tokens per sequence, per-token state slots, accepted counts.
     S = 3
@@ -97,14 +106,19 @@ def run(dev: str, full: bool) -> bool:
     idx = torch.arange(Bs * (S + 1), dtype=torch.int32, device=dev).view(Bs, S + 1)
     acc = torch.randint(1, S + 2, (Bs,), generator=gen, dtype=torch.int32).to(dev)
     xs = {n: t.reshape(Bs, S + 1, *t.shape[2:]) for n, t in _tokens(Bs * (S + 1), dev, gen).items()}
-    start = spec_pool[idx[0, acc[0] - 1].item()].clone().cpu()
-    (o2, _), ms = _timed(dev, lambda: kda_ops.recurrent_kda(
-        **xs, **gate, initial_state=spec_pool, ssm_state_indices=idx, num_spec_tokens=S, num_accepted_tokens=acc))
+    start = spec_pool[int(idx[0, acc[0] - 1])].clone().cpu()
+    (o2, _), ms = _timed(
+        dev,
+        lambda: kda_ops.recurrent_kda(
+            **xs, **gate, initial_state=spec_pool, ssm_state_indices=idx, num_spec_tokens=S, num_accepted_tokens=acc
+        ),
+    )
     timings.append((f"spec decode S={S}, B={Bs}, fp32 pool", ms, Bs * (S + 1)))
     ref = recurrent_kda_reference(**{n: t[:1].cpu() for n, t in xs.items()}, **ref_gate, initial_state=start[None])
     ok &= _check("spec decode output (rel RMS)", rel_rms(o2[:1], ref.output), 5e-3, checks)
-    ok &= _check("spec decode last state (rel RMS)", rel_rms(spec_pool[idx[0, S].item()], ref.final_state[0]), 1e-3,
-                 checks)
+    ok &= _check(
+        "spec decode last state (rel RMS)", rel_rms(spec_pool[int(idx[0, S])], ref.final_state[0]), 1e-3, checks
+    )
 
     # 3. one training step through autograd (CPU op on a laptop; CUDA once issue 5 lands).
     tdev = dev
@@ -113,8 +127,12 @@ def run(dev: str, full: bool) -> bool:
         tl = [256, 100] if full else [40, 17]
         Ht = 8 if not full else H
         xt = _tokens(sum(tl), tdev, gen, heads=Ht)
-        leaves = [*(xt[n] for n in ("q", "k", "v", "g", "beta")), A_log[:Ht].clone(), dt_bias[:Ht].clone(),
-                  torch.zeros(len(tl), Ht, V, K, device=tdev)]
+        leaves = [
+            *(xt[n] for n in ("q", "k", "v", "g", "beta")),
+            A_log[:Ht].clone(),
+            dt_bias[:Ht].clone(),
+            torch.zeros(len(tl), Ht, V, K, device=tdev),
+        ]
         leaves = [t.detach().requires_grad_() for t in leaves]
         cut = torch.tensor([0] + torch.tensor(tl).cumsum(0).tolist(), dtype=torch.int64, device=tdev)
         do = torch.randn(1, sum(tl), Ht, V, generator=gen).to(torch.bfloat16).to(tdev)
@@ -126,15 +144,19 @@ def run(dev: str, full: bool) -> bool:
 
         _, ms = _timed(tdev, step)
         timings.append((f"training fwd+bwd {tl} H={Ht}", ms, sum(tl)))
-        _, _, g_ref = reference_training_grads(*[t.detach().cpu() for t in leaves], do.cpu(), None,
-                                               cu_seqlens=cut.cpu(), lower_bound=LB)
-        for name, lf, gr in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"), leaves, g_ref):
+        q_, k_, v_, g_, b_, A_, dtb_, h0_ = (t.detach().cpu() for t in leaves)
+        _, _, g_ref = reference_training_grads(
+            q_, k_, v_, g_, b_, A_, dtb_, h0_, do.cpu(), None, cu_seqlens=cut.cpu(), lower_bound=LB
+        )
+        for name, lf, gr in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"), leaves, g_ref, strict=False):
             ok &= _check(f"training {name} (rel RMS)", rel_rms(lf.grad, gr), 1e-2, checks)
     except (NotImplementedError, RuntimeError) as e:
         timings.append((f"training step: not available on {tdev}: {str(e).splitlines()[0][:80]}", float("nan"), 0))
 
-    print(f"\nkda_ops demo on {dev} ({torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}), "
-          f"HV={HV}, K=V={K}, λ={LB}")
+    print(
+        f"\nkda_ops demo on {dev} ({torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}), "
+        f"HV={HV}, K=V={K}, λ={LB}"
+    )
     print("\n| step | ms | tokens |\n|---|---|---|")
     for name, ms, n in timings:
         print(f"| {name} | {ms:.2f} | {n} |")

@@ -108,11 +108,7 @@ def recurrent_kda_reference(
     out_rows: dict[tuple[int, int], torch.Tensor] = {}
     finals, ckpts, alls = [], [], []
     for n, (b, bos, L) in enumerate(seqs):
-        S = (
-            torch.zeros(HV, V, K, dtype=dtype, device=dev)
-            if initial_state is None
-            else initial_state[n].to(dtype)
-        )
+        S = torch.zeros(HV, V, K, dtype=dtype, device=dev) if initial_state is None else initial_state[n].to(dtype)
         seq_ckpt, seq_all = [], []
         for t in range(L):
             if checkpoint_every_n_tokens and t % checkpoint_every_n_tokens == 0:
@@ -147,23 +143,43 @@ def recurrent_kda_reference(
 
 
 def reference_training_grads(
-    q, k, v, g, beta, A_log, dt_bias, initial_state, do, dfinal_state,
-    cu_seqlens=None, scale=None, lower_bound=-5.0,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    initial_state,
+    do,
+    dfinal_state,
+    cu_seqlens=None,
+    scale=None,
+    lower_bound=-5.0,
 ):
     """fp64 autograd through the reference for the training contract (L2 norm, lower-bound gate,
     logit beta). Loss = <o, do> + <S_T, dS_T>. Returns (out, final_state, grads) with grads the
     eight tensors (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state) in fp64."""
-    leaves = [t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)]
+    leaves = [
+        t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    ]
     res = recurrent_kda_reference(
-        *leaves[:5], A_log=leaves[5], dt_bias=leaves[6], scale=scale, initial_state=leaves[7],
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-        lower_bound=lower_bound, beta_is_logit=True,
+        *leaves[:5],
+        A_log=leaves[5],
+        dt_bias=leaves[6],
+        scale=scale,
+        initial_state=leaves[7],
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        lower_bound=lower_bound,
+        beta_is_logit=True,
     )
     loss = (res.output * do.to(torch.float64)).sum()
     if dfinal_state is not None:
         loss = loss + (res.final_state * dfinal_state.to(torch.float64)).sum()
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, leaves)]
+    grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, leaves, strict=True)]
     return res.output.detach(), res.final_state.detach(), grads
 
 
@@ -175,9 +191,18 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def make_inputs(
-    B: int = 1, T: int = 16, H: int = 2, HV: int = 2, K: int = 128, V: int = 128, N_pool: int | None = None,
-    dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32, device: str = "cpu",
-    seed: int = 0, cu_seqlens: list[int] | None = None,
+    B: int = 1,
+    T: int = 16,
+    H: int = 2,
+    HV: int = 2,
+    K: int = 128,
+    V: int = 128,
+    N_pool: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    state_dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    cu_seqlens: list[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random test inputs of the documented shapes (token tensors ~N(0,1) in `dtype`)."""
     gen = torch.Generator().manual_seed(seed)
@@ -190,7 +215,11 @@ def make_inputs(
         return (torch.randn(*shape, generator=gen) * s).to(dtype).to(device)
 
     out = dict(
-        q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V), g=rnd(B, T, HV, K), beta=rnd(B, T, HV),
+        q=rnd(B, T, H, K),
+        k=rnd(B, T, H, K),
+        v=rnd(B, T, HV, V),
+        g=rnd(B, T, HV, K),
+        beta=rnd(B, T, HV),
         A_log=(torch.rand(HV, generator=gen) * 0.5 + 0.1).to(device),
         dt_bias=(torch.randn(HV, K, generator=gen) * 0.1).to(device),
         initial_state=(torch.randn(N_pool, HV, V, K, generator=gen) * 0.1).to(state_dtype).to(device),
