@@ -28,6 +28,8 @@ if [ -z "${SANITIZE_LOG_DIR:-}" ]; then
 fi
 mkdir -p "$SANITIZE_LOG_DIR"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONUNBUFFERED=1
+# tests/sanitize_cases.py runs as a script: the repository root must be importable (kda_ops).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 
 CS=${COMPUTE_SANITIZER:-}

@@ -28,7 +28,6 @@ case raised an unexpected exception.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 import time
@@ -36,6 +35,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
+from _raw_ops import raw_recurrent
 
 import kda_ops
 
@@ -364,61 +364,7 @@ def _register_recurrent() -> None:
 # broken device-value contracts (the raw op: the public API's host checks bypassed)
 
 
-def raw(q, k, v, g, beta, **kw) -> None:
-    a = dict(
-        A_log=None,
-        dt_bias=None,
-        state=None,
-        state_source=None,
-        initial_state_indices=None,
-        cu_seqlens=None,
-        ssm_state_indices=None,
-        num_accepted_tokens=None,
-        seq_order=None,
-        output=None,
-        final_state=None,
-        state_checkpoints=None,
-        checkpoint_cu_starts=None,
-        workspace=None,
-        scale=1.0 / math.sqrt(q.shape[-1]),
-        gate_mode=2,
-        lower_bound=-5.0,
-        use_qk_l2norm=True,
-        beta_is_logit=True,
-        num_spec_tokens=0,
-        checkpoint_every_n_tokens=0,
-        backend=0,
-    )
-    a.update(kw)
-    torch.ops.kda.recurrent_kda.default(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        a["A_log"],
-        a["dt_bias"],
-        a["state"],
-        a["state_source"],
-        a["initial_state_indices"],
-        a["cu_seqlens"],
-        a["ssm_state_indices"],
-        a["num_accepted_tokens"],
-        a["seq_order"],
-        a["output"],
-        a["final_state"],
-        a["state_checkpoints"],
-        a["checkpoint_cu_starts"],
-        a["workspace"],
-        a["scale"],
-        a["gate_mode"],
-        a["lower_bound"],
-        a["use_qk_l2norm"],
-        a["beta_is_logit"],
-        a["num_spec_tokens"],
-        a["checkpoint_every_n_tokens"],
-        a["backend"],
-    )
+raw = raw_recurrent
 
 
 BROKEN = {

@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 import torch
+from _raw_ops import raw_recurrent
 from conftest import DEVICES, HAS_CUDA, assert_close_rms, assert_output, state_tol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -1746,65 +1747,6 @@ def test_validate_helpers_on_cuda_tensors():
     idx = torch.tensor([[0, 1], [1, -1]], dtype=torch.int32, device="cuda")
     expect_rejection(kda_ops.validate_state_indices, {}, ValueError, ("indices",), args=(idx, 4))
     kda_ops.validate_state_indices(idx, 4, allow_duplicates=True)
-
-
-def raw_recurrent(q, k, v, g, beta, **kw):
-    """torch.ops.kda.recurrent_kda with every argument (the public API's host checks bypassed: how a CUDA
-    caller's device values reach the kernel)."""
-    a = dict(
-        A_log=None,
-        dt_bias=None,
-        state=None,
-        state_source=None,
-        initial_state_indices=None,
-        cu_seqlens=None,
-        ssm_state_indices=None,
-        num_accepted_tokens=None,
-        seq_order=None,
-        output=None,
-        final_state=None,
-        state_checkpoints=None,
-        checkpoint_cu_starts=None,
-        workspace=None,
-        scale=1.0 / math.sqrt(q.shape[-1]),
-        gate_mode=2,
-        lower_bound=-5.0,
-        use_qk_l2norm=True,
-        beta_is_logit=True,
-        num_spec_tokens=0,
-        checkpoint_every_n_tokens=0,
-        backend=0,
-    )
-    a.update(kw)
-    torch.ops.kda.recurrent_kda.default(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        a["A_log"],
-        a["dt_bias"],
-        a["state"],
-        a["state_source"],
-        a["initial_state_indices"],
-        a["cu_seqlens"],
-        a["ssm_state_indices"],
-        a["num_accepted_tokens"],
-        a["seq_order"],
-        a["output"],
-        a["final_state"],
-        a["state_checkpoints"],
-        a["checkpoint_cu_starts"],
-        a["workspace"],
-        a["scale"],
-        a["gate_mode"],
-        a["lower_bound"],
-        a["use_qk_l2norm"],
-        a["beta_is_logit"],
-        a["num_spec_tokens"],
-        a["checkpoint_every_n_tokens"],
-        a["backend"],
-    )
 
 
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
