@@ -26,6 +26,10 @@ venv: $(if $(VENV),$(VENV)/.ready,)
 build: venv
 	@echo "== building kda_ops._C (KDA_CUDA_ARCHS=$(KDA_CUDA_ARCHS), MAX_JOBS=$(MAX_JOBS))"
 	flock $(BUILD_LOCK) $(PY) setup.py -q build_ext --inplace
+ifneq ($(VENV),)
+	@# make the checkout importable from anywhere with the venv's python (an in-place "develop" install)
+	@$(PY) -c "import os, sysconfig; open(os.path.join(sysconfig.get_paths()['purelib'], 'kda_ops_checkout.pth'), 'w').write(os.getcwd() + '\n')"
+endif
 
 test: build
 	$(PY) -m pytest -q tests

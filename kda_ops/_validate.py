@@ -493,7 +493,7 @@ def check_pool_span(t: Any, name: str, d: Dims) -> tuple[torch.Tensor, int]:
     on_cuda = d.on_cuda
     dtype = s.dtype
     if dtype not in (POOL_DTYPES_CUDA if on_cuda else POOL_DTYPES_CPU):
-        _dtype(s, name, pool_dtypes(d), "" if on_cuda else " (or torch.float64 on CPU)")
+        _dtype(s, name, pool_dtypes(d))
     shape = s.shape
     if len(shape) != 4:
         _rank(s, name, 4, "[N_pool, HV, V, K]")

@@ -274,6 +274,13 @@ def recurrent_kda(
                 )
             ssm_idx = V.check_index(ssm_state_indices, "ssm_state_indices", (d.N,), "[N]", d)
             ssm_idx_numel = d.N
+        elif pool is not None and pool.shape[0] < d.N:
+            # Implicit slots (sequence n -> slot n) past the pool would silently make those sequences
+            # inactive: with implicit slots that is a sizing mistake, not a request.
+            raise ValueError(
+                f"initial_state must have at least N={d.N} slots when ssm_state_indices is None (sequence n uses "
+                f"slot n), got N_pool={pool.shape[0]}; pass ssm_state_indices to map sequences to slots"
+            )
     n_acc = None
     if num_accepted_tokens is not None:
         n_acc = V.check_index(num_accepted_tokens, "num_accepted_tokens", (d.N,), "[N]", d)

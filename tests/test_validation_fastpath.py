@@ -186,3 +186,21 @@ def test_empty_reads_never_overlap():
     kw = _call(**{n: x[n] for n in ("q", "k", "g", "beta")}, initial_state=pool, output=None)
     kw["v"] = pool.reshape(-1)[:0].view(2, 0, 2, V)
     kda_ops.recurrent_kda(**kw)
+
+
+def test_implicit_slots_need_a_pool_of_n_slots():
+    """Without ssm_state_indices, sequence n uses slot n: a pool with fewer than N slots is a ValueError
+    naming initial_state (not silently inactive sequences), and nothing is written."""
+    import pytest
+    import torch
+
+    import kda_ops
+    from kda_ops.reference import make_inputs
+
+    x = make_inputs(T=8, H=1, HV=1, K=64, V=64, N_pool=1, cu_seqlens=[0, 5, 8])
+    pool = x["initial_state"]
+    before = pool.clone()
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
+                              cu_seqlens=x["cu_seqlens"])
+    assert torch.equal(pool, before)
