@@ -584,6 +584,12 @@ def _check_do(do: Any, dfinal_state: Any, d: V.Dims) -> tuple[torch.Tensor, torc
     return dO.contiguous(), None if dS is None else dS.contiguous()
 
 
+def _training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, *extra: tuple[str, Any]) -> list[tuple[str, Any]]:
+    """(name, tensor) of everything a training call reads, for the output-overlap checks."""
+    reads = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A), ("dt_bias", dtb)]
+    return reads + [("initial_state", h0), *extra, ("cu_seqlens", cu_seqlens)]
+
+
 def recurrent_kda_training_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -642,17 +648,7 @@ def recurrent_kda_training_forward(
     sc = V.check_scale(scale, d.K)
     cu64, host = _training_cu(d, cu_seqlens, cu_seqlens_cpu, "required-on-cuda")
     pdt = V.param_dtype(d)
-    reads = [
-        ("q", q),
-        ("k", k),
-        ("v", v),
-        ("g", g),
-        ("beta", beta),
-        ("A_log", A),
-        ("dt_bias", dtb),
-        ("initial_state", h0),
-        ("cu_seqlens", cu_seqlens),
-    ]
+    reads = _training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens)
     # Type/shape checks of both buffers first, so the overlap test only ever sees checked tensors.
     if out is not None:
         out = _check_out_tensor(out, "out", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype, d)
@@ -841,19 +837,7 @@ def recurrent_kda_backward(
     dO, dS = _check_do(do, dfinal_state, d)
     if workspace is not None and not isinstance(workspace, RecurrentKDABackwardWorkspace):
         raise TypeError(f"workspace must be a kda_ops.RecurrentKDABackwardWorkspace, got {V._type_name(workspace)}")
-    reads = [
-        ("q", q),
-        ("k", k),
-        ("v", v),
-        ("g", g),
-        ("beta", beta),
-        ("A_log", A),
-        ("dt_bias", dtb),
-        ("initial_state", h0),
-        ("do", do),
-        ("dfinal_state", dfinal_state),
-        ("cu_seqlens", cu_seqlens),
-    ]
+    reads = _training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, ("do", do), ("dfinal_state", dfinal_state))
     outs = _check_grad_outs(out, d, reads)
     cu64, _ = _training_cu(d, cu_seqlens, None, "none")
     if workspace is not None:
