@@ -47,6 +47,8 @@ for s in $STAGES; do
     build) stage build python3 setup.py -q build_ext --inplace ;;
     tests) stage tests python3 -m pytest -q -p no:cacheprovider tests ;;
     tests_gpu) stage tests_gpu python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
+    tests_sel) stage tests_sel python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/gpu} ;;
+    chunked_debug) stage chunked_debug python3 scripts/chunked_debug.py ;;
     sanitize) stage sanitize bash scripts/sanitize.sh ;;  # compute-sanitizer, 4 tools (full run only)
     bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ${BENCH_ARGS:-} ;;
     demo) stage demo python3 -m kda_ops.demo ;;

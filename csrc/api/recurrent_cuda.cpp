@@ -1,6 +1,8 @@
 // CUDA implementation of kda::recurrent_kda (SPEC §3.1): checks -> RecurrentParams -> the token-serial
-// kernel (csrc/kda/decode) on the current stream. backend: 0 auto and 2 recurrent run the token-serial
-// kernel for every mode (decode, speculative decode, prefill of any T); 1 chunked is not built yet.
+// kernel (csrc/kda/decode) or the chunked tensor-core prefill (csrc/kda/prefill) on the current stream.
+// backend: 2 recurrent runs the token-serial kernel for every mode; 1 chunked the chunked kernel (prefill,
+// K == V == 128, no speculative decode); 0 auto the chunked kernel when it is supported and the sequences
+// average at least 16 tokens (chunked_preferred), else the token-serial one.
 // No host sync and no allocation on the normal path, so calls can be captured in a CUDA graph.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -14,6 +16,7 @@
 #include "api/checks.h"
 #include "api/recurrent_params.h"
 #include "kda/decode/recurrent_launch.h"
+#include "kda/prefill/chunked_launch.h"
 #include "kda/params.h"
 
 namespace kda {
@@ -42,7 +45,7 @@ void check_state_buffer(const OptTensor& t, const char* name, int64_t slot_strid
             " must have a slot stride of a multiple of 16 bytes on CUDA, got ", slot_stride, " elements");
 }
 
-void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v, const Tensor& g_in,
+void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& g_in,
                         const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias, const OptTensor& state,
                         const OptTensor& state_source, const OptTensor& initial_state_indices,
                         const OptTensor& cu_seqlens, const OptTensor& ssm_state_indices,
@@ -52,16 +55,13 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v,
                         int64_t gate_mode, double lower_bound, bool use_qk_l2norm, bool beta_is_logit,
                         int64_t num_spec_tokens, int64_t checkpoint_every_n_tokens, int64_t backend) {
   KDA_CHECK(backend >= 0 && backend <= 2, "backend must be 0 (auto), 1 (chunked) or 2 (recurrent), got ", backend);
-  TORCH_CHECK_NOT_IMPLEMENTED(backend != static_cast<int64_t>(Backend::kChunked),
-                              "recurrent_kda backend='chunked' needs the chunked tensor-core prefill (issue 4), "
-                              "which is not built yet; use backend='recurrent' or 'auto'");
   KDA_CHECK(q_in.is_cuda(), "q must be a CUDA tensor, got ", q_in.device());
-  for (const Tensor* t : {&k_in, &v, &g_in, &beta, &output}) KDA_CHECK_SAME_DEVICE(*t, q_in, "every token tensor");
+  for (const Tensor* t : {&k_in, &v_in, &g_in, &beta, &output}) KDA_CHECK_SAME_DEVICE(*t, q_in, "every token tensor");
   for (const OptTensor* t : {&A_log, &dt_bias, &state, &state_source, &initial_state_indices, &cu_seqlens,
                              &ssm_state_indices, &num_accepted_tokens, &seq_order, &final_state, &state_checkpoints,
                              &checkpoint_cu_starts})
     if (t->has_value()) KDA_CHECK_SAME_DEVICE(**t, q_in, "every tensor argument");
-  for (const Tensor* t : {&q_in, &k_in, &v, &g_in, &beta, &output})
+  for (const Tensor* t : {&q_in, &k_in, &v_in, &g_in, &beta, &output})
     KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, "CUDA recurrent_kda token tensors (q, k, v, g, beta, output) "
                    "must be ", at::kBFloat16, ", got ", t->scalar_type());
   KDA_CHECK(gate_mode >= 0 && gate_mode <= 2,
@@ -70,12 +70,13 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v,
   KDA_CHECK(checkpoint_every_n_tokens >= 0, "checkpoint_every_n_tokens must be >= 0, got ",
             checkpoint_every_n_tokens);
   KDA_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite number > 0, got ", scale);
-  KDA_CHECK(q_in.dim() == 4 && v.dim() == 4, "q and v must be rank 4, got ", q_in.dim(), " and ", v.dim());
-  const int64_t K = q_in.size(3), Vd = v.size(3);
+  KDA_CHECK(q_in.dim() == 4 && v_in.dim() == 4, "q and v must be rank 4, got ", q_in.dim(), " and ", v_in.dim());
+  const int64_t K = q_in.size(3), Vd = v_in.size(3);
   KDA_CHECK(K == Vd && (K == 64 || K == 128), "CUDA recurrent_kda needs K == V in {64, 128}, got K=", K, ", V=", Vd);
 
   c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = vector_readable(q_in), k = vector_readable(k_in), g = vector_readable(g_in);
+  const Tensor v = vector_readable(v_in);
   const RecurrentArgs args{q, k, v, g, beta, A_log, dt_bias, state, state_source, initial_state_indices,
                            cu_seqlens, ssm_state_indices, num_accepted_tokens, seq_order, output,
                            final_state, state_checkpoints, checkpoint_cu_starts, scale, gate_mode,
@@ -91,8 +92,19 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v,
     // Nothing to compute but final states (zero-length sequences keep their start state).
     if (p.final_state == nullptr) return;
   }
-  const cudaError_t err = launch_recurrent(p, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "kda recurrent kernel launch failed: ", cudaGetErrorString(err));
+  bool chunked = false;
+  if (backend == static_cast<int64_t>(Backend::kChunked)) {
+    const char* why = nullptr;
+    KDA_CHECK(chunked_supported(p, &why), "recurrent_kda backend='chunked': ", why,
+              "; use backend='auto' or 'recurrent'");
+    chunked = true;
+  } else if (backend == static_cast<int64_t>(Backend::kAuto)) {
+    chunked = chunked_preferred(p);
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err = chunked ? launch_chunked(p, stream) : launch_recurrent(p, stream);
+  TORCH_CHECK(err == cudaSuccess, "kda ", chunked ? "chunked" : "recurrent", " kernel launch failed: ",
+              cudaGetErrorString(err));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // CUDA implementations of the three training ops (SPEC §3.2-3.3, issue 5):
-//   recurrent_kda_training_forward  = the token-serial recurrent kernel (csrc/kda/decode) with fp32
+//   recurrent_kda_training_forward  = the chunked kernel (csrc/kda/prefill; token-serial csrc/kda/decode for
+//                                     decode-sized sequences) with fp32
 //                                     tapes every kTapeChunk tokens, lower-bound gate, logit beta, L2 norm;
 //   recurrent_kda_training_backward = the reverse sweep of csrc/kda/backward from the tapes;
 //   recurrent_kda_backward          = both.
@@ -22,6 +23,7 @@
 #include "api/recurrent_params.h"
 #include "kda/backward/backward_params.h"
 #include "kda/decode/recurrent_launch.h"
+#include "kda/prefill/chunked_launch.h"
 #include "kda/params.h"
 
 namespace kda {
@@ -186,7 +188,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
   p.source_slot_stride = int64_t(d.HV) * kBwdDim * kBwdDim;
   p.n_source = d.N;
   p.initial_state_indices = nullptr;
-  check_cuda(launch_recurrent(p, stream), "kda recurrent kernel (training forward)");
+  // The chunked tensor-core kernel writes the tapes as its checkpoints (every 64 tokens, fp32) whenever the
+  // sequences are long enough to fill chunks; short ones (mostly decode-sized) take the token-serial kernel.
+  if (chunked_preferred(p))
+    check_cuda(launch_chunked(p, stream), "kda chunked kernel (training forward)");
+  else
+    check_cuda(launch_recurrent(p, stream), "kda recurrent kernel (training forward)");
   // final_state in initial_state's dtype (kda_ops/_fake.py); the tapes stay fp32.
   if (initial_state.scalar_type() != at::kFloat) final_state = final_state.to(initial_state.scalar_type());
   return {out, final_state, tapes, tape_cu_starts};

@@ -675,10 +675,16 @@ def test_cuda_matches_cpu_op(state_dtype):
 
 
 @cuda_only
-def test_chunked_backend_not_built_yet():
-    x = make(B=1, T=4, H=1, HV=2, K=128, seed=23)
-    with pytest.raises(NotImplementedError, match="issue 4"):
-        call(tok(x), gkw(x), backend="chunked", initial_state=x["initial_state"])
+def test_chunked_backend_rejects_speculative_decode():
+    # The chunked kernel is a prefill kernel: an explicit backend="chunked" with spec tokens is refused
+    # (ValueError naming the reason) before anything is written; "auto" runs the token-serial kernel.
+    x = make(B=1, T=3, H=1, HV=2, K=128, N_pool=6, seed=23)
+    pool = x["initial_state"]
+    before = pool.clone()
+    idx = torch.arange(3, dtype=torch.int32, device=DEV).view(1, 3)
+    with pytest.raises(ValueError, match="speculative"):
+        call(tok(x), gkw(x), backend="chunked", initial_state=pool, ssm_state_indices=idx, num_spec_tokens=2)
+    assert torch.equal(bits(pool), bits(before))
 
 
 if __name__ == "__main__":  # pragma: no cover

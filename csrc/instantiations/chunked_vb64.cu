@@ -1,0 +1,5 @@
+// One instantiation of the chunked prefill kernel: 64 value rows per CTA.
+#include "kda/prefill/chunked_instantiations.h"
+#include "kda/prefill/chunked_kernel.cuh"
+
+template cudaError_t kda::prefill::run_chunked_<64>(const kda::RecurrentParams&, bool, cudaStream_t);

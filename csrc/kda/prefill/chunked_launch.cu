@@ -1,0 +1,48 @@
+// Host dispatch of the chunked prefill kernel: picks the value rows per CTA from the grid size.
+#include <cstdint>
+#include <cstdlib>
+
+#include "kda/prefill/chunked_instantiations.h"
+#include "kda/prefill/chunked_launch.h"
+
+namespace kda {
+
+bool chunked_supported(const RecurrentParams& p, const char** why) {
+  const char* w = nullptr;
+  if (p.K != 128 || p.V != 128)
+    w = "the chunked kernel needs K == V == 128";
+  else if (p.num_spec_tokens > 0)
+    w = "the chunked kernel does not run speculative decode (num_spec_tokens > 0)";
+  else if (p.checkpoint_every_n_tokens % 16 != 0)
+    w = "the chunked kernel needs checkpoint_every_n_tokens to be a multiple of 16";
+  if (why != nullptr) *why = w;
+  return w == nullptr;
+}
+
+bool chunked_preferred(const RecurrentParams& p) {
+  if (!chunked_supported(p, nullptr) || p.N <= 0) return false;
+  const int64_t tokens = p.cu_seqlens != nullptr ? p.T : p.T * p.B;
+  return tokens >= 16 * p.N;
+}
+
+cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    sms = 132;
+  }
+  // Few (sequence, head) tasks: split the value rows over two CTAs (the chain is latency-bound, two CTAs
+  // per head double the parallelism at the cost of repeating the per-chunk prep).
+  int vb = p.N * p.HV < int64_t(4) * sms ? 64 : 128;
+  if (const char* env = std::getenv("KDA_CHUNKED_VB")) {
+    const int v = std::atoi(env);
+    if (v == 64 || v == 128) vb = v;
+  }
+  auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool out_vec16 = al(p.out) && p.out_token_stride % 8 == 0 && p.out_head_stride % 8 == 0 &&
+                         (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
+  return vb == 64 ? prefill::run_chunked_<64>(p, out_vec16, stream) : prefill::run_chunked_<128>(p, out_vec16, stream);
+}
+
+}  // namespace kda

@@ -1,0 +1,24 @@
+// Host entry of the chunked tensor-core prefill (csrc/kda/prefill/chunked_kernel.cuh): multi-token
+// prefill of recurrent_kda in 16-token chunks. Included by csrc/api/recurrent_cuda.cpp; no torch types.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include "kda/params.h"
+
+namespace kda {
+
+// Whether the chunked kernel covers `p`: K == V == 128, no speculative decode, checkpoint interval a
+// multiple of 16 (SPEC guarantees it through the Python API). `why` names the first unmet condition.
+bool chunked_supported(const RecurrentParams& p, const char** why);
+
+// The automatic backend choice for a call the chunked kernel supports: chunked when the sequences are
+// long enough on average (T >= 16 N) to fill chunks, token-serial otherwise (decode-heavy batches).
+bool chunked_preferred(const RecurrentParams& p);
+
+// Launches the chunked kernel on `stream`: one CTA per (sequence, value head, value-row part), no host
+// sync and no allocation (CUDA-graph capturable). Preconditions as launch_recurrent (bf16 token tensors,
+// 16-byte aligned q/k/g/v rows with strides that are multiples of 8 elements, aligned state buffers).
+// KDA_CHUNKED_VB=64|128 (benchmarks) forces the value rows per CTA; results do not depend on it.
+cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream);
+
+}  // namespace kda
