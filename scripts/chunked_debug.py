@@ -35,9 +35,9 @@ def case(name, T=16, B=1, H=1, HV=1, gate="lower_bound", h0=False, l2=True, logi
                   lower_bound=-5.0 if gate == "lower_bound" else None)
     cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     pool = (r(N, HV, K, K) * 0.1) if h0 else torch.zeros(N, HV, K, K)
+    pool = pool.to(pool_dtype).float()
     tok = [x.to(torch.bfloat16) for x in (q, k, v, g, beta)]
-    ref = recurrent_kda_reference(*[x.double() for x in tok], initial_state=pool.double(),
-                                  output_final_state=True, cu_seqlens=cu,
+    ref = recurrent_kda_reference(*[x.double() for x in tok], initial_state=pool.double(), cu_seqlens=cu,
                                   **{a: (b.double() if torch.is_tensor(b) else b) for a, b in kw.items()})
     dev = [x.cuda() for x in tok]
     pool_d = pool.to(pool_dtype).cuda()
@@ -46,7 +46,7 @@ def case(name, T=16, B=1, H=1, HV=1, gate="lower_bound", h0=False, l2=True, logi
                                  **{a: (b.cuda() if torch.is_tensor(b) else b) for a, b in kw.items()})
     torch.cuda.synchronize()
     o, s = o.double().cpu(), s.double().cpu()
-    ro, rs = ref[0], ref[1]
+    ro, rs = ref.output, ref.final_state
     fin = bool(torch.isfinite(o).all() and torch.isfinite(s).all())
     eo, ma, es = rel_rms(o, ro), (o - ro).abs().max().item(), rel_rms(s, rs)
     ok = fin and eo <= 5e-3 and ma <= 2e-2 and es <= (1e-3 if pool_dtype == torch.float32 else 1e-2)

@@ -21,7 +21,7 @@ QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
 STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests demo sanitize ncu bench_decode bench_prefill bench_train")}
 # Benchmark tables/plots go to $RESULTS and come back as one archive ($OUT returns at most 8 files).
-RESULTS=${RESULTS:-/tmp/kda_results}
+export RESULTS=${RESULTS:-/tmp/kda_results}
 mkdir -p "$RESULTS"
 SUMMARY="$OUT/summary.json"
 declare -A SECS RC
@@ -52,6 +52,12 @@ for s in $STAGES; do
     sanitize) stage sanitize bash scripts/sanitize.sh ;;  # compute-sanitizer, 4 tools (full run only)
     bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ${BENCH_ARGS:-} ;;
     demo) stage demo python3 -m kda_ops.demo ;;
+    ncu_chunked) stage ncu_chunked bash -c 'ncu --kernel-name regex:kda_chunked --launch-skip 2 --launch-count 1 \
+           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+           --section SchedulerStats --section SourceCounters --section InstructionStats --import-source yes \
+           -f -o /tmp/ncu_chunked python3 scripts/ncu_profile.py ${NCU_CASE:-prefill_96_8192} >/dev/null &&
+           ncu -i /tmp/ncu_chunked.ncu-rep --page details &&
+           ncu -i /tmp/ncu_chunked.ncu-rep --page source --csv --print-source cuda,sass > "$RESULTS/ncu_chunked_source.csv"' ;;
     ncu) stage ncu ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 \
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
            --section WarpStateStats --section SchedulerStats python3 scripts/ncu_profile.py decode_bf16 ;;

@@ -13,7 +13,17 @@ import kda_ops
 case = sys.argv[1] if len(sys.argv) > 1 else "decode_bf16"
 dev, H, K = "cuda", 32, 128
 gen = torch.Generator(device=dev).manual_seed(0)
-if case.startswith("decode"):
+if case.startswith("prefill"):  # prefill_<H>_<T>: one sequence, bf16 state, the issue-4 settings
+    _, Hp, Tp = case.split("_") if case.count("_") == 2 else ("prefill", "96", "8192")
+    Hp, Tp = int(Hp), int(Tp)
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, g, beta = r(1, Tp, Hp, K), r(1, Tp, Hp, K), r(1, Tp, Hp, K), r(1, Tp, Hp, K), r(1, Tp, Hp)
+    pool = torch.zeros(1, Hp, K, K, device=dev, dtype=torch.bfloat16)
+    A_log, dt_bias = torch.rand(Hp, device=dev) * 0.5, torch.randn(Hp, K, device=dev) * 0.1
+    for _ in range(4):
+        kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+                              use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, backend="chunked")
+elif case.startswith("decode"):
     B = 256
     dt = torch.bfloat16 if case.endswith("bf16") else torch.float32
     r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16)  # noqa: E731

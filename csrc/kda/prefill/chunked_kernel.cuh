@@ -2,33 +2,40 @@
 // cp.async through CuTe's SM80/SM75 atoms: runs on every built arch, sm_90a and the Blackwell targets).
 // SPEC §2.2; the plan and the numerics are in docs/design.md ("Chunked form", "Chunked CUDA kernel").
 //
-// One CTA per (sequence, value head, value-row part): NW warps, each owning 16 value rows of the head's
-// state S[V, K] (K = 128) as an fp32 m16n8 accumulator (16 n-tiles x 4 = 64 registers per lane) for the
-// whole sequence. The sequence is walked in chunks of C = 16 tokens; per chunk (Γ = in-chunk cumulative
-// log-decay per channel, relative to the chunk start, so every e^{Γ} <= 1):
-//   prep (all threads): L2 norms of q, k; gate -> log-decay a (0 on padding rows) -> Γ (fp32 prefix);
-//     K⁺ = k̂ e^{Γ}, Q⁺ = q̂ scale e^{Γ} (bf16), Kr = k̂ e^{Γ_C - Γ} (fp16), γ_C = e^{Γ_C};
-//     L = K⁻-form products and Mqk with RELATIVE exponents:
-//       GEMM mode (every channel's in-chunk decay span Γ_0 - Γ_15 <= 80, always true for the lower-bound
-//       gate with λ >= -5): reference row 7, Km = k̂ e^{Γ - Γ_7}, Qm = q̂ scale e^{Γ - Γ_7},
-//       Kn = k̂ e^{Γ_7 - Γ} (every factor within e^{±80}; the products of unmasked entries are exactly
-//       k̂_i k̂_j e^{Γ_i - Γ_j} <= |k|²), L = Km Knᵀ, Mqk = Qm Knᵀ by one warp each (bf16 mma);
+// One CTA per (sequence, value head, value-row part), warp-specialised:
+//   * NW chain warps, each owning 16 value rows of the head's state S[V, K] (K = 128) as an fp32 m16n8
+//     accumulator (16 n-tiles x 4 = 64 registers per lane) for the whole sequence;
+//   * 4 prep warps that turn the raw tokens of chunk j into the chain's operands, running up to two
+//     chunks ahead of the chain through a double-buffered operand tile set (named barriers FULL/EMPTY).
+// The sequence is walked in chunks of C = 16 tokens; per chunk (Γ = in-chunk cumulative log-decay per
+// channel, relative to the chunk start, so every e^{Γ} <= 1; Γ' = Γ - Γ_0, relative to the first token):
+//   prep: L2 norms of q, k; gate -> log-decay a (0 on padding rows) -> Γ (fp32 prefix, one thread per
+//     channel); K⁺ = k̂ e^{Γ}, Q⁺ = q̂ scale e^{Γ} (bf16), Kr = k̂ e^{Γ_C - Γ} (fp16), γ_C = e^{Γ_C};
+//     L and Mqk with RELATIVE exponents:
+//       GEMM mode (every channel's in-chunk decay span -Γ'_15 <= 80, always true for the lower-bound
+//       gate with λ >= -5): reference row 0, Km = k̂ e^{Γ'} <= |k̂|, Qm = q̂ scale e^{Γ'},
+//       Kn = k̂ e^{-Γ'} <= |k̂| e^{80} (every factor within bf16/fp32 range; the products of unmasked
+//       entries are exactly k̂_i k̂_j e^{Γ_i - Γ_j} <= |k|², masked ones <= |k|² e^{80}),
+//       L = Km Knᵀ, Mqk = Qm Knᵀ by one prep warp each (bf16 mma); then K⁺ = Km e^{Γ_0},
+//       Q⁺ = Qm e^{Γ_0}, Kr = Kn e^{Γ'_15}: two exponentials per element. Row i's operands depend on
+//       tokens <= i only, so outputs are causal bit for bit;
 //       pairwise mode (otherwise: unbounded softplus/precomputed gates): exact Σ_d k̂_i k̂_j e^{Γ_i - Γ_j}
-//       on CUDA cores, masked pairs never exponentiated.
+//       on CUDA cores, masked pairs never exponentiated, K⁺/Q⁺/Kr from their own exponentials.
 //     A' = diag(β) strict_tril(L); INV = (I + A')^{-1} by fp32 forward substitution (one warp, one column
 //     per lane); INVb = INV diag(β) and Mqk = tril(Mqk) stored fp16.
-//   chain (each warp, its 16 value rows; T = transposed, rows = value rows):
+//   chain (each chain warp, its 16 value rows; T = transposed, rows = value rows):
 //     [Xᵀ | O_interᵀ] = S [K⁺ ; Q⁺]ᵀ    (A = bf16(S) straight from the accumulator registers)
 //     Yᵀ = Vᵀ - Xᵀ;  Rᵀ = Yᵀ INVbᵀ      (fp16 operands)
 //     Oᵀ = O_interᵀ + Rᵀ Mqkᵀ          -> staged in shared memory, 16-byte stores
 //     S  = S ⊙ γ_C + Rᵀ Kr              (fp16 operands, fp32 accumulate into the state registers)
 // Operand precisions follow the measurements in docs/design.md: bf16 for anything unbounded (S, the
-// e^{±80} factors), fp16 (2^-11) for the bounded R path, which keeps fp32 states within SPEC's 1e-3.
+// e^{80} factors), fp16 (2^-11) for the bounded R path, which keeps fp32 states within SPEC's 1e-3.
 //
-// Raw token rows of the next chunk are copied with cp.async while the current chunk is computed (double
-// buffer); rows past the end of the sequence are zero-filled and their gate forced to 0, so padding never
-// touches the state. Checkpoint rows are written at chunk starts that are multiples of the interval
-// (intervals are multiples of 16). Slot, activity and gate rules come from kda/common/recurrent_rules.h.
+// Raw q/k/g rows of the next chunk are copied with cp.async by the prep warps while they prepare the
+// current one; each chain warp copies its own 16 columns of v one chunk ahead. Rows past the end of the
+// sequence are zero-filled and their gate forced to 0, so padding never touches the state. Checkpoint
+// rows are written at chunk starts that are multiples of the interval (intervals are multiples of 16).
+// Slot, activity and gate rules come from kda/common/recurrent_rules.h.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,23 +51,27 @@
 
 namespace kda::prefill {
 
-constexpr int kChunk = 16;         // tokens per chunk (the m16 of mma.sync)
-constexpr int kHeadDim = 128;      // K = V
-constexpr float kSpanLimit = 80.f;  // GEMM mode needs Γ_0 - Γ_15 <= this in every channel
-constexpr float kL2Eps = 1e-6f;     // SPEC §2 step 1
+constexpr int kChunk = 16;              // tokens per chunk (the m16 of mma.sync)
+constexpr int kHeadDim = 128;           // K = V
+constexpr float kSpanLimit = 80.f;      // GEMM mode needs -Γ'_15 <= this in every channel
+constexpr float kL2Eps = 1e-6f;         // SPEC §2 step 1
 constexpr float kMinLogDecay = -1e30f;  // keeps -inf gates from making inf - inf in relative exponents
+constexpr int kPrepWarps = 4;
+constexpr int kPrepThreads = kPrepWarps * 32;  // one per channel (K = 128)
+
+// Named barriers (0 is __syncthreads): prep-internal, and FULL/EMPTY per operand buffer.
+constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 4;
 
 template <int VB_>
 struct ChunkedConfig {
   static constexpr int K = kHeadDim;
-  static constexpr int VB = VB_;           // value rows per CTA
-  static constexpr int NW = VB / 16;       // warps (16 value rows each)
-  static constexpr int NT = NW * 32;       // threads
-  static constexpr int kParts = K / VB;    // CTAs per (sequence, value head)
-  static constexpr int KCH = K / 8;        // 16-byte pieces per K row
-  static constexpr int NSEG = NT / K;      // token segments of the gate prefix (1 or 2)
+  static constexpr int VB = VB_;             // value rows per CTA
+  static constexpr int NW = VB / 16;         // chain warps (16 value rows each)
+  static constexpr int NC = NW * 32;         // chain threads
+  static constexpr int NT = NC + kPrepThreads;
+  static constexpr int kParts = K / VB;      // CTAs per (sequence, value head)
+  static constexpr int KCH = K / 8;          // 16-byte pieces per K row
   static_assert(VB == 64 || VB == 128, "value rows per CTA must be 64 or 128");
-  static_assert(NSEG == 1 || NSEG == 2, "gate prefix layout");
 };
 
 // Shared memory of one CTA. Operand tiles [16 rows][K] of 16-bit values are XOR-swizzled in 16-byte
@@ -68,19 +79,26 @@ struct ChunkedConfig {
 template <int VB>
 struct ChunkedSmem {
   static constexpr int K = kHeadDim;
-  struct Raw {
+  struct Raw {  // prep warps' cp.async ring
     __nv_bfloat16 q[kChunk * K], k[kChunk * K], g[kChunk * K];
-    __nv_bfloat16 v[kChunk * VB];
+  };
+  struct Operands {  // prep -> chain, double-buffered
+    __nv_bfloat16 kp[kChunk * K], qp[kChunk * K];  // K⁺, Q⁺ (scale folded in)
+    __half kr[kChunk * K];                         // Kr
+    float gamma_c[K];                              // e^{Γ_C}
+    __half invb[kChunk * kChunk], mqk[kChunk * kChunk];
   };
   Raw raw[2];
-  __nv_bfloat16 kp[kChunk * K], qp[kChunk * K];  // K⁺, Q⁺ (scale folded in)
-  __half kr[kChunk * K];                         // Kr
+  Operands op[2];
+  // prep-only scratch
   __nv_bfloat16 km[kChunk * K], qm[kChunk * K], kn[kChunk * K];
-  float gam[kChunk * K];    // local prefix of the log-decay per token segment
-  float gamma_c[K];         // e^{Γ_C}
+  float gp[kChunk * K];  // Γ' = Γ - Γ_0
+  float e0[K], ecp[K];   // e^{Γ_0}, e^{Γ'_15}
+  float a0[K], gc[K];    // Γ_0, Γ'_15
   float ap[kChunk * kChunk];  // A' = diag(β) strict_tril(L)
-  __half invb[kChunk * kChunk], mqk[kChunk * kChunk];
   float rq[kChunk], rk[kChunk], beta[kChunk];
+  // chain-only: per warp, v of two chunks and the output staging tile
+  __nv_bfloat16 vbuf[VB / 16][2][kChunk * 16];
   __nv_bfloat16 ostage[VB / 16][kChunk * 16];
 };
 
@@ -148,17 +166,78 @@ __device__ __forceinline__ void load_b16x16(const __half* mat, int lane, uint32_
   ldsm_x4(mat + ((m >> 1) * 8 + r8) * 16 + (m & 1) * 8, r);
 }
 
+
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// bar.red.or over `count` threads: true when any participant passed a non-zero flag.
+__device__ __forceinline__ bool named_sync_or(int id, int count, int flag) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred p, %2, %3, p;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(r)
+      : "r"(flag), "r"(id), "r"(count)
+      : "memory");
+  return r != 0;
+}
+__device__ __forceinline__ uint4 pack8_bf16(const float (&x)[8]) {
+  return make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
+}
+__device__ __forceinline__ uint4 pack8_f16(const float (&x)[8]) {
+  return make_uint4(pack_f16(x[0], x[1]), pack_f16(x[2], x[3]), pack_f16(x[4], x[5]), pack_f16(x[6], x[7]));
+}
+__device__ __forceinline__ float clamp_f16(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
+
+template <GateMode M>
+__device__ __forceinline__ float gate_a(float x, float A, float Adtb, float dtb, float lb) {
+  if constexpr (M == GateMode::kPrecomputed) {
+    return x;
+  } else if constexpr (M == GateMode::kSoftplus) {
+    const float z = x + dtb;
+    return -A * (z > 20.f ? z : log1pf(__expf(z)));
+  } else {
+    return __fdividef(lb, 1.f + __expf(-fmaf(A, x, Adtb)));  // λ sigmoid(A (g + dt_bias))
+  }
+}
+
+// Γ' = Σ_{1..i} a of channel d over the chunk into sm.gp (a = 0 on padding rows); returns a_0 and Γ'_15.
+template <GateMode M, class Raw>
+__device__ __forceinline__ void gate_prefix(const Raw& rb, float* gp, int d, int cl, float A, float Adtb, float dtb,
+                                            float lb, float& a0, float& gc) {
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    float a = 0.f;
+    if (i < cl) a = fmaxf(gate_a<M>(bf(rb.g[i * kHeadDim + d]), A, Adtb, dtb, lb), kMinLogDecay);
+    if (i == 0) {
+      a0 = a;
+    } else {
+      acc += a;
+    }
+    gp[i * kHeadDim + d] = acc;
+  }
+  gc = acc;
+}
+
+__device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
 template <int VB>
 __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     kda_chunked_kernel(const RecurrentParams p, const bool out_vec16) {
   using Cfg = ChunkedConfig<VB>;
   using Smem = ChunkedSmem<VB>;
-  constexpr int K = Cfg::K, NW = Cfg::NW, NT = Cfg::NT, KCH = Cfg::KCH, NSEG = Cfg::NSEG;
+  constexpr int K = Cfg::K, NW = Cfg::NW, NC = Cfg::NC, NT = Cfg::NT;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gq = lane >> 2, cq = lane & 3;  // mma fragment coordinates: row group, column pair
 
   // ---- which (sequence, value head, part) this CTA owns
   const int64_t item = blockIdx.x;
@@ -170,28 +249,240 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     if (n < 0 || n >= p.N) return;  // a broken permutation never reads out of bounds
   }
   const int h = hv / (p.HV / p.H);
-  const int v0 = part * VB + warp * 16;  // this warp's first value row
   const SeqRange sr = seq_range(p, n);
   const StartState st = start_state(p, n);
   const int64_t head_off = int64_t(hv) * K * K;
   const int64_t inner = int64_t(p.HV) * K * K;
-
-  auto out_row = [&](int64_t t) {  // first element of this warp's 16 outputs of token t (index along T)
+  const int64_t n_chunks = (sr.len + kChunk - 1) / kChunk;
+  auto chunk_len = [&](int64_t c) {
+    return static_cast<int>(sr.len - c * kChunk < kChunk ? sr.len - c * kChunk : kChunk);
+  };
+  const int v0 = part * VB + warp * 16;  // a chain warp's first value row
+  auto out_row = [&](int64_t t) {  // first of this chain warp's 16 outputs of token t (index along T)
     return static_cast<__nv_bfloat16*>(p.out) + sr.batch * p.out_batch_stride + t * p.out_token_stride +
            int64_t(hv) * p.out_head_stride + v0;
   };
 
   if (st.kind < 0) {  // inactive: zero output, no state read or write
-    for (int64_t t = lane; t < sr.len * 2; t += 32) {
-      __nv_bfloat16* o = out_row(sr.bos + t / 2) + (t % 2) * 8;
+    if (warp < NW)
+      for (int64_t t = lane; t < sr.len * 2; t += 32) {
+        __nv_bfloat16* o = out_row(sr.bos + t / 2) + (t % 2) * 8;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = __float2bfloat16_rn(0.f);
-    }
+        for (int e = 0; e < 8; ++e) o[e] = __float2bfloat16_rn(0.f);
+      }
     return;
   }
   if (sr.len == 0 && p.final_state == nullptr) return;  // a zero-length sequence leaves its slot untouched
 
-  // ---- start state into the accumulator layout: s[nt][e] = S[v0 + gq + 8 (e >= 2)][8 nt + 2 cq + (e & 1)]
+  if (warp >= NW) {
+    // ================================ prep warps ================================
+    const int ptid = tid - NC, pwarp = ptid >> 5;
+    const int d = ptid;  // the gate channel of this thread
+    const bool in_gate = p.gate_mode != GateMode::kPrecomputed;
+    const float A = in_gate ? __expf(p.A_log[hv]) : 0.f;
+    const float dtb = (in_gate && p.dt_bias != nullptr) ? p.dt_bias[int64_t(hv) * K + d] : 0.f;
+    const float Adtb = A * dtb;
+    const __nv_bfloat16* src3[3] = {
+        static_cast<const __nv_bfloat16*>(p.q.ptr) + sr.batch * p.q.batch_stride + int64_t(h) * p.q.head_stride,
+        static_cast<const __nv_bfloat16*>(p.k.ptr) + sr.batch * p.k.batch_stride + int64_t(h) * p.k.head_stride,
+        static_cast<const __nv_bfloat16*>(p.g.ptr) + sr.batch * p.g.batch_stride + int64_t(hv) * p.g.head_stride};
+    const int64_t stride3[3] = {p.q.token_stride, p.k.token_stride, p.g.token_stride};
+    const auto* bsrc = static_cast<const __nv_bfloat16*>(p.beta.ptr) + sr.batch * p.beta.batch_stride +
+                       int64_t(hv) * p.beta.head_stride;
+
+    // raw q, k, g of chunk c into ring slot c & 1: 3 tiles x 256 pieces of 16 bytes, 6 per thread
+    auto issue = [&](int64_t c) {
+      if (c < n_chunks) {
+        typename Smem::Raw& rb = sm.raw[c & 1];
+        __nv_bfloat16* dst3[3] = {rb.q, rb.k, rb.g};
+        const int64_t t0 = sr.bos + c * kChunk;
+        const int cl = chunk_len(c);
+#pragma unroll
+        for (int u = 0; u < 6; ++u) {
+          const int which = u >> 1, within = ptid + kPrepThreads * (u & 1), r = within >> 4, pc = within & 15;
+          const bool ok = r < cl;
+          cp_async_16(dst3[which] + r * K + pc * 8, src3[which] + (t0 + (ok ? r : 0)) * stride3[which] + pc * 8, ok);
+        }
+      }
+      cp_async_commit();
+    };
+    // raw beta bits of chunk c (lanes 0..15 of the first prep warp); converted one chunk later, so the
+    // global load's latency is never waited on
+    auto load_beta = [&](int64_t c) {
+      __nv_bfloat16 b = __float2bfloat16_rn(0.f);
+      if (ptid < kChunk && c < n_chunks && c * kChunk + ptid < sr.len)
+        b = bsrc[(sr.bos + c * kChunk + ptid) * p.beta.token_stride];
+      return b;
+    };
+
+    issue(0);
+    __nv_bfloat16 beta_next = load_beta(0);
+    for (int64_t j = 0; j < n_chunks; ++j) {
+      const int b = static_cast<int>(j & 1);
+      const int cl = chunk_len(j);
+      const __nv_bfloat16 beta_raw = beta_next;
+      issue(j + 1);
+      beta_next = load_beta(j + 1);
+      if (j >= 2) named_sync(kBarEmpty0 + b, NT);  // the chain is done with chunk j-2's operands
+      cp_async_wait<1>();
+      named_sync(kBarPrep, kPrepThreads);  // raw(j) visible to every prep thread
+      const typename Smem::Raw& rb = sm.raw[b];
+      typename Smem::Operands& op = sm.op[b];
+
+      // ---- P1: gate prefix of channel d, per-channel constants, L2 norms, beta
+      float a0 = 0.f, gc = 0.f;
+      if (p.gate_mode == GateMode::kLowerBound)
+        gate_prefix<GateMode::kLowerBound>(rb, sm.gp, d, cl, A, Adtb, dtb, p.lower_bound, a0, gc);
+      else if (p.gate_mode == GateMode::kSoftplus)
+        gate_prefix<GateMode::kSoftplus>(rb, sm.gp, d, cl, A, Adtb, dtb, p.lower_bound, a0, gc);
+      else
+        gate_prefix<GateMode::kPrecomputed>(rb, sm.gp, d, cl, A, Adtb, dtb, p.lower_bound, a0, gc);
+      sm.e0[d] = __expf(a0);
+      sm.ecp[d] = __expf(gc);
+      op.gamma_c[d] = __expf(a0 + gc);
+      const int wide = !(-gc <= kSpanLimit);  // (NaN counts as wide)
+      {
+        const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements each
+        const __nv_bfloat16* src = (row < kChunk ? rb.q + row * K : rb.k + (row - kChunk) * K) + part4 * 32;
+        float ss = 0.f;
+#pragma unroll
+        for (int e = 0; e < 32; e += 8) {
+          const uint4 w = *reinterpret_cast<const uint4*>(src + e);
+          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) ss = fmaf(bf(x[u]), bf(x[u]), ss);
+        }
+        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+        if (part4 == 0) {
+          const float r = p.use_qk_l2norm ? rsqrtf(ss + kL2Eps) : 1.f;
+          if (row < kChunk)
+            sm.rq[row] = r * p.scale;
+          else
+            sm.rk[row - kChunk] = r;
+        }
+      }
+      if (ptid < kChunk) {
+        const float x = bf(beta_raw);
+        sm.beta[ptid] = ptid < cl ? (p.beta_is_logit ? __fdividef(1.f, 1.f + __expf(-x)) : x) : 0.f;
+      }
+      sm.a0[d] = a0;  // the raw exponents, for the pairwise fallback
+      sm.gc[d] = gc;
+      const bool pairwise = named_sync_or(kBarPrep, kPrepThreads, wide);
+
+      // ---- P3: decayed operand tiles (2 items of 8 channels per thread)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int idx = ptid + kPrepThreads * u, i = idx >> 4, pc = idx & 15, d0 = pc * 8;
+        float gi[8];
+        load8f(sm.gp + i * K + d0, gi);
+        const uint4 kw = *reinterpret_cast<const uint4*>(rb.k + i * K + d0);
+        const uint4 qw = *reinterpret_cast<const uint4*>(rb.q + i * K + d0);
+        const __nv_bfloat16* kx = reinterpret_cast<const __nv_bfloat16*>(&kw);
+        const __nv_bfloat16* qx = reinterpret_cast<const __nv_bfloat16*>(&qw);
+        const float rk = sm.rk[i], rq = sm.rq[i];
+        float kp[8], qp[8], kr[8];
+        const int o = swz(i, pc);
+        if (!pairwise) {
+          float e0v[8], ecv[8], km[8], qm[8], kn[8];
+          load8f(sm.e0 + d0, e0v);
+          load8f(sm.ecp + d0, ecv);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float kk = bf(kx[e]) * rk, qq = bf(qx[e]) * rq;
+            const float ex = __expf(gi[e]), ei = __fdividef(1.f, ex);  // e^{±Γ'}, Γ' in [-80, 0]
+            km[e] = kk * ex, qm[e] = qq * ex, kn[e] = kk * ei;
+            kp[e] = km[e] * e0v[e], qp[e] = qm[e] * e0v[e], kr[e] = kn[e] * ecv[e];
+          }
+          *reinterpret_cast<uint4*>(sm.km + o) = pack8_bf16(km);
+          *reinterpret_cast<uint4*>(sm.qm + o) = pack8_bf16(qm);
+          *reinterpret_cast<uint4*>(sm.kn + o) = pack8_bf16(kn);
+        } else {
+          // exact exponentials of the absolute (<= 0) exponents: Γ_i = a_0 + Γ'_i, Γ_C - Γ_i = Γ'_15 - Γ'_i
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float kk = bf(kx[e]) * rk, qq = bf(qx[e]) * rq;
+            const float e1 = __expf(sm.a0[d0 + e] + gi[e]);
+            kp[e] = kk * e1, qp[e] = qq * e1;
+            kr[e] = kk * __expf(sm.gc[d0 + e] - gi[e]);
+          }
+        }
+        *reinterpret_cast<uint4*>(op.kp + o) = pack8_bf16(kp);
+        *reinterpret_cast<uint4*>(op.qp + o) = pack8_bf16(qp);
+        *reinterpret_cast<uint4*>(op.kr + o) = pack8_f16(kr);
+      }
+      named_sync(kBarPrep, kPrepThreads);
+
+      // ---- P4: L and Mqk (masked), then the inverse
+      if (!pairwise) {
+        if (pwarp < 2) {
+          const int gq = lane >> 2, cq = lane & 3;
+          float acc[2][4];
+          gemm_16x16(pwarp == 0 ? sm.km : sm.qm, sm.kn, lane, acc);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
+              if (pwarp == 0)
+                sm.ap[i * kChunk + jj] = jj < i ? sm.beta[i] * acc[nt][e] : 0.f;
+              else
+                op.mqk[i * kChunk + jj] = __float2half_rn(jj <= i ? clamp_f16(acc[nt][e]) : 0.f);
+            }
+          __syncwarp();
+        }
+      } else {
+        // Exact pairwise exponents on CUDA cores (Γ_i - Γ_j = Γ'_i - Γ'_j), masked entries written as 0
+        // and never exponentiated.
+        for (int e = ptid; e < kChunk * kChunk; e += kPrepThreads) {
+          const int i = e / kChunk, jj = e % kChunk;
+          float l = 0.f, mq = 0.f;
+          if (jj <= i) {
+            for (int dd = 0; dd < K; ++dd) {
+              const float w = __expf(sm.gp[i * K + dd] - sm.gp[jj * K + dd]) * bf(rb.k[jj * K + dd]);
+              l = fmaf(bf(rb.k[i * K + dd]), w, l);
+              mq = fmaf(bf(rb.q[i * K + dd]), w, mq);
+            }
+            l *= sm.rk[i] * sm.rk[jj];
+            mq *= sm.rq[i] * sm.rk[jj];
+          }
+          sm.ap[e] = jj < i ? sm.beta[i] * l : 0.f;
+          op.mqk[e] = __float2half_rn(clamp_f16(mq));
+        }
+        named_sync(kBarPrep, kPrepThreads);
+      }
+      if (pwarp == 0 && lane < kChunk) {
+        // INV = (I + A')^{-1}, column jj = lane, forward substitution in fp32; INVb = INV diag(β).
+        const int jj = lane;
+        float col[kChunk];
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          float x0 = i == jj ? 1.f : 0.f, x1 = 0.f;
+#pragma unroll
+          for (int m = 0; m < i; ++m) {
+            if (m & 1)
+              x1 = fmaf(-sm.ap[i * kChunk + m], col[m], x1);
+            else
+              x0 = fmaf(-sm.ap[i * kChunk + m], col[m], x0);
+          }
+          col[i] = x0 + x1;
+        }
+        const float bj = sm.beta[jj];
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) op.invb[i * kChunk + jj] = __float2half_rn(clamp_f16(col[i] * bj));
+      }
+      named_arrive(kBarFull0 + b, NT);  // operands of chunk j are ready
+    }
+    // Match the chain's EMPTY arrivals of the last two chunks, so no barrier is left half-arrived.
+    for (int64_t j = n_chunks > 2 ? n_chunks : 2; j < n_chunks + 2; ++j) named_sync(kBarEmpty0 + (j & 1), NT);
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ================================ chain warps ================================
+  const int gq = lane >> 2, cq = lane & 3;  // mma fragment coordinates: row group, column pair
+
+  // start state into the accumulator layout: s[nt][e] = S[v0 + gq + 8 (e >= 2)][8 nt + 2 cq + (e & 1)]
   float s[K / 8][4];
   {
     const void* base = nullptr;
@@ -207,7 +498,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
         if (base != nullptr) {
           const int64_t e = off + head_off + int64_t(v0 + gq + 8 * hr) * K + 8 * nt + 2 * cq;
           if (dt == DType::kBFloat16) {
-            const __nv_bfloat162 w = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(base) + e);
+            const __nv_bfloat162 w =
+                *reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(base) + e);
             x0 = __low2float(w), x1 = __high2float(w);
           } else {
             const float2 w = *reinterpret_cast<const float2*>(static_cast<const float*>(base) + e);
@@ -231,235 +523,41 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       }
   };
 
-  // ---- per-CTA gate constants: this thread's gate column and the head's A = exp(A_log)
-  const int gcol = tid % K, gseg = tid / K;
-  const float A = p.gate_mode != GateMode::kPrecomputed ? __expf(p.A_log[hv]) : 0.f;
-  const float dtb = (p.gate_mode != GateMode::kPrecomputed && p.dt_bias != nullptr) ? p.dt_bias[int64_t(hv) * K + gcol]
-                                                                                    : 0.f;
-
-  const int64_t n_chunks = (sr.len + kChunk - 1) / kChunk;
   const int every = p.checkpoint_every_n_tokens;
   const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
-
-  // ---- raw copies of chunk c into buffer c & 1 (one cp.async group per chunk, empty past the end)
-  const auto* qg = static_cast<const __nv_bfloat16*>(p.q.ptr) + sr.batch * p.q.batch_stride + int64_t(h) * p.q.head_stride;
-  const auto* kg = static_cast<const __nv_bfloat16*>(p.k.ptr) + sr.batch * p.k.batch_stride + int64_t(h) * p.k.head_stride;
-  const auto* gg = static_cast<const __nv_bfloat16*>(p.g.ptr) + sr.batch * p.g.batch_stride + int64_t(hv) * p.g.head_stride;
-  const auto* vg = static_cast<const __nv_bfloat16*>(p.v.ptr) + sr.batch * p.v.batch_stride + int64_t(hv) * p.v.head_stride +
-                   part * VB;
-  const auto* bg = static_cast<const __nv_bfloat16*>(p.beta.ptr) + sr.batch * p.beta.batch_stride +
-                   int64_t(hv) * p.beta.head_stride;
-  auto issue_chunk = [&](int64_t c) {
+  // this warp's 16 columns of v, one chunk ahead: lane -> (token lane / 2, 8 columns (lane & 1) * 8)
+  const auto* vsrc = static_cast<const __nv_bfloat16*>(p.v.ptr) + sr.batch * p.v.batch_stride +
+                     int64_t(hv) * p.v.head_stride + v0 + (lane & 1) * 8;
+  auto issue_v = [&](int64_t c) {
     if (c < n_chunks) {
-      typename Smem::Raw& rb = sm.raw[c & 1];
-      const int64_t t0 = sr.bos + c * kChunk;
-      const int cl = static_cast<int>(sr.len - c * kChunk < kChunk ? sr.len - c * kChunk : kChunk);
-      constexpr int kQkg = kChunk * KCH;        // pieces per q/k/g tile
-      constexpr int kVp = kChunk * (VB / 8);    // pieces of the v tile
-      constexpr int kTotal = 3 * kQkg + kVp;
-#pragma unroll
-      for (int i = tid; i < kTotal; i += NT) {
-        if (i < 3 * kQkg) {
-          const int which = i / kQkg, r = (i % kQkg) / KCH, pc = i % KCH;
-          const bool ok = r < cl;
-          const int64_t t = t0 + (ok ? r : 0);
-          const __nv_bfloat16* src = which == 0 ? qg + t * p.q.token_stride
-                                                : (which == 1 ? kg + t * p.k.token_stride : gg + t * p.g.token_stride);
-          __nv_bfloat16* dst = which == 0 ? rb.q : (which == 1 ? rb.k : rb.g);
-          cp_async_16(dst + r * K + pc * 8, src + pc * 8, ok);
-        } else {
-          const int j = i - 3 * kQkg, r = j / (VB / 8), pc = j % (VB / 8);
-          const bool ok = r < cl;
-          const int64_t t = t0 + (ok ? r : 0);
-          cp_async_16(rb.v + r * VB + pc * 8, vg + t * p.v.token_stride + pc * 8, ok);
-        }
-      }
+      const int t = lane >> 1;
+      const bool ok = c * kChunk + t < sr.len;
+      cp_async_16(&sm.vbuf[warp][c & 1][t * 16 + (lane & 1) * 8],
+                  vsrc + (sr.bos + (ok ? c * kChunk + t : 0)) * p.v.token_stride, ok);
     }
     cp_async_commit();
   };
-  // beta of the next chunk: lanes 0..15 of warp 0 hold it in a register (a 2-byte value cannot cp.async)
-  float beta_next = 0.f;
-  auto load_beta = [&](int64_t c) {
-    beta_next = 0.f;
-    if (warp == 0 && lane < kChunk && c < n_chunks) {
-      const int64_t t = c * kChunk + lane;
-      if (t < sr.len) {
-        const float b = bf(bg[(sr.bos + t) * p.beta.token_stride]);
-        beta_next = p.beta_is_logit ? 1.f / (1.f + __expf(-b)) : b;
-      }
-    }
-  };
-
-  issue_chunk(0);
-  load_beta(0);
+  issue_v(0);
 
   for (int64_t c = 0; c < n_chunks; ++c) {
+    const int b = static_cast<int>(c & 1);
     const int64_t t0 = c * kChunk;  // chunk start within the sequence
-    const int cl = static_cast<int>(sr.len - t0 < kChunk ? sr.len - t0 : kChunk);
-    const typename Smem::Raw& rb = sm.raw[c & 1];
-    const float beta_cur = beta_next;
-    issue_chunk(c + 1);
-    cp_async_wait<1>();
-    __syncthreads();  // (1) chunk c landed; the previous chunk's chain is done with every prepared tile
-    load_beta(c + 1);
+    const int cl = chunk_len(c);
+    __syncwarp();  // every lane is done with the v slot refilled below (chunk c - 1's)
+    issue_v(c + 1);
 
     // Checkpoint: the state BEFORE token t0 (t0 a multiple of the interval, itself a multiple of 16).
     if (every > 0 && t0 % every == 0) {
       const int64_t row = ckpt_row0 + t0 / every;
       if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
     }
+    cp_async_wait<1>();
+    __syncwarp();
+    named_sync(kBarFull0 + b, NT);  // the prep warps' operands of chunk c
+    const typename Smem::Operands& op = sm.op[b];
+    const __nv_bfloat16* vb = sm.vbuf[warp][b];
 
-    // ---- P1: L2 norms (32 rows: q then k), gate -> log-decay -> local prefix, beta
-    {
-      constexpr int TPR = NT / 32, EPT = K / TPR;  // threads per row, elements per thread
-      const int row = tid / TPR, j = tid % TPR;
-      const __nv_bfloat16* src = (row < kChunk ? rb.q + row * K : rb.k + (row - kChunk) * K) + j * EPT;
-      float ss = 0.f;
-#pragma unroll
-      for (int e = 0; e < EPT; e += 8) {
-        const uint4 w = *reinterpret_cast<const uint4*>(src + e);
-        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
-#pragma unroll
-        for (int u = 0; u < 8; ++u) ss = fmaf(bf(x[u]), bf(x[u]), ss);
-      }
-#pragma unroll
-      for (int o = TPR / 2; o >= 1; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (j == 0) {
-        const float r = p.use_qk_l2norm ? rsqrtf(ss + kL2Eps) : 1.f;
-        if (row < kChunk)
-          sm.rq[row] = r * p.scale;
-        else
-          sm.rk[row - kChunk] = r;
-      }
-      constexpr int TPS = kChunk / NSEG;  // tokens per prefix segment
-      float acc = 0.f;
-#pragma unroll
-      for (int u = 0; u < TPS; ++u) {
-        const int i = gseg * TPS + u;
-        float a = 0.f;
-        if (i < cl) {
-          a = gate_log_decay<float>(p.gate_mode, bf(rb.g[i * K + gcol]), A, dtb, p.lower_bound);
-          a = fmaxf(a, kMinLogDecay);
-        }
-        acc += a;
-        sm.gam[i * K + gcol] = acc;
-      }
-      if (warp == 0 && lane < kChunk) sm.beta[lane] = beta_cur;
-    }
-    __syncthreads();  // (2)
-
-    // ---- P3: decayed operand tiles, γ_C, and the GEMM-mode check
-    int wide = 0;
-    {
-      auto gfull = [&](int i, int d) {
-        float x = sm.gam[i * K + d];
-        if (NSEG == 2 && i >= kChunk / 2) x += sm.gam[(kChunk / 2 - 1) * K + d];
-        return x;
-      };
-#pragma unroll
-      for (int idx = tid; idx < kChunk * KCH; idx += NT) {
-        const int i = idx / KCH, pc = idx % KCH, d0 = pc * 8;
-        const uint4 kw = *reinterpret_cast<const uint4*>(rb.k + i * K + d0);
-        const uint4 qw = *reinterpret_cast<const uint4*>(rb.q + i * K + d0);
-        const __nv_bfloat16* kx = reinterpret_cast<const __nv_bfloat16*>(&kw);
-        const __nv_bfloat16* qx = reinterpret_cast<const __nv_bfloat16*>(&qw);
-        const float rk = sm.rk[i], rq = sm.rq[i];
-        float kp[8], qp[8], kr[8], km[8], qm[8], kn[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int d = d0 + e;
-          const float gi = gfull(i, d), g7 = gfull(kChunk / 2 - 1, d), gc = gfull(kChunk - 1, d);
-          const float kk = bf(kx[e]) * rk, qq = bf(qx[e]) * rq;
-          const float e1 = __expf(gi), e3 = __expf(gi - g7);
-          kp[e] = kk * e1, qp[e] = qq * e1;
-          kr[e] = kk * __expf(gc - gi);
-          km[e] = kk * e3, qm[e] = qq * e3;
-          kn[e] = kk * __expf(g7 - gi);
-          if (i == kChunk - 1) {
-            sm.gamma_c[d] = __expf(gc);
-            if (!(gfull(0, d) - gc <= kSpanLimit)) wide = 1;  // (NaN counts as wide)
-          }
-        }
-        const int o = swz(i, pc);
-        *reinterpret_cast<uint4*>(sm.kp + o) =
-            make_uint4(pack_bf16(kp[0], kp[1]), pack_bf16(kp[2], kp[3]), pack_bf16(kp[4], kp[5]), pack_bf16(kp[6], kp[7]));
-        *reinterpret_cast<uint4*>(sm.qp + o) =
-            make_uint4(pack_bf16(qp[0], qp[1]), pack_bf16(qp[2], qp[3]), pack_bf16(qp[4], qp[5]), pack_bf16(qp[6], qp[7]));
-        *reinterpret_cast<uint4*>(sm.kr + o) =
-            make_uint4(pack_f16(kr[0], kr[1]), pack_f16(kr[2], kr[3]), pack_f16(kr[4], kr[5]), pack_f16(kr[6], kr[7]));
-        *reinterpret_cast<uint4*>(sm.km + o) =
-            make_uint4(pack_bf16(km[0], km[1]), pack_bf16(km[2], km[3]), pack_bf16(km[4], km[5]), pack_bf16(km[6], km[7]));
-        *reinterpret_cast<uint4*>(sm.qm + o) =
-            make_uint4(pack_bf16(qm[0], qm[1]), pack_bf16(qm[2], qm[3]), pack_bf16(qm[4], qm[5]), pack_bf16(qm[6], qm[7]));
-        *reinterpret_cast<uint4*>(sm.kn + o) =
-            make_uint4(pack_bf16(kn[0], kn[1]), pack_bf16(kn[2], kn[3]), pack_bf16(kn[4], kn[5]), pack_bf16(kn[6], kn[7]));
-      }
-    }
-    const bool pairwise = __syncthreads_or(wide) != 0;  // (3)
-
-    // ---- P4: L and Mqk (masked), then the inverse (warp 0)
-    if (pairwise) {
-      // Exact pairwise exponents on CUDA cores, one (i, j) entry per thread and step; masked entries are
-      // written as 0 and never exponentiated.
-      for (int e = tid; e < kChunk * kChunk; e += NT) {
-        const int i = e / kChunk, j = e % kChunk;
-        float l = 0.f, mq = 0.f;
-        if (j <= i) {
-          for (int d = 0; d < K; ++d) {
-            float gi = sm.gam[i * K + d], gj = sm.gam[j * K + d];
-            if (NSEG == 2) {
-              const float off = sm.gam[(kChunk / 2 - 1) * K + d];
-              gi += i >= kChunk / 2 ? off : 0.f;
-              gj += j >= kChunk / 2 ? off : 0.f;
-            }
-            const float w = __expf(gi - gj) * bf(rb.k[j * K + d]);
-            l = fmaf(bf(rb.k[i * K + d]), w, l);
-            mq = fmaf(bf(rb.q[i * K + d]), w, mq);
-          }
-          l *= sm.rk[i] * sm.rk[j];
-          mq *= sm.rq[i] * sm.rk[j];
-        }
-        sm.ap[e] = j < i ? sm.beta[i] * l : 0.f;
-        sm.mqk[e] = __float2half_rn(fminf(fmaxf(mq, -65504.f), 65504.f));
-      }
-      __syncthreads();
-    } else if (warp == 0 || warp == NW - 1) {
-      float acc[2][4];
-      gemm_16x16(warp == 0 ? sm.km : sm.qm, sm.kn, lane, acc);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = gq + 8 * (e >> 1), j = 8 * nt + 2 * cq + (e & 1);
-          if (warp == 0)
-            sm.ap[i * kChunk + j] = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
-          else
-            sm.mqk[i * kChunk + j] = __float2half_rn(j <= i ? fminf(fmaxf(acc[nt][e], -65504.f), 65504.f) : 0.f);
-        }
-      __syncwarp();
-    }
-    if (warp == 0 && lane < kChunk) {
-      // INV = (I + A')^{-1}, column j = lane, forward substitution in fp32; INVb = INV diag(β).
-      const int j = lane;
-      float col[kChunk];
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) {
-        float x0 = i == j ? 1.f : 0.f, x1 = 0.f;
-#pragma unroll
-        for (int m = 0; m < i; ++m) {
-          if (m & 1)
-            x1 = fmaf(-sm.ap[i * kChunk + m], col[m], x1);
-          else
-            x0 = fmaf(-sm.ap[i * kChunk + m], col[m], x0);
-        }
-        col[i] = x0 + x1;
-      }
-      const float bj = sm.beta[j];
-#pragma unroll
-      for (int i = 0; i < kChunk; ++i) sm.invb[i * kChunk + j] = __float2half_rn(fminf(fmaxf(col[i] * bj, -65504.f), 65504.f));
-    }
-
-    // ---- C1: [Xᵀ | O_interᵀ] = S [K⁺ ; Q⁺]ᵀ and Yᵀ = Vᵀ - Xᵀ
+    // ---- [Xᵀ | O_interᵀ] = S [K⁺ ; Q⁺]ᵀ and Yᵀ = Vᵀ - Xᵀ
     float ax[2][4], ao[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -473,8 +571,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
                                pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
                                pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3])};
         uint32_t bk[4], bq[4];
-        ldsm_x4(sm.kp + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), bk);
-        ldsm_x4(sm.qp + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), bq);
+        ldsm_x4(op.kp + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), bk);
+        ldsm_x4(op.qp + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), bq);
         mma_bf16(ax[0], a, bk[0], bk[1]);
         mma_bf16(ax[1], a, bk[2], bk[3]);
         mma_bf16(ao[0], a, bq[0], bq[1]);
@@ -486,18 +584,17 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int vr = warp * 16 + gq + 8 * (e >> 1), t = 8 * nt + 2 * cq + (e & 1);
-        ax[nt][e] = bf(rb.v[t * VB + vr]) - ax[nt][e];
+        const int vr = gq + 8 * (e >> 1), t = 8 * nt + 2 * cq + (e & 1);
+        ax[nt][e] = bf(vb[t * 16 + vr]) - ax[nt][e];
       }
-    __syncthreads();  // (4) INVb and Mqk ready
 
-    // ---- C2: Rᵀ = Yᵀ INVbᵀ; Oᵀ += Rᵀ Mqkᵀ; S = S ⊙ γ_C + Rᵀ Kr
+    // ---- Rᵀ = Yᵀ INVbᵀ; Oᵀ += Rᵀ Mqkᵀ; S = S ⊙ γ_C + Rᵀ Kr
     float ar[2][4];
     {
-      const uint32_t ya[4] = {pack_f16(ax[0][0], ax[0][1]), pack_f16(ax[0][2], ax[0][3]), pack_f16(ax[1][0], ax[1][1]),
-                              pack_f16(ax[1][2], ax[1][3])};
+      const uint32_t ya[4] = {pack_f16(ax[0][0], ax[0][1]), pack_f16(ax[0][2], ax[0][3]),
+                              pack_f16(ax[1][0], ax[1][1]), pack_f16(ax[1][2], ax[1][3])};
       uint32_t bi[4];
-      load_b16x16(sm.invb, lane, bi);
+      load_b16x16(op.invb, lane, bi);
 #pragma unroll
       for (int e = 0; e < 4; ++e) ar[0][e] = 0.f, ar[1][e] = 0.f;
       mma_f16(ar[0], ya, bi[0], bi[1]);
@@ -507,7 +604,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
                             pack_f16(ar[1][2], ar[1][3])};
     {
       uint32_t bm[4];
-      load_b16x16(sm.mqk, lane, bm);
+      load_b16x16(op.mqk, lane, bm);
       mma_f16(ao[0], ra, bm[0], bm[1]);
       mma_f16(ao[1], ra, bm[2], bm[3]);
       // stage Oᵀ as O[t][v] (16 x 16 bf16) and store this warp's 16 columns per token with 16-byte stores
@@ -515,7 +612,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) os[(8 * nt + 2 * cq + (e & 1)) * 16 + gq + 8 * (e >> 1)] = __float2bfloat16_rn(ao[nt][e]);
+        for (int e = 0; e < 4; ++e)
+          os[(8 * nt + 2 * cq + (e & 1)) * 16 + gq + 8 * (e >> 1)] = __float2bfloat16_rn(ao[nt][e]);
       __syncwarp();
       const int t = lane >> 1, half = lane & 1;
       if (t < cl) {
@@ -534,17 +632,18 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       const int m = lane >> 3, r8 = lane & 7;
 #pragma unroll
       for (int pp = 0; pp < K / 16; ++pp) {
-        uint32_t b[4];
-        ldsm_x4_t(sm.kr + swz((m & 1) * 8 + r8, 2 * pp + (m >> 1)), b);
+        uint32_t bb[4];
+        ldsm_x4_t(op.kr + swz((m & 1) * 8 + r8, 2 * pp + (m >> 1)), bb);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int nt = 2 * pp + hh;
-          const float2 gmm = *reinterpret_cast<const float2*>(sm.gamma_c + 8 * nt + 2 * cq);
+          const float2 gmm = *reinterpret_cast<const float2*>(op.gamma_c + 8 * nt + 2 * cq);
           s[nt][0] *= gmm.x, s[nt][1] *= gmm.y, s[nt][2] *= gmm.x, s[nt][3] *= gmm.y;
-          mma_f16(s[nt], ra, b[2 * hh], b[2 * hh + 1]);
+          mma_f16(s[nt], ra, bb[2 * hh], bb[2 * hh + 1]);
         }
       }
     }
+    named_arrive(kBarEmpty0 + b, NT);  // done with chunk c's operands
   }
   cp_async_wait<0>();
 

@@ -32,9 +32,10 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
     (void)cudaGetLastError();
     sms = 132;
   }
-  // Few (sequence, head) tasks: split the value rows over two CTAs (the chain is latency-bound, two CTAs
-  // per head double the parallelism at the cost of repeating the per-chunk prep).
-  int vb = p.N * p.HV < int64_t(4) * sms ? 64 : 128;
+  // One CTA per SM fits (registers). When the (sequence, head) tasks fill at most half of the SMs, split
+  // the value rows over two CTAs: the chain is latency-bound, so two CTAs per head halve its per-chunk
+  // work at the cost of repeating the per-chunk prep.
+  int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
   if (const char* env = std::getenv("KDA_CHUNKED_VB")) {
     const int v = std::atoi(env);
     if (v == 64 || v == 128) vb = v;
