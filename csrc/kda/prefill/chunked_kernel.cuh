@@ -56,11 +56,13 @@ constexpr int kHeadDim = 128;           // K = V
 constexpr float kSpanLimit = 80.f;      // GEMM mode needs -Γ'_15 <= this in every channel
 constexpr float kL2Eps = 1e-6f;         // SPEC §2 step 1
 constexpr float kMinLogDecay = -1e30f;  // keeps -inf gates from making inf - inf in relative exponents
-constexpr int kPrepWarps = 4;
+constexpr int kPrepWarps = 4;                  // "G" warps: gate, norms, decayed operand tiles
 constexpr int kPrepThreads = kPrepWarps * 32;  // one per channel (K = 128)
+constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the triangular inverse
 
-// Named barriers (0 is __syncthreads): prep-internal, and FULL/EMPTY per operand buffer.
-constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 4;
+// Named barriers (0 is __syncthreads): G-internal; KREADY (G -> W), FULL (W -> chain), EMPTY (chain -> G),
+// each per operand buffer.
+constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 4, kBarKReady0 = 6;
 
 template <int VB_>
 struct ChunkedConfig {
@@ -68,7 +70,10 @@ struct ChunkedConfig {
   static constexpr int VB = VB_;             // value rows per CTA
   static constexpr int NW = VB / 16;         // chain warps (16 value rows each)
   static constexpr int NC = NW * 32;         // chain threads
-  static constexpr int NT = NC + kPrepThreads;
+  static constexpr int NT = NC + kPrepThreads + kSolveThreads;
+  static constexpr int kCountFull = NC + kSolveThreads;    // W arrives, chain syncs
+  static constexpr int kCountEmpty = NC + kPrepThreads;    // chain arrives, G syncs
+  static constexpr int kCountKReady = kPrepThreads + kSolveThreads;
   static constexpr int kParts = K / VB;      // CTAs per (sequence, value head)
   static constexpr int KCH = K / 8;          // 16-byte pieces per K row
   static_assert(VB == 64 || VB == 128, "value rows per CTA must be 64 or 128");
@@ -90,13 +95,17 @@ struct ChunkedSmem {
   };
   Raw raw[2];
   Operands op[2];
-  // prep-only scratch
-  __nv_bfloat16 km[kChunk * K], qm[kChunk * K], kn[kChunk * K];
+  // G -> W, double-buffered
+  __nv_bfloat16 km[2][kChunk * K], qm[2][kChunk * K], kn[2][kChunk * K];
+  float ap[2][kChunk * kChunk];  // A' = diag(β) strict_tril(L) (written by W, or by G in pairwise mode)
+  float beta[2][kChunk];
+  int pairwise[2];
+  // G-only scratch
   float gp[kChunk * K];  // Γ' = Γ - Γ_0
   float e0[K], ecp[K];   // e^{Γ_0}, e^{Γ'_15}
   float a0[K], gc[K];    // Γ_0, Γ'_15
-  float ap[kChunk * kChunk];  // A' = diag(β) strict_tril(L)
-  float rq[kChunk], rk[kChunk], beta[kChunk];
+  float rq[kChunk], rk[kChunk];
+  float i2s[8 * 8];  // W-only: the lower diagonal block's inverse
   // chain-only: per warp, v of two chunks and the output staging tile
   __nv_bfloat16 vbuf[VB / 16][2][kChunk * 16];
   __nv_bfloat16 ostage[VB / 16][kChunk * 16];
@@ -210,8 +219,8 @@ __device__ __forceinline__ void gate_prefix(const Raw& rb, float* gp, int d, int
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
-    float a = 0.f;
-    if (i < cl) a = fmaxf(gate_a<M>(bf(rb.g[i * kHeadDim + d]), A, Adtb, dtb, lb), kMinLogDecay);
+    float a = fmaxf(gate_a<M>(bf(rb.g[i * kHeadDim + d]), A, Adtb, dtb, lb), kMinLogDecay);
+    a = i < cl ? a : 0.f;  // padding rows (zero-filled) never decay; a select keeps the loop branch-free
     if (i == 0) {
       a0 = a;
     } else {
@@ -233,7 +242,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     kda_chunked_kernel(const RecurrentParams p, const bool out_vec16) {
   using Cfg = ChunkedConfig<VB>;
   using Smem = ChunkedSmem<VB>;
-  constexpr int K = Cfg::K, NW = Cfg::NW, NC = Cfg::NC, NT = Cfg::NT;
+  constexpr int K = Cfg::K, NW = Cfg::NW, NC = Cfg::NC;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -274,9 +283,103 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
   }
   if (sr.len == 0 && p.final_state == nullptr) return;  // a zero-length sequence leaves its slot untouched
 
+  if (warp >= NW + kPrepWarps) {
+    // ================================ W: L, Mqk, inverse ================================
+    for (int64_t j = 0; j < n_chunks; ++j) {
+      const int b = static_cast<int>(j & 1);
+      named_sync(kBarKReady0 + b, Cfg::kCountKReady);  // G's tiles of chunk j
+      typename Smem::Operands& op = sm.op[b];
+      float* ap = sm.ap[b];
+      const float* bt = sm.beta[b];
+      if (!sm.pairwise[b]) {
+        // L = Km Knᵀ and Mqk = Qm Knᵀ, interleaved (shared B fragments)
+        const int gq = lane >> 2, cq = lane & 3, m = lane >> 3, r8 = lane & 7;
+        float al[2][4] = {}, aq[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks) {
+          uint32_t fk[4], fq[4], fn[4];
+          ldsm_x4(sm.km[b] + swz((m & 1) * 8 + r8, 2 * ks + (m >> 1)), fk);
+          ldsm_x4(sm.qm[b] + swz((m & 1) * 8 + r8, 2 * ks + (m >> 1)), fq);
+          ldsm_x4(sm.kn[b] + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), fn);
+          mma_bf16(al[0], fk, fn[0], fn[1]);
+          mma_bf16(al[1], fk, fn[2], fn[3]);
+          mma_bf16(aq[0], fq, fn[0], fn[1]);
+          mma_bf16(aq[1], fq, fn[2], fn[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
+            ap[i * kChunk + jj] = jj < i ? bt[i] * al[nt][e] : 0.f;
+            op.mqk[i * kChunk + jj] = __float2half_rn(jj <= i ? clamp_f16(aq[nt][e]) : 0.f);
+          }
+        __syncwarp();
+      }
+      // INV = (I + A')^{-1} blockwise in fp32: the two 8x8 diagonal blocks by forward substitution (lane c of
+      // each half-warp: column c of its block), then the off-diagonal block X = -I2 A'21 I1. INVb = INV diag(β).
+      {
+        const int blk = (lane >> 3) & 1, c = lane & 7, base = 8 * blk;
+        float col[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float x0 = i == c ? 1.f : 0.f, x1 = 0.f;
+#pragma unroll
+          for (int mm = 0; mm < i; ++mm) {
+            const float a = ap[(base + i) * kChunk + base + mm];
+            if (mm & 1)
+              x1 = fmaf(-a, col[mm], x1);
+            else
+              x0 = fmaf(-a, col[mm], x0);
+          }
+          col[i] = x0 + x1;
+        }
+        if (blk == 1 && lane < 16) {
+#pragma unroll
+          for (int r = 0; r < 8; ++r) sm.i2s[r * 8 + c] = col[r];
+        }
+        float tcol[8];  // T[:, c] = A'21 I1[:, c] (meaningful in lanes 0..7)
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          float t0 = 0.f, t1 = 0.f;
+#pragma unroll
+          for (int mm = 0; mm < 8; mm += 2) {
+            t0 = fmaf(ap[(8 + r) * kChunk + mm], col[mm], t0);
+            t1 = fmaf(ap[(8 + r) * kChunk + mm + 1], col[mm + 1], t1);
+          }
+          tcol[r] = t0 + t1;
+        }
+        __syncwarp();
+        if (lane < 8) {
+          const float bc = bt[c];
+#pragma unroll
+          for (int r = 0; r < 8; ++r) {
+            float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+            for (int mm = 0; mm < 8; mm += 2) {
+              x0 = fmaf(sm.i2s[r * 8 + mm], tcol[mm], x0);
+              x1 = fmaf(sm.i2s[r * 8 + mm + 1], tcol[mm + 1], x1);
+            }
+            op.invb[r * kChunk + c] = __float2half_rn(clamp_f16(col[r] * bc));
+            op.invb[(8 + r) * kChunk + c] = __float2half_rn(clamp_f16(-(x0 + x1) * bc));
+          }
+        } else if (lane < 16) {
+          const float bc = bt[8 + c];
+#pragma unroll
+          for (int r = 0; r < 8; ++r) {
+            op.invb[r * kChunk + 8 + c] = __float2half_rn(0.f);
+            op.invb[(8 + r) * kChunk + 8 + c] = __float2half_rn(clamp_f16(col[r] * bc));
+          }
+        }
+        __syncwarp();  // i2s is reused next chunk
+      }
+      named_arrive(kBarFull0 + b, Cfg::kCountFull);  // operands of chunk j are ready
+    }
+    return;
+  }
   if (warp >= NW) {
-    // ================================ prep warps ================================
-    const int ptid = tid - NC, pwarp = ptid >> 5;
+    // ================================ G: gate, norms, operand tiles ================================
+    const int ptid = tid - NC;
     const int d = ptid;  // the gate channel of this thread
     const bool in_gate = p.gate_mode != GateMode::kPrecomputed;
     const float A = in_gate ? __expf(p.A_log[hv]) : 0.f;
@@ -306,13 +409,13 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       }
       cp_async_commit();
     };
-    // raw beta bits of chunk c (lanes 0..15 of the first prep warp); converted one chunk later, so the
-    // global load's latency is never waited on
+    // raw beta bits of chunk c (threads 0..15); converted one chunk later, so the global load's latency is
+    // never waited on
     auto load_beta = [&](int64_t c) {
-      __nv_bfloat16 b = __float2bfloat16_rn(0.f);
+      __nv_bfloat16 bv = __float2bfloat16_rn(0.f);
       if (ptid < kChunk && c < n_chunks && c * kChunk + ptid < sr.len)
-        b = bsrc[(sr.bos + c * kChunk + ptid) * p.beta.token_stride];
-      return b;
+        bv = bsrc[(sr.bos + c * kChunk + ptid) * p.beta.token_stride];
+      return bv;
     };
 
     issue(0);
@@ -323,9 +426,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       const __nv_bfloat16 beta_raw = beta_next;
       issue(j + 1);
       beta_next = load_beta(j + 1);
-      if (j >= 2) named_sync(kBarEmpty0 + b, NT);  // the chain is done with chunk j-2's operands
+      // The chain is done with chunk j-2's operands (and so, transitively, is W with its G -> W tiles).
+      if (j >= 2) named_sync(kBarEmpty0 + b, Cfg::kCountEmpty);
       cp_async_wait<1>();
-      named_sync(kBarPrep, kPrepThreads);  // raw(j) visible to every prep thread
+      named_sync(kBarPrep, kPrepThreads);  // raw(j) visible to every G thread
       const typename Smem::Raw& rb = sm.raw[b];
       typename Smem::Operands& op = sm.op[b];
 
@@ -339,19 +443,26 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
         gate_prefix<GateMode::kPrecomputed>(rb, sm.gp, d, cl, A, Adtb, dtb, p.lower_bound, a0, gc);
       sm.e0[d] = __expf(a0);
       sm.ecp[d] = __expf(gc);
+      sm.a0[d] = a0;  // the raw exponents, for the pairwise fallback
+      sm.gc[d] = gc;
       op.gamma_c[d] = __expf(a0 + gc);
       const int wide = !(-gc <= kSpanLimit);  // (NaN counts as wide)
       {
         const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements each
         const __nv_bfloat16* src = (row < kChunk ? rb.q + row * K : rb.k + (row - kChunk) * K) + part4 * 32;
-        float ss = 0.f;
+        float ss0 = 0.f, ss1 = 0.f;
 #pragma unroll
         for (int e = 0; e < 32; e += 8) {
           const uint4 w = *reinterpret_cast<const uint4*>(src + e);
-          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+          const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-          for (int u = 0; u < 8; ++u) ss = fmaf(bf(x[u]), bf(x[u]), ss);
+          for (int u = 0; u < 4; ++u) {
+            const float lo = __uint_as_float(ws[u] << 16), hi = __uint_as_float(ws[u] & 0xffff0000u);
+            ss0 = fmaf(lo, lo, ss0);
+            ss1 = fmaf(hi, hi, ss1);
+          }
         }
+        float ss = ss0 + ss1;
         ss += __shfl_xor_sync(0xffffffffu, ss, 2);
         ss += __shfl_xor_sync(0xffffffffu, ss, 1);
         if (part4 == 0) {
@@ -364,10 +475,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       }
       if (ptid < kChunk) {
         const float x = bf(beta_raw);
-        sm.beta[ptid] = ptid < cl ? (p.beta_is_logit ? __fdividef(1.f, 1.f + __expf(-x)) : x) : 0.f;
+        sm.beta[b][ptid] = ptid < cl ? (p.beta_is_logit ? __fdividef(1.f, 1.f + __expf(-x)) : x) : 0.f;
       }
-      sm.a0[d] = a0;  // the raw exponents, for the pairwise fallback
-      sm.gc[d] = gc;
       const bool pairwise = named_sync_or(kBarPrep, kPrepThreads, wide);
 
       // ---- P3: decayed operand tiles (2 items of 8 channels per thread)
@@ -378,9 +487,14 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
         load8f(sm.gp + i * K + d0, gi);
         const uint4 kw = *reinterpret_cast<const uint4*>(rb.k + i * K + d0);
         const uint4 qw = *reinterpret_cast<const uint4*>(rb.q + i * K + d0);
-        const __nv_bfloat16* kx = reinterpret_cast<const __nv_bfloat16*>(&kw);
-        const __nv_bfloat16* qx = reinterpret_cast<const __nv_bfloat16*>(&qw);
+        const uint32_t kws[4] = {kw.x, kw.y, kw.z, kw.w}, qws[4] = {qw.x, qw.y, qw.z, qw.w};
+        float kk[8], qq[8];
         const float rk = sm.rk[i], rq = sm.rq[i];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          kk[2 * e] = __uint_as_float(kws[e] << 16) * rk, kk[2 * e + 1] = __uint_as_float(kws[e] & 0xffff0000u) * rk;
+          qq[2 * e] = __uint_as_float(qws[e] << 16) * rq, qq[2 * e + 1] = __uint_as_float(qws[e] & 0xffff0000u) * rq;
+        }
         float kp[8], qp[8], kr[8];
         const int o = swz(i, pc);
         if (!pairwise) {
@@ -389,51 +503,29 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
           load8f(sm.ecp + d0, ecv);
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            const float kk = bf(kx[e]) * rk, qq = bf(qx[e]) * rq;
             const float ex = __expf(gi[e]), ei = __fdividef(1.f, ex);  // e^{±Γ'}, Γ' in [-80, 0]
-            km[e] = kk * ex, qm[e] = qq * ex, kn[e] = kk * ei;
+            km[e] = kk[e] * ex, qm[e] = qq[e] * ex, kn[e] = kk[e] * ei;
             kp[e] = km[e] * e0v[e], qp[e] = qm[e] * e0v[e], kr[e] = kn[e] * ecv[e];
           }
-          *reinterpret_cast<uint4*>(sm.km + o) = pack8_bf16(km);
-          *reinterpret_cast<uint4*>(sm.qm + o) = pack8_bf16(qm);
-          *reinterpret_cast<uint4*>(sm.kn + o) = pack8_bf16(kn);
+          *reinterpret_cast<uint4*>(sm.km[b] + o) = pack8_bf16(km);
+          *reinterpret_cast<uint4*>(sm.qm[b] + o) = pack8_bf16(qm);
+          *reinterpret_cast<uint4*>(sm.kn[b] + o) = pack8_bf16(kn);
         } else {
           // exact exponentials of the absolute (<= 0) exponents: Γ_i = a_0 + Γ'_i, Γ_C - Γ_i = Γ'_15 - Γ'_i
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            const float kk = bf(kx[e]) * rk, qq = bf(qx[e]) * rq;
             const float e1 = __expf(sm.a0[d0 + e] + gi[e]);
-            kp[e] = kk * e1, qp[e] = qq * e1;
-            kr[e] = kk * __expf(sm.gc[d0 + e] - gi[e]);
+            kp[e] = kk[e] * e1, qp[e] = qq[e] * e1;
+            kr[e] = kk[e] * __expf(sm.gc[d0 + e] - gi[e]);
           }
         }
         *reinterpret_cast<uint4*>(op.kp + o) = pack8_bf16(kp);
         *reinterpret_cast<uint4*>(op.qp + o) = pack8_bf16(qp);
         *reinterpret_cast<uint4*>(op.kr + o) = pack8_f16(kr);
       }
-      named_sync(kBarPrep, kPrepThreads);
-
-      // ---- P4: L and Mqk (masked), then the inverse
-      if (!pairwise) {
-        if (pwarp < 2) {
-          const int gq = lane >> 2, cq = lane & 3;
-          float acc[2][4];
-          gemm_16x16(pwarp == 0 ? sm.km : sm.qm, sm.kn, lane, acc);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
-              if (pwarp == 0)
-                sm.ap[i * kChunk + jj] = jj < i ? sm.beta[i] * acc[nt][e] : 0.f;
-              else
-                op.mqk[i * kChunk + jj] = __float2half_rn(jj <= i ? clamp_f16(acc[nt][e]) : 0.f);
-            }
-          __syncwarp();
-        }
-      } else {
+      if (pairwise) {
         // Exact pairwise exponents on CUDA cores (Γ_i - Γ_j = Γ'_i - Γ'_j), masked entries written as 0
-        // and never exponentiated.
+        // and never exponentiated; W then only inverts.
         for (int e = ptid; e < kChunk * kChunk; e += kPrepThreads) {
           const int i = e / kChunk, jj = e % kChunk;
           float l = 0.f, mq = 0.f;
@@ -446,35 +538,16 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
             l *= sm.rk[i] * sm.rk[jj];
             mq *= sm.rq[i] * sm.rk[jj];
           }
-          sm.ap[e] = jj < i ? sm.beta[i] * l : 0.f;
+          sm.ap[b][e] = jj < i ? sm.beta[b][i] * l : 0.f;
           op.mqk[e] = __float2half_rn(clamp_f16(mq));
         }
-        named_sync(kBarPrep, kPrepThreads);
       }
-      if (pwarp == 0 && lane < kChunk) {
-        // INV = (I + A')^{-1}, column jj = lane, forward substitution in fp32; INVb = INV diag(β).
-        const int jj = lane;
-        float col[kChunk];
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-          float x0 = i == jj ? 1.f : 0.f, x1 = 0.f;
-#pragma unroll
-          for (int m = 0; m < i; ++m) {
-            if (m & 1)
-              x1 = fmaf(-sm.ap[i * kChunk + m], col[m], x1);
-            else
-              x0 = fmaf(-sm.ap[i * kChunk + m], col[m], x0);
-          }
-          col[i] = x0 + x1;
-        }
-        const float bj = sm.beta[jj];
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) op.invb[i * kChunk + jj] = __float2half_rn(clamp_f16(col[i] * bj));
-      }
-      named_arrive(kBarFull0 + b, NT);  // operands of chunk j are ready
+      if (ptid == 0) sm.pairwise[b] = pairwise;
+      named_arrive(kBarKReady0 + b, Cfg::kCountKReady);
     }
     // Match the chain's EMPTY arrivals of the last two chunks, so no barrier is left half-arrived.
-    for (int64_t j = n_chunks > 2 ? n_chunks : 2; j < n_chunks + 2; ++j) named_sync(kBarEmpty0 + (j & 1), NT);
+    for (int64_t j = n_chunks > 2 ? n_chunks : 2; j < n_chunks + 2; ++j)
+      named_sync(kBarEmpty0 + (j & 1), Cfg::kCountEmpty);
     cp_async_wait<0>();
     return;
   }
@@ -553,7 +626,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     }
     cp_async_wait<1>();
     __syncwarp();
-    named_sync(kBarFull0 + b, NT);  // the prep warps' operands of chunk c
+    named_sync(kBarFull0 + b, Cfg::kCountFull);  // the operands of chunk c
     const typename Smem::Operands& op = sm.op[b];
     const __nv_bfloat16* vb = sm.vbuf[warp][b];
 
@@ -643,7 +716,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
         }
       }
     }
-    named_arrive(kBarEmpty0 + b, NT);  // done with chunk c's operands
+    named_arrive(kBarEmpty0 + b, Cfg::kCountEmpty);  // done with chunk c's operands
   }
   cp_async_wait<0>();
 
