@@ -84,31 +84,32 @@ struct ChunkedConfig {
 template <int VB>
 struct ChunkedSmem {
   static constexpr int K = kHeadDim;
-  struct Raw {  // prep warps' cp.async ring
+  struct alignas(16) Raw {  // G warps' cp.async ring
     __nv_bfloat16 q[kChunk * K], k[kChunk * K], g[kChunk * K];
   };
-  struct Operands {  // prep -> chain, double-buffered
+  struct alignas(16) Operands {  // G/W -> chain, double-buffered
     __nv_bfloat16 kp[kChunk * K], qp[kChunk * K];  // K⁺, Q⁺ (scale folded in)
     __half kr[kChunk * K];                         // Kr
     float gamma_c[K];                              // e^{Γ_C}
     __half invb[kChunk * kChunk], mqk[kChunk * kChunk];
   };
-  Raw raw[2];
-  Operands op[2];
+  // Every member is 16-byte aligned (cp.async, ldmatrix and float4/uint4 accesses).
+  alignas(16) Raw raw[2];
+  alignas(16) Operands op[2];
   // G -> W, double-buffered
-  __nv_bfloat16 km[2][kChunk * K], qm[2][kChunk * K], kn[2][kChunk * K];
-  float ap[2][kChunk * kChunk];  // A' = diag(β) strict_tril(L) (written by W, or by G in pairwise mode)
-  float beta[2][kChunk];
-  int pairwise[2];
+  alignas(16) __nv_bfloat16 km[2][kChunk * K], qm[2][kChunk * K], kn[2][kChunk * K];
+  alignas(16) float ap[2][kChunk * kChunk];  // A' = diag(β) strict_tril(L) (by W, or by G in pairwise mode)
+  alignas(16) float beta[2][kChunk];
   // G-only scratch
-  float gp[kChunk * K];  // Γ' = Γ - Γ_0
-  float e0[K], ecp[K];   // e^{Γ_0}, e^{Γ'_15}
-  float a0[K], gc[K];    // Γ_0, Γ'_15
-  float rq[kChunk], rk[kChunk];
-  float i2s[8 * 8];  // W-only: the lower diagonal block's inverse
+  alignas(16) float gp[kChunk * K];  // Γ' = Γ - Γ_0
+  alignas(16) float e0[K], ecp[K];   // e^{Γ_0}, e^{Γ'_15}
+  alignas(16) float a0[K], gc[K];    // Γ_0, Γ'_15
+  alignas(16) float rq[kChunk], rk[kChunk];
+  alignas(16) float i2s[8 * 8];  // W-only: the lower diagonal block's inverse
   // chain-only: per warp, v of two chunks and the output staging tile
-  __nv_bfloat16 vbuf[VB / 16][2][kChunk * 16];
-  __nv_bfloat16 ostage[VB / 16][kChunk * 16];
+  alignas(16) __nv_bfloat16 vbuf[VB / 16][2][kChunk * 16];
+  alignas(16) __nv_bfloat16 ostage[VB / 16][kChunk * 16];
+  alignas(16) int pairwise[2];
 };
 
 __device__ __forceinline__ int swz(int row, int piece) { return row * kHeadDim + ((piece ^ (row & 7)) << 3); }
