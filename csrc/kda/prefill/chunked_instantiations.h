@@ -9,6 +9,6 @@ namespace kda::prefill {
 
 // Sets the shared-memory opt-in once per device and launches N * HV * (128 / VB) CTAs.
 template <int VB>
-cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, cudaStream_t stream);
+cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, int diag, cudaStream_t stream);
 
 }  // namespace kda::prefill

@@ -64,6 +64,10 @@ constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the
 // each per operand buffer.
 constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 4, kBarKReady0 = 6;
 
+// Benchmark-only switches (KDA_CHUNKED_DIAG): skip one role's math to see what it costs. They break the
+// results on purpose and are never set in normal use.
+constexpr int kDiagNoChain = 1, kDiagNoSolve = 2, kDiagNoPrep = 4;
+
 template <int VB_>
 struct ChunkedConfig {
   static constexpr int K = kHeadDim;
@@ -240,7 +244,7 @@ __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
 
 template <int VB>
 __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
-    kda_chunked_kernel(const RecurrentParams p, const bool out_vec16) {
+    kda_chunked_kernel(const RecurrentParams p, const bool out_vec16, const int diag) {
   using Cfg = ChunkedConfig<VB>;
   using Smem = ChunkedSmem<VB>;
   constexpr int K = Cfg::K, NW = Cfg::NW, NC = Cfg::NC;
@@ -292,6 +296,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       typename Smem::Operands& op = sm.op[b];
       float* ap = sm.ap[b];
       const float* bt = sm.beta[b];
+      if (diag & kDiagNoSolve) {
+        named_arrive(kBarFull0 + b, Cfg::kCountFull);
+        continue;
+      }
       if (!sm.pairwise[b]) {
         // L = Km Knᵀ and Mqk = Qm Knᵀ, interleaved (shared B fragments)
         const int gq = lane >> 2, cq = lane & 3, m = lane >> 3, r8 = lane & 7;
@@ -434,6 +442,11 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       const typename Smem::Raw& rb = sm.raw[b];
       typename Smem::Operands& op = sm.op[b];
 
+      if (diag & kDiagNoPrep) {
+        if (ptid == 0) sm.pairwise[b] = 0;
+        named_arrive(kBarKReady0 + b, Cfg::kCountKReady);
+        continue;
+      }
       // ---- P1: gate prefix of channel d, per-channel constants, L2 norms, beta
       float a0 = 0.f, gc = 0.f;
       if (p.gate_mode == GateMode::kLowerBound)
@@ -630,6 +643,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     named_sync(kBarFull0 + b, Cfg::kCountFull);  // the operands of chunk c
     const typename Smem::Operands& op = sm.op[b];
     const __nv_bfloat16* vb = sm.vbuf[warp][b];
+    if (diag & kDiagNoChain) {
+      named_arrive(kBarEmpty0 + b, Cfg::kCountEmpty);
+      continue;
+    }
 
     // ---- [Xᵀ | O_interᵀ] = S [K⁺ ; Q⁺]ᵀ and Yᵀ = Vᵀ - Xᵀ
     float ax[2][4], ao[2][4];
@@ -730,7 +747,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
 namespace kda::prefill {
 
 template <int VB>
-cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, cudaStream_t stream) {
+cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, int diag, cudaStream_t stream) {
   using Cfg = ChunkedConfig<VB>;
   auto kernel = kda_chunked_kernel<VB>;
   constexpr int smem = static_cast<int>(sizeof(ChunkedSmem<VB>));
@@ -744,7 +761,7 @@ cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, cudaStream_t 
   }
   const int64_t blocks = p.N * p.HV * Cfg::kParts;
   if (blocks <= 0) return cudaSuccess;
-  kernel<<<dim3(static_cast<unsigned>(blocks)), Cfg::NT, smem, stream>>>(p, out_vec16);
+  kernel<<<dim3(static_cast<unsigned>(blocks)), Cfg::NT, smem, stream>>>(p, out_vec16, diag);
   return cudaGetLastError();
 }
 

@@ -43,7 +43,10 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool out_vec16 = al(p.out) && p.out_token_stride % 8 == 0 && p.out_head_stride % 8 == 0 &&
                          (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
-  return vb == 64 ? prefill::run_chunked_<64>(p, out_vec16, stream) : prefill::run_chunked_<128>(p, out_vec16, stream);
+  const char* dg = std::getenv("KDA_CHUNKED_DIAG");  // benchmarks only: skips work on purpose
+  const int diag = dg != nullptr ? std::atoi(dg) : 0;
+  return vb == 64 ? prefill::run_chunked_<64>(p, out_vec16, diag, stream)
+                  : prefill::run_chunked_<128>(p, out_vec16, diag, stream);
 }
 
 }  // namespace kda
