@@ -53,7 +53,8 @@ namespace kda::prefill {
 
 constexpr int kChunk = 16;              // tokens per chunk (the m16 of mma.sync)
 constexpr int kHeadDim = 128;           // K = V
-constexpr float kSpanLimit = 80.f;      // GEMM mode needs -Γ'_15 <= this in every channel
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kSpanLimit = 80.f * kLog2e;  // GEMM mode needs -Γ'_15 <= 80 (log2 units here) in every channel
 constexpr float kL2Eps = 1e-6f;         // SPEC §2 step 1
 constexpr float kMinLogDecay = -1e30f;  // keeps -inf gates from making inf - inf in relative exponents
 constexpr int kPrepWarps = 4;                  // "G" warps: gate, norms, decayed operand tiles
@@ -62,7 +63,8 @@ constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the
 
 // Named barriers (0 is __syncthreads): G-internal; KREADY (G -> W), FULL (W -> chain), EMPTY (chain -> G),
 // each per operand buffer.
-constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 4, kBarKReady0 = 6;
+constexpr int kStages = 3;  // operand buffers between G/W and the chain (how far prep may run ahead)
+constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 2 + kStages, kBarKReady0 = 2 + 2 * kStages;
 
 // Benchmark-only switches (KDA_CHUNKED_DIAG): skip one role's math to see what it costs. They break the
 // results on purpose and are never set in normal use.
@@ -99,11 +101,11 @@ struct ChunkedSmem {
   };
   // Every member is 16-byte aligned (cp.async, ldmatrix and float4/uint4 accesses).
   alignas(16) Raw raw[2];
-  alignas(16) Operands op[2];
+  alignas(16) Operands op[kStages];
   // G -> W, double-buffered
-  alignas(16) __nv_bfloat16 km[2][kChunk * K], qm[2][kChunk * K], kn[2][kChunk * K];
-  alignas(16) float ap[2][kChunk * kChunk];  // A' = diag(β) strict_tril(L) (by W, or by G in pairwise mode)
-  alignas(16) float beta[2][kChunk];
+  alignas(16) __nv_bfloat16 km[kStages][kChunk * K], qm[kStages][kChunk * K], kn[kStages][kChunk * K];
+  alignas(16) float ap[kStages][kChunk * kChunk];  // A' = diag(β) strict_tril(L) (by W, or by G in pairwise mode)
+  alignas(16) float beta[kStages][kChunk];
   // G-only scratch
   alignas(16) float gp[kChunk * K];  // Γ' = Γ - Γ_0
   alignas(16) float e0[K], ecp[K];   // e^{Γ_0}, e^{Γ'_15}
@@ -113,7 +115,7 @@ struct ChunkedSmem {
   // chain-only: per warp, v of two chunks and the output staging tile
   alignas(16) __nv_bfloat16 vbuf[VB / 16][2][kChunk * 16];
   alignas(16) __nv_bfloat16 ostage[VB / 16][kChunk * 16];
-  alignas(16) int pairwise[2];
+  alignas(16) int pairwise[kStages];
 };
 
 __device__ __forceinline__ int swz(int row, int piece) { return row * kHeadDim + ((piece ^ (row & 7)) << 3); }
@@ -203,17 +205,28 @@ __device__ __forceinline__ uint4 pack8_bf16(const float (&x)[8]) {
 __device__ __forceinline__ uint4 pack8_f16(const float (&x)[8]) {
   return make_uint4(pack_f16(x[0], x[1]), pack_f16(x[2], x[3]), pack_f16(x[4], x[5]), pack_f16(x[6], x[7]));
 }
+__device__ __forceinline__ uint4 pack8_f16_nosat(const float (&x)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 h = __floats2half2_rn(x[2 * i], x[2 * i + 1]);
+    w[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
 __device__ __forceinline__ float clamp_f16(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
 
+// The log-decay in log2 units (a·log2 e, so that every later exponential is one ex2): A, Adtb and lb
+// arrive pre-scaled (A log2e, A dt_bias log2e, λ log2e).
 template <GateMode M>
 __device__ __forceinline__ float gate_a(float x, float A, float Adtb, float dtb, float lb) {
   if constexpr (M == GateMode::kPrecomputed) {
-    return x;
+    return x * kLog2e;
   } else if constexpr (M == GateMode::kSoftplus) {
     const float z = x + dtb;
     return -A * (z > 20.f ? z : log1pf(__expf(z)));
   } else {
-    return __fdividef(lb, 1.f + __expf(-fmaf(A, x, Adtb)));  // λ sigmoid(A (g + dt_bias))
+    return __fdividef(lb, 1.f + exp2f(-fmaf(A, x, Adtb)));  // λ sigmoid(A (g + dt_bias)), log2 units
   }
 }
 
@@ -291,7 +304,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
   if (warp >= NW + kPrepWarps) {
     // ================================ W: L, Mqk, inverse ================================
     for (int64_t j = 0; j < n_chunks; ++j) {
-      const int b = static_cast<int>(j & 1);
+      const int b = static_cast<int>(j % kStages);
       named_sync(kBarKReady0 + b, Cfg::kCountKReady);  // G's tiles of chunk j
       typename Smem::Operands& op = sm.op[b];
       float* ap = sm.ap[b];
@@ -393,7 +406,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     const bool in_gate = p.gate_mode != GateMode::kPrecomputed;
     const float A = in_gate ? __expf(p.A_log[hv]) : 0.f;
     const float dtb = (in_gate && p.dt_bias != nullptr) ? p.dt_bias[int64_t(hv) * K + d] : 0.f;
-    const float Adtb = A * dtb;
+    // pre-scaled gate constants (gate_a works in log2 units)
+    const float A2 = A * kLog2e;
+    const float Adtb = A2 * dtb;
+    const float lb2 = p.lower_bound * kLog2e;
     const __nv_bfloat16* src3[3] = {
         static_cast<const __nv_bfloat16*>(p.q.ptr) + sr.batch * p.q.batch_stride + int64_t(h) * p.q.head_stride,
         static_cast<const __nv_bfloat16*>(p.k.ptr) + sr.batch * p.k.batch_stride + int64_t(h) * p.k.head_stride,
@@ -430,16 +446,16 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     issue(0);
     __nv_bfloat16 beta_next = load_beta(0);
     for (int64_t j = 0; j < n_chunks; ++j) {
-      const int b = static_cast<int>(j & 1);
+      const int b = static_cast<int>(j % kStages);
       const int cl = chunk_len(j);
       const __nv_bfloat16 beta_raw = beta_next;
       issue(j + 1);
       beta_next = load_beta(j + 1);
-      // The chain is done with chunk j-2's operands (and so, transitively, is W with its G -> W tiles).
-      if (j >= 2) named_sync(kBarEmpty0 + b, Cfg::kCountEmpty);
+      // The chain is done with chunk j-kStages' operands (and so, transitively, is W with its G -> W tiles).
+      if (j >= kStages) named_sync(kBarEmpty0 + b, Cfg::kCountEmpty);
       cp_async_wait<1>();
       named_sync(kBarPrep, kPrepThreads);  // raw(j) visible to every G thread
-      const typename Smem::Raw& rb = sm.raw[b];
+      const typename Smem::Raw& rb = sm.raw[j & 1];
       typename Smem::Operands& op = sm.op[b];
 
       if (diag & kDiagNoPrep) {
@@ -450,16 +466,16 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       // ---- P1: gate prefix of channel d, per-channel constants, L2 norms, beta
       float a0 = 0.f, gc = 0.f;
       if (p.gate_mode == GateMode::kLowerBound)
-        gate_prefix<GateMode::kLowerBound>(rb, sm.gp, d, cl, A, Adtb, dtb, p.lower_bound, a0, gc);
+        gate_prefix<GateMode::kLowerBound>(rb, sm.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
       else if (p.gate_mode == GateMode::kSoftplus)
-        gate_prefix<GateMode::kSoftplus>(rb, sm.gp, d, cl, A, Adtb, dtb, p.lower_bound, a0, gc);
+        gate_prefix<GateMode::kSoftplus>(rb, sm.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
       else
-        gate_prefix<GateMode::kPrecomputed>(rb, sm.gp, d, cl, A, Adtb, dtb, p.lower_bound, a0, gc);
-      sm.e0[d] = __expf(a0);
-      sm.ecp[d] = __expf(gc);
+        gate_prefix<GateMode::kPrecomputed>(rb, sm.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
+      sm.e0[d] = exp2f(a0);  // (a0, gc, Γ' are in log2 units)
+      sm.ecp[d] = exp2f(gc);
       sm.a0[d] = a0;  // the raw exponents, for the pairwise fallback
       sm.gc[d] = gc;
-      op.gamma_c[d] = __expf(a0 + gc);
+      op.gamma_c[d] = exp2f(a0 + gc);
       const int wide = !(-gc <= kSpanLimit);  // (NaN counts as wide)
       {
         const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements each
@@ -517,7 +533,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
           load8f(sm.ecp + d0, ecv);
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            const float ex = __expf(gi[e]), ei = __fdividef(1.f, ex);  // e^{±Γ'}, Γ' in [-80, 0]
+            const float ex = exp2f(gi[e]), ei = __fdividef(1.f, ex);  // e^{±Γ'}, Γ' in [-80, 0] (nats)
             km[e] = kk[e] * ex, qm[e] = qq[e] * ex, kn[e] = kk[e] * ei;
             kp[e] = km[e] * e0v[e], qp[e] = qm[e] * e0v[e], kr[e] = kn[e] * ecv[e];
           }
@@ -528,14 +544,15 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
           // exact exponentials of the absolute (<= 0) exponents: Γ_i = a_0 + Γ'_i, Γ_C - Γ_i = Γ'_15 - Γ'_i
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            const float e1 = __expf(sm.a0[d0 + e] + gi[e]);
+            const float e1 = exp2f(sm.a0[d0 + e] + gi[e]);
             kp[e] = kk[e] * e1, qp[e] = qq[e] * e1;
-            kr[e] = kk[e] * __expf(sm.gc[d0 + e] - gi[e]);
+            kr[e] = kk[e] * exp2f(sm.gc[d0 + e] - gi[e]);
           }
         }
         *reinterpret_cast<uint4*>(op.kp + o) = pack8_bf16(kp);
         *reinterpret_cast<uint4*>(op.qp + o) = pack8_bf16(qp);
-        *reinterpret_cast<uint4*>(op.kr + o) = pack8_f16(kr);
+        // |Kr| <= |k̂| <= 1 with the L2 norm: no saturation needed
+        *reinterpret_cast<uint4*>(op.kr + o) = p.use_qk_l2norm ? pack8_f16_nosat(kr) : pack8_f16(kr);
       }
       if (pairwise) {
         // Exact pairwise exponents on CUDA cores (Γ_i - Γ_j = Γ'_i - Γ'_j), masked entries written as 0
@@ -545,7 +562,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
           float l = 0.f, mq = 0.f;
           if (jj <= i) {
             for (int dd = 0; dd < K; ++dd) {
-              const float w = __expf(sm.gp[i * K + dd] - sm.gp[jj * K + dd]) * bf(rb.k[jj * K + dd]);
+              const float w = exp2f(sm.gp[i * K + dd] - sm.gp[jj * K + dd]) * bf(rb.k[jj * K + dd]);
               l = fmaf(bf(rb.k[i * K + dd]), w, l);
               mq = fmaf(bf(rb.q[i * K + dd]), w, mq);
             }
@@ -559,9 +576,9 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       if (ptid == 0) sm.pairwise[b] = pairwise;
       named_arrive(kBarKReady0 + b, Cfg::kCountKReady);
     }
-    // Match the chain's EMPTY arrivals of the last two chunks, so no barrier is left half-arrived.
-    for (int64_t j = n_chunks > 2 ? n_chunks : 2; j < n_chunks + 2; ++j)
-      named_sync(kBarEmpty0 + (j & 1), Cfg::kCountEmpty);
+    // Match the chain's EMPTY arrivals of the last kStages chunks, so no barrier is left half-arrived.
+    for (int64_t j = n_chunks > kStages ? n_chunks : kStages; j < n_chunks + kStages; ++j)
+      named_sync(kBarEmpty0 + static_cast<int>(j % kStages), Cfg::kCountEmpty);
     cp_async_wait<0>();
     return;
   }
@@ -627,7 +644,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
   issue_v(0);
 
   for (int64_t c = 0; c < n_chunks; ++c) {
-    const int b = static_cast<int>(c & 1);
+    const int b = static_cast<int>(c % kStages);
     const int64_t t0 = c * kChunk;  // chunk start within the sequence
     const int cl = chunk_len(c);
     __syncwarp();  // every lane is done with the v slot refilled below (chunk c - 1's)
@@ -642,7 +659,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     __syncwarp();
     named_sync(kBarFull0 + b, Cfg::kCountFull);  // the operands of chunk c
     const typename Smem::Operands& op = sm.op[b];
-    const __nv_bfloat16* vb = sm.vbuf[warp][b];
+    const __nv_bfloat16* vb = sm.vbuf[warp][c & 1];
     if (diag & kDiagNoChain) {
       named_arrive(kBarEmpty0 + b, Cfg::kCountEmpty);
       continue;
