@@ -234,16 +234,20 @@ __device__ __forceinline__ float gate_a(float x, float A, float Adtb, float dtb,
 template <GateMode M, class Raw>
 __device__ __forceinline__ void gate_prefix(const Raw& rb, float* gp, int d, int cl, float A, float Adtb, float dtb,
                                             float lb, float& a0, float& gc) {
+  // all loads first, then the 16 independent gate evaluations, then the (cheap) serial prefix
+  float a[kChunk];
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) a[i] = bf(rb.g[i * kHeadDim + d]);
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    const float x = fmaxf(gate_a<M>(a[i], A, Adtb, dtb, lb), kMinLogDecay);
+    a[i] = i < cl ? x : 0.f;  // padding rows (zero-filled) never decay; a select keeps the loop branch-free
+  }
+  a0 = a[0];
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
-    float a = fmaxf(gate_a<M>(bf(rb.g[i * kHeadDim + d]), A, Adtb, dtb, lb), kMinLogDecay);
-    a = i < cl ? a : 0.f;  // padding rows (zero-filled) never decay; a select keeps the loop branch-free
-    if (i == 0) {
-      a0 = a;
-    } else {
-      acc += a;
-    }
+    if (i > 0) acc += a[i];
     gp[i * kHeadDim + d] = acc;
   }
   gc = acc;
@@ -666,26 +670,39 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     }
 
     // ---- [Xᵀ | O_interᵀ] = S [K⁺ ; Q⁺]ᵀ and Yᵀ = Vᵀ - Xᵀ
-    float ax[2][4], ao[2][4];
+    // Two accumulator sets (even / odd k-steps) halve the dependent HMMA chain; the B fragments of step
+    // ks + 1 are loaded before the HMMAs of step ks (ldmatrix and mma are ordered asm).
+    float ax[2][4], ao[2][4], ax2[2][4], ao2[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ax[nt][e] = 0.f, ao[nt][e] = 0.f;
+      for (int e = 0; e < 4; ++e) ax[nt][e] = 0.f, ao[nt][e] = 0.f, ax2[nt][e] = 0.f, ao2[nt][e] = 0.f;
     {
       const int m = lane >> 3, r8 = lane & 7;
+      uint32_t bk[2][4], bq[2][4];
+      ldsm_x4(op.kp + swz((m >> 1) * 8 + r8, m & 1), bk[0]);
+      ldsm_x4(op.qp + swz((m >> 1) * 8 + r8, m & 1), bq[0]);
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) {
+        const int cur = ks & 1;
+        if (ks + 1 < K / 16) {
+          ldsm_x4(op.kp + swz((m >> 1) * 8 + r8, 2 * (ks + 1) + (m & 1)), bk[cur ^ 1]);
+          ldsm_x4(op.qp + swz((m >> 1) * 8 + r8, 2 * (ks + 1) + (m & 1)), bq[cur ^ 1]);
+        }
         const uint32_t a[4] = {pack_bf16(s[2 * ks][0], s[2 * ks][1]), pack_bf16(s[2 * ks][2], s[2 * ks][3]),
                                pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
                                pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-        uint32_t bk[4], bq[4];
-        ldsm_x4(op.kp + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), bk);
-        ldsm_x4(op.qp + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), bq);
-        mma_bf16(ax[0], a, bk[0], bk[1]);
-        mma_bf16(ax[1], a, bk[2], bk[3]);
-        mma_bf16(ao[0], a, bq[0], bq[1]);
-        mma_bf16(ao[1], a, bq[2], bq[3]);
+        float(&x)[2][4] = cur ? ax2 : ax;
+        float(&o)[2][4] = cur ? ao2 : ao;
+        mma_bf16(x[0], a, bk[cur][0], bk[cur][1]);
+        mma_bf16(x[1], a, bk[cur][2], bk[cur][3]);
+        mma_bf16(o[0], a, bq[cur][0], bq[cur][1]);
+        mma_bf16(o[1], a, bq[cur][2], bq[cur][3]);
       }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ax[nt][e] += ax2[nt][e], ao[nt][e] += ao2[nt][e];
     }
     // Yᵀ[v][t] = V[t][v] - Xᵀ[v][t] (padding rows: V = 0 and K⁺ = 0, so Y = 0)
 #pragma unroll
