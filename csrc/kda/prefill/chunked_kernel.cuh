@@ -32,7 +32,8 @@
 // e^{80} factors), fp16 (2^-11) for the bounded R path, which keeps fp32 states within SPEC's 1e-3.
 //
 // Raw q/k/g rows of the next chunk are copied with cp.async by the prep warps while they prepare the
-// current one; each chain warp copies its own 16 columns of v one chunk ahead. Rows past the end of the
+// current one (kRawStages - 1 chunks ahead); each chain warp copies its own 16 columns of v as far ahead.
+// Rows past the end of the
 // sequence are zero-filled and their gate forced to 0, so padding never touches the state. Checkpoint
 // rows are written at chunk starts that are multiples of the interval (intervals are multiples of 16).
 // Slot, activity and gate rules come from kda/common/recurrent_rules.h.
@@ -63,7 +64,8 @@ constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the
 
 // Named barriers (0 is __syncthreads): G-internal; KREADY (G -> W), FULL (W -> chain), EMPTY (chain -> G),
 // each per operand buffer.
-constexpr int kStages = 3;  // operand buffers between G/W and the chain (how far prep may run ahead)
+constexpr int kStages = 3;     // operand buffers between G/W and the chain (how far prep may run ahead)
+constexpr int kRawStages = 4;  // cp.async ring depth of the raw token tiles (prefetch distance + 1)
 constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 2 + kStages, kBarKReady0 = 2 + 2 * kStages;
 
 // Benchmark-only switches (KDA_CHUNKED_DIAG): skip one role's math to see what it costs. They break the
@@ -100,7 +102,7 @@ struct ChunkedSmem {
     __half invb[kChunk * kChunk], mqk[kChunk * kChunk];
   };
   // Every member is 16-byte aligned (cp.async, ldmatrix and float4/uint4 accesses).
-  alignas(16) Raw raw[2];
+  alignas(16) Raw raw[kRawStages];
   alignas(16) Operands op[kStages];
   // G -> W, double-buffered
   alignas(16) __nv_bfloat16 km[kStages][kChunk * K], qm[kStages][kChunk * K], kn[kStages][kChunk * K];
@@ -113,7 +115,7 @@ struct ChunkedSmem {
   alignas(16) float rq[kChunk], rk[kChunk];
   alignas(16) float i2s[8 * 8];  // W-only: the lower diagonal block's inverse
   // chain-only: per warp, v of two chunks and the output staging tile
-  alignas(16) __nv_bfloat16 vbuf[VB / 16][2][kChunk * 16];
+  alignas(16) __nv_bfloat16 vbuf[VB / 16][kRawStages][kChunk * 16];
   alignas(16) __nv_bfloat16 ostage[VB / 16][kChunk * 16];
   alignas(16) int pairwise[kStages];
 };
@@ -422,10 +424,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     const auto* bsrc = static_cast<const __nv_bfloat16*>(p.beta.ptr) + sr.batch * p.beta.batch_stride +
                        int64_t(hv) * p.beta.head_stride;
 
-    // raw q, k, g of chunk c into ring slot c & 1: 3 tiles x 256 pieces of 16 bytes, 6 per thread
+    // raw q, k, g of chunk c into ring slot c % kRawStages: 3 tiles x 256 pieces of 16 bytes, 6 per thread
     auto issue = [&](int64_t c) {
       if (c < n_chunks) {
-        typename Smem::Raw& rb = sm.raw[c & 1];
+        typename Smem::Raw& rb = sm.raw[c % kRawStages];
         __nv_bfloat16* dst3[3] = {rb.q, rb.k, rb.g};
         const int64_t t0 = sr.bos + c * kChunk;
         const int cl = chunk_len(c);
@@ -447,19 +449,22 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       return bv;
     };
 
-    issue(0);
+#pragma unroll
+    for (int c = 0; c < kRawStages - 1; ++c) issue(c);
     __nv_bfloat16 beta_next = load_beta(0);
     for (int64_t j = 0; j < n_chunks; ++j) {
       const int b = static_cast<int>(j % kStages);
       const int cl = chunk_len(j);
       const __nv_bfloat16 beta_raw = beta_next;
-      issue(j + 1);
       beta_next = load_beta(j + 1);
       // The chain is done with chunk j-kStages' operands (and so, transitively, is W with its G -> W tiles).
       if (j >= kStages) named_sync(kBarEmpty0 + b, Cfg::kCountEmpty);
-      cp_async_wait<1>();
-      named_sync(kBarPrep, kPrepThreads);  // raw(j) visible to every G thread
-      const typename Smem::Raw& rb = sm.raw[j & 1];
+      cp_async_wait<kRawStages - 2>();
+      // raw(j) visible to every G thread, and every G thread is done with chunk j-1 (incl. its raw slot,
+      // refilled right below: issuing before this barrier would race with slower threads' reads)
+      named_sync(kBarPrep, kPrepThreads);
+      issue(j + kRawStages - 1);
+      const typename Smem::Raw& rb = sm.raw[j % kRawStages];
       typename Smem::Operands& op = sm.op[b];
 
       if (diag & kDiagNoPrep) {
@@ -633,37 +638,38 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
 
   const int every = p.checkpoint_every_n_tokens;
   const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
-  // this warp's 16 columns of v, one chunk ahead: lane -> (token lane / 2, 8 columns (lane & 1) * 8)
+  // this warp's 16 columns of v, kRawStages - 1 chunks ahead: lane -> (token lane / 2, 8 columns (lane & 1) * 8)
   const auto* vsrc = static_cast<const __nv_bfloat16*>(p.v.ptr) + sr.batch * p.v.batch_stride +
                      int64_t(hv) * p.v.head_stride + v0 + (lane & 1) * 8;
   auto issue_v = [&](int64_t c) {
     if (c < n_chunks) {
       const int t = lane >> 1;
       const bool ok = c * kChunk + t < sr.len;
-      cp_async_16(&sm.vbuf[warp][c & 1][t * 16 + (lane & 1) * 8],
+      cp_async_16(&sm.vbuf[warp][c % kRawStages][t * 16 + (lane & 1) * 8],
                   vsrc + (sr.bos + (ok ? c * kChunk + t : 0)) * p.v.token_stride, ok);
     }
     cp_async_commit();
   };
-  issue_v(0);
+#pragma unroll
+  for (int c = 0; c < kRawStages - 1; ++c) issue_v(c);
 
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int b = static_cast<int>(c % kStages);
     const int64_t t0 = c * kChunk;  // chunk start within the sequence
     const int cl = chunk_len(c);
     __syncwarp();  // every lane is done with the v slot refilled below (chunk c - 1's)
-    issue_v(c + 1);
+    issue_v(c + kRawStages - 1);
 
     // Checkpoint: the state BEFORE token t0 (t0 a multiple of the interval, itself a multiple of 16).
     if (every > 0 && t0 % every == 0) {
       const int64_t row = ckpt_row0 + t0 / every;
       if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
     }
-    cp_async_wait<1>();
+    cp_async_wait<kRawStages - 1>();
     __syncwarp();
     named_sync(kBarFull0 + b, Cfg::kCountFull);  // the operands of chunk c
     const typename Smem::Operands& op = sm.op[b];
-    const __nv_bfloat16* vb = sm.vbuf[warp][c & 1];
+    const __nv_bfloat16* vb = sm.vbuf[warp][c % kRawStages];
     if (diag & kDiagNoChain) {
       named_arrive(kBarEmpty0 + b, Cfg::kCountEmpty);
       continue;
