@@ -122,6 +122,18 @@ struct ChunkedSmem {
 
 __device__ __forceinline__ int swz(int row, int piece) { return row * kHeadDim + ((piece ^ (row & 7)) << 3); }
 
+// ldmatrix addresses of a lane for the 8 k-steps over a swizzled [16][K] tile: row `row` (0..15), pieces
+// 2 ks + bit. Since (2 ks + bit) ^ (row & 7) = 8 (ks >= 4) + ((2 (ks & 3) + bit) ^ (row & 7)), four offsets
+// computed once replace the per-step swizzle arithmetic: offset(ks) = off[ks & 3] + (ks >> 2) * 64.
+struct TileOffsets {
+  int off[4];
+  __device__ __forceinline__ TileOffsets(int row, int bit) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) off[q] = row * kHeadDim + (((2 * q + bit) ^ (row & 7)) << 3);
+  }
+  __device__ __forceinline__ int at(int ks) const { return off[ks & 3] + (ks >> 2) * 64; }
+};
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -157,24 +169,6 @@ __device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   cute::cp_async_wait<N>();
-}
-
-// [16 x 16] = A[16 x K] · B[16 x K]ᵀ over the swizzled tiles, bf16 operands, fp32 result (one warp).
-__device__ __forceinline__ void gemm_16x16(const __nv_bfloat16* a, const __nv_bfloat16* b, int lane,
-                                           float (&acc)[2][4]) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-  const int m = lane >> 3, r8 = lane & 7;
-#pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    uint32_t af[4], bfr[4];
-    ldsm_x4(a + swz((m & 1) * 8 + r8, 2 * ks + (m >> 1)), af);
-    ldsm_x4(b + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), bfr);
-    mma_bf16(acc[0], af, bfr[0], bfr[1]);
-    mma_bf16(acc[1], af, bfr[2], bfr[3]);
-  }
 }
 
 // B operand fragments (n = 16 rows of a row-major [16][16] fp16 matrix M, k = its columns): b for n-tile
@@ -320,20 +314,29 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
         continue;
       }
       if (!sm.pairwise[b]) {
-        // L = Km Knᵀ and Mqk = Qm Knᵀ, interleaved (shared B fragments)
-        const int gq = lane >> 2, cq = lane & 3, m = lane >> 3, r8 = lane & 7;
-        float al[2][4] = {}, aq[2][4] = {};
+        // L = Km Knᵀ and Mqk = Qm Knᵀ, interleaved (shared B fragments), even/odd k-steps into separate
+        // accumulators (half the dependent HMMA chain)
+        const int gq = lane >> 2, cq = lane & 3;
+        const TileOffsets toff_a(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);  // A fragments
+        const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);  // B fragments
+        float al[2][4] = {}, aq[2][4] = {}, al2[2][4] = {}, aq2[2][4] = {};
 #pragma unroll
         for (int ks = 0; ks < K / 16; ++ks) {
           uint32_t fk[4], fq[4], fn[4];
-          ldsm_x4(sm.km[b] + swz((m & 1) * 8 + r8, 2 * ks + (m >> 1)), fk);
-          ldsm_x4(sm.qm[b] + swz((m & 1) * 8 + r8, 2 * ks + (m >> 1)), fq);
-          ldsm_x4(sm.kn[b] + swz((m >> 1) * 8 + r8, 2 * ks + (m & 1)), fn);
-          mma_bf16(al[0], fk, fn[0], fn[1]);
-          mma_bf16(al[1], fk, fn[2], fn[3]);
-          mma_bf16(aq[0], fq, fn[0], fn[1]);
-          mma_bf16(aq[1], fq, fn[2], fn[3]);
+          ldsm_x4(sm.km[b] + toff_a.at(ks), fk);
+          ldsm_x4(sm.qm[b] + toff_a.at(ks), fq);
+          ldsm_x4(sm.kn[b] + toff_b.at(ks), fn);
+          float(&x)[2][4] = (ks & 1) ? al2 : al;
+          float(&y)[2][4] = (ks & 1) ? aq2 : aq;
+          mma_bf16(x[0], fk, fn[0], fn[1]);
+          mma_bf16(x[1], fk, fn[2], fn[3]);
+          mma_bf16(y[0], fq, fn[0], fn[1]);
+          mma_bf16(y[1], fq, fn[2], fn[3]);
         }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) al[nt][e] += al2[nt][e], aq[nt][e] += aq2[nt][e];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -652,6 +655,9 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
   };
 #pragma unroll
   for (int c = 0; c < kRawStages - 1; ++c) issue_v(c);
+  // this lane's ldmatrix offsets: B fragments of K⁺/Q⁺ (n = token rows), transposed B fragments of Kr
+  const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);
+  const TileOffsets toff_t(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);
 
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int b = static_cast<int>(c % kStages);
@@ -684,16 +690,15 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) ax[nt][e] = 0.f, ao[nt][e] = 0.f, ax2[nt][e] = 0.f, ao2[nt][e] = 0.f;
     {
-      const int m = lane >> 3, r8 = lane & 7;
       uint32_t bk[2][4], bq[2][4];
-      ldsm_x4(op.kp + swz((m >> 1) * 8 + r8, m & 1), bk[0]);
-      ldsm_x4(op.qp + swz((m >> 1) * 8 + r8, m & 1), bq[0]);
+      ldsm_x4(op.kp + toff_b.at(0), bk[0]);
+      ldsm_x4(op.qp + toff_b.at(0), bq[0]);
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) {
         const int cur = ks & 1;
         if (ks + 1 < K / 16) {
-          ldsm_x4(op.kp + swz((m >> 1) * 8 + r8, 2 * (ks + 1) + (m & 1)), bk[cur ^ 1]);
-          ldsm_x4(op.qp + swz((m >> 1) * 8 + r8, 2 * (ks + 1) + (m & 1)), bq[cur ^ 1]);
+          ldsm_x4(op.kp + toff_b.at(ks + 1), bk[cur ^ 1]);
+          ldsm_x4(op.qp + toff_b.at(ks + 1), bq[cur ^ 1]);
         }
         const uint32_t a[4] = {pack_bf16(s[2 * ks][0], s[2 * ks][1]), pack_bf16(s[2 * ks][2], s[2 * ks][3]),
                                pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
@@ -760,11 +765,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       }
     }
     {
-      const int m = lane >> 3, r8 = lane & 7;
 #pragma unroll
       for (int pp = 0; pp < K / 16; ++pp) {
         uint32_t bb[4];
-        ldsm_x4_t(op.kr + swz((m & 1) * 8 + r8, 2 * pp + (m >> 1)), bb);
+        ldsm_x4_t(op.kr + toff_t.at(pp), bb);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int nt = 2 * pp + hh;
