@@ -347,17 +347,24 @@ def _register_recurrent() -> None:
 
     @case("chunked_backend")
     def _():
+        # The chunked tensor-core kernel: packed mix of empty, 1-token, partial and multi-chunk rows, an
+        # inactive slot, checkpoints every 16 tokens, bf16 pool; then unbounded softplus decays (the exact
+        # pairwise fallback) and a fixed-layout call with an fp32 final state.
         g = gen(12)
-        t = tokens(g, 1, 20, 1, 2, 128)
-        pool = pool_of(g, 1, 2, 128, torch.float32)
-        try:
-            o, _ = R(
-                **t, **gate_kw(g, 2, 128, "lower_bound"), initial_state=pool, beta_is_logit=True, backend="chunked"
-            )
-        except NotImplementedError as e:
-            raise Skip(f"chunked backend not built: {str(e).splitlines()[0][:80]}") from None
+        lengths = [0, 1, 37, 16, 70]
+        t = tokens(g, 1, sum(lengths), 1, 2, 128)
+        pool = pool_of(g, 6, 2, 128, torch.bfloat16)
+        slots = torch.tensor([0, 1, -1, 3, 4], dtype=torch.int32, device=DEV)
+        o, _, ck = R(**t, **gate_kw(g, 2, 128, "lower_bound"), initial_state=pool, beta_is_logit=True,
+                     cu_seqlens=cu_of(lengths), ssm_state_indices=slots, checkpoint_every_n_tokens=16,
+                     backend="chunked")
+        t2 = tokens(g, 2, 33, 1, 2, 128)
+        t2["g"] = torch.full_like(t2["g"], 40.0)
+        kw2 = gate_kw(g, 2, 128, "softplus")
+        kw2["A_log"] = torch.full_like(kw2["A_log"], 2.0)
+        o2, fs2 = R(**t2, **kw2, output_final_state=True, backend="chunked")
         sync()
-        consume(o, pool)
+        consume(o, pool, ck, o2, fs2)
 
 
 # ---------------------------------------------------------------------------------------------------
