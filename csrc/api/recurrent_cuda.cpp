@@ -1,8 +1,8 @@
 // CUDA implementation of kda::recurrent_kda (SPEC §3.1): checks -> RecurrentParams -> the token-serial
 // kernel (csrc/kda/decode) or the chunked tensor-core prefill (csrc/kda/prefill) on the current stream.
 // backend: 2 recurrent runs the token-serial kernel for every mode; 1 chunked the chunked kernel (prefill,
-// K == V == 128, no speculative decode); 0 auto the chunked kernel when it is supported and the call has
-// more tokens than sequences (chunked_preferred), else the token-serial one.
+// K == V == 128, no speculative decode); 0 auto the chunked kernel when it is supported and the sequences
+// average at least 16 tokens (chunked_preferred), else the token-serial one.
 // No host sync and no allocation on the normal path, so calls can be captured in a CUDA graph.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>

@@ -304,7 +304,7 @@ def test_graph_packed_prefill_replays(ckpt):
             **extra,
         )
 
-    routed = "chunked" if T > N else "recurrent"  # what backend="auto" runs for this shape (K = 128)
+    routed = "chunked" if T >= 16 * N else "recurrent"  # what backend="auto" runs for this shape (K = 128)
     if ckpt:
         static["starts"].copy_(starts_of(lengths0))
     graph = _capture(lambda: run(static, pool, out, ck_kw.get("state_checkpoints")))
@@ -355,8 +355,8 @@ def test_graph_packed_prefill_replays(ckpt):
             vd["starts"] = starts_of(vl)
             v_ck = torch.full((int(vd["starts"][-1]), HV, K, K), float("nan"), dtype=torch.bfloat16, device=DEV)
         v_pool = pool_i.clone()
-        # Same kernel as the captured call (backend="auto" picks by the call's shape, and dropping the padding
-        # sequence could move a small remainder to the other kernel): this compares isolation, not routes.
+        # Same kernel as the captured call: backend="auto" picks by the call's shape (T >= 16 N: chunked), and
+        # dropping the padding sequence can move the remainder to the other kernel. This checks isolation.
         res_v = run(vd, v_pool, torch.empty(1, len(toks), HV, K, dtype=torch.bfloat16, device=DEV), v_ck, FRESH(),
                     backend=routed)
         _same(got_o[:, toks], res_v[0], f"replay {i}: valid sequences vs a call without the padding sequence")

@@ -66,12 +66,7 @@ constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the
 // each per operand buffer.
 constexpr int kStages = 3;     // operand buffers between G/W and the chain (how far prep may run ahead)
 constexpr int kRawStages = 4;  // cp.async ring depth of the raw token tiles (prefetch distance + 1)
-// Every producer -> consumer edge is a direct barrier between the two parties (no ordering is inferred
-// transitively through a third role): FULL (G and W arrive, chain syncs), EMPTY (chain arrives, G and W
-// sync), KREADY (G arrives, W syncs), KFREE (W arrives, G syncs).
-constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 2 + kStages, kBarKReady0 = 2 + 2 * kStages,
-              kBarKFree0 = 2 + 3 * kStages;
-static_assert(kBarKFree0 + kStages <= 16, "16 hardware barriers per CTA");
+constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 2 + kStages, kBarKReady0 = 2 + 2 * kStages;
 
 // Benchmark-only switches (KDA_CHUNKED_DIAG): skip one role's math to see what it costs. They break the
 // results on purpose and are never set in normal use.
@@ -84,10 +79,9 @@ struct ChunkedConfig {
   static constexpr int NW = VB / 16;         // chain warps (16 value rows each)
   static constexpr int NC = NW * 32;         // chain threads
   static constexpr int NT = NC + kPrepThreads + kSolveThreads;
-  static constexpr int kCountFull = NC + kPrepThreads + kSolveThreads;   // G, W arrive; chain syncs
-  static constexpr int kCountEmpty = NC + kPrepThreads + kSolveThreads;  // chain arrives; G, W sync
-  static constexpr int kCountKReady = kPrepThreads + kSolveThreads;      // G arrives; W syncs
-  static constexpr int kCountKFree = kPrepThreads + kSolveThreads;       // W arrives; G syncs
+  static constexpr int kCountFull = NC + kSolveThreads;    // W arrives, chain syncs
+  static constexpr int kCountEmpty = NC + kPrepThreads;    // chain arrives, G syncs
+  static constexpr int kCountKReady = kPrepThreads + kSolveThreads;
   static constexpr int kParts = K / VB;      // CTAs per (sequence, value head)
   static constexpr int KCH = K / 8;          // 16-byte pieces per K row
   static_assert(VB == 64 || VB == 128, "value rows per CTA must be 64 or 128");
@@ -311,13 +305,11 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
     // ================================ W: L, Mqk, inverse ================================
     for (int64_t j = 0; j < n_chunks; ++j) {
       const int b = static_cast<int>(j % kStages);
-      if (j >= kStages) named_sync(kBarEmpty0 + b, Cfg::kCountEmpty);  // the chain is done with op[b]
-      named_sync(kBarKReady0 + b, Cfg::kCountKReady);                   // G's tiles of chunk j
+      named_sync(kBarKReady0 + b, Cfg::kCountKReady);  // G's tiles of chunk j
       typename Smem::Operands& op = sm.op[b];
       float* ap = sm.ap[b];
       const float* bt = sm.beta[b];
       if (diag & kDiagNoSolve) {
-        named_arrive(kBarKFree0 + b, Cfg::kCountKFree);
         named_arrive(kBarFull0 + b, Cfg::kCountFull);
         continue;
       }
@@ -412,12 +404,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
         }
         __syncwarp();  // i2s is reused next chunk
       }
-      named_arrive(kBarKFree0 + b, Cfg::kCountKFree);  // done reading G's tiles of chunk j
-      named_arrive(kBarFull0 + b, Cfg::kCountFull);    // operands of chunk j are ready
+      named_arrive(kBarFull0 + b, Cfg::kCountFull);  // operands of chunk j are ready
     }
-    // Match the chain's EMPTY arrivals of the last kStages chunks, so no barrier is left half-arrived.
-    for (int64_t j = n_chunks > kStages ? n_chunks : kStages; j < n_chunks + kStages; ++j)
-      named_sync(kBarEmpty0 + static_cast<int>(j % kStages), Cfg::kCountEmpty);
     return;
   }
   if (warp >= NW) {
@@ -472,11 +460,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       const int cl = chunk_len(j);
       const __nv_bfloat16 beta_raw = beta_next;
       beta_next = load_beta(j + 1);
-      // The chain is done with chunk j-kStages' operands, and W with its G -> W tiles.
-      if (j >= kStages) {
-        named_sync(kBarEmpty0 + b, Cfg::kCountEmpty);
-        named_sync(kBarKFree0 + b, Cfg::kCountKFree);
-      }
+      // The chain is done with chunk j-kStages' operands (and so, transitively, is W with its G -> W tiles).
+      if (j >= kStages) named_sync(kBarEmpty0 + b, Cfg::kCountEmpty);
       cp_async_wait<kRawStages - 2>();
       // raw(j) visible to every G thread, and every G thread is done with chunk j-1 (incl. its raw slot,
       // refilled right below: issuing before this barrier would race with slower threads' reads)
@@ -488,7 +473,6 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       if (diag & kDiagNoPrep) {
         if (ptid == 0) sm.pairwise[b] = 0;
         named_arrive(kBarKReady0 + b, Cfg::kCountKReady);
-        named_arrive(kBarFull0 + b, Cfg::kCountFull);
         continue;
       }
       // ---- P1: gate prefix of channel d, per-channel constants, L2 norms, beta
@@ -603,13 +587,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
       }
       if (ptid == 0) sm.pairwise[b] = pairwise;
       named_arrive(kBarKReady0 + b, Cfg::kCountKReady);
-      named_arrive(kBarFull0 + b, Cfg::kCountFull);  // G's operand tiles of chunk j (W arrives with its own)
     }
-    // Match the chain's EMPTY and W's KFREE arrivals of the last kStages chunks (no half-arrived barrier).
-    for (int64_t j = n_chunks > kStages ? n_chunks : kStages; j < n_chunks + kStages; ++j) {
+    // Match the chain's EMPTY arrivals of the last kStages chunks, so no barrier is left half-arrived.
+    for (int64_t j = n_chunks > kStages ? n_chunks : kStages; j < n_chunks + kStages; ++j)
       named_sync(kBarEmpty0 + static_cast<int>(j % kStages), Cfg::kCountEmpty);
-      named_sync(kBarKFree0 + static_cast<int>(j % kStages), Cfg::kCountKFree);
-    }
     cp_async_wait<0>();
     return;
   }

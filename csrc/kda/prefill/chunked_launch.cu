@@ -21,12 +21,8 @@ bool chunked_supported(const RecurrentParams& p, const char** why) {
 
 bool chunked_preferred(const RecurrentParams& p) {
   if (!chunked_supported(p, nullptr) || p.N <= 0) return false;
-  // Multi-token calls take the chunked kernel; decode batches (T == 1 fixed; T <= N packed, i.e. at most
-  // one token per sequence on average) the token-serial one. The rule reads only the call's shape, so a
-  // sequence's route can depend on its batch-mates (a 1-token row inside a prefill batch runs chunked):
-  // callers that need bit-identical results across batch compositions pass the backend explicitly.
   const int64_t tokens = p.cu_seqlens != nullptr ? p.T : p.T * p.B;
-  return tokens > p.N;
+  return tokens >= 16 * p.N;
 }
 
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {

@@ -11,8 +11,8 @@ namespace kda {
 // multiple of 16 (SPEC guarantees it through the Python API). `why` names the first unmet condition.
 bool chunked_supported(const RecurrentParams& p, const char** why);
 
-// The automatic backend choice for a call the chunked kernel supports: chunked for multi-token calls
-// (more tokens than sequences), token-serial for decode batches (one token per sequence).
+// The automatic backend choice for a call the chunked kernel supports: chunked when the sequences are
+// long enough on average (T >= 16 N) to fill chunks, token-serial otherwise (decode-heavy batches).
 bool chunked_preferred(const RecurrentParams& p);
 
 // Launches the chunked kernel on `stream`: one CTA per (sequence, value head, value-row part), no host
