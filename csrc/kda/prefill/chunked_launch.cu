@@ -2,10 +2,37 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include <atomic>
+
 #include "kda/prefill/chunked_instantiations.h"
+#include "kda/prefill/chunked_kernel.cuh"  // (sizeof the shared-memory layouts only)
 #include "kda/prefill/chunked_launch.h"
 
 namespace kda {
+namespace {
+
+// Largest dynamic shared memory one block may opt into on the current device (227 KB on sm_90/sm_100,
+// 99 KB on sm_120), cached per device.
+int max_smem_optin() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) dev = 0;
+  if (dev >= 64) dev = 63;
+  int v = cache[dev].load(std::memory_order_relaxed);
+  if (v <= 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();
+      v = 227 * 1024;
+    }
+    cache[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+constexpr int kSmem64 = static_cast<int>(sizeof(prefill::ChunkedSmem<64>));
+constexpr int kSmem128 = static_cast<int>(sizeof(prefill::ChunkedSmem<128>));
+
+}  // namespace
 
 bool chunked_supported(const RecurrentParams& p, const char** why) {
   const char* w = nullptr;
@@ -15,6 +42,9 @@ bool chunked_supported(const RecurrentParams& p, const char** why) {
     w = "the chunked kernel does not run speculative decode (num_spec_tokens > 0)";
   else if (p.checkpoint_every_n_tokens % 16 != 0)
     w = "the chunked kernel needs checkpoint_every_n_tokens to be a multiple of 16";
+  else if (kSmem64 > max_smem_optin())
+    w = "the chunked kernel needs about 150 KB of shared memory per block, more than this GPU allows (sm_120 "
+        "offers 99 KB)";
   if (why != nullptr) *why = w;
   return w == nullptr;
 }
@@ -40,6 +70,7 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
     const int v = std::atoi(env);
     if (v == 64 || v == 128) vb = v;
   }
+  if (vb == 128 && kSmem128 > max_smem_optin()) vb = 64;
   auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool out_vec16 = al(p.out) && p.out_token_stride % 8 == 0 && p.out_head_stride % 8 == 0 &&
                          (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
