@@ -404,7 +404,7 @@ def test_training_grads_fp64(cu, B, T, H, HV):
     ref_out, ref_final, ref_grads = reference_grads(inp, scale, lb)
     # the same fp64 math in a different summation order: ~1e-15 relative
     assert rel_rms(fwd[0], ref_out) < 1e-10 and rel_rms(fwd[1], ref_final) < 1e-10
-    for name, a, b in zip(GRAD_NAMES, grads, ref_grads):
+    for name, a, b in zip(GRAD_NAMES, grads, ref_grads, strict=True):
         assert a.dtype == torch.float64 and a.shape == b.shape, name
         assert rel_rms(a, b) < 1e-10, name
 
@@ -418,7 +418,7 @@ def test_training_grads_bf16(dfinal):
     grads = training_backward(inp, fwd, scale, lb, dfinal=dfinal)
     _, _, ref_grads = reference_grads(inp, scale, lb, dfinal=dfinal)
     dtypes = [torch.bfloat16] * 5 + [torch.float32] * 3
-    for name, a, b, dt in zip(GRAD_NAMES, grads, ref_grads, dtypes):
+    for name, a, b, dt in zip(GRAD_NAMES, grads, ref_grads, dtypes, strict=True):
         assert a.dtype == dt and a.shape == b.shape, name
         assert torch.isfinite(a).all(), name
         # SPEC §6: 1e-2 for every gradient; bf16-stored ones carry one ~2e-3 rounding, fp32 ones only
@@ -440,7 +440,7 @@ def test_recurrent_kda_backward_equals_forward_plus_backward_and_is_deterministi
         fwd1 = training_forward(inp, scale, lb)
     finally:
         torch.set_num_threads(old)
-    for name, a, b in zip(GRAD_NAMES, grads, direct):
+    for name, a, b in zip(GRAD_NAMES, grads, direct, strict=True):
         assert_bits(a, b, name)
     for i in range(4):
         assert_bits(fwd[i], fwd1[i], f"forward result {i}")
@@ -568,11 +568,11 @@ def test_golden_training():
     grads = training_backward(inp, fwd, scale, lb)
     assert rel_rms(fwd[0], exp["output"]) < 5e-3  # SPEC §6: bf16 outputs
     assert rel_rms(fwd[1], exp["final_state"]) < 1e-3  # SPEC §6: fp32 states
-    for name, a in zip(GRAD_NAMES, grads):
+    for name, a in zip(GRAD_NAMES, grads, strict=True):
         assert torch.isfinite(a).all(), name
         assert rel_rms(a, exp[name]) < 1e-2, name  # SPEC §6: every gradient
     direct = OPS.recurrent_kda_backward.default(
         inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], inp["initial_state"],
         inp["cu_seqlens"], inp["do"], inp["dfinal_state"], scale, lb)
-    for name, a, b in zip(GRAD_NAMES, grads, direct):
+    for name, a, b in zip(GRAD_NAMES, grads, direct, strict=True):
         assert_bits(a, b, name)

@@ -30,6 +30,7 @@ from conftest import (
     assert_close_rms,
     assert_output,
     bits,
+    check_pool,
     inputs,
     lengths_to_cu,
     state_tol,
@@ -105,19 +106,6 @@ def call(t, g, backend="chunked", **kw):
     """The public API; beta is a logit unless said otherwise (as in ref)."""
     kw.setdefault("beta_is_logit", True)
     return kda_ops.recurrent_kda(**t, **g, backend=backend, **kw)
-
-
-def check_pool(pool_after, pool_before, slots_written: dict[int, torch.Tensor], what="pool"):
-    """Written slots match the expected states; every other slot is bit-identical to before."""
-    tol = state_tol(pool_after.dtype)
-    for s, expected in slots_written.items():
-        assert_close_rms(pool_after[s], expected, tol, f"{what} slot {s}")
-    others = [i for i in range(pool_after.shape[0]) if i not in slots_written]
-    if others:
-        idx = torch.tensor(others, device=pool_after.device)
-        assert torch.equal(bits(pool_after.index_select(0, idx)), bits(pool_before.index_select(0, idx))), (
-            f"{what}: untouched slots were modified"
-        )
 
 
 def seq_lengths(x) -> list[int]:

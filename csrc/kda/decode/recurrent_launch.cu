@@ -1,32 +1,18 @@
 // Host dispatch of the token-serial kernel: picks the tile (rows per lane) and warps per block from the
 // problem size and the device's SM count, then the template instantiation (csrc/instantiations/).
-#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <string>
 
 #include "kda/decode/recurrent_instantiations.h"
+#include "kda/common/device_info.h"
 #include "kda/decode/recurrent_launch.h"
 #include "kda/static_switch.h"
 
 namespace kda {
 namespace {
 
-int num_sms_of_current_device() {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) dev = 0;
-  if (dev >= 64) dev = 63;
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v <= 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) {
-      (void)cudaGetLastError();  // do not leave a sticky-looking error for the launch check
-      v = 132;
-    }
-    cache[dev].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
+int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(132); }
 
 }  // namespace
 

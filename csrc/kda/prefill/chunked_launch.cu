@@ -2,8 +2,7 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include <atomic>
-
+#include "kda/common/device_info.h"
 #include "kda/prefill/chunked_instantiations.h"
 #include "kda/prefill/chunked_kernel.cuh"  // (sizeof the shared-memory layouts only)
 #include "kda/prefill/chunked_launch.h"
@@ -11,23 +10,8 @@
 namespace kda {
 namespace {
 
-// Largest dynamic shared memory one block may opt into on the current device (227 KB on sm_90/sm_100,
-// 99 KB on sm_120), cached per device.
-int max_smem_optin() {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) dev = 0;
-  if (dev >= 64) dev = 63;
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v <= 0) {
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || v <= 0) {
-      (void)cudaGetLastError();
-      v = 227 * 1024;
-    }
-    cache[dev].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
+// Largest dynamic shared memory one block may opt into (227 KB on sm_90/sm_100, 99 KB on sm_120).
+int max_smem_optin() { return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(227 * 1024); }
 
 constexpr int kSmem64 = static_cast<int>(sizeof(prefill::ChunkedSmem<64>));
 constexpr int kSmem128 = static_cast<int>(sizeof(prefill::ChunkedSmem<128>));
@@ -57,11 +41,7 @@ bool chunked_preferred(const RecurrentParams& p) {
 
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    sms = 132;
-  }
+  const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
   // One CTA per SM fits (registers). When the (sequence, head) tasks fill at most half of the SMs, split
   // the value rows over two CTAs: the chain is latency-bound, so two CTAs per head halve its per-chunk
   // work at the cost of repeating the per-chunk prep.
