@@ -64,18 +64,24 @@ constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the
 
 // Named barriers (0 is __syncthreads): G-internal; KREADY (G -> W), FULL (W -> chain), EMPTY (chain -> G),
 // each per operand buffer.
-constexpr int kStages = 3;     // operand buffers between G/W and the chain (how far prep may run ahead)
-constexpr int kRawStages = 4;  // cp.async ring depth of the raw token tiles (prefetch distance + 1)
-constexpr int kBarPrep = 1, kBarFull0 = 2, kBarEmpty0 = 2 + kStages, kBarKReady0 = 2 + 2 * kStages;
+// Pipeline depths are template parameters (ChunkedConfig): kStages operand buffers between G/W and the
+// chain (how far prep may run ahead), kRawStages cp.async ring slots for the raw token tiles (prefetch
+// distance + 1). The default 3 / 4 needs ~150 KB of shared memory; 2 / 2 (~94 KB at VB = 64) fits sm_120.
+constexpr int kBarPrep = 1, kBarFull0 = 2;  // then EMPTY, KREADY: ChunkedConfig::kBarEmpty0, kBarKReady0
 
 // Benchmark-only switches (KDA_CHUNKED_DIAG): skip one role's math to see what it costs. They break the
 // results on purpose and are never set in normal use.
 constexpr int kDiagNoChain = 1, kDiagNoSolve = 2, kDiagNoPrep = 4;
 
-template <int VB_>
+template <int VB_, int STAGES_ = 3, int RAW_STAGES_ = 4>
 struct ChunkedConfig {
   static constexpr int K = kHeadDim;
   static constexpr int VB = VB_;             // value rows per CTA
+  static constexpr int kStages = STAGES_;
+  static constexpr int kRawStages = RAW_STAGES_;
+  static constexpr int kBarEmpty0 = kBarFull0 + kStages, kBarKReady0 = kBarFull0 + 2 * kStages;
+  static_assert(kBarKReady0 + kStages <= 16, "16 hardware barriers per CTA");
+  static_assert(kStages >= 2 && kRawStages >= 2, "double buffering at least");
   static constexpr int NW = VB / 16;         // chain warps (16 value rows each)
   static constexpr int NC = NW * 32;         // chain threads
   static constexpr int NT = NC + kPrepThreads + kSolveThreads;
@@ -89,7 +95,7 @@ struct ChunkedConfig {
 
 // Shared memory of one CTA. Operand tiles [16 rows][K] of 16-bit values are XOR-swizzled in 16-byte
 // pieces (piece ^ (row & 7)) so every ldmatrix phase hits 8 distinct bank groups.
-template <int VB>
+template <int VB, int kStages = 3, int kRawStages = 4>
 struct ChunkedSmem {
   static constexpr int K = kHeadDim;
   struct alignas(16) Raw {  // G warps' cp.async ring
@@ -255,11 +261,13 @@ __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
 
-template <int VB>
-__global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
+template <int VB, int STAGES, int RAW_STAGES>
+__global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
     kda_chunked_kernel(const RecurrentParams p, const bool out_vec16, const int diag) {
-  using Cfg = ChunkedConfig<VB>;
-  using Smem = ChunkedSmem<VB>;
+  using Cfg = ChunkedConfig<VB, STAGES, RAW_STAGES>;
+  using Smem = ChunkedSmem<VB, STAGES, RAW_STAGES>;
+  constexpr int kStages = Cfg::kStages, kRawStages = Cfg::kRawStages;
+  constexpr int kBarEmpty0 = Cfg::kBarEmpty0, kBarKReady0 = Cfg::kBarKReady0;
   constexpr int K = Cfg::K, NW = Cfg::NW, NC = Cfg::NC;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -790,11 +798,11 @@ __global__ void __launch_bounds__(ChunkedConfig<VB>::NT, 1)
 
 namespace kda::prefill {
 
-template <int VB>
+template <int VB, int STAGES, int RAW_STAGES>
 cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, int diag, cudaStream_t stream) {
-  using Cfg = ChunkedConfig<VB>;
-  auto kernel = kda_chunked_kernel<VB>;
-  constexpr int smem = static_cast<int>(sizeof(ChunkedSmem<VB>));
+  using Cfg = ChunkedConfig<VB, STAGES, RAW_STAGES>;
+  auto kernel = kda_chunked_kernel<VB, STAGES, RAW_STAGES>;
+  constexpr int smem = static_cast<int>(sizeof(ChunkedSmem<VB, STAGES, RAW_STAGES>));
   static bool attr_set[64] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;

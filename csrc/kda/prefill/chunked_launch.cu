@@ -13,8 +13,9 @@ namespace {
 // Largest dynamic shared memory one block may opt into (227 KB on sm_90/sm_100, 99 KB on sm_120).
 int max_smem_optin() { return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(227 * 1024); }
 
-constexpr int kSmem64 = static_cast<int>(sizeof(prefill::ChunkedSmem<64>));
-constexpr int kSmem128 = static_cast<int>(sizeof(prefill::ChunkedSmem<128>));
+constexpr int kSmem64 = static_cast<int>(sizeof(prefill::ChunkedSmem<64, 3, 4>));
+constexpr int kSmem128 = static_cast<int>(sizeof(prefill::ChunkedSmem<128, 3, 4>));
+constexpr int kSmemSmall = static_cast<int>(sizeof(prefill::ChunkedSmem<64, 2, 2>));
 
 }  // namespace
 
@@ -26,9 +27,8 @@ bool chunked_supported(const RecurrentParams& p, const char** why) {
     w = "the chunked kernel does not run speculative decode (num_spec_tokens > 0)";
   else if (p.checkpoint_every_n_tokens % 16 != 0)
     w = "the chunked kernel needs checkpoint_every_n_tokens to be a multiple of 16";
-  else if (kSmem64 > max_smem_optin())
-    w = "the chunked kernel needs about 150 KB of shared memory per block, more than this GPU allows (sm_120 "
-        "offers 99 KB)";
+  else if (kSmemSmall > max_smem_optin())
+    w = "the chunked kernel needs about 94 KB of shared memory per block, more than this GPU allows";
   if (why != nullptr) *why = w;
   return w == nullptr;
 }
@@ -50,14 +50,21 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
     const int v = std::atoi(env);
     if (v == 64 || v == 128) vb = v;
   }
-  if (vb == 128 && kSmem128 > max_smem_optin()) vb = 64;
+  const int optin = max_smem_optin();
+  if (vb == 128 && kSmem128 > optin) vb = 64;
+  if (const char* pipe = std::getenv("KDA_CHUNKED_PIPELINE"); pipe != nullptr && pipe[0] == 's') vb = 64;
   auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool out_vec16 = al(p.out) && p.out_token_stride % 8 == 0 && p.out_head_stride % 8 == 0 &&
                          (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
   const char* dg = std::getenv("KDA_CHUNKED_DIAG");  // benchmarks only: skips work on purpose
   const int diag = dg != nullptr ? std::atoi(dg) : 0;
-  return vb == 64 ? prefill::run_chunked_<64>(p, out_vec16, diag, stream)
-                  : prefill::run_chunked_<128>(p, out_vec16, diag, stream);
+  if (vb == 128) return prefill::run_chunked_<128, 3, 4>(p, out_vec16, diag, stream);
+  // Less shared memory per block than the default pipeline needs (sm_120: 99 KB): shallower pipeline.
+  // KDA_CHUNKED_PIPELINE=small forces it anywhere (tests: the same arithmetic, bit-identical results).
+  const char* pipe = std::getenv("KDA_CHUNKED_PIPELINE");
+  const bool small = kSmem64 > optin || (pipe != nullptr && pipe[0] == 's');
+  if (small) return prefill::run_chunked_<64, 2, 2>(p, out_vec16, diag, stream);
+  return prefill::run_chunked_<64, 3, 4>(p, out_vec16, diag, stream);
 }
 
 }  // namespace kda

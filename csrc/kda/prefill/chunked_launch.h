@@ -18,7 +18,9 @@ bool chunked_preferred(const RecurrentParams& p);
 // Launches the chunked kernel on `stream`: one CTA per (sequence, value head, value-row part), no host
 // sync and no allocation (CUDA-graph capturable). Preconditions as launch_recurrent (bf16 token tensors,
 // 16-byte aligned q/k/g/v rows with strides that are multiples of 8 elements, aligned state buffers).
-// KDA_CHUNKED_VB=64|128 (benchmarks) forces the value rows per CTA; results do not depend on it.
+// KDA_CHUNKED_VB=64|128 (benchmarks) forces the value rows per CTA; KDA_CHUNKED_PIPELINE=small the
+// shallow pipeline that GPUs with ~100 KB of shared memory per block get (sm_120); results do not depend
+// on either.
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream);
 
 }  // namespace kda
