@@ -19,7 +19,7 @@ export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}  # seconds per stage; the device allows 600 per command
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
-STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests demo sanitize ncu bench_decode bench_prefill bench_train")}
+STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests demo sanitize ncu ncu_chunked bench_decode bench_prefill bench_train")}
 # Benchmark tables/plots go to $RESULTS and come back as one archive ($OUT returns at most 8 files).
 export RESULTS=${RESULTS:-/tmp/kda_results}
 mkdir -p "$RESULTS"
@@ -66,6 +66,8 @@ for s in $STAGES; do
   [ "$s" = build ] && [ "${RC[build]}" != 0 ] && break
 done
 
+# The device tool returns at most 8 files from $OUT: every stage log also goes into the archive.
+mkdir -p "$RESULTS/logs" && cp "$OUT"/*.log "$RESULTS/logs/" 2>/dev/null
 tar -czf "$OUT/results.tar.gz" -C "$RESULTS" . 2>/dev/null
 # One log for all benchmarks keeps the returned file count low.
 for s in $STAGES; do case $s in bench_*) [ -f "$OUT/$s.log" ] && { echo "== $s"; cat "$OUT/$s.log"; rm "$OUT/$s.log"; };; esac; done >"$OUT/bench.log"
