@@ -164,3 +164,20 @@ def check_pool(pool_after, pool_before, slots_written: dict[int, torch.Tensor], 
         assert torch.equal(bits(pool_after.index_select(0, idx)), bits(pool_before.index_select(0, idx))), (
             f"{what}: untouched slots were modified"
         )
+
+
+def capture_graph(fn):
+    """CUDA graph of fn(): an eager call (plans workspaces, occupancy queries, smem opt-in), a warm-up on a
+    side stream (the torch recipe), then one capture."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph

@@ -30,6 +30,7 @@ from conftest import (
     assert_close_rms,
     assert_output,
     bits,
+    capture_graph,
     check_pool,
     inputs,
     lengths_to_cu,
@@ -541,16 +542,7 @@ def test_cuda_graph_packed_prefill(with_checkpoints):
         fresh.append(f)
 
     outs = ("out", "pool", "ck") if with_checkpoints else ("out", "pool")
-    run(static)  # eager warm-up: plans the workspace for these shapes
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run(static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(static)
+    graph = capture_graph(lambda: run(static))  # the eager call plans the workspace for these shapes
     for vals in fresh:
         for n, v in vals.items():
             static[n].copy_(v)

@@ -19,6 +19,7 @@ from conftest import (
     assert_close_rms,
     assert_output,
     bits,
+    capture_graph,
     check_pool,
     has_cpu_op,
     inputs,
@@ -428,16 +429,7 @@ def test_deterministic():
 def _graph_check(static: dict, fresh: list[dict], run):
     """Capture run(static) once, then for each dict of new values copy them into the static buffers,
     replay, and compare output and pool with an eager run on the same values."""
-    run(static)  # eager warm-up (plans, occupancy queries, smem opt-in)
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run(static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(static)
+    graph = capture_graph(lambda: run(static))
     for vals in fresh:
         for n, v in vals.items():
             static[n].copy_(v)

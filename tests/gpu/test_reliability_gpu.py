@@ -31,7 +31,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_close_rms, assert_output, lengths_to_cu, state_tol
+from conftest import assert_close_rms, assert_output, capture_graph, lengths_to_cu, state_tol
 from test_reliability import STATS, StressState, raw_bytes, stress_call
 
 import kda_ops
@@ -87,20 +87,7 @@ def _churn(i: int) -> None:
     torch.cuda.synchronize()
 
 
-def _capture(fn):
-    """Eager warm-up on a side stream (the torch recipe), then one capture."""
-    fn()  # eager: plans the workspace, occupancy queries
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
+_capture = capture_graph  # (tests/conftest.py)
 
 
 def _clone(d: dict) -> dict:
