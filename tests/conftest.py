@@ -181,3 +181,19 @@ def capture_graph(fn):
         fn()
     torch.cuda.synchronize()
     return graph
+
+
+# The three gate modes as recurrent_kda keyword arguments (SPEC §2 step 2), shared by the GPU test files.
+GATES = {
+    "precomputed": dict(use_gate_in_kernel=False),
+    "softplus": dict(use_gate_in_kernel=True, lower_bound=None),
+    "lower_bound": dict(use_gate_in_kernel=True, lower_bound=-5.0),
+}
+
+
+def gate_kwargs(x: dict, gate: str = "lower_bound") -> dict:
+    """GATES[gate] plus the gate parameters of the inputs `x` (A_log, dt_bias) when the gate is in-kernel."""
+    kw = dict(GATES[gate])
+    if kw["use_gate_in_kernel"]:
+        kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+    return kw

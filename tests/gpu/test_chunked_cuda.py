@@ -26,12 +26,14 @@ import os
 import pytest
 import torch
 from conftest import (
+    GATES,
     TOL_STATE_FP32,
     assert_close_rms,
     assert_output,
     bits,
     capture_graph,
     check_pool,
+    gate_kwargs,
     inputs,
     lengths_to_cu,
     state_tol,
@@ -46,11 +48,6 @@ cuda_only = pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available(), r
 
 K = 128  # the chunked path takes K = V = 128 only
 F32, BF16 = torch.float32, torch.bfloat16
-GATES = {
-    "precomputed": dict(use_gate_in_kernel=False),
-    "softplus": dict(use_gate_in_kernel=True, lower_bound=None),
-    "lower_bound": dict(use_gate_in_kernel=True, lower_bound=-5.0),
-}
 # decode rows, zero-length rows and long prefill rows in one packed call
 PACKED_LENGTHS = [0, 1, 300, 16, 0, 77, 1, 40]
 PACKED_N_POOL = 9
@@ -79,11 +76,7 @@ def tok(x, gate="lower_bound", logit=True, l2=True):
     return dict(q=q, k=k, v=x["v"], g=g, beta=x["beta"] if logit else x["beta_prob"])
 
 
-def gkw(x, gate="lower_bound"):
-    kw = dict(GATES[gate])
-    if kw["use_gate_in_kernel"]:
-        kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
-    return kw
+gkw = gate_kwargs  # (tests/conftest.py)
 
 
 def mode(logit=True, l2=True):

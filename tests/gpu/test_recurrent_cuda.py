@@ -15,12 +15,14 @@ import os
 import pytest
 import torch
 from conftest import (
+    GATES,
     TOL_STATE_FP32,
     assert_close_rms,
     assert_output,
     bits,
     capture_graph,
     check_pool,
+    gate_kwargs,
     has_cpu_op,
     inputs,
     lengths_to_cu,
@@ -36,11 +38,6 @@ from kda_ops.reference import recurrent_kda_reference, rel_rms
 DEV = os.environ.get("KDA_RECURRENT_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu] if DEV == "cuda" else []
 cuda_only = pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available(), reason="CUDA-specific")
-GATES = {
-    "precomputed": dict(use_gate_in_kernel=False),
-    "softplus": dict(use_gate_in_kernel=True, lower_bound=None),
-    "lower_bound": dict(use_gate_in_kernel=True, lower_bound=-5.0),
-}
 ROWS_ENV = "KDA_RECURRENT_ROWS_PER_LANE"
 
 
@@ -67,11 +64,7 @@ def tok(x, gate="lower_bound", logit=True, l2=True):
     return dict(q=q, k=k, v=x["v"], g=g, beta=x["beta"] if logit else x["beta_prob"])
 
 
-def gkw(x, gate="lower_bound"):
-    kw = dict(GATES[gate])
-    if kw["use_gate_in_kernel"]:
-        kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
-    return kw
+gkw = gate_kwargs  # (tests/conftest.py)
 
 
 def ref(t, g, initial_state=None, cu_seqlens=None, l2=True, logit=True, **kw):
