@@ -30,6 +30,7 @@
 #include <cstdint>
 
 #include "kda/backward/backward_params.h"
+#include "kda/common/recurrent_rules.h"  // kL2NormEps
 
 namespace kda {
 namespace {
@@ -38,7 +39,6 @@ constexpr int kDim = kBwdDim;
 constexpr int kChunk = kTapeChunk;
 constexpr int kSub = kBwdSubBlock;
 constexpr int kWarps = kBwdThreads / 32;
-constexpr float kL2Eps = 1e-6f;
 
 static_assert(kDim == 128 && kWarps == 8, "the lane layout below assumes 128 rows/cols and 8 warps");
 static_assert(kChunk % kSub == 0, "sub-blocks tile the tape chunk");
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_training_backward_kernel(c
           x[e] = ld_bf16(p.k.ptr, ko + e);
           ss = fmaf(x[e], x[e], ss);
         }
-        const float rho = rsqrtf(warp_sum32(ss) + kL2Eps);
+        const float rho = rsqrtf(warp_sum32(ss) + kL2NormEps);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = 4 * lane + e;
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_training_backward_kernel(c
             x[e] = ld_bf16(p.q.ptr, qo + e);
             ss = fmaf(x[e], x[e], ss);
           }
-          const float rs = rsqrtf(warp_sum32(ss) + kL2Eps) * p.scale;
+          const float rs = rsqrtf(warp_sum32(ss) + kL2NormEps) * p.scale;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             sm.qn[warp][4 * lane + e] = x[e] * rs;
@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   }
   ss = warp_sum32(ss);
   dot = warp_sum32(dot);
-  const float rho = rsqrtf(ss + kL2Eps);
+  const float rho = rsqrtf(ss + kL2NormEps);
   const float c3 = rho * rho * rho * dot;
   void* out = which ? p.dk : p.dq;
 #pragma unroll

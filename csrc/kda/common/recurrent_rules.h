@@ -82,6 +82,8 @@ KDA_HD bool token_active(const RecurrentParams& p, int64_t n, int64_t t) {
   return slot_in_pool(write_slot(p, n, t), p.n_pool);
 }
 
+constexpr float kL2NormEps = 1e-6f;  // q, k L2 norm: x * rsqrt(|x|^2 + eps) (SPEC §2 step 1)
+
 template <typename T>
 KDA_HD T kda_sigmoid(T x) {
   return T(1) / (T(1) + exp(-x));

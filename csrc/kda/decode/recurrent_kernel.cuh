@@ -33,6 +33,7 @@
 
 #include <cstdint>
 
+#include "kda/common/bf16_bits.cuh"
 #include "kda/common/recurrent_rules.h"
 #include "kda/decode/recurrent_instantiations.h"
 #include "kda/params.h"
@@ -40,7 +41,6 @@
 namespace kda::decode {
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr float kL2NormEps = 1e-6f;  // SPEC §2 step 1
 
 template <int K_, typename StateT_, int NR_>
 struct RecurrentTile {
@@ -168,13 +168,7 @@ __device__ __forceinline__ float exp_decay(float a) {
 // ---------------------------------------------------------------------------------------------------
 // Memory: N (4 or 8) contiguous values <-> fp32. Alignment: N * sizeof(T) bytes, at most 16.
 
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // round to nearest even; .x is the low half
-  return *reinterpret_cast<uint32_t*>(&h);
-}
+// (bf16_lo / bf16_hi / pack_bf16x2: kda/common/bf16_bits.cuh)
 
 template <int N>
 __device__ __forceinline__ void load_vals(const float* p, float* out) {

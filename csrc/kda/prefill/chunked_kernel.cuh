@@ -47,6 +47,7 @@
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
 
+#include "kda/common/bf16_bits.cuh"
 #include "kda/common/recurrent_rules.h"
 #include "kda/params.h"
 
@@ -56,7 +57,6 @@ constexpr int kChunk = 16;              // tokens per chunk (the m16 of mma.sync
 constexpr int kHeadDim = 128;           // K = V
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kSpanLimit = 80.f * kLog2e;  // GEMM mode needs -Γ'_15 <= 80 (log2 units here) in every channel
-constexpr float kL2Eps = 1e-6f;         // SPEC §2 step 1
 constexpr float kMinLogDecay = -1e30f;  // keeps -inf gates from making inf - inf in relative exponents
 constexpr int kPrepWarps = 4;                  // "G" warps: gate, norms, decayed operand tiles
 constexpr int kPrepThreads = kPrepWarps * 32;  // one per channel (K = 128)
@@ -140,10 +140,6 @@ struct TileOffsets {
   __device__ __forceinline__ int at(int ks) const { return off[ks & 3] + (ks >> 2) * 64; }
 };
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   // Saturate: the R path is bounded for sane inputs; out-of-range values stay finite instead of inf.
   lo = fminf(fmaxf(lo, -65504.f), 65504.f);
@@ -202,7 +198,7 @@ __device__ __forceinline__ bool named_sync_or(int id, int count, int flag) {
   return r != 0;
 }
 __device__ __forceinline__ uint4 pack8_bf16(const float (&x)[8]) {
-  return make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
+  return make_uint4(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]), pack_bf16x2(x[4], x[5]), pack_bf16x2(x[6], x[7]));
 }
 __device__ __forceinline__ uint4 pack8_f16(const float (&x)[8]) {
   return make_uint4(pack_f16(x[0], x[1]), pack_f16(x[2], x[3]), pack_f16(x[4], x[5]), pack_f16(x[6], x[7]));
@@ -507,7 +503,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
           const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
-            const float lo = __uint_as_float(ws[u] << 16), hi = __uint_as_float(ws[u] & 0xffff0000u);
+            const float lo = bf16_lo(ws[u]), hi = bf16_hi(ws[u]);
             ss0 = fmaf(lo, lo, ss0);
             ss1 = fmaf(hi, hi, ss1);
           }
@@ -516,7 +512,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
         ss += __shfl_xor_sync(0xffffffffu, ss, 2);
         ss += __shfl_xor_sync(0xffffffffu, ss, 1);
         if (part4 == 0) {
-          const float r = p.use_qk_l2norm ? rsqrtf(ss + kL2Eps) : 1.f;
+          const float r = p.use_qk_l2norm ? rsqrtf(ss + kL2NormEps) : 1.f;
           if (row < kChunk)
             sm.rq[row] = r * p.scale;
           else
@@ -542,8 +538,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
         const float rk = sm.rk[i], rq = sm.rq[i];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          kk[2 * e] = __uint_as_float(kws[e] << 16) * rk, kk[2 * e + 1] = __uint_as_float(kws[e] & 0xffff0000u) * rk;
-          qq[2 * e] = __uint_as_float(qws[e] << 16) * rq, qq[2 * e + 1] = __uint_as_float(qws[e] & 0xffff0000u) * rq;
+          kk[2 * e] = bf16_lo(kws[e]) * rk, kk[2 * e + 1] = bf16_hi(kws[e]) * rk;
+          qq[2 * e] = bf16_lo(qws[e]) * rq, qq[2 * e + 1] = bf16_hi(qws[e]) * rq;
         }
         float kp[8], qp[8], kr[8];
         const int o = swz(i, pc);
@@ -708,9 +704,9 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
           ldsm_x4(op.kp + toff_b.at(ks + 1), bk[cur ^ 1]);
           ldsm_x4(op.qp + toff_b.at(ks + 1), bq[cur ^ 1]);
         }
-        const uint32_t a[4] = {pack_bf16(s[2 * ks][0], s[2 * ks][1]), pack_bf16(s[2 * ks][2], s[2 * ks][3]),
-                               pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                               pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+        const uint32_t a[4] = {pack_bf16x2(s[2 * ks][0], s[2 * ks][1]), pack_bf16x2(s[2 * ks][2], s[2 * ks][3]),
+                               pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                               pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
         float(&x)[2][4] = cur ? ax2 : ax;
         float(&o)[2][4] = cur ? ao2 : ao;
         mma_bf16(x[0], a, bk[cur][0], bk[cur][1]);
