@@ -111,22 +111,19 @@ CASES = [
 ]
 
 
+def _reference(x, **kw):
+    """reference_training_grads on the inputs of _case_inputs (fp64 autograd through the token loop)."""
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "do", "dfinal_state")
+    return reference_training_grads(*(x[n] for n in names), **kw)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_training_ops_vs_reference(case):
     name, B, T, H, HV, lengths, zero_init, lam, scale, with_dfinal = case
     x = _case_inputs(B, T, H, HV, lengths, zero_init, seed=len(name), with_dfinal=with_dfinal)
     sc = scale if scale is not None else 1.0 / math.sqrt(K)
-    out_ref, fs_ref, g_ref = reference_training_grads(
-        x["q"],
-        x["k"],
-        x["v"],
-        x["g"],
-        x["beta"],
-        x["A_log"],
-        x["dt_bias"],
-        x["initial_state"],
-        x["do"],
-        x["dfinal_state"],
+    out_ref, fs_ref, g_ref = _reference(
+        x,
         cu_seqlens=x.get("cu_seqlens"),
         scale=sc,
         lower_bound=lam,
@@ -208,17 +205,8 @@ def test_strided_views():
     B, T, H, HV = 1, 70, 2, 4
     x = _case_inputs(B, T, H, HV, None, False, seed=11, with_dfinal=True)
     sc, lam = 1.0 / math.sqrt(K), -5.0
-    _, _, g_ref = reference_training_grads(
-        x["q"],
-        x["k"],
-        x["v"],
-        x["g"],
-        x["beta"],
-        x["A_log"],
-        x["dt_bias"],
-        x["initial_state"],
-        x["do"],
-        x["dfinal_state"],
+    _, _, g_ref = _reference(
+        x,
         scale=sc,
         lower_bound=lam,
     )
@@ -287,17 +275,8 @@ def test_kda_autograd_cuda():
     lengths = [40, 0, 90]
     x = _case_inputs(1, 0, 2, 4, lengths, False, seed=3, with_dfinal=True)
     sc, lam = 1.0 / math.sqrt(K), -5.0
-    _, _, g_ref = reference_training_grads(
-        x["q"],
-        x["k"],
-        x["v"],
-        x["g"],
-        x["beta"],
-        x["A_log"],
-        x["dt_bias"],
-        x["initial_state"],
-        x["do"],
-        x["dfinal_state"],
+    _, _, g_ref = _reference(
+        x,
         cu_seqlens=x["cu_seqlens"],
         scale=sc,
         lower_bound=lam,
