@@ -214,8 +214,9 @@ __device__ __forceinline__ uint4 pack8_f16_nosat(const float (&x)[8]) {
 }
 __device__ __forceinline__ float clamp_f16(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
 
-// The log-decay in log2 units (a·log2 e, so that every later exponential is one ex2): A, Adtb and lb
-// arrive pre-scaled (A log2e, A dt_bias log2e, λ log2e).
+// The log-decay of gate_log_decay (kda/common/recurrent_rules.h, the contract) in log2 units, a·log2 e,
+// so that every later exponential is one ex2, with fast-math intrinsics: A, Adtb and lb arrive pre-scaled
+// (A log2e, A dt_bias log2e, λ log2e).
 template <GateMode M>
 __device__ __forceinline__ float gate_a(float x, float A, float Adtb, float dtb, float lb) {
   if constexpr (M == GateMode::kPrecomputed) {
