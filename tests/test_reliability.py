@@ -525,6 +525,16 @@ R_SPECS: dict[str, TArg] = {
 }
 
 
+def _mut_cu_with_batch(kw, c, p):  # shared by the recurrent and training mutation tables
+    kw["cu_seqlens"] = torch.tensor([0, c.T], dtype=c.cu_dtype)
+    return kw, ValueError, ("cu_seqlens",)
+
+
+def _mut_cu_too_short(kw, c, p):
+    kw["cu_seqlens"] = kw["cu_seqlens"][:1].clone()
+    return kw, ValueError, ("cu_seqlens",)
+
+
 def _r_flag_muts() -> list[Mut]:
     m: list[Mut] = []
 
@@ -726,17 +736,8 @@ def _r_flag_muts() -> list[Mut]:
 
     add("type:prefill_workspace", set(), workspace_type)
 
-    def cu_with_batch(kw, c, p):
-        kw["cu_seqlens"] = torch.tensor([0, c.T], dtype=c.cu_dtype)
-        return kw, ValueError, ("cu_seqlens",)
-
-    add("value:cu_seqlens-with-B>1", {"fixed", "batch"}, cu_with_batch)
-
-    def cu_too_short(kw, c, p):
-        kw["cu_seqlens"] = kw["cu_seqlens"][:1].clone()
-        return kw, ValueError, ("cu_seqlens",)
-
-    add("shape:cu_seqlens-one-entry", {"packed"}, cu_too_short)
+    add("value:cu_seqlens-with-B>1", {"fixed", "batch"}, _mut_cu_with_batch)
+    add("shape:cu_seqlens-one-entry", {"packed"}, _mut_cu_too_short)
 
     def cu_longer(kw, c, p):  # N+1 sequences (an empty one appended): the [N] index tensors disagree
         cu = kw["cu_seqlens"]
@@ -1028,17 +1029,8 @@ def _common_train_muts(fn_has_state_required: bool = True) -> list[Mut]:
 
     add("type:scale", set(), scale_type)
 
-    def cu_with_batch(kw, c, p):
-        kw["cu_seqlens"] = torch.tensor([0, c.T], dtype=c.cu_dtype)
-        return kw, ValueError, ("cu_seqlens",)
-
-    add("value:cu_seqlens-with-B>1", {"fixed", "batch"}, cu_with_batch)
-
-    def cu_too_short(kw, c, p):
-        kw["cu_seqlens"] = kw["cu_seqlens"][:1].clone()
-        return kw, ValueError, ("cu_seqlens",)
-
-    add("shape:cu_seqlens-one-entry", {"packed"}, cu_too_short)
+    add("value:cu_seqlens-with-B>1", {"fixed", "batch"}, _mut_cu_with_batch)
+    add("shape:cu_seqlens-one-entry", {"packed"}, _mut_cu_too_short)
 
     def cu_longer(kw, c, p):  # N+1 sequences: initial_state [N, ...] no longer matches
         cu = kw["cu_seqlens"]
