@@ -20,16 +20,23 @@ HAS_CUDA = torch.cuda.is_available()
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _golden_dir() -> str:
-    """$KDA_GOLDEN_DIR, else shared/golden in the repository root, else ../shared/golden beside it."""
+GOLDEN_SEARCH = [
+    d
     for d in (
         os.environ.get("KDA_GOLDEN_DIR"),
         os.path.join(_ROOT, "shared", "golden"),
-        os.path.join(_ROOT, "..", "shared", "golden"),
-    ):
-        if d and os.path.isdir(d):
+        os.path.normpath(os.path.join(_ROOT, "..", "shared", "golden")),
+    )
+    if d
+]
+
+
+def _golden_dir() -> str:
+    """$KDA_GOLDEN_DIR, else shared/golden in the repository root, else ../shared/golden beside it."""
+    for d in GOLDEN_SEARCH:
+        if os.path.isdir(d):
             return d
-    return os.path.join(_ROOT, "shared", "golden")
+    return GOLDEN_SEARCH[-1]
 
 
 GOLDEN_DIR = _golden_dir()
@@ -143,7 +150,7 @@ def state_tol(dtype: torch.dtype) -> float:
 def load_golden(name: str) -> dict:
     path = os.path.join(GOLDEN_DIR, name + ".pt")
     if not os.path.exists(path):
-        pytest.skip(f"golden file {path} not found (set KDA_GOLDEN_DIR)")
+        pytest.skip(f"golden file {name}.pt not found in any of {GOLDEN_SEARCH} (set KDA_GOLDEN_DIR)")
     return torch.load(path)
 
 

@@ -7,11 +7,11 @@ pass; only `import kda_ops` is relied on (it loads the extension).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import load_golden
 
 import kda_ops  # noqa: F401  (loads torch.ops.kda)
 from kda_ops.reference import (
@@ -23,7 +23,6 @@ from kda_ops.reference import (
 
 OPS = torch.ops.kda
 GATE_MODE = {"precomputed": 0, "softplus": 1, "lower_bound": 2}
-GOLDEN = Path("/work/shared/golden")
 TAPE_CHUNK = 64
 
 
@@ -485,16 +484,6 @@ def test_training_rejects_bad_tapes():
 # ----------------------------------------------------------------------------------------------
 
 
-def _golden_dir():
-    import os
-
-    root = Path(__file__).resolve().parent.parent
-    for d in (os.environ.get("KDA_GOLDEN_DIR"), root / "shared" / "golden", root.parent / "shared" / "golden"):
-        if d and Path(d).is_dir():
-            return Path(d)
-    return None
-
-
 GOLDEN_RECURRENT = [
     "decode_gqa_lowerbound.pt",
     "prefill_packed_softplus.pt",
@@ -505,10 +494,7 @@ GOLDEN_RECURRENT = [
 
 
 def _golden(name):
-    d = _golden_dir()
-    if d is None or not (d / name).exists():
-        pytest.skip(f"golden file {name} not found (set KDA_GOLDEN_DIR)")
-    return torch.load(d / name)
+    return load_golden(name.removesuffix(".pt"))  # (tests/conftest.py: the same search, one skip message)
 
 
 @pytest.mark.parametrize("name", GOLDEN_RECURRENT)
