@@ -52,6 +52,9 @@ for s in $STAGES; do
     sanitize) stage sanitize bash scripts/sanitize.sh ;;  # compute-sanitizer, 4 tools (full run only)
     bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ${BENCH_ARGS:-} ;;
     demo) stage demo python3 -m kda_ops.demo ;;
+    api_profile) stage api_profile python3 scripts/api_profile.py ;;  # where an end-to-end prefill call spends time
+    racecheck_probe) stage racecheck_probe bash -c 'nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu &&
+           /tmp/racecheck_probe && compute-sanitizer --tool racecheck /tmp/racecheck_probe' ;;
     ncu_chunked) stage ncu_chunked bash -c 'ncu --kernel-name regex:kda_chunked --launch-skip 2 --launch-count 1 \
            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
            --section SchedulerStats --section SourceCounters --section InstructionStats --import-source yes \
