@@ -1,0 +1,194 @@
+r"""Chunked KDA backward (SPEC §2.1 in the WY form of §2.2): plain torch, one step per kernel stage.
+
+The gradient that `kda_ops.reference.reference_training_grads` gets from autograd through the token loop,
+computed chunk by chunk the way a chunk-parallel tensor-core backward does. It mirrors the forward of
+`kda_ops.reference_chunked` (same notation; read its docstring first) and exists to pin down the algebra
+and the order of operations before the CUDA kernels are written.
+
+Per chunk (one sequence, all value heads; q normalised and scaled, k normalised, a = log-decay, β = σ(logit)):
+
+  forward (recomputed from S_0, the chunk's tape row):
+    Γ = cumsum(a), g_C = e^{Γ_{c-1}}, K⁺ = k e^{Γ}, Q⁺ = q e^{Γ}, Kr = k e^{Γ_{c-1} - Γ}
+    L, Mqk (pair matrices), INV = (I + diag(β) L)^{-1}
+    X = K⁺ S_0ᵀ, Y = β (V - X), R = INV Y            (O = Q⁺ S_0ᵀ + Mqk R, S_C = S_0 g_C + Rᵀ Kr)
+  backward, given dO [c, V] and dS_C [V, K] (the gradient of the state leaving the chunk):
+    dR   = Mqkᵀ dO + Kr dS_Cᵀ                        [c, V]
+    dY   = INVᵀ dR                                   [c, V]   (a backward substitution)
+    dA   = -dY Rᵀ (strictly lower)                   [c, c]   → dL = diag(β) dA, dβ += rowsum(dA ⊙ L)
+    dX   = -β dY,  dv = β dY,  dβ += rowsum(dY ⊙ (V - X))
+    dMqk = dO Rᵀ (lower incl. diagonal),  dKr = R dS_C
+    dK⁺  = dX S_0,  dQ⁺ = dO S_0                     [c, K]
+    dS_0 = dS_C g_C + dOᵀ Q⁺ + dXᵀ K⁺                [V, K]   ← the only serial dependence (the "chain")
+    pair terms: for W ∈ {dL (k, k), dMqk (q, k)} with the row operand x and column operand y,
+      row_i = Σ_j W_ij y_j e^{Γ_i - Γ_j},  col_j = Σ_i W_ij x_i e^{Γ_i - Γ_j}
+    dq = dQ⁺ e^{Γ} + row(dMqk);  dk = dK⁺ e^{Γ} + dKr e^{Γ_{c-1}-Γ} + row(dL) + col(dL) + col(dMqk)
+    dΓ = q ⊙ dq + k ⊙ (dK⁺ e^{Γ} + row(dL)) - k ⊙ (dKr e^{Γ_{c-1}-Γ} + col(dL) + col(dMqk))
+         and at the last token + Σ_i Kr_i ⊙ dKr_i + g_C ⊙ colsum(dS_C ⊙ S_0)
+    da   = reverse cumsum of dΓ over the chunk's tokens.
+
+Chunk-parallel schedule (what the CUDA backward does):
+  1. tapes: S_0 of every chunk (the training forward writes them, every 64 tokens);
+  2. chain: dS_C of every chunk, last chunk first (dS_C of the last chunk = dfinal_state), with
+     `chain_step` — it needs only dO, Mqk, INV, Kr, Q⁺, K⁺ and g_C of the chunk, not the other gradients;
+  3. every chunk independently: `chunk_backward` from (S_0, dS_C);
+  4. per token: gate chain rule (a = λ σ(z), z = A (g + dt_bias)), β logit, L2-norm backward, GQA sum.
+
+Exponents: the pair terms are computed here with the exact pairwise factor e^{Γ_i - Γ_j} (masked before
+exp, so every factor is <= 1); a kernel uses the relative-reference blocks of `decayed_pair_matrix`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kda_ops.reference import l2_normalize, seq_bounds
+from kda_ops.reference_chunked import _unit_lower_inverse, decayed_pair_matrix
+
+TAPE_CHUNK = 64
+
+
+def _pair_factors(gamma: torch.Tensor, inclusive: bool) -> torch.Tensor:
+    """e^{Γ_i - Γ_j} [HV, c, c, K] for j < i (j <= i if inclusive), exactly 0 elsewhere (masked before exp)."""
+    c = gamma.shape[1]
+    mask = torch.ones(c, c, dtype=torch.bool, device=gamma.device).tril(0 if inclusive else -1)
+    diff = gamma[:, :, None, :] - gamma[:, None, :, :]
+    return torch.exp(torch.where(mask[None, :, :, None], diff, torch.full_like(diff, -math.inf)))
+
+
+def _pair_apply(W: torch.Tensor, x: torch.Tensor, y: torch.Tensor, E: torch.Tensor):
+    """row_i = Σ_j W_ij y_j e^{Γ_i-Γ_j}, col_j = Σ_i W_ij x_i e^{Γ_i-Γ_j}; W [HV, c, c], x, y [HV, c, K]."""
+    row = torch.einsum("hij,hjk,hijk->hik", W, y, E)
+    col = torch.einsum("hij,hik,hijk->hjk", W, x, E)
+    return row, col
+
+
+def chunk_recompute(S0, q, k, v, a, beta, sub: int = 16) -> dict[str, torch.Tensor]:
+    """The forward quantities of one chunk that the backward needs (shapes as chunk_forward)."""
+    gamma = torch.cumsum(a, dim=1)
+    g_last = gamma[:, -1:]
+    eg = torch.exp(gamma)
+    Kp, Qp, Kr = k * eg, q * eg, k * torch.exp(g_last - gamma)
+    L = decayed_pair_matrix(k, k, gamma, sub, False, "pairwise")
+    Mqk = decayed_pair_matrix(q, k, gamma, sub, True, "pairwise")
+    INV = _unit_lower_inverse(beta[:, :, None] * L, sub)
+    X = Kp @ S0.transpose(1, 2)
+    Y = beta[:, :, None] * (v - X)
+    R = INV @ Y
+    return dict(gamma=gamma, eg=eg, gC=torch.exp(g_last[:, 0]), Kp=Kp, Qp=Qp, Kr=Kr, L=L, Mqk=Mqk, INV=INV,
+                X=X, Y=Y, R=R)
+
+
+def chain_step(f: dict[str, torch.Tensor], beta: torch.Tensor, dO: torch.Tensor, dS_C: torch.Tensor) -> torch.Tensor:
+    """dS_0 from dS_C [HV, V, K] and dO [HV, c, V]: the serial step of the backward (no other gradient)."""
+    dR = f["Mqk"].transpose(1, 2) @ dO + f["Kr"] @ dS_C.transpose(1, 2)
+    dX = -beta[:, :, None] * (f["INV"].transpose(1, 2) @ dR)
+    return dS_C * f["gC"][:, None, :] + dO.transpose(1, 2) @ f["Qp"] + dX.transpose(1, 2) @ f["Kp"]
+
+
+def chunk_backward(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16):
+    """Gradients of one chunk w.r.t. its inputs, given S_0 (forward) and dS_C (backward chain).
+
+    S0, dS_C [HV, V, K]; q, k, a [HV, c, K]; v, dO [HV, c, V]; beta [HV, c] (σ applied).
+    Returns dict(dq, dk, dv, da, dbeta, dS0): dq w.r.t. the scaled normalised q, dk w.r.t. normalised k.
+    """
+    f = chunk_recompute(S0, q, k, v, a, beta, sub)
+    bt = beta[:, :, None]
+    dR = f["Mqk"].transpose(1, 2) @ dO + f["Kr"] @ dS_C.transpose(1, 2)
+    dY = f["INV"].transpose(1, 2) @ dR
+    dA = torch.tril(-(dY @ f["R"].transpose(1, 2)), -1)
+    dL = bt * dA
+    dbeta = (dA * f["L"]).sum(-1) + (dY * (v - f["X"])).sum(-1)
+    dv = bt * dY
+    dX = -bt * dY
+    dM = torch.tril(dO @ f["R"].transpose(1, 2))
+    dKr = f["R"] @ dS_C
+    dKp = dX @ S0
+    dQp = dO @ S0
+    dS0 = dS_C * f["gC"][:, None, :] + dO.transpose(1, 2) @ f["Qp"] + dX.transpose(1, 2) @ f["Kp"]
+    rowL, colL = _pair_apply(dL, k, k, _pair_factors(f["gamma"], False))
+    rowM, colM = _pair_apply(dM, q, k, _pair_factors(f["gamma"], True))
+    eg, er = f["eg"], torch.exp(f["gamma"][:, -1:] - f["gamma"])  # er = e^{Γ_last - Γ}
+    dq = dQp * eg + rowM
+    dk_row = dKp * eg + rowL  # k appears with +Γ_i
+    dk_col = dKr * er + colL + colM  # k appears with -Γ_j
+    dk = dk_row + dk_col
+    dgamma = q * dq + k * dk_row - k * dk_col
+    dgamma[:, -1] += (f["Kr"] * dKr).sum(1) + f["gC"] * (dS_C * S0).sum(1)
+    da = torch.flip(torch.cumsum(torch.flip(dgamma, [1]), 1), [1])
+    return dict(dq=dq, dk=dk, dv=dv, da=da, dbeta=dbeta, dS0=dS0)
+
+
+def chunked_training_grads(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dfinal_state, cu_seqlens=None,
+                           scale=None, lower_bound=-5.0, chunk_size: int = TAPE_CHUNK, sub: int = 16,
+                           dtype=torch.float64):
+    """The eight training gradients (SPEC §3.2 order) by the chunk-parallel schedule of the module docstring.
+
+    Same arguments and gradient order as `reference_training_grads` (L2 norm on, lower-bound gate, logit β).
+    Returns [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state] in `dtype`.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    group = HV // H
+    scale = 1.0 / math.sqrt(K) if scale is None else scale
+    qr = q.to(dtype).repeat_interleave(group, dim=2)
+    kr = k.to(dtype).repeat_interleave(group, dim=2)
+    qn, kn = l2_normalize(qr), l2_normalize(kr)
+    qs = qn * scale
+    vf, dof = v.to(dtype), do.to(dtype)
+    A = torch.exp(A_log.to(dtype))
+    z = A[:, None] * (g.to(dtype) + dt_bias.to(dtype).reshape(HV, K))  # [B, T, HV, K]
+    sz = torch.sigmoid(z)
+    af = lower_bound * sz
+    bl = torch.sigmoid(beta.to(dtype))
+
+    dqs, dkn, dv, da, dbeta = (torch.zeros_like(x) for x in (qs, kn, vf, af, bl))
+    dinit = torch.zeros(initial_state.shape, dtype=dtype)
+    for n, (b, bos, length) in enumerate(seq_bounds(T, B, cu_seqlens)):
+        starts = list(range(0, length, chunk_size))
+
+        def part(x, s0, s1, b=b, bos=bos):
+            return x[b, bos + s0:bos + s1].transpose(0, 1)  # [HV, c, ...]
+
+        # 1. tapes: the state entering every chunk (the training forward's checkpoints)
+        S = initial_state[n].to(dtype)
+        tapes = []
+        for ci, s0 in enumerate(starts):
+            s1 = min(s0 + chunk_size, length)
+            tapes.append(S)
+            f = chunk_recompute(S, part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1),
+                                part(bl, s0, s1), sub)
+            S = S * f["gC"][:, None, :] + f["R"].transpose(1, 2) @ f["Kr"]
+        # 2. chain: dS_C of every chunk, last first
+        dS = torch.zeros_like(S) if dfinal_state is None else dfinal_state[n].to(dtype)
+        dS_end = [None] * len(starts)
+        for ci in range(len(starts) - 1, -1, -1):
+            s0, s1 = starts[ci], min(starts[ci] + chunk_size, length)
+            dS_end[ci] = dS
+            f = chunk_recompute(tapes[ci], part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1),
+                                part(af, s0, s1), part(bl, s0, s1), sub)
+            dS = chain_step(f, part(bl, s0, s1), part(dof, s0, s1), dS)
+        dinit[n] = dS
+        # 3. every chunk independently
+        for ci, s0 in enumerate(starts):
+            s1 = min(s0 + chunk_size, length)
+            r = chunk_backward(tapes[ci], dS_end[ci], part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1),
+                               part(af, s0, s1), part(bl, s0, s1), part(dof, s0, s1), sub)
+            sl = slice(bos + s0, bos + s1)
+            dqs[b, sl], dkn[b, sl], dv[b, sl] = (r[x].transpose(0, 1) for x in ("dq", "dk", "dv"))
+            da[b, sl], dbeta[b, sl] = r["da"].transpose(0, 1), r["dbeta"].transpose(0, 1)
+    # 4. per token: gate, β, L2 norm, GQA
+    dz = da * lower_bound * sz * (1 - sz)
+    dg = A[:, None] * dz
+    ddt = dg.sum((0, 1))
+    dA_log = (dz * z).sum((0, 1, 3))
+    dbeta_logit = dbeta * bl * (1 - bl)
+
+    def l2_back(x, dxn):  # x raw (GQA-expanded), dxn = dL/d(normalised x)
+        rho = torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+        return rho * dxn - rho**3 * (x * dxn).sum(-1, keepdim=True) * x
+
+    dq = l2_back(qr, dqs * scale).reshape(B, T, H, group, K).sum(3)
+    dk = l2_back(kr, dkn).reshape(B, T, H, group, K).sum(3)
+    return [dq, dk, dv, dg, dbeta_logit, dA_log.reshape(A_log.shape), ddt.reshape(dt_bias.shape), dinit]
