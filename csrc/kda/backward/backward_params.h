@@ -69,6 +69,14 @@ struct TrainingBackwardParams {
 // Dynamic shared memory of the reverse kernel, bytes (the caller needs no opt-in: the launcher does it).
 int64_t training_backward_smem_bytes();
 
+// Which reverse sweep launch_training_backward runs: the chunked one (default) or, with the environment
+// variable KDA_TRAINING_BACKWARD=serial (read once), the token-serial one.
+bool training_backward_use_chunked();
+
+// The chunked reverse sweep alone (training_backward_chunked.cu): writes dv, dg, dbeta, dinitial_state,
+// dq_head, dk_head, ddt_partial, dA_partial exactly as the token-serial sweep does.
+cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream);
+
 // Reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient reduction, on `stream`.
 // No host synchronisation, no allocation (CUDA-graph capturable).
 cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream_t stream);

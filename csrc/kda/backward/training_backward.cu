@@ -28,12 +28,16 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "kda/backward/backward_params.h"
+#include "kda/backward/backward_common.cuh"
 #include "kda/common/recurrent_rules.h"  // kL2NormEps
 
 namespace kda {
 namespace {
+using namespace bwd;
 
 constexpr int kDim = kBwdDim;
 constexpr int kChunk = kTapeChunk;
@@ -55,42 +59,6 @@ struct BwdSmem {
   float red[kDim];                 // end-of-task dA_log reduction
 };
 
-struct SeqSpan {
-  int64_t batch, bos, len;
-};
-
-// Same rule as kda::seq_range (recurrent_rules.h): cu_seqlens clamped into [0, T].
-__host__ __device__ __forceinline__ SeqSpan bwd_seq(const void* cu, bool i64, int64_t T, int64_t n) {
-  if (cu == nullptr) return {n, 0, T};
-  int64_t a, b;
-  if (i64) {
-    a = static_cast<const int64_t*>(cu)[n];
-    b = static_cast<const int64_t*>(cu)[n + 1];
-  } else {
-    a = static_cast<const int32_t*>(cu)[n];
-    b = static_cast<const int32_t*>(cu)[n + 1];
-  }
-  a = a < 0 ? 0 : (a > T ? T : a);
-  b = b < a ? a : (b > T ? T : b);
-  return {0, a, b - a};
-}
-
-__device__ __forceinline__ float ld_bf16(const void* base, int64_t off) {
-  return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[off]);
-}
-__device__ __forceinline__ void st_bf16(void* base, int64_t off, float x) {
-  static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16_rn(x);
-}
-__device__ __forceinline__ int64_t tok_off(const TokenTensor& t, int64_t batch, int64_t tok, int64_t head) {
-  return batch * t.batch_stride + tok * t.token_stride + head * t.head_stride;
-}
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
-
-__device__ __forceinline__ float warp_sum32(float x) {
-#pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 // Sums each of 8 values over the 16 lanes of a half-warp (xor butterfly: every lane gets the
 // bit-identical total, since a + b == b + a in IEEE arithmetic).
 __device__ __forceinline__ void half_allreduce8(float (&x)[8]) {
@@ -531,13 +499,27 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
 
 int64_t training_backward_smem_bytes() { return static_cast<int64_t>(sizeof(BwdSmem)); }
 
+bool training_backward_use_chunked() {
+  static const bool chunked = [] {
+    const char* e = std::getenv("KDA_TRAINING_BACKWARD");
+    return !(e != nullptr && std::strcmp(e, "serial") == 0);
+  }();
+  return chunked;
+}
+
 cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(sizeof(BwdSmem));
   cudaError_t err =
       cudaFuncSetAttribute(kda_training_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  if (p.N * p.HV > 0 && p.grid > 0)
-    kda_training_backward_kernel<<<p.grid, kBwdThreads, smem, stream>>>(p);
+  if (p.N * p.HV > 0 && p.grid > 0) {
+    if (training_backward_use_chunked()) {
+      err = launch_training_backward_chunked_sweep(p, stream);
+      if (err != cudaSuccess) return err;
+    } else {
+      kda_training_backward_kernel<<<p.grid, kBwdThreads, smem, stream>>>(p);
+    }
+  }
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t warps = p.B * p.T * p.H * 2;
