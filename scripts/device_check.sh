@@ -61,6 +61,12 @@ for s in $STAGES; do
            -f -o /tmp/ncu_chunked python3 scripts/ncu_profile.py ${NCU_CASE:-prefill_96_8192} >/dev/null &&
            ncu -i /tmp/ncu_chunked.ncu-rep --page details &&
            ncu -i /tmp/ncu_chunked.ncu-rep --page source --csv --print-source cuda,sass > "$RESULTS/ncu_chunked_source.csv"' ;;
+    ncu_train) stage ncu_train bash -c 'ncu --kernel-name regex:kda_training_backward_chunked --launch-skip 1 --launch-count 1 \
+           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+           --section SchedulerStats --section SourceCounters --section InstructionStats --import-source yes \
+           -f -o /tmp/ncu_train python3 scripts/ncu_profile.py ${NCU_TRAIN_CASE:-train_32_2048} >/dev/null &&
+           ncu -i /tmp/ncu_train.ncu-rep --page details &&
+           ncu -i /tmp/ncu_train.ncu-rep --page source --csv --print-source cuda,sass > "$RESULTS/ncu_train_source.csv"' ;;
     ncu) stage ncu ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 \
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
            --section WarpStateStats --section SchedulerStats python3 scripts/ncu_profile.py decode_bf16 ;;

@@ -1,4 +1,5 @@
-"""Workloads for Nsight Compute (scripts/device_check.sh stage `ncu`): the hot kernels at the issue shapes.
+"""Workloads for Nsight Compute (scripts/device_check.sh stages `ncu`, `ncu_chunked`, `ncu_train`): the hot
+kernels at the issue shapes (cases decode_bf16 | decode_fp32 | prefill_<H>_<T> | train_<H>_<T>).
 
   ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 --section SpeedOfLight ... \
       python3 scripts/ncu_profile.py decode_bf16
@@ -23,6 +24,18 @@ if case.startswith("prefill"):  # prefill_<H>_<T>: one sequence, bf16 state, the
     for _ in range(4):
         kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
                               use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, backend="chunked")
+elif case.startswith("train"):  # train_<H>_<T>: kda_ops.kda forward + backward, one sequence (issue 5)
+    _, Hp, Tp = case.split("_") if case.count("_") == 2 else ("train", "32", "2048")
+    Hp, Tp = int(Hp), int(Tp)
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    q, k, v, g, beta = r(1, Tp, Hp, K), r(1, Tp, Hp, K), r(1, Tp, Hp, K), r(1, Tp, Hp, K), r(1, Tp, Hp)
+    A_log = (torch.rand(Hp, device=dev) * 0.5).requires_grad_()
+    dt_bias = (torch.randn(Hp, K, device=dev) * 0.1).requires_grad_()
+    h0 = torch.zeros(1, Hp, K, K, device=dev, requires_grad=True)
+    do = torch.randn(1, Tp, Hp, K, device=dev, generator=gen, dtype=torch.bfloat16)
+    for _ in range(3):
+        o, _ = kda_ops.kda(q, k, v, g, beta, A_log, dt_bias, h0, lower_bound=-5.0)
+        o.backward(do)
 elif case.startswith("decode"):
     B = 256
     dt = torch.bfloat16 if case.endswith("bf16") else torch.float32
