@@ -23,6 +23,8 @@
 
 #include <cstdint>
 
+#include <cute/arch/mma_sm80.hpp>
+
 #include "kda/backward/backward_common.cuh"
 #include "kda/backward/backward_params.h"
 #include "kda/common/recurrent_rules.h"  // kL2NormEps
@@ -32,11 +34,13 @@ namespace {
 using namespace bwd;
 
 constexpr int kC = 16;          // tokens per sub-chunk
+constexpr int kMid = 8;         // reference token of the pair factors (KERNEL_NOTES: "mid" diagonal blocks)
 constexpr int kD = kBwdDim;     // K == V == 128
 constexpr int kLD = kD + 4;     // padded row stride (floats) of the shared-memory matrices
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;   // 16 warps: warp w owns columns [8w, 8w+8) of every [16 x 128] product
+constexpr int kWarps = kThreads / 32;
 constexpr int kSubPerTape = kTapeChunk / kC;
-static_assert(kD == 128 && kThreads == 256, "thread layouts below assume 128 channels and 256 threads");
+static_assert(kD == 128 && kWarps == 16, "thread layouts below assume 128 channels and 16 warps");
 static_assert(kSubPerTape - 1 <= kBwdSubBlocksPerChunk, "the scratch holds the sub-chunk start states");
 
 struct ChunkedBwdSmem {
@@ -60,7 +64,7 @@ struct ChunkedBwdSmem {
   float beta[kC];      // σ(logit), 0 on padding tokens
   float gC[kD];        // e^{Γ_last}
   float ext[kD];       // extra dΓ of the last position (Kr·dKr and the S_0 decay term)
-  float red[kD];
+  float part[4][kD];   // partial column sums
 };
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -69,104 +73,122 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
 }
 
-// C[t][v] = acc ? C + sign·Σ_c A[t][c] B[v][c] : sign·Σ_c ...   (A, C [16][kLD]; B [128][kLD])
-__device__ __forceinline__ void gemm_abt(float* C, const float* A, const float* B, float sign, bool acc) {
-  const int v = threadIdx.x & 127, t0 = (threadIdx.x >> 7) * 8;
-  float s[8];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) s[r] = 0.f;
-  for (int c = 0; c < kD; c += 4) {
-    const float4 b = ld4(B + v * kLD + c);
-#pragma unroll
-    for (int r = 0; r < 8; ++r) s[r] = dot4(ld4(A + (t0 + r) * kLD + c), b, s[r]);
-  }
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    float* o = C + (t0 + r) * kLD + v;
-    *o = acc ? fmaf(sign, s[r], *o) : sign * s[r];
+// Tensor-core products: mma.sync m16n8k8 with tf32 operands (rounded to nearest) and fp32 accumulation,
+// through CuTe's SM80 atom. Fragment layout (PTX ISA, m16n8k8 .tf32), g = lane / 4, q = lane % 4:
+//   A (16x8, row): a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4); B (8x8, col): b0 (q, g), b1 (q+4, g);
+//   C (16x8): c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q), c3 (g+8, 2q+1).
+__device__ __forceinline__ uint32_t tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
+                                           d[2], d[3]);
+}
+
+// d += Σ_k A(m, k) B(k, n0 + n) over k < KD, m < 16, n < 8: one 16x8 output fragment, operands from accessors.
+template <int KD, typename FA, typename FB>
+__device__ __forceinline__ void mma_frag(float (&d)[4], int n0, FA fa, FB fb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll 4
+  for (int k0 = 0; k0 < KD; k0 += 8) {
+    const uint32_t a[4] = {tf32(fa(g, k0 + q)), tf32(fa(g + 8, k0 + q)), tf32(fa(g, k0 + q + 4)),
+                           tf32(fa(g + 8, k0 + q + 4))};
+    mma_tf32(d, a, tf32(fb(k0 + q, n0 + g)), tf32(fb(k0 + q + 4, n0 + g)));
   }
 }
 
-// C[t][c] = rs(t) · Σ_v A[t][v] B[v][c]   (A, C [16][kLD]; B [128][kLD]); rs = row_scale[t] · sign or sign.
+// Visits the four elements of a 16x8 fragment: f(row, col, value).
+template <typename F>
+__device__ __forceinline__ void frag_each(const float (&d)[4], int n0, F f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  f(g, n0 + 2 * q, d[0]);
+  f(g, n0 + 2 * q + 1, d[1]);
+  f(g + 8, n0 + 2 * q, d[2]);
+  f(g + 8, n0 + 2 * q + 1, d[3]);
+}
+
+// C[t][v] (acc ? +=: =) sign·Σ_c A[t][c] B[v][c]   (A, C [16][kLD]; B [128][kLD]); warp w: v in [8w, 8w+8).
+__device__ __forceinline__ void gemm_abt(float* C, const float* A, const float* B, float sign, bool acc) {
+  const int n0 = (threadIdx.x >> 5) * 8;
+  float d[4] = {};
+  mma_frag<kD>(d, n0, [&](int m, int k) { return A[m * kLD + k]; }, [&](int k, int n) { return B[n * kLD + k]; });
+  frag_each(d, n0, [&](int t, int v, float x) {
+    float* o = C + t * kLD + v;
+    *o = acc ? fmaf(sign, x, *o) : sign * x;
+  });
+}
+
+// C[t][c] = sign·rs(t)·Σ_v A[t][v] B[v][c]   (A, C [16][kLD]; B [128][kLD]); rs = row_scale or 1.
 __device__ __forceinline__ void gemm_ab(float* C, const float* A, const float* B, float sign,
                                         const float* row_scale) {
-  const int c4 = (threadIdx.x & 31) * 4, t0 = (threadIdx.x >> 5) * 2;
-  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int v = 0; v < kD; v += 4) {
-    const float4 a0 = ld4(A + t0 * kLD + v), a1 = ld4(A + (t0 + 1) * kLD + v);
-    const float x0[4] = {a0.x, a0.y, a0.z, a0.w}, x1[4] = {a1.x, a1.y, a1.z, a1.w};
+  const int n0 = (threadIdx.x >> 5) * 8;
+  float d[4] = {};
+  mma_frag<kD>(d, n0, [&](int m, int k) { return A[m * kLD + k]; }, [&](int k, int n) { return B[k * kLD + n]; });
+  frag_each(d, n0, [&](int t, int c, float x) { C[t * kLD + c] = (row_scale ? sign * row_scale[t] : sign) * x; });
+}
+
+// C[t][c] = Σ_j W(t, j)·cs(j)·A[j][c], W(t, j) = Wm[t][j] (or Wm[j][t] if TRANS), cs = colscale or 1.
+template <bool TRANS>
+__device__ __forceinline__ void gemm_small(float* C, const float (*Wm)[kC], const float* cs, const float* A) {
+  const int n0 = (threadIdx.x >> 5) * 8;
+  float d[4] = {};
+  mma_frag<kC>(d, n0, [&](int m, int k) { return TRANS ? Wm[k][m] : Wm[m][k]; },
+               [&](int k, int n) { return (cs ? cs[k] : 1.f) * A[k * kLD + n]; });
+  frag_each(d, n0, [&](int t, int c, float x) { C[t * kLD + c] = x; });
+}
+
+// W[i][j] = sign·Σ_c fa(i, c)·fb(j, c) for j < i (strict) or j <= i, 0 above: warps w0 and w0 + 1
+// (columns j in [0, 8) and [8, 16)); other warps return at once.
+template <typename FA, typename FB>
+__device__ __forceinline__ void gemm_tri(float (*W)[kC], int w0, FA fa, FB fb, bool strict, float sign) {
+  const int w = (threadIdx.x >> 5) - w0;
+  if (w < 0 || w > 1) return;
+  float d[4] = {};
+  mma_frag<kD>(d, 8 * w, fa, [&](int k, int n) { return fb(n, k); });
+  frag_each(d, 8 * w, [&](int i, int j, float x) { W[i][j] = (strict ? j < i : j <= i) ? sign * x : 0.f; });
+}
+
+// Rank-16 update of a [128][kLD] matrix in place: X[v][c] = X[v][c]·gC[c] + Σ_t Σ_p a(p, t, v)·b(p, t, c),
+// p < P, on tensor cores; warp w owns rows [16 (w/2), +16) and columns [64 (w%2), +64) (8 fragments).
+template <int P, typename FA, typename FB>
+__device__ __forceinline__ void rank_update(float* X, const float* gC, FA fa, FB fb) {
+  const int m0 = (threadIdx.x >> 6) * 16, c0 = ((threadIdx.x >> 5) & 1) * 64;
+  float d[8][4];
+  {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 b = ld4(B + (v + i) * kLD + c4);
-      s0[0] = fmaf(x0[i], b.x, s0[0]); s0[1] = fmaf(x0[i], b.y, s0[1]);
-      s0[2] = fmaf(x0[i], b.z, s0[2]); s0[3] = fmaf(x0[i], b.w, s0[3]);
-      s1[0] = fmaf(x1[i], b.x, s1[0]); s1[1] = fmaf(x1[i], b.y, s1[1]);
-      s1[2] = fmaf(x1[i], b.z, s1[2]); s1[3] = fmaf(x1[i], b.w, s1[3]);
+    for (int nt = 0; nt < 8; ++nt) {
+      const int c = c0 + 8 * nt + 2 * q;
+      const float* x0 = X + (m0 + g) * kLD + c;
+      const float* x1 = x0 + 8 * kLD;
+      d[nt][0] = x0[0] * gC[c];
+      d[nt][1] = x0[1] * gC[c + 1];
+      d[nt][2] = x1[0] * gC[c];
+      d[nt][3] = x1[1] * gC[c + 1];
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+      for (int k0 = 0; k0 < kC; k0 += 8) {
+        const uint32_t a[4] = {tf32(fa(p, k0 + q, m0 + g)), tf32(fa(p, k0 + q, m0 + g + 8)),
+                               tf32(fa(p, k0 + q + 4, m0 + g)), tf32(fa(p, k0 + q + 4, m0 + g + 8))};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          mma_tf32(d[nt], a, tf32(fb(p, k0 + q, c0 + 8 * nt + g)), tf32(fb(p, k0 + q + 4, c0 + 8 * nt + g)));
+      }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int c = c0 + 8 * nt + 2 * q;
+      float* x0 = X + (m0 + g) * kLD + c;
+      float* x1 = x0 + 8 * kLD;
+      x0[0] = d[nt][0];
+      x0[1] = d[nt][1];
+      x1[0] = d[nt][2];
+      x1[1] = d[nt][3];
     }
   }
-  const float r0 = row_scale ? sign * row_scale[t0] : sign, r1 = row_scale ? sign * row_scale[t0 + 1] : sign;
-  st4(C + t0 * kLD + c4, make_float4(r0 * s0[0], r0 * s0[1], r0 * s0[2], r0 * s0[3]));
-  st4(C + (t0 + 1) * kLD + c4, make_float4(r1 * s1[0], r1 * s1[1], r1 * s1[2], r1 * s1[3]));
-}
-
-// C[t][c] = Σ_j W(t, j) · colscale(j) · A[j][c] with W = Wm[t][j] (or Wm[j][t] if trans); cs may be null.
-__device__ __forceinline__ void gemm_small(float* C, const float (*Wm)[kC], bool trans, const float* cs,
-                                           const float* A) {
-  const int c = threadIdx.x & 127, t0 = (threadIdx.x >> 7) * 8;
-  float a[kC];
-#pragma unroll
-  for (int j = 0; j < kC; ++j) a[j] = (cs ? cs[j] : 1.f) * A[j * kLD + c];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < kC; ++j) s = fmaf(trans ? Wm[j][t0 + r] : Wm[t0 + r][j], a[j], s);
-    C[(t0 + r) * kLD + c] = s;
-  }
-}
-
-// W[i][j] = Σ_c A[i][c] B[j][c] for j < i (strict) or j <= i, 0 above; times sign.
-__device__ __forceinline__ void gemm_tri(float (*W)[kC], const float* A, const float* B, bool strict, float sign) {
-  const int i = threadIdx.x >> 4, j = threadIdx.x & 15;
-  float s = 0.f;
-  if (strict ? j < i : j <= i)
-    for (int c = 0; c < kD; c += 4) s = dot4(ld4(A + i * kLD + c), ld4(B + j * kLD + c), s);
-  W[i][j] = sign * s;
-}
-
-// Rank-16 update of a [128][kLD] matrix in place: X[v][c] = X[v][c]·gC[c] + Σ_t Σ_p a_p(t, v) b_p(t, c);
-// thread tile 8 rows x 8 columns. `rows(t, v0, a1, a2, b1, b2)` fills the 8-long operand slices.
-template <typename Ops>
-__device__ __forceinline__ void rank_update(float* X, const float* gC, Ops ops) {
-  const int v0 = (threadIdx.x >> 4) * 8, c0 = (threadIdx.x & 15) * 8;
-  float acc[8][8];
-  float g[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) g[j] = gC[c0 + j];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float4 x0 = ld4(X + (v0 + i) * kLD + c0), x1 = ld4(X + (v0 + i) * kLD + c0 + 4);
-    acc[i][0] = x0.x * g[0]; acc[i][1] = x0.y * g[1]; acc[i][2] = x0.z * g[2]; acc[i][3] = x0.w * g[3];
-    acc[i][4] = x1.x * g[4]; acc[i][5] = x1.y * g[5]; acc[i][6] = x1.z * g[6]; acc[i][7] = x1.w * g[7];
-  }
-  for (int t = 0; t < kC; ++t) {
-    float a1[8], a2[8], b1[8], b2[8];
-    ops(t, v0, c0, a1, a2, b1, b2);
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a1[i], b1[j], fmaf(a2[i], b2[j], acc[i][j]));
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    st4(X + (v0 + i) * kLD + c0, make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-    st4(X + (v0 + i) * kLD + c0 + 4, make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]));
-  }
-}
-
-__device__ __forceinline__ void ld8s(float (&x)[8], const float* p) {
-  const float4 a = ld4(p), b = ld4(p + 4);
-  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
 }
 
 // [128][128] compact global <-> [128][kLD] shared.
@@ -248,21 +270,14 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     sm.gC[c] = __expf(gam);
   }
   __syncthreads();
-  {  // L and Mqk, pair factors E_i e^{-Γ_j} (<= 1 for j <= i)
-    const int i = threadIdx.x >> 4, j = threadIdx.x & 15;
-    float l = 0.f, m = 0.f;
-    if (j <= i) {
-      for (int c = 0; c < kD; c += 4) {
-        const float4 ei = ld4(sm.E + i * kLD + c), ej = ld4(sm.Ei + j * kLD + c);
-        const float4 ki = ld4(sm.kn + i * kLD + c), kj = ld4(sm.kn + j * kLD + c), qi = ld4(sm.qs + i * kLD + c);
-        const float f0 = kj.x * (ei.x * ej.x), f1 = kj.y * (ei.y * ej.y), f2 = kj.z * (ei.z * ej.z),
-                    f3 = kj.w * (ei.w * ej.w);
-        l = fmaf(ki.w, f3, fmaf(ki.z, f2, fmaf(ki.y, f1, fmaf(ki.x, f0, l))));
-        m = fmaf(qi.w, f3, fmaf(qi.z, f2, fmaf(qi.y, f1, fmaf(qi.x, f0, m))));
-      }
-    }
-    sm.L[i][j] = j < i ? l : 0.f;
-    sm.M[i][j] = m;
+  // L and Mqk on tensor cores with the mid-token reference: e^{Γ_i - Γ_j} = P_i N_j, P = e^{Γ - Γ_mid}
+  // (E · Ei_mid), N = e^{Γ_mid - Γ} (E_mid · Ei); every factor <= e^{8|λ|} = e^{40} (λ >= -5).
+  {
+    const auto colop = [&](int j, int c) { return sm.kn[j * kLD + c] * (sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]); };
+    gemm_tri(sm.L, 0, [&](int i, int c) { return sm.kn[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
+             colop, true, 1.f);
+    gemm_tri(sm.M, 2, [&](int i, int c) { return sm.qs[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
+             colop, false, 1.f);
   }
   // K⁺ and Kr
   for (int idx = threadIdx.x; idx < kC * kD; idx += kThreads) {
@@ -270,7 +285,7 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     sm.kp[o] = sm.kn[o] * sm.E[o];
     sm.kr[o] = sm.kn[o] * (sm.gC[c] * sm.Ei[o]);
   }
-  __syncthreads();
+  __syncthreads();         // L, K⁺ and Kr are complete
   if (threadIdx.x < kC) {  // INV column j by forward substitution
     const int j = threadIdx.x;
     float x[kC];
@@ -286,7 +301,7 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   }
   gemm_abt(sm.vx, sm.kp, sm.S, -1.f, true);  // V - X
   __syncthreads();
-  gemm_small(sm.R, sm.INV, false, sm.beta, sm.vx);  // R = INV diag(β) (V - X)
+  gemm_small<false>(sm.R, sm.INV, sm.beta, sm.vx);  // R = INV diag(β) (V - X)
   __syncthreads();
 }
 
@@ -337,13 +352,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       for (int sb = 0; sb + 1 < nsub; ++sb) {
         state_to_global(scr + sb * kState, sm.S);
         sub_chunk_forward(sm, p, tk, tc0 + sb * kC, kC, false);
-        rank_update(sm.S, sm.gC, [&](int t, int v0, int c0, float(&a1)[8], float(&a2)[8], float(&b1)[8],
-                                     float(&b2)[8]) {
-          ld8s(a1, sm.R + t * kLD + v0);
-          ld8s(b1, sm.kr + t * kLD + c0);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) a2[i] = b2[i] = 0.f;
-        });
+        rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
+                       [&](int, int t, int c) { return sm.kr[t * kLD + c]; });
         __syncthreads();
       }
       // Reverse sweep over the sub-chunks.
@@ -356,23 +366,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         }
         sub_chunk_forward(sm, p, tk, t0, len, true);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
-        gemm_small(sm.dr, sm.M, true, nullptr, sm.dO);
+        gemm_small<true>(sm.dr, sm.M, nullptr, sm.dO);
         __syncthreads();
         gemm_abt(sm.dr, sm.kr, sm.dS, 1.f, true);
         __syncthreads();
-        gemm_small(sm.kp, sm.INV, true, nullptr, sm.dr);
+        gemm_small<true>(sm.kp, sm.INV, nullptr, sm.dr);
         __syncthreads();
-        gemm_tri(sm.dA, sm.kp, sm.R, true, -1.f);   // dA = -stril(dY Rᵀ)
-        gemm_tri(sm.dM, sm.dO, sm.R, false, 1.f);   // dMqk = tril(dO Rᵀ)
-        if (tid < kD) {  // the S_0 decay term of dΓ_last: g_C ⊙ colsum(dS_C ⊙ S_0)
-          float s = 0.f;
-          for (int v = 0; v < kD; ++v) s = fmaf(sm.dS[v * kLD + tid], sm.S[v * kLD + tid], s);
-          sm.ext[tid] = sm.gC[tid] * s;
+        const auto row_of = [&](const float* X) { return [X](int i, int c) { return X[i * kLD + c]; }; };
+        gemm_tri(sm.dA, 0, row_of(sm.kp), row_of(sm.R), true, -1.f);   // dA = -stril(dY Rᵀ)
+        gemm_tri(sm.dM, 2, row_of(sm.dO), row_of(sm.R), false, 1.f);   // dMqk = tril(dO Rᵀ)
+        {  // the S_0 decay term of dΓ_last, g_C ⊙ colsum(dS_C ⊙ S_0): four partial sums of 32 rows
+          const int c = tid & 127, v0 = (tid >> 7) * 32;
+          float s[4] = {0.f, 0.f, 0.f, 0.f};  // independent chains (fixed order: deterministic)
+#pragma unroll
+          for (int v = 0; v < 32; v += 4)
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+              s[u] = fmaf(sm.dS[(v0 + v + u) * kLD + c], sm.S[(v0 + v + u) * kLD + c], s[u]);
+          sm.part[tid >> 7][c] = (s[0] + s[1]) + (s[2] + s[3]);
         }
         __syncthreads();
-        {  // dβ and dv; warp w: tokens 2w, 2w + 1
+        if (tid < kD)
+          sm.ext[tid] = sm.gC[tid] * ((sm.part[0][tid] + sm.part[1][tid]) + (sm.part[2][tid] + sm.part[3][tid]));
+        {  // dβ and dv; warp w: token w
           const int warp = tid >> 5, lane = tid & 31;
-          for (int t = 2 * warp; t < 2 * warp + 2; ++t) {
+          for (int t = warp; t < warp + 1; ++t) {
             const float4 dy = ld4(sm.kp + t * kLD + 4 * lane), vx = ld4(sm.vx + t * kLD + 4 * lane);
             float s = dot4(dy, vx, 0.f);
             if (lane < kC) s = fmaf(sm.dA[t][lane], sm.L[t][lane], s);
@@ -400,61 +418,53 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         __syncthreads();                              // kr is dead
         gemm_ab(sm.kr, sm.dO, sm.S, 1.f, nullptr);   // dQ⁺ = dO S_0
         // dS_0 = dS_C g_C + dOᵀ (q E) - (β dY)ᵀ (k E)
-        rank_update(sm.dS, sm.gC, [&](int t, int v0, int c0, float(&a1)[8], float(&a2)[8], float(&b1)[8],
-                                      float(&b2)[8]) {
-          float e[8], q[8], k[8];
-          ld8s(a1, sm.dO + t * kLD + v0);
-          ld8s(a2, sm.kp + t * kLD + v0);
-          ld8s(e, sm.E + t * kLD + c0);
-          ld8s(q, sm.qs + t * kLD + c0);
-          ld8s(k, sm.kn + t * kLD + c0);
-          const float nb = -sm.beta[t];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            a2[i] *= nb;
-            b1[i] = q[i] * e[i];
-            b2[i] = k[i] * e[i];
-          }
-        });
+        rank_update<2>(
+            sm.dS, sm.gC,
+            [&](int p, int t, int v) { return p == 0 ? sm.dO[t * kLD + v] : -sm.beta[t] * sm.kp[t * kLD + v]; },
+            [&](int p, int t, int c) { return (p == 0 ? sm.qs[t * kLD + c] : sm.kn[t * kLD + c]) * sm.E[t * kLD + c]; });
         __syncthreads();  // dY (kp) is dead: dΓ goes there
-        {  // per (t, c): pair terms, dq, dk, dΓ
-          const int cc = tid & 127, tb = (tid >> 7) * 8;
-          for (int r = 0; r < 8; ++r) {
-            const int t = tb + r, o = t * kLD + cc;
-            const float e = sm.E[o], ei = sm.Ei[o], qv = sm.qs[o], kv = sm.kn[o];
-            float rowM = 0.f, rowL = 0.f, colM = 0.f, colL = 0.f;
-            for (int j = 0; j < kC; ++j) {
-              const int oj = j * kLD + cc;
-              if (j <= t) {  // row terms: factor E_t e^{-Γ_j}
-                const float f = sm.kn[oj] * (e * sm.Ei[oj]);
-                rowM = fmaf(sm.dM[t][j], f, rowM);
-                rowL = fmaf(sm.beta[t] * sm.dA[t][j], f, rowL);  // dA[t][t] = 0
-              }
-              if (j >= t) {  // column terms: factor E_j e^{-Γ_t}
-                const float f = sm.E[oj] * ei;
-                colM = fmaf(sm.dM[j][t], sm.qs[oj] * f, colM);
-                colL = fmaf(sm.beta[j] * sm.dA[j][t], sm.kn[oj] * f, colL);
-              }
-            }
-            const float dq = fmaf(sm.kr[o], e, rowM);
-            const float dk_row = fmaf(sm.vx[o], e, rowL);
-            const float dk_col = fmaf(sm.dr[o], sm.gC[cc] * ei, colL + colM);
+        {  // pair terms on tensor cores (mid-token reference, as L and Mqk), then dq, dk, dΓ per element
+          const int n0 = (tid >> 5) * 8;
+          const auto P = [&](int i, int c) { return sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]; };
+          const auto N = [&](int j, int c) { return sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]; };
+          float rm[4] = {}, rl[4] = {}, cl[4] = {};
+          const auto kN = [&](int j, int c) { return sm.kn[j * kLD + c] * N(j, c); };
+          mma_frag<kC>(rm, n0, [&](int t, int j) { return sm.dM[t][j]; }, kN);               // Σ_j dM_tj k_j N_j
+          mma_frag<kC>(rl, n0, [&](int t, int j) { return sm.beta[t] * sm.dA[t][j]; }, kN);  // Σ_j dL_tj k_j N_j
+          mma_frag<kC>(cl, n0, [&](int t, int i) { return sm.dM[i][t]; },
+                       [&](int i, int c) { return sm.qs[i * kLD + c] * P(i, c); });          // Σ_i dM_it q_i P_i
+          mma_frag<kC>(cl, n0, [&](int t, int i) { return sm.beta[i] * sm.dA[i][t]; },
+                       [&](int i, int c) { return sm.kn[i * kLD + c] * P(i, c); });          // Σ_i dL_it k_i P_i
+          const int lane = tid & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = g + 8 * (e >> 1), cc = n0 + 2 * q + (e & 1), o = t * kLD + cc;
+            const float ev = sm.E[o], ei = sm.Ei[o];
+            const float dq = fmaf(sm.kr[o], ev, P(t, cc) * rm[e]);
+            const float dk_row = fmaf(sm.vx[o], ev, P(t, cc) * rl[e]);
+            const float dk_col = fmaf(sm.dr[o], sm.gC[cc] * ei, N(t, cc) * cl[e]);
             if (t < len) {
               const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
               p.dq_head[ho] = dq * p.scale;
               p.dk_head[ho] = dk_row + dk_col;
             }
-            sm.kp[o] = fmaf(qv, dq, kv * (dk_row - dk_col));
+            sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));
           }
         }
         __syncthreads();
         if (tid < kD) {  // da = reverse cumsum of dΓ; gate chain rule a = λ σ(z), z = A (g + dt_bias)
+          float zt[kC];  // all gate loads in flight at once
+#pragma unroll
+          for (int t = 0; t < kC; ++t)
+            zt[t] = t < len ? tk.A * (ld_bf16(p.g.ptr, tok_off(p.g, tk.s.batch, t0 + t, tk.hv) + tid) + dtb_col)
+                            : 0.f;
           float run = sm.ext[tid];
+#pragma unroll
           for (int t = kC - 1; t >= 0; --t) {
             run += sm.kp[t * kLD + tid];
             if (t < len) {
               const int64_t tok = t0 + t;
-              const float z = tk.A * (ld_bf16(p.g.ptr, tok_off(p.g, tk.s.batch, tok, tk.hv) + tid) + dtb_col);
+              const float z = zt[t];
               const float sg = sigmoidf_(z);
               const float dz = p.lower_bound * run * sg * (1.f - sg);
               const float dgv = tk.A * dz;
@@ -472,12 +482,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     state_to_global(p.dinitial_state + state_off, sm.dS);
     if (tid < kD) {
       p.ddt_partial[(n * p.HV + tk.hv) * kD + tid] = ddt_acc;
-      sm.red[tid] = dA_acc;
+      sm.part[0][tid] = dA_acc;
     }
     __syncthreads();
     if (tid == 0) {
       float a = 0.f;
-      for (int k = 0; k < kD; ++k) a += sm.red[k];
+      for (int k = 0; k < kD; ++k) a += sm.part[0][k];
       p.dA_partial[n * p.HV + tk.hv] = a;
     }
   }
