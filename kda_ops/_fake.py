@@ -92,7 +92,9 @@ def _recurrent_kda_fake(
     num_spec_tokens,
     checkpoint_every_n_tokens,
     backend,
+    zero_uncovered=False,
 ):
+    # zero_uncovered only chooses what is written into `output` (no shape, dtype or aliasing effect).
     _check_tokens(q, k, v, g, beta)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

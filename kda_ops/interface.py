@@ -174,7 +174,8 @@ def recurrent_kda(
             ``ssm_state_indices[n, clamp(num_accepted_tokens[n]-1, 0, S)]``. Spec decode only (None = 1).
         output: caller buffer of exactly v's shape and q's dtype, last dim contiguous, overlapping no input,
             the pool or the checkpoints; written in place and returned. Tokens of a packed call outside
-            every sequence (a broken cu_seqlens contract) are left as they were.
+            every sequence (a broken cu_seqlens contract) are left as they were. None: a new tensor, in
+            which such tokens read as zero.
         initial_state_source: read-only pool [N0, HV, V, K] (bf16/fp32) the start states come from:
             ``initial_state_source[initial_state_indices[n]]`` (out of range: inactive). Results still go
             to the ``initial_state`` slots (or to the returned final state without a pool). Never written.
@@ -436,10 +437,12 @@ def recurrent_kda(
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
 
+    # Packed: tokens outside every sequence (a broken contract) read as zeros, not garbage. The op zeroes
+    # just those (found on the device from cu_seqlens, no sync) instead of a fill of the whole output; a
+    # caller's `output` keeps them as they were.
+    zero_uncovered = output is None and d.packed
     if output is None:
-        shape = (d.B, d.T, d.HV, d.V)
-        # Packed: tokens outside every sequence (a broken contract) read as zeros, not garbage.
-        out = q.new_zeros(shape) if d.packed else q.new_empty(shape)
+        out = q.new_empty((d.B, d.T, d.HV, d.V))
     final = None
     if pool is None and out_final:
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
@@ -472,6 +475,7 @@ def recurrent_kda(
         S,
         n_ck,
         backend_code,
+        zero_uncovered,
     )
     final_ret = (pool if pool is not None else final) if out_final else None
     if n_ck > 0:

@@ -19,7 +19,7 @@ def raw_recurrent(q, k, v, g, beta, **kw) -> None:
         ssm_state_indices=None, num_accepted_tokens=None, seq_order=None, output=None, final_state=None,
         state_checkpoints=None, checkpoint_cu_starts=None, workspace=None, scale=1.0 / math.sqrt(q.shape[-1]),
         gate_mode=2, lower_bound=-5.0, use_qk_l2norm=True, beta_is_logit=True, num_spec_tokens=0,
-        checkpoint_every_n_tokens=0, backend=0,
+        checkpoint_every_n_tokens=0, backend=0, zero_uncovered=False,
     )  # fmt: skip
     a.update(kw)
     torch.ops.kda.recurrent_kda.default(q, k, v, g, beta, **a)

@@ -421,6 +421,8 @@ def _register_broken() -> None:
 
                 if packed:
                     kw["cu_seqlens"] = i32(o.get("cu", [0, 4, 10, 13]), o.get("cu_dtype", torch.int64))
+                if "cu" in o:
+                    kw["zero_uncovered"] = True  # also run the zeroing kernel of uncovered tokens
                 if "slots" in o:
                     kw["ssm_state_indices"] = i32(o["slots"])
                 if S:

@@ -23,6 +23,11 @@ def recurrent_args(mode: str):
     elif mode == "packed_checkpoints":
         x = inputs(H=2, HV=4, K=K, V=V, cu_seqlens=[0, 20, 20, 37], N_pool=3)
         cu, idx, acc, S, n_ck = x["cu_seqlens"], None, None, 0, 16
+    elif mode == "packed_zero_uncovered":
+        # A broken, non-monotone cu_seqlens (no overlaps: the result stays deterministic) with zero_uncovered:
+        # tokens 10..24 belong to no sequence and must come out zero, so every element is written.
+        x = inputs(H=2, HV=4, K=K, V=V, cu_seqlens=[0, 20, 20, 37], N_pool=3)
+        cu, idx, acc, S, n_ck = torch.tensor([25, 37, 0, 10], dtype=torch.int64), None, None, 0, 0
     elif mode == "spec_decode":
         x = inputs(B=2, T=3, H=1, HV=2, K=K, V=V, N_pool=6)
         cu, S, n_ck = None, 2, 0
@@ -63,10 +68,11 @@ def recurrent_args(mode: str):
         S,
         n_ck,
         0,
+        mode == "packed_zero_uncovered",
     )
 
 
-@pytest.mark.parametrize("mode", ["pool_decode", "packed_checkpoints", "spec_decode"])
+@pytest.mark.parametrize("mode", ["pool_decode", "packed_checkpoints", "packed_zero_uncovered", "spec_decode"])
 def test_opcheck_recurrent_kda(mode):
     torch.library.opcheck(OPS.recurrent_kda.default, recurrent_args(mode))
 

@@ -1865,37 +1865,85 @@ def test_broken_contracts_stay_in_bounds(device, case):
     STATS["broken_contract_runs"] += 1
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param("cuda", marks=pytest.mark.gpu),
-    ],
-)
-def test_tokens_outside_every_sequence_keep_caller_output(device):
-    if device == "cuda" and not HAS_CUDA:
-        pytest.skip("needs CUDA")
+# cu_seqlens values (the kernels clamp them, kda::seq_range) and T. No two ranges overlap: overlapping
+# sequences write the same tokens in an unspecified order, and the comparisons below are bitwise.
+UNCOVERED = {
+    "contract": ([0, 4, 4, 9], 9),  # every token covered, zero-length sequence inside
+    "prefix_suffix": ([2, 5, 7], 9),  # monotone with cu[0] > 0 and cu[N] < T: tokens 0-1 and 7-8
+    "suffix_decode": ([0, 1, 1, 3, 3], 4),  # packed decode whose last sequences are empty: token 3
+    "non_monotone_gap": ([50, 60, 0, 10], 100),  # covers [50, 60) and [0, 10): [10, 50), [60, 100) not
+    "non_monotone_covering": ([3, -4, 20], 10),  # sequence 0 is empty, sequence 1 clamps to [0, 10)
+    "huge_non_monotone": ([8, 2**40, -(2**40), 3], 12),  # [8, 12) and [0, 3): tokens 3-7
+    "all_empty": ([4, 4, 4], 9),  # no token covered
+}
+
+
+def _covered(cu: list[int], T: int) -> torch.Tensor:
+    """[T] bool: some sequence covers the token, by the clamp rule of kda::seq_range (SPEC §5)."""
+    m = torch.zeros(T, dtype=torch.bool)
+    for n in range(len(cu) - 1):
+        a = min(max(cu[n], 0), T)
+        b = min(max(cu[n + 1], a), T)
+        m[a:b] = True
+    return m
+
+
+def _uncovered_inputs(device: str, T: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
     K = _dims_decode(device)
     dt = torch.bfloat16  # the CUDA token dtype; the CPU path takes it too
-    T = 9
-    q, k = _rand(gen, (1, T, 1, K), dt, device), _rand(gen, (1, T, 1, K), dt, device)
-    v, g = _rand(gen, (1, T, 2, K), dt, device), _rand(gen, (1, T, 2, K), dt, device)
-    beta = _rand(gen, (1, T, 2), dt, device)
-    out = torch.full((1, T, 2, K), 7.0, dtype=dt, device=device)
-    cu = torch.tensor([2, 5, 7], dtype=torch.int64, device=device)  # tokens 0-1 and 7-8 belong to no sequence
-    raw_recurrent(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=torch.zeros(2, device=device),
-        dt_bias=torch.zeros(2, K, device=device),
-        cu_seqlens=cu,
-        output=out,
+    return dict(
+        q=_rand(gen, (1, T, 1, K), dt, device),
+        k=_rand(gen, (1, T, 1, K), dt, device),
+        v=_rand(gen, (1, T, 2, K), dt, device),
+        g=_rand(gen, (1, T, 2, K), dt, device),
+        beta=_rand(gen, (1, T, 2), dt, device),
     )
-    assert torch.all(out[:, [0, 1, 7, 8]].float() == 7.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(UNCOVERED))
+def test_tokens_outside_every_sequence(device, case):
+    """Tokens of a packed call outside every sequence (a broken cu_seqlens contract: cu[0] > 0, cu[N] < T,
+    non-monotone with gaps, out-of-range values). The raw op with zero_uncovered=False (a caller's
+    ``output``) leaves them as they were; with zero_uncovered=True (what the public API passes when it
+    allocates ``output`` with torch.empty) they read +0.0, and nothing else changes: the covered tokens are
+    bit-identical both ways."""
+    cu, T = UNCOVERED[case]
+    cov = _covered(cu, T)
+    x = _uncovered_inputs(device, T)
+    K = x["q"].shape[-1]
+    outs = {}
+    for zero in (False, True):
+        out = torch.full((1, T, 2, K), float("nan"), dtype=torch.bfloat16, device=device)  # stale memory
+        raw_recurrent(
+            **x,
+            A_log=torch.zeros(2, device=device),
+            dt_bias=torch.zeros(2, K, device=device),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
+            output=out,
+            zero_uncovered=zero,
+        )
+        outs[zero] = out.cpu()
+    kept, zeroed = outs[False], outs[True]
+    assert torch.isnan(kept[:, ~cov].float()).all(), "a caller's output changed outside every sequence"
+    assert torch.count_nonzero(raw_bytes(zeroed[:, ~cov])) == 0, "uncovered tokens must read +0.0"
+    assert torch.isfinite(zeroed[:, cov].float()).all(), "a covered token was not written"
+    assert torch.equal(raw_bytes(zeroed[:, cov]), raw_bytes(kept[:, cov])), "zero_uncovered changed a covered token"
+
+
+def test_public_api_allocated_output_packed_cpu():
+    """The public API on CPU (cu_seqlens values checked on the host, so only the contract reaches the op)
+    allocates the packed output without a fill: every token is written by the op."""
+    T, cu = 9, [0, 4, 4, 9]
+    x = _uncovered_inputs("cpu", T)
+    K = x["q"].shape[-1]
+    kw = dict(A_log=torch.zeros(2), dt_bias=torch.zeros(2, K), use_gate_in_kernel=True, lower_bound=-5.0)
+    cu_t = torch.tensor(cu, dtype=torch.int64)
+    o, _ = kda_ops.recurrent_kda(**x, **kw, cu_seqlens=cu_t)
+    ref = torch.full_like(o, float("nan"))
+    kda_ops.recurrent_kda(**x, **kw, cu_seqlens=cu_t, output=ref)
+    assert torch.equal(raw_bytes(o), raw_bytes(ref))
 
 
 def _training_broken_cu_body(device: str) -> None:

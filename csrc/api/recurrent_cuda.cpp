@@ -3,6 +3,9 @@
 // backend: 2 recurrent runs the token-serial kernel for every mode; 1 chunked the chunked kernel (prefill,
 // K == V == 128, no speculative decode); 0 auto the chunked kernel when it is supported and the sequences
 // average at least 16 tokens (chunked_preferred), else the token-serial one.
+// zero_uncovered (set by the Python layer when it allocated `output`): packed tokens outside every
+// sequence are zeroed first by a small kernel (csrc/kda/common/zero_uncovered.cu); a caller's `output`
+// keeps them as they were.
 // No host sync and no allocation on the normal path, so calls can be captured in a CUDA graph.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,6 +18,7 @@
 
 #include "api/checks.h"
 #include "api/recurrent_params.h"
+#include "kda/common/zero_uncovered.h"
 #include "kda/decode/recurrent_launch.h"
 #include "kda/prefill/chunked_launch.h"
 #include "kda/params.h"
@@ -53,7 +57,8 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
                         const OptTensor& final_state, const OptTensor& state_checkpoints,
                         const OptTensor& checkpoint_cu_starts, const OptTensor& /*workspace*/, double scale,
                         int64_t gate_mode, double lower_bound, bool use_qk_l2norm, bool beta_is_logit,
-                        int64_t num_spec_tokens, int64_t checkpoint_every_n_tokens, int64_t backend) {
+                        int64_t num_spec_tokens, int64_t checkpoint_every_n_tokens, int64_t backend,
+                        bool zero_uncovered) {
   KDA_CHECK(backend >= 0 && backend <= 2, "backend must be 0 (auto), 1 (chunked) or 2 (recurrent), got ", backend);
   KDA_CHECK(q_in.is_cuda(), "q must be a CUDA tensor, got ", q_in.device());
   for (const Tensor* t : {&k_in, &v_in, &g_in, &beta, &output}) KDA_CHECK_SAME_DEVICE(*t, q_in, "every token tensor");
@@ -102,6 +107,12 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     chunked = chunked_preferred(p);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (zero_uncovered && p.cu_seqlens != nullptr) {
+    // A freshly allocated output (torch.empty): tokens outside every sequence must read as zero. Only
+    // they are written, found on the device from cu_seqlens (no sync); the main kernel writes the rest.
+    const cudaError_t zerr = launch_zero_uncovered_tokens(p, stream);
+    TORCH_CHECK(zerr == cudaSuccess, "kda zero_uncovered_tokens kernel launch failed: ", cudaGetErrorString(zerr));
+  }
   const cudaError_t err = chunked ? launch_chunked(p, stream) : launch_recurrent(p, stream);
   TORCH_CHECK(err == cudaSuccess, "kda ", chunked ? "chunked" : "recurrent", " kernel launch failed: ",
               cudaGetErrorString(err));

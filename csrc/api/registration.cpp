@@ -18,14 +18,17 @@ TORCH_LIBRARY(kda, m) {
   // Writes `output`, the state pool `state` (in place, its own dtype), `final_state` (fp32, only when
   // `state` is None), and `state_checkpoints`. gate_mode: 0 precomputed, 1 softplus, 2 lower bound.
   // backend: 0 auto, 1 chunked, 2 recurrent. A_log is [HV] fp32 and dt_bias [HV, K] fp32 here (the
-  // Python layer expands per-q/k-head parameters).
+  // Python layer expands per-q/k-head parameters). zero_uncovered: also write zeros to the packed tokens
+  // outside every sequence (a broken cu_seqlens contract; by the clamp rule of kda::seq_range), for an
+  // `output` the Python layer allocated itself; False leaves those tokens of a caller's buffer as they were.
   m.def(
       "recurrent_kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor(a!)? state, Tensor? state_source, Tensor? initial_state_indices, Tensor? cu_seqlens, "
       "Tensor? ssm_state_indices, Tensor? num_accepted_tokens, Tensor? seq_order, Tensor(b!) output, "
       "Tensor(c!)? final_state, Tensor(d!)? state_checkpoints, Tensor? checkpoint_cu_starts, "
       "Tensor(e!)? workspace, float scale, int gate_mode, float lower_bound, bool use_qk_l2norm, "
-      "bool beta_is_logit, int num_spec_tokens, int checkpoint_every_n_tokens, int backend) -> ()");
+      "bool beta_is_logit, int num_spec_tokens, int checkpoint_every_n_tokens, int backend, "
+      "bool zero_uncovered=False) -> ()");
 
   // Training forward (functional): L2 norm on, lower-bound gate, logit beta. Returns the output, the
   // final state per sequence, and the tapes: the state before every kTapeChunk(=64)-token chunk of

@@ -3,8 +3,11 @@
 // workspace are CUDA scheduling choices and are ignored here, as is seq_order (a hint).
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include "api/recurrent_params.h"
 #include "cpu/token_loop.h"
+#include "kda/common/token_coverage.h"
 
 namespace kda {
 namespace cpu {
@@ -26,6 +29,32 @@ void run_forward_typed(const RecurrentParams& p, const CpuExtras& x) {
   });
 }
 
+// The tokens no sequence covers, by the same rule as the CUDA kernel (kda/common/token_coverage.h):
+// adjoining ranges leave a prefix and a suffix; otherwise a coverage count per token (O(T + N)).
+void zero_uncovered_tokens(const RecurrentParams& p, const at::Tensor& output) {
+  const at::Tensor rows = output.select(0, 0);  // [T, HV, V] (packed: B == 1)
+  bool chained = true;
+  for (int64_t n = 1; n < p.N && chained; ++n) chained = ranges_adjoin(p, n);
+  if (chained) {
+    const int64_t lo = seq_range(p, 0).bos, hi = seq_end(seq_range(p, p.N - 1));
+    if (lo > 0) rows.narrow(0, 0, lo).zero_();
+    if (hi < p.T) rows.narrow(0, hi, p.T - hi).zero_();
+    return;
+  }
+  std::vector<int64_t> depth(size_t(p.T) + 1, 0);  // +1 at each range start, -1 at its end
+  for (int64_t n = 0; n < p.N; ++n) {
+    const SeqRange r = seq_range(p, n);
+    if (r.len > 0) ++depth[size_t(r.bos)], --depth[size_t(seq_end(r))];
+  }
+  int64_t d = 0, run = -1;  // run: first token of the current uncovered run (-1: none)
+  for (int64_t t = 0; t <= p.T; ++t) {
+    if (t < p.T) d += depth[size_t(t)];
+    const bool uncovered = t < p.T && d == 0;
+    if (uncovered && run < 0) run = t;
+    if (!uncovered && run >= 0) rows.narrow(0, run, t - run).zero_(), run = -1;
+  }
+}
+
 bool state_dtype_ok(DType dt) { return dt == DType::kFloat32 || dt == DType::kBFloat16 || dt == DType::kFloat64; }
 
 void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -40,7 +69,7 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const std::optional<at::Tensor>& checkpoint_cu_starts,
                        const std::optional<at::Tensor>& /*workspace*/, double scale, int64_t gate_mode,
                        double lower_bound, bool use_qk_l2norm, bool beta_is_logit, int64_t num_spec_tokens,
-                       int64_t checkpoint_every_n_tokens, int64_t /*backend*/) {
+                       int64_t checkpoint_every_n_tokens, int64_t /*backend*/, bool zero_uncovered) {
   KDA_CHECK(gate_mode >= 0 && gate_mode <= 2, "gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ",
             gate_mode);
   KDA_CHECK(num_spec_tokens >= 0, "num_spec_tokens must be >= 0, got ", num_spec_tokens);
@@ -74,7 +103,8 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   x.final_dtype = DType::kFloat32;
 
   // Inactive sequences/tokens are zeroed by the loop; tokens outside every packed sequence (a broken
-  // cu_seqlens contract) keep their values, as on CUDA.
+  // cu_seqlens contract) keep their values, as on CUDA, unless zero_uncovered asks for zeros.
+  if (zero_uncovered && p.cu_seqlens != nullptr) zero_uncovered_tokens(p, output);
   run_forward(p, x);
 }
 

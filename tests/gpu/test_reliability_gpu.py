@@ -356,6 +356,112 @@ def test_graph_packed_prefill_replays(ckpt):
         STATS["graph_replays_compared"] += 1
 
 
+# Packed calls whose output the public API allocates (torch.empty, then the op zeroes only the tokens no
+# sequence covers, from cu_seqlens on the device). (T, cu_seqlens values per replay), one fixed N per
+# case; no two sequences overlap (the comparisons are bitwise). First and last values keep the contract.
+ALLOCATED_CASES = {
+    "prefill": (
+        256,
+        [
+            [0, 100, 100, 200, 256],
+            [10, 100, 150, 200, 230],  # cu[0] > 0 and cu[N] < T: tokens 0-9 and 230-255 belong to no sequence
+            [200, 256, 0, 50, 120],  # non-monotone: covers [200, 256), [0, 50), [50, 120); [120, 200) is a gap
+            [0, 64, 128, 192, 256],
+        ],
+    ),
+    "decode": (
+        8,
+        [
+            [0, 1, 2, 3, 4, 5, 6, 7, 8],
+            [0, 1, 2, 3, 4, 5, 6, 6, 6],  # the last two sequences empty: tokens 6, 7 uncovered
+            [3, 4, 5, 6, 7, 8, 0, 1, 2],  # non-monotone: token 2 uncovered
+            [0, 1, 2, 3, 4, 5, 6, 7, 8],
+        ],
+    ),
+}
+
+
+def _covered(cu: list[int], T: int) -> torch.Tensor:
+    """[T] bool (CPU): some sequence covers the token, by the clamp rule of kda::seq_range."""
+    m = torch.zeros(T, dtype=torch.bool)
+    for n in range(len(cu) - 1):
+        a = min(max(cu[n], 0), T)
+        m[a : min(max(cu[n + 1], a), T)] = True
+    return m
+
+
+def _dirty_allocator(nbytes: int) -> None:
+    """Leave NaN bytes in the caching allocator's free blocks of this size, so that a torch.empty of it
+    that is not fully written shows NaN instead of zeros left over from earlier tests."""
+    junk = [torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(4)]
+    torch.cuda.synchronize()
+    del junk
+
+
+@cuda_only
+@pytest.mark.parametrize("backend", ["recurrent", "chunked"])
+@pytest.mark.parametrize("case", sorted(ALLOCATED_CASES))
+def test_allocated_packed_output_outside_every_sequence(case, backend):
+    """Public API, packed, cu_seqlens on the device (its values are not checked on the host, so a broken
+    contract reaches the kernels): with output=None the tokens no sequence covers read +0.0 and the
+    others equal a call into a caller's buffer bit for bit; that caller's buffer keeps its uncovered tokens."""
+    T, cus = ALLOCATED_CASES[case]
+    if case == "decode" and backend == "chunked":
+        pytest.skip("the chunked backend is a prefill path (sequences average >= 16 tokens under auto)")
+    H, HV, K = 1, 2, 128
+    gen = torch.Generator().manual_seed(21)
+    tok, params = _tokens(gen, 1, T, H, HV, K), _params(gen, HV, K)
+    for cu in cus:
+        cov = _covered(cu, T)
+        cu_t = torch.tensor(cu, dtype=torch.int64, device=DEV)
+        _dirty_allocator(T * HV * K * 2)
+        o, _ = R(**tok, **params, **GATE, cu_seqlens=cu_t, backend=backend)
+        mine = torch.full((1, T, HV, K), float("nan"), dtype=torch.bfloat16, device=DEV)
+        R(**tok, **params, **GATE, cu_seqlens=cu_t, output=mine, backend=backend)
+        torch.cuda.synchronize()
+        o, mine = o.cpu(), mine.cpu()
+        assert torch.count_nonzero(raw_bytes(o[:, ~cov])) == 0, f"cu={cu}: uncovered tokens must read +0.0"
+        assert torch.isnan(mine[:, ~cov].float()).all(), f"cu={cu}: a caller's output changed outside the sequences"
+        assert torch.isfinite(o[:, cov].float()).all(), f"cu={cu}: a covered token was not written"
+        _same(o[:, cov], mine[:, cov], f"cu={cu}: covered tokens, allocated vs caller's output")
+
+
+@cuda_only
+@pytest.mark.parametrize("case", sorted(ALLOCATED_CASES))
+def test_graph_packed_allocated_output_replays(case):
+    """A packed call with output=None captured in a CUDA graph (the output lives in the graph's pool; the
+    zeroing of uncovered tokens is captured as a kernel that reads cu_seqlens on the device). Replays with
+    new cu_seqlens values, the output NaN-filled before each: uncovered tokens read +0.0 every time (also
+    after a replay that covered them) and the replay equals an eager call bit for bit."""
+    T, cus = ALLOCATED_CASES[case]
+    H, HV, K = 1, 2, 128
+    gen = torch.Generator().manual_seed(22)
+    static = dict(**_tokens(gen, 1, T, H, HV, K), cu=torch.tensor(cus[0], dtype=torch.int64, device=DEV))
+    params = _params(gen, HV, K)
+    ws = kda_ops.RecurrentKDAPrefillWorkspace()
+    held: dict[str, torch.Tensor] = {}
+
+    def run(d, ws_=ws):
+        tok = {n: d[n] for n in ("q", "k", "v", "g", "beta")}
+        return R(**tok, **params, **GATE, cu_seqlens=d["cu"], prefill_workspace=ws_)[0]
+
+    graph = _capture(lambda: held.__setitem__("out", run(static)))  # the last call is the captured one
+    out = held["out"]
+    for i, cu in enumerate(cus[1:] + cus[:1]):
+        cov = _covered(cu, T)
+        static["cu"].copy_(torch.tensor(cu, dtype=torch.int64))
+        out.fill_(float("nan"))
+        _churn(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.cpu()
+        assert torch.count_nonzero(raw_bytes(got[:, ~cov])) == 0, f"replay {i} cu={cu}: uncovered tokens not zero"
+        assert torch.isfinite(got.float()).all(), f"replay {i} cu={cu}: a token was not written"
+        _dirty_allocator(got.numel() * 2)
+        _same(got, run(_clone(static), FRESH()).cpu(), f"replay {i} cu={cu}: output vs eager")
+        STATS["graph_replays_compared"] += 1
+
+
 @cuda_only
 def test_graph_recurrent_kda_backward_replays():
     """recurrent_kda_backward with a workspace, eight out buffers and int32 cu_seqlens captured once;
