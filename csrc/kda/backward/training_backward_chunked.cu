@@ -88,15 +88,31 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 }
 
 // d += Σ_k A(m, k) B(k, n0 + n) over k < KD, m < 16, n < 8: one 16x8 output fragment, operands from accessors.
-template <int KD, typename FA, typename FB>
+// Plain tf32 (2^-11 relative per operand) for the products with the state; PRECISE = 3xTF32 (each operand
+// split into tf32 high and low parts, a_hi b_hi + a_hi b_lo + a_lo b_hi: ~fp32) for the pair matrices and
+// pair terms, whose sums feed dΓ = a difference of larger terms (the gate gradients need the digits).
+// Two accumulators (even and odd k-steps) halve the dependent mma chain.
+template <int KD, bool PRECISE = false, typename FA, typename FB>
 __device__ __forceinline__ void mma_frag(float (&d)[4], int n0, FA fa, FB fb) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  float e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int k0 = 0; k0 < KD; k0 += 8) {
-    const uint32_t a[4] = {tf32(fa(g, k0 + q)), tf32(fa(g + 8, k0 + q)), tf32(fa(g, k0 + q + 4)),
-                           tf32(fa(g + 8, k0 + q + 4))};
-    mma_tf32(d, a, tf32(fb(k0 + q, n0 + g)), tf32(fb(k0 + q + 4, n0 + g)));
+    float (&acc)[4] = (k0 & 8) ? e : d;
+    const float af[4] = {fa(g, k0 + q), fa(g + 8, k0 + q), fa(g, k0 + q + 4), fa(g + 8, k0 + q + 4)};
+    const float bf[2] = {fb(k0 + q, n0 + g), fb(k0 + q + 4, n0 + g)};
+    const uint32_t a[4] = {tf32(af[0]), tf32(af[1]), tf32(af[2]), tf32(af[3])};
+    const uint32_t b0 = tf32(bf[0]), b1 = tf32(bf[1]);
+    if constexpr (PRECISE) {
+      const uint32_t al[4] = {tf32(af[0] - __uint_as_float(a[0])), tf32(af[1] - __uint_as_float(a[1])),
+                              tf32(af[2] - __uint_as_float(a[2])), tf32(af[3] - __uint_as_float(a[3]))};
+      mma_tf32(acc, al, b0, b1);
+      mma_tf32(acc, a, tf32(bf[0] - __uint_as_float(b0)), tf32(bf[1] - __uint_as_float(b1)));
+    }
+    mma_tf32(acc, a, b0, b1);
   }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] += e[i];
 }
 
 // Visits the four elements of a 16x8 fragment: f(row, col, value).
@@ -146,7 +162,7 @@ __device__ __forceinline__ void gemm_tri(float (*W)[kC], int w0, FA fa, FB fb, b
   const int w = (threadIdx.x >> 5) - w0;
   if (w < 0 || w > 1) return;
   float d[4] = {};
-  mma_frag<kD>(d, 8 * w, fa, [&](int k, int n) { return fb(n, k); });
+  mma_frag<kD, true>(d, 8 * w, fa, [&](int k, int n) { return fb(n, k); });
   frag_each(d, 8 * w, [&](int i, int j, float x) { W[i][j] = (strict ? j < i : j <= i) ? sign * x : 0.f; });
 }
 
@@ -429,11 +445,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           const auto N = [&](int j, int c) { return sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]; };
           float rm[4] = {}, rl[4] = {}, cl[4] = {};
           const auto kN = [&](int j, int c) { return sm.kn[j * kLD + c] * N(j, c); };
-          mma_frag<kC>(rm, n0, [&](int t, int j) { return sm.dM[t][j]; }, kN);               // Σ_j dM_tj k_j N_j
-          mma_frag<kC>(rl, n0, [&](int t, int j) { return sm.beta[t] * sm.dA[t][j]; }, kN);  // Σ_j dL_tj k_j N_j
-          mma_frag<kC>(cl, n0, [&](int t, int i) { return sm.dM[i][t]; },
+          mma_frag<kC, true>(rm, n0, [&](int t, int j) { return sm.dM[t][j]; }, kN);               // Σ_j dM_tj k_j N_j
+          mma_frag<kC, true>(rl, n0, [&](int t, int j) { return sm.beta[t] * sm.dA[t][j]; }, kN);  // Σ_j dL_tj k_j N_j
+          mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.dM[i][t]; },
                        [&](int i, int c) { return sm.qs[i * kLD + c] * P(i, c); });          // Σ_i dM_it q_i P_i
-          mma_frag<kC>(cl, n0, [&](int t, int i) { return sm.beta[i] * sm.dA[i][t]; },
+          mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.beta[i] * sm.dA[i][t]; },
                        [&](int i, int c) { return sm.kn[i * kLD + c] * P(i, c); });          // Σ_i dL_it k_i P_i
           const int lane = tid & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
