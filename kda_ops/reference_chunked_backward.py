@@ -192,3 +192,21 @@ def chunked_training_grads(q, k, v, g, beta, A_log, dt_bias, initial_state, do, 
     dq = l2_back(qr, dqs * scale).reshape(B, T, H, group, K).sum(3)
     dk = l2_back(kr, dkn).reshape(B, T, H, group, K).sum(3)
     return [dq, dk, dv, dg, dbeta_logit, dA_log.reshape(A_log.shape), ddt.reshape(dt_bias.shape), dinit]
+
+
+def segment_affine_map(fs: list[dict[str, torch.Tensor]], betas: list[torch.Tensor], dOs: list[torch.Tensor]):
+    """The chain over consecutive chunks as one affine map, dS_start = dS_end 𝔄 + 𝔅 ([HV, K, K], [HV, V, K]).
+
+    fs, betas, dOs: the chunks' `chunk_recompute` dicts, β and dO in time order. Built last chunk first:
+    𝔄 <- 𝔄 A_c (the homogeneous chain step: dO = 0), 𝔅 <- 𝔅 A_c + B_c (`chain_step`), from 𝔄 = I, 𝔅 = 0.
+    Lets independent CTAs reverse disjoint segments of one sequence: each segment's dS_end is the
+    composition of the later segments' maps applied to dfinal_state (the CUDA backward's segment split).
+    """
+    HV, _, K = fs[0]["Kp"].shape
+    dtype = fs[0]["Kp"].dtype
+    A_map = torch.eye(K, dtype=dtype).repeat(HV, 1, 1)
+    B_map = torch.zeros(HV, dOs[0].shape[-1], K, dtype=dtype)
+    for f, b, dO in zip(reversed(fs), reversed(betas), reversed(dOs), strict=True):
+        A_map = chain_step(f, b, torch.zeros_like(dO[:, :, :K]).expand(HV, dO.shape[1], K), A_map)
+        B_map = chain_step(f, b, dO, B_map)
+    return A_map, B_map
