@@ -245,12 +245,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   Tensor ddt_bias = at::empty({d.HV, kBwdDim}, f32);
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
 
-  const int64_t tasks = d.N * d.HV;
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()), "cudaDeviceGetAttribute");
+  // Segments per sequence (chunked sweep, shapes only: no host sync): tokens per sequence from T (fixed) or
+  // the average T / N (packed).
+  const int64_t tokens_per_seq = cu_seqlens.has_value() ? (d.N > 0 ? d.T / d.N : 0) : d.T;
+  const int segments = training_backward_segments(d.N, d.HV, tokens_per_seq, sms);
+  const int64_t tasks = d.N * d.HV * segments;
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
   Tensor head_grads = at::zeros({2, d.B * d.T * d.HV * kBwdDim}, f32);
-  Tensor partials = at::empty({d.N * d.HV * (kBwdDim + 1)}, f32);
+  Tensor partials = at::empty({d.N * d.HV * segments * (kBwdDim + 1)}, f32);
+  Tensor seg_maps = at::empty({segments > 1 ? tasks * 2 * kBwdDim * kBwdDim : 0}, f32);
   Tensor scratch = at::empty({std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
 
   TrainingBackwardParams p;
@@ -285,7 +290,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.dq_head = hg;
   p.dk_head = hg + d.B * d.T * d.HV * kBwdDim;
   p.ddt_partial = partials.data_ptr<float>();
-  p.dA_partial = p.ddt_partial + d.N * d.HV * kBwdDim;
+  p.dA_partial = p.ddt_partial + d.N * d.HV * segments * kBwdDim;
+  p.segments = segments;
+  p.seg_maps = segments > 1 ? seg_maps.data_ptr<float>() : nullptr;
   p.scratch = scratch.data_ptr<float>();
   p.grid = grid;
   p.dq = dq.data_ptr();

@@ -54,8 +54,13 @@ struct TrainingBackwardParams {
   // Workspace (caller-allocated, fp32).
   float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head; caller zeroes
   float* dk_head = nullptr;      // [B*T, HV, 128] dL/d(normalised k) per value head; caller zeroes
-  float* ddt_partial = nullptr;  // [N, HV, 128] per-sequence ddt_bias sums (fully written)
-  float* dA_partial = nullptr;   // [N, HV] per-sequence dA_log sums (fully written)
+  float* ddt_partial = nullptr;  // [N, HV, segments, 128] per-sequence/segment ddt_bias sums (fully written)
+  float* dA_partial = nullptr;   // [N, HV, segments] per-sequence/segment dA_log sums (fully written)
+  // Chunked sweep only: each sequence's tape chunks are split into `segments` runs reversed by separate
+  // CTAs; seg_maps [N, HV, segments, 2, 128, 128] holds each run's chain as dS_start = dS_end 𝔄 + 𝔅
+  // (kda_ops/reference_chunked_backward.py: segment_affine_map). segments == 1: no split, no maps.
+  int segments = 1;
+  float* seg_maps = nullptr;
   float* scratch = nullptr;      // [grid, kBwdScratchPerCta]
   int grid = 0;                  // CTAs of the reverse kernel (persistent over N*HV tasks)
 
@@ -76,6 +81,11 @@ bool training_backward_use_chunked();
 // The chunked reverse sweep alone (training_backward_chunked.cu): writes dv, dg, dbeta, dinitial_state,
 // dq_head, dk_head, ddt_partial, dA_partial exactly as the token-serial sweep does.
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream);
+
+// Segments the chunked sweep splits each sequence into (1 = none) for N sequences of about `tokens_per_seq`
+// tokens: enough (n, hv, segment) tasks to fill the SMs, at least two tape chunks per segment, at most 8.
+// The environment variable KDA_TRAINING_BACKWARD_SEGMENTS=<s> overrides it (benchmarks, tests).
+int training_backward_segments(int64_t N, int HV, int64_t tokens_per_seq, int sms);
 
 // Reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient reduction, on `stream`.
 // No host synchronisation, no allocation (CUDA-graph capturable).

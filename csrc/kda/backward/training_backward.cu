@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -450,17 +451,20 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, rho * dx[e] - c3 * xr[e]);
 }
 
-// dA_log[hv] and ddt_bias[hv, k]: sums over sequences in increasing n.
+// dA_log[hv] and ddt_bias[hv, k]: sums over sequences in increasing n, then segments in increasing order.
 __global__ void kda_training_backward_param_finish_kernel(const TrainingBackwardParams p) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(p.HV) * kDim) return;
   const int64_t hv = idx / kDim, k = idx % kDim;
   float acc = 0.f;
-  for (int64_t n = 0; n < p.N; ++n) acc += p.ddt_partial[(n * p.HV + hv) * kDim + k];
+  const int P = p.segments;
+  for (int64_t n = 0; n < p.N; ++n)
+    for (int sg = 0; sg < P; ++sg) acc += p.ddt_partial[((n * p.HV + hv) * P + sg) * kDim + k];
   p.ddt_bias[idx] = acc;
   if (k == 0) {
     float a = 0.f;
-    for (int64_t n = 0; n < p.N; ++n) a += p.dA_partial[n * p.HV + hv];
+    for (int64_t n = 0; n < p.N; ++n)
+      for (int sg = 0; sg < P; ++sg) a += p.dA_partial[(n * p.HV + hv) * P + sg];
     p.dA_log[hv] = a;
   }
 }
@@ -499,6 +503,18 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
 
 int64_t training_backward_smem_bytes() { return static_cast<int64_t>(sizeof(BwdSmem)); }
 
+int training_backward_segments(int64_t N, int HV, int64_t tokens_per_seq, int sms) {
+  if (const char* e = std::getenv("KDA_TRAINING_BACKWARD_SEGMENTS")) {
+    const int s = std::atoi(e);
+    if (s >= 1 && s <= 64) return s;
+  }
+  const int64_t tasks = N * HV;
+  if (!training_backward_use_chunked() || tasks <= 0) return 1;
+  int64_t s = sms / tasks;                                                     // tasks that fill the SMs
+  s = std::min<int64_t>(s, tokens_per_seq / (2 * kTapeChunk));                 // >= 2 tape chunks per segment
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(s, 8)));
+}
+
 bool training_backward_use_chunked() {
   static const bool chunked = [] {
     const char* e = std::getenv("KDA_TRAINING_BACKWARD");
@@ -517,6 +533,7 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
       err = launch_training_backward_chunked_sweep(p, stream);
       if (err != cudaSuccess) return err;
     } else {
+      if (p.segments != 1) return cudaErrorInvalidValue;  // the token-serial sweep writes one partial per task
       kda_training_backward_kernel<<<p.grid, kBwdThreads, smem, stream>>>(p);
     }
   }
