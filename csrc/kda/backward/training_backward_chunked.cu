@@ -227,6 +227,20 @@ struct Task {
   float A;  // exp(A_log[hv])
 };
 
+// Pulls the token rows a later sub-chunk step loads (k, q, v, dO, g of tokens [t0, t0 + len)) into L2 while the
+// current step computes: 16 tokens x 5 rows x 2 lines of 128 bytes, one prefetch per thread.
+__device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams& p, const Task& tk, int64_t t0,
+                                                   int len) {
+  const int i = threadIdx.x;
+  if (i >= kC * 10 || i / 10 >= len) return;
+  const int64_t tok = t0 + i / 10;
+  const int r = (i % 10) >> 1;
+  const TokenTensor& tt = r == 0 ? p.k : (r == 1 ? p.q : (r == 2 ? p.v : (r == 3 ? p.dout : p.g)));
+  const int head = r < 2 ? tk.hq : tk.hv;
+  const auto* row = static_cast<const __nv_bfloat16*>(tt.ptr) + tok_off(tt, tk.s.batch, tok, head) + 64 * (i & 1);
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
+}
+
 // Loads the tokens [t0, t0 + len) of the sub-chunk (zeros beyond len) and forms E, Ei, gC, β,
 // then L, Mqk, INV, K⁺, Kr, V - X = V - K⁺ Sᵀ and R. Ends synchronised.
 __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
@@ -275,15 +289,26 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     st4(sm.E + o, make_float4(a[0], a[1], a[2], a[3]));
   }
   __syncthreads();
-  if (threadIdx.x < kD) {  // Γ = inclusive prefix of a, relative to the sub-chunk start
-    const int c = threadIdx.x;
-    float gam = 0.f;
-    for (int t = 0; t < kC; ++t) {
-      gam += sm.E[t * kLD + c];
-      sm.E[t * kLD + c] = __expf(gam);
-      sm.Ei[t * kLD + c] = __expf(-gam);
+  {  // Γ = inclusive prefix of a over the sub-chunk: 4 lanes per channel, 4 tokens each
+    const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
+    float gam[4], run = 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      run += sm.E[(4 * part + u) * kLD + c];
+      gam[u] = run;
     }
-    sm.gC[c] = __expf(gam);
+    const float t0 = __shfl_sync(0xffffffffu, run, 0, 4), t1 = __shfl_sync(0xffffffffu, run, 1, 4);
+    const float t2 = __shfl_sync(0xffffffffu, run, 2, 4), t3 = __shfl_sync(0xffffffffu, run, 3, 4);
+    const float off = part == 0 ? 0.f : (part == 1 ? t0 : (part == 2 ? t0 + t1 : (t0 + t1) + t2));
+    __syncwarp();  // every lane has read its a before E is overwritten
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float gm = gam[u] + off;
+      sm.E[(4 * part + u) * kLD + c] = __expf(gm);
+      sm.Ei[(4 * part + u) * kLD + c] = __expf(-gm);
+    }
+    if (part == 3) sm.gC[c] = __expf(gam[3] + off);
+    (void)t3;
   }
   __syncthreads();
   // L and Mqk on tensor cores with the mid-token reference: e^{Γ_i - Γ_j} = P_i N_j, P = e^{Γ - Γ_mid}
@@ -399,12 +424,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_segmap_kern
                                                                                 : kTapeChunk);
       for (int sb = (clen + kC - 1) / kC - 1; sb >= 0; --sb) {
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
+        if (sb > 0)
+          prefetch_sub_chunk(p, tk, tc0 + (sb - 1) * kC, kC);
+        else if (c > r.c0)  // the last sub-chunk of the previous (full) tape chunk
+          prefetch_sub_chunk(p, tk, tc0 - kC, kC);
         sub_chunk_forward(sm, p, tk, tc0 + sb * kC, len, true, false);
-        gemm_small<true>(sm.dr, sm.M, nullptr, sm.dO);  // Mqkᵀ dO
-        __syncthreads();
+        gemm_small<true>(sm.dr, sm.M, nullptr, sm.dO);  // Mqkᵀ dO (column-local, as in the main kernel)
         gemm_abt(sm.dr, sm.kr, sm.dS, 1.f, true);       // + Kr 𝔅ᵀ
         gemm_abt(sm.vx, sm.kr, sm.S, 1.f, false);       // Kr 𝔄ᵀ
-        __syncthreads();
+        __syncwarp();
         gemm_small<true>(sm.kp, sm.INV, nullptr, sm.dr);  // dY of 𝔅
         gemm_small<true>(sm.R, sm.INV, nullptr, sm.vx);   // dY of 𝔄
         __syncthreads();
@@ -444,8 +472,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     tk.s = bwd_seq(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
     tk.A = __expf(p.A_log[tk.hv]);
     const int64_t state_off = (n * p.HV + tk.hv) * kState;
-    const float dtb_col = (tid < kD && p.dt_bias != nullptr) ? p.dt_bias[tk.hv * kD + tid] : 0.f;
-    float ddt_acc = 0.f, dA_acc = 0.f;  // threads < 128: column tid, fixed order
+    // Gate chain rule: thread (column tid / 4, tokens [4 (tid % 4), +4) of each sub-chunk), fixed order.
+    const float dtb_col = p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + (tid >> 2)] : 0.f;
+    float ddt_acc = 0.f, dA_acc = 0.f;
 
     __syncthreads();  // the previous task is done with dS
     if (p.dfinal_state != nullptr) {
@@ -482,6 +511,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       __syncthreads();
       // Forward recompute: the state entering each sub-chunk but the last goes to scratch.
       for (int sb = 0; sb + 1 < nsub; ++sb) {
+        prefetch_sub_chunk(p, tk, tc0 + (sb + 1) * kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
         state_to_global(scr + sb * kState, sm.S);
         sub_chunk_forward(sm, p, tk, tc0 + sb * kC, kC, false);
         rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
@@ -492,16 +522,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       for (int sb = nsub - 1; sb >= 0; --sb) {
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
         const int64_t t0 = tc0 + sb * kC;
+        if (sb > 0)
+          prefetch_sub_chunk(p, tk, t0 - kC, kC);
+        else if (c > range.c0)  // the previous tape chunk (full) starts with its forward recompute
+          prefetch_sub_chunk(p, tk, tc0 - kTapeChunk, kC);
         if (sb + 1 < nsub) {
           state_to_smem(sm.S, scr + sb * kState);
           __syncthreads();
         }
         sub_chunk_forward(sm, p, tk, t0, len, true);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
+        // Column-local: a warp reads back only the dR columns it wrote (frag_each and mma_frag's B operand
+        // use the same columns), so a warp barrier orders these three products.
         gemm_small<true>(sm.dr, sm.M, nullptr, sm.dO);
-        __syncthreads();
         gemm_abt(sm.dr, sm.kr, sm.dS, 1.f, true);
-        __syncthreads();
+        __syncwarp();
         gemm_small<true>(sm.kp, sm.INV, nullptr, sm.dr);
         __syncthreads();
         const auto row_of = [&](const float* X) { return [X](int i, int c) { return X[i * kLD + c]; }; };
@@ -584,23 +619,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           }
         }
         __syncthreads();
-        if (tid < kD) {  // da = reverse cumsum of dΓ; gate chain rule a = λ σ(z), z = A (g + dt_bias)
-          float zt[kC];  // all gate loads in flight at once
+        {  // da = reverse cumsum of dΓ (4 lanes per channel, 4 tokens each); a = λ σ(z), z = A (g + dt_bias)
+          const int c = tid >> 2, part = tid & 3;
+          float zt[4], suf[4], run = 0.f;
 #pragma unroll
-          for (int t = 0; t < kC; ++t)
-            zt[t] = t < len ? tk.A * (ld_bf16(p.g.ptr, tok_off(p.g, tk.s.batch, t0 + t, tk.hv) + tid) + dtb_col)
-                            : 0.f;
-          float run = sm.ext[tid];
+          for (int u = 0; u < 4; ++u) {  // the gate loads go out first
+            const int t = 4 * part + u;
+            zt[u] = t < len ? tk.A * (ld_bf16(p.g.ptr, tok_off(p.g, tk.s.batch, t0 + t, tk.hv) + c) + dtb_col) : 0.f;
+          }
 #pragma unroll
-          for (int t = kC - 1; t >= 0; --t) {
-            run += sm.kp[t * kLD + tid];
+          for (int u = 3; u >= 0; --u) {
+            run += sm.kp[(4 * part + u) * kLD + c];
+            suf[u] = run;
+          }
+          const float s1 = __shfl_sync(0xffffffffu, run, 1, 4), s2 = __shfl_sync(0xffffffffu, run, 2, 4);
+          const float s3 = __shfl_sync(0xffffffffu, run, 3, 4);
+          const float off = sm.ext[c] + (part == 3 ? 0.f : (part == 2 ? s3 : (part == 1 ? s3 + s2 : (s3 + s2) + s1)));
+#pragma unroll
+          for (int u = 3; u >= 0; --u) {
+            const int t = 4 * part + u;
             if (t < len) {
-              const int64_t tok = t0 + t;
-              const float z = zt[t];
+              const float z = zt[u];
               const float sg = sigmoidf_(z);
-              const float dz = p.lower_bound * run * sg * (1.f - sg);
+              const float dz = p.lower_bound * (suf[u] + off) * sg * (1.f - sg);
               const float dgv = tk.A * dz;
-              st_bf16(p.dg, ((tk.s.batch * p.T + tok) * p.HV + tk.hv) * kD + tid, dgv);
+              st_bf16(p.dg, ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + c, dgv);
               ddt_acc += dgv;
               dA_acc = fmaf(dz, z, dA_acc);
             }
@@ -613,14 +656,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     __syncthreads();  // dS is complete (also when the sequence is empty: written by other threads)
     if (k == 0) state_to_global(p.dinitial_state + state_off, sm.dS);
     const int64_t part = (n * p.HV + tk.hv) * P + k;
-    if (tid < kD) {
-      p.ddt_partial[part * kD + tid] = ddt_acc;
-      sm.part[0][tid] = dA_acc;
-    }
+    sm.part[tid & 3][tid >> 2] = ddt_acc;
+    __syncthreads();
+    if (tid < kD)
+      p.ddt_partial[part * kD + tid] = (sm.part[0][tid] + sm.part[1][tid]) + (sm.part[2][tid] + sm.part[3][tid]);
+    __syncthreads();
+    sm.part[tid & 3][tid >> 2] = dA_acc;
     __syncthreads();
     if (tid == 0) {
       float a = 0.f;
-      for (int k = 0; k < kD; ++k) a += sm.part[0][k];
+      for (int k = 0; k < kD; ++k) a += (sm.part[0][k] + sm.part[1][k]) + (sm.part[2][k] + sm.part[3][k]);
       p.dA_partial[part] = a;
     }
   }
