@@ -52,11 +52,20 @@ struct BulkStage {
   static constexpr int kDtBias = kGate + kTokenBytes;  // fp32 [K]
   static constexpr int kBytes = kDtBias + Tile::K * 4;
   static_assert(kStateBytes % 16 == 0 && kTokenBytes % 16 == 0 && kBytes % 16 == 0, "bulk copies move 16-byte units");
-  // Register cap (__launch_bounds__ min blocks of 128 threads): 3 blocks (<= 168 registers, no spills at NR=8
-  // bf16) where the ring lets 12 warps share an SM; 2 where a stage of more than 4 KB of state makes shared
-  // memory the limit anyway (fp32 NR=8 spilled 16 bytes at 168).
-  static constexpr int kMinBlocks = kStateBytes > 4096 ? 2 : 3;
 };
+
+// Register cap (__launch_bounds__ min blocks of 128 threads). sm_90: 3 blocks (<= 168 registers; NR=8 bf16
+// took 202 without it, which left 2 blocks = 8 warps per SM) where the ring lets 12 warps share an SM; 2 where
+// a stage of more than 4 KB of state makes shared memory the limit anyway (fp32 NR=8 spilled 16 bytes at 168).
+// Other arches (unmeasured): no cap; at 168 NR=8 bf16 spilled 68-120 bytes on sm_100a/103a/120a.
+template <class Tile>
+constexpr int bulk_min_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+  return 1;
+#else
+  return BulkStage<Tile>::kStateBytes > 4096 ? 2 : 3;
+#endif
+}
 
 // Per-warp shared memory: `stages` stages, the two item-meta tables, one mbarrier per stage.
 template <class Tile>
@@ -145,8 +154,8 @@ __device__ __forceinline__ void load_item_scalars(const RecurrentParams& p, cons
 // Persistent warps as in kda_recurrent_kernel (warp w handles items w, w + W, ...); the ring protocol is
 // described at the top of this file. `stages` is BulkLayout::kMinStages .. kMaxStages (the launcher clamps).
 template <class Tile>
-__global__ void __launch_bounds__(128, BulkStage<Tile>::kMinBlocks) kda_recurrent_bulk_kernel(const RecurrentParams p, const int flags,
-                                                                  const int stages) {
+__global__ void __launch_bounds__(128, bulk_min_blocks<Tile>())
+    kda_recurrent_bulk_kernel(const RecurrentParams p, const int flags, const int stages) {
 #if KDA_DECODE_BULK_COPY
   using StateT = typename Tile::StateT;
   using Stage = BulkStage<Tile>;
