@@ -37,4 +37,10 @@ void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaSt
 template <int K, typename StateT, int NR>
 void run_recurrent_bulk_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
 
+// The one-item-per-warp variant (recurrent_single_kernel.cuh): a plain grid of one warp per item, no ring;
+// token loads, slot lookup and state loads issued back to back (the small-batch latency path). Same bits.
+// Instantiated for NR = 2, 4 and 8.
+template <int K, typename StateT, int NR>
+void run_recurrent_single_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
+
 }  // namespace kda::decode

@@ -52,6 +52,10 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
   // KDA_RECURRENT_WARPS_PER_BLOCK=1|2|4 caps the block shape (both kernels).
   int bulk = 0;
   if (const char* env = std::getenv("KDA_RECURRENT_BULK")) bulk = std::atoi(env);
+  // One-item-per-warp kernel (recurrent_single_kernel.cuh): KDA_RECURRENT_SINGLE=1 uses it when the items fit
+  // in 8 warps per SM (small batch), 2 for any size (tests). Tiles NR 2, 4, 8; it takes precedence over BULK.
+  int single = 0;
+  if (const char* env = std::getenv("KDA_RECURRENT_SINGLE")) single = std::atoi(env);
   if (const char* env = std::getenv("KDA_RECURRENT_BULK_STAGES")) cfg.bulk_stages = std::atoi(env);
   int max_wpb = 4;
   if (const char* env = std::getenv("KDA_RECURRENT_WARPS_PER_BLOCK")) {
@@ -69,6 +73,21 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
   // The bulk kernel needs sm_90+ (cp.async.bulk, mbarrier tx counts), an instantiated tile (NR 4 or 8) and a
   // 16-byte aligned dt_bias (its rows are bulk-copied); anything else runs the cp.async-ring kernel, which
   // gives the same bits. (The pool, q, k, g alignment it needs is the launcher's precondition already.)
+  const bool use_single = (nr == 2 || nr == 4 || nr == 8) &&
+                          (single == 2 || (single == 1 && warps <= int64_t(cfg.num_sms) * 8));
+  if (use_single) {
+    KDA_HEADDIM_SWITCH(p.K, kK, [&] {
+      KDA_STATE_DTYPE_SWITCH(tile_dtype, StateT, [&] {
+        if (nr == 8)
+          decode::run_recurrent_single_<kK, StateT, 8>(p, cfg, stream);
+        else if (nr == 4)
+          decode::run_recurrent_single_<kK, StateT, 4>(p, cfg, stream);
+        else
+          decode::run_recurrent_single_<kK, StateT, 2>(p, cfg, stream);
+      });
+    });
+    return cudaGetLastError();
+  }
   const bool use_bulk = (bulk == 1 || bulk == 2) && (nr == 4 || nr == 8) &&
                         cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(0) >= 9 &&
                         reinterpret_cast<uintptr_t>(p.dt_bias) % 16 == 0;
