@@ -73,9 +73,17 @@ KNOBS = [
     ("bulk=2 diag: no math", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "2"}),
     ("bulk=2 diag: read only", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "3"}),
     ("bulk=2 NR=4 diag: read only", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4", "KDA_RECURRENT_DIAG": "3"}),
+    # One-item-per-warp kernel forced at large batch (a plain grid, state loaded straight into registers).
+    ("single=2", {"KDA_RECURRENT_SINGLE": "2"}),
 ]
 # B = 1 graph-replay latency under launcher knobs (results identical; state L2-resident).
 B1_KNOBS = [
+    # one-item-per-warp kernel (recurrent_single_kernel.cuh): token loads before the slot lookup, no ring
+    ("single", {"KDA_RECURRENT_SINGLE": "1"}),
+    ("single NR=2", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "2"}),
+    ("single NR=8", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "8"}),
+    ("single warps/block<=1", {"KDA_RECURRENT_SINGLE": "1", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
+    ("single NR=2 warps/block<=2", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "2", "KDA_RECURRENT_WARPS_PER_BLOCK": "2"}),
     ("bulk=1", {"KDA_RECURRENT_BULK": "1"}),
     ("bulk=2", {"KDA_RECURRENT_BULK": "2"}),
     ("bulk=1 NR=8", {"KDA_RECURRENT_BULK": "1", ROWS_ENV: "8"}),

@@ -170,7 +170,9 @@ def test_persistent_grid_invariance(monkeypatch, state_dtype):
 # other test of it through the bulk kernel.
 
 BULK_ENV = "KDA_RECURRENT_BULK"
-BULK_KNOBS = ("KDA_RECURRENT_BULK_STAGES", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_BLOCKS_PER_SM", ROWS_ENV)
+SINGLE_ENV = "KDA_RECURRENT_SINGLE"  # the one-item-per-warp kernel (recurrent_single_kernel.cuh)
+BULK_KNOBS = ("KDA_RECURRENT_BULK_STAGES", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_BLOCKS_PER_SM", ROWS_ENV,
+              SINGLE_ENV)
 # Ring depths 3 (the minimum), 5 and 8 (the maximum); one warp per block and one block per SM make each warp
 # walk many items, wrapping its ring and its 16-item slot table many times; NR 4 and 8 are both instantiated.
 BULK_CONFIGS = [
@@ -180,6 +182,11 @@ BULK_CONFIGS = [
     {BULK_ENV: "2", "KDA_RECURRENT_BULK_STAGES": "5", "KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "4"},
     {BULK_ENV: "1", "KDA_RECURRENT_BULK_STAGES": "3", "KDA_RECURRENT_BLOCKS_PER_SM": "1",
      "KDA_RECURRENT_WARPS_PER_BLOCK": "1", ROWS_ENV: "8"},
+    # the one-item-per-warp kernel: forced (2) at every size and tile, and by size (1: small scenarios only)
+    {SINGLE_ENV: "2"},
+    {SINGLE_ENV: "2", ROWS_ENV: "2"},
+    {SINGLE_ENV: "2", ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
+    {SINGLE_ENV: "1", BULK_ENV: "2"},
 ]
 
 
@@ -336,23 +343,24 @@ def _bulk_scenarios(K: int, state_dtype: torch.dtype):
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_bulk_kernel_bit_identical(monkeypatch, K, state_dtype):
-    """Every bulk-kernel configuration gives the ring kernel's bits on every scenario, and (first config)
-    matches the fp64 reference."""
+    """Every bulk-kernel and one-item-per-warp configuration gives the ring kernel's bits on every scenario,
+    and (the first bulk and the first single config) matches the fp64 reference."""
     for name, run, check in _bulk_scenarios(K, state_dtype):
         want = _run_with_env(monkeypatch, {}, run)
         for ci, env in enumerate(BULK_CONFIGS):
             got = _run_with_env(monkeypatch, env, run)
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(bits(a), bits(b)), f"{name}: {env} differs from the ring kernel"
-            if ci == 0:
+            if ci in (0, 5):
                 check(got)
 
 
 @cuda_only
-@pytest.mark.parametrize("bulk", ["1", "2"])
-def test_bulk_kernel_cuda_graph_b1(monkeypatch, bulk):
-    """B=1 decode (one item per warp: the latency path) captured in a CUDA graph under the bulk kernel:
-    replays with new tokens and a new slot give the ring kernel's eager bits."""
+@pytest.mark.parametrize("env", [{BULK_ENV: "1"}, {BULK_ENV: "2"}, {SINGLE_ENV: "1"}, {SINGLE_ENV: "1", ROWS_ENV: "2"}],
+                         ids=["bulk1", "bulk2", "single", "single-nr2"])
+def test_bulk_kernel_cuda_graph_b1(monkeypatch, env):
+    """B=1 decode (one item per warp: the latency path) captured in a CUDA graph under the bulk kernel and the
+    one-item-per-warp kernel: replays with new tokens and a new slot give the ring kernel's eager bits."""
     x = make(B=1, T=1, H=32, HV=32, K=128, state_dtype=torch.bfloat16, N_pool=4, seed=37)
 
     def decode(d):
@@ -365,7 +373,8 @@ def test_bulk_kernel_cuda_graph_b1(monkeypatch, bulk):
                   out=torch.empty_like(x["v"]))
     for n in (BULK_ENV, *BULK_KNOBS):
         monkeypatch.delenv(n, raising=False)
-    monkeypatch.setenv(BULK_ENV, bulk)
+    for n, v in env.items():
+        monkeypatch.setenv(n, v)
     decode(static)  # eager warm-up (occupancy queries, smem opt-in) before capture
     graph = capture_graph(lambda: decode(static))
     for i in range(3):
@@ -379,7 +388,8 @@ def test_bulk_kernel_cuda_graph_b1(monkeypatch, bulk):
         got_o, got_pool = static["out"].clone(), static["pool"].clone()
         eager = dict(static, pool=pool0.clone(), out=torch.empty_like(static["out"]))
         _run_with_env(monkeypatch, {}, lambda eager=eager: decode(eager))  # the ring kernel, eagerly
-        monkeypatch.setenv(BULK_ENV, bulk)
+        for n, v in env.items():
+            monkeypatch.setenv(n, v)
         assert torch.equal(bits(got_o), bits(eager["out"])), "graph replay output differs from the ring kernel"
         assert torch.equal(bits(got_pool), bits(eager["pool"])), "graph replay state differs from the ring kernel"
         r = ref({n: y[n] for n in ("q", "k", "v", "g", "beta")}, gkw(x), pool0[i + 1 : i + 2])
