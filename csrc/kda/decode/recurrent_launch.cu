@@ -49,7 +49,7 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
   // Bulk-copy kernel (recurrent_bulk_kernel.cuh): KDA_RECURRENT_BULK=1 (start state + first-token q/k/g +
   // dt_bias by 1-D bulk copies into an mbarrier ring, pool written from registers) or 2 (the same, and the
   // pool write is a bulk store from the ring), KDA_RECURRENT_BULK_STAGES=3..8 (ring depth, default 3).
-  // KDA_RECURRENT_WARPS_PER_BLOCK=1|2|4 caps the block shape (both kernels).
+  // KDA_RECURRENT_WARPS_PER_BLOCK=1|2|4 caps the block shape (all kernels).
   int bulk = 0;
   if (const char* env = std::getenv("KDA_RECURRENT_BULK")) bulk = std::atoi(env);
   // One-item-per-warp kernel (recurrent_single_kernel.cuh): KDA_RECURRENT_SINGLE=1 uses it when the items fit
@@ -70,9 +70,6 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
   if ((warps + cfg.warps_per_block - 1) / cfg.warps_per_block > INT_MAX) return cudaErrorInvalidConfiguration;
   const DType tile_dtype =
       p.state != nullptr ? p.state_dtype : (p.state_source != nullptr ? p.state_source_dtype : DType::kFloat32);
-  // The bulk kernel needs sm_90+ (cp.async.bulk, mbarrier tx counts), an instantiated tile (NR 4 or 8) and a
-  // 16-byte aligned dt_bias (its rows are bulk-copied); anything else runs the cp.async-ring kernel, which
-  // gives the same bits. (The pool, q, k, g alignment it needs is the launcher's precondition already.)
   const bool use_single = (nr == 2 || nr == 4 || nr == 8) &&
                           (single == 2 || (single == 1 && warps <= int64_t(cfg.num_sms) * 8));
   if (use_single) {
@@ -88,6 +85,9 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
     });
     return cudaGetLastError();
   }
+  // The bulk kernel needs sm_90+ (cp.async.bulk, mbarrier tx counts), an instantiated tile (NR 4 or 8) and a
+  // 16-byte aligned dt_bias (its rows are bulk-copied); anything else runs the cp.async-ring kernel, which
+  // gives the same bits. (The pool, q, k, g alignment it needs is the launcher's precondition already.)
   const bool use_bulk = (bulk == 1 || bulk == 2) && (nr == 4 || nr == 8) &&
                         cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(0) >= 9 &&
                         reinterpret_cast<uintptr_t>(p.dt_bias) % 16 == 0;
