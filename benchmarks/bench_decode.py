@@ -192,6 +192,7 @@ def main() -> None:
             idxs = [torch.arange(r * B, (r + 1) * B, device="cuda", dtype=torch.int32) for r in range(Rn)]
             acc = None
         nbytes = B * per_seq * W
+        tb = lambda t: None if t is None else nbytes / (t * 1e-6) / 1e12  # noqa: E731
         t_ours, err = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i, S, acc) for i in idxs]))
         if err:
             print(f"[ours] {label}: {err}")
@@ -213,6 +214,8 @@ def main() -> None:
             for kname, env in KNOBS:
                 os.environ.update(env)
                 knobs[kname], _ = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i) for i in idxs], 10))
+                kt = knobs[kname]
+                print(f"  knob {label} | {kname}: {fmt(kt, 1)} us ({fmt(tb(kt), 2)} TB/s)", flush=True)
                 for e in env:
                     os.environ.pop(e, None)
             knob_rows.append([label, fmt(t_ours, 1)] + [fmt(knobs[k], 1) for k, _ in KNOBS])
@@ -229,7 +232,6 @@ def main() -> None:
             xs = (p_ours.float() - d["pool"].float()).norm() / d["pool"].float().norm()
             xerr = (xo.item(), xs.item())
             d["pool"].copy_(pool0)
-        tb = lambda t: None if t is None else nbytes / (t * 1e-6) / 1e12  # noqa: E731
         rec = dict(case=label, B=B, S=S, state_dtype=str(dt).replace("torch.", ""), bytes=nbytes, R=Rn,
                    ours_us=t_ours, fla_us=t_fla, ours_tbs=tb(t_ours), fla_tbs=tb(t_fla),
                    sweep_us={str(k): v for k, v in sweep.items()}, knobs_us=knobs, xcheck_out_state_rel=xerr)
@@ -275,6 +277,7 @@ def main() -> None:
         for kname, env in B1_KNOBS:
             os.environ.update(env)
             b1[kname], _ = try_call(lambda d=d, idx=idx: graph_time_us([lambda: ours_step(d, idx)], replays=200))
+            print(f"  knob B=1 {name} | {kname}: {fmt(b1[kname], 2)} us (default {fmt(t1, 2)})", flush=True)
             for e in env:
                 os.environ.pop(e, None)
             extra.append([f"B=1 {name}: graph of 1 step, {kname}", fmt(b1[kname], 2), "",
