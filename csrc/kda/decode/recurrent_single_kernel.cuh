@@ -5,7 +5,7 @@
 // bit-identical). With one item per warp the persistent ring buys nothing and its chain is long (slot
 // lookup -> cp.async of the state -> wait -> token loads -> math). Here a warp (item = global warp index,
 // a plain grid, no shared memory) issues, in this order and without waiting in between:
-//   its first token's q, k, g, v, beta loads, A_log (independent of the slot),
+//   its first token's q, k, g, v, beta loads, A_log, an L1 prefetch of dt_bias (independent of the slot),
 //   the slot lookup (ssm_state_indices / cu_seqlens / num_accepted_tokens, every lane the same address),
 //   the state loads straight into registers (they depend on the slot only),
 // so the token loads overlap the slot -> state chain, and the per-token prep (L2 norms, gate, decay, beta
@@ -46,6 +46,10 @@ __global__ void __launch_bounds__(128) kda_recurrent_single_kernel(const Recurre
   TokenRaw cur;
   if (m.len > 0) load_token<Tile>(p, m.batch, m.bos, h, m.hv, kl, my_row, cur);
   const float alog = p.gate_mode != GateMode::kPrecomputed ? __ldg(p.A_log + m.hv) : 0.f;
+  // dt_bias is read per token inside run_item_tokens with plain loads that cannot move above its stores:
+  // pull its row into L1 now, so the first token's gate does not wait on an L2 round trip.
+  if (p.dt_bias != nullptr && p.gate_mode != GateMode::kPrecomputed && lane < K / 32)
+    prefetch_l1(p.dt_bias + int64_t(m.hv) * K + lane * 32);  // 128-byte lines
 
   // 2. the slot lookups (the shared rules), then 3. the state, straight into registers.
   const StartState st = start_state(p, m.n);
