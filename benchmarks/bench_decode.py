@@ -69,6 +69,11 @@ KNOBS = [
     ("bulk=2 NR=4", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4"}),
     ("bulk=2 NR=4 stages=4", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4", "KDA_RECURRENT_BULK_STAGES": "4"}),
     ("bulk=2 carveout=default", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_CARVEOUT": "default"}),
+    # cp.async.bulk.prefetch.L2 of the state D items past the ring (HBM -> L2 without holding shared memory)
+    ("bulk=2 L2 ahead=2", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_L2_AHEAD": "2"}),
+    ("bulk=2 L2 ahead=4", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_L2_AHEAD": "4"}),
+    ("bulk=2 stages=4 L2 ahead=4", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_STAGES": "4",
+                                    "KDA_RECURRENT_BULK_L2_AHEAD": "4"}),
     ("bulk=2 diag: no state store", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "1"}),
     ("bulk=2 diag: no math", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "2"}),
     ("bulk=2 diag: read only", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "3"}),

@@ -172,7 +172,7 @@ def test_persistent_grid_invariance(monkeypatch, state_dtype):
 BULK_ENV = "KDA_RECURRENT_BULK"
 SINGLE_ENV = "KDA_RECURRENT_SINGLE"  # the one-item-per-warp kernel (recurrent_single_kernel.cuh)
 BULK_KNOBS = ("KDA_RECURRENT_BULK_STAGES", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_BLOCKS_PER_SM", ROWS_ENV,
-              SINGLE_ENV)
+              SINGLE_ENV, "KDA_RECURRENT_BULK_L2_AHEAD")
 # Ring depths 3 (the minimum), 5 and 8 (the maximum); one warp per block and one block per SM make each warp
 # walk many items, wrapping its ring and its 16-item slot table many times; NR 4 and 8 are both instantiated.
 BULK_CONFIGS = [
@@ -187,6 +187,10 @@ BULK_CONFIGS = [
     {SINGLE_ENV: "2", ROWS_ENV: "2"},
     {SINGLE_ENV: "2", ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
     {SINGLE_ENV: "1", BULK_ENV: "2"},
+    # L2 prefetch past the ring: stages + ahead = 16, the widest window the two 16-item slot tables allow
+    {BULK_ENV: "2", "KDA_RECURRENT_BULK_STAGES": "5", "KDA_RECURRENT_BULK_L2_AHEAD": "11",
+     "KDA_RECURRENT_BLOCKS_PER_SM": "1", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
+    {BULK_ENV: "1", "KDA_RECURRENT_BULK_L2_AHEAD": "3"},
 ]
 
 
@@ -345,13 +349,14 @@ def _bulk_scenarios(K: int, state_dtype: torch.dtype):
 def test_bulk_kernel_bit_identical(monkeypatch, K, state_dtype):
     """Every bulk-kernel and one-item-per-warp configuration gives the ring kernel's bits on every scenario,
     and (the first bulk and the first single config) matches the fp64 reference."""
+    first_single = next(i for i, e in enumerate(BULK_CONFIGS) if SINGLE_ENV in e)
     for name, run, check in _bulk_scenarios(K, state_dtype):
         want = _run_with_env(monkeypatch, {}, run)
         for ci, env in enumerate(BULK_CONFIGS):
             got = _run_with_env(monkeypatch, env, run)
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(bits(a), bits(b)), f"{name}: {env} differs from the ring kernel"
-            if ci in (0, 5):
+            if ci in (0, first_single):
                 check(got)
 
 

@@ -24,6 +24,10 @@
 //   j + stages - 1, after cp.async.bulk.wait_group.read has confirmed that item j-1's bulk store (if any)
 //   has finished reading that stage.
 // So during the math of item j, items j+1 .. j+stages-2 are in flight and item j-1's store may be draining.
+// Optionally (`l2_ahead` = D > 0, KDA_RECURRENT_BULK_L2_AHEAD) lane 0 also issues cp.async.bulk.prefetch.L2
+// for the state of item j + stages - 1 + D when it refills a stage: D more items per warp stream from HBM into
+// L2 without holding shared memory, so the ring's own copies hit L2. The slot tables are then resolved D items
+// earlier (at (j + stages - 1 + D) % 16 == 0); stages + D <= 16 keeps every needed entry in the two tables.
 // Every item, including an empty, inactive or past-the-end one, arrives once on its stage's mbarrier (with
 // the byte count it expects, possibly 0), so the parities stay uniform.
 #pragma once
@@ -99,6 +103,19 @@ __device__ __forceinline__ void load_token_slice_shared(const unsigned char* row
   }
 }
 
+// Lane 0: an L2 prefetch of item m's pool state (a hint: no completion to track).
+template <class Tile>
+__device__ __forceinline__ void bulk_prefetch_item_l2(const RecurrentParams& p, const ItemMeta& m) {
+#if KDA_DECODE_BULK_COPY
+  if (m.kind == 1 && m.len > 0) {
+    constexpr int K = Tile::K;
+    const auto* src = static_cast<const typename Tile::StateT*>(p.state) + m.slot * p.state_slot_stride +
+                      int64_t(m.hv) * K * K + int64_t(m.tile) * Tile::kRowsPerWarp * K;
+    cute::SM90_BULK_COPY_G2S::PREFETCH::copy(src, BulkStage<Tile>::kStateBytes);
+  }
+#endif
+}
+
 // Lane 0: arrive on the stage's mbarrier with the bytes item m will bring, then issue its bulk copies.
 // A zero-length or inactive sequence needs nothing (0 bytes: the phase completes at the arrive); a source
 // start state (kind 2) is read from global memory by the lanes (its dtype may differ from the pool's).
@@ -155,7 +172,7 @@ __device__ __forceinline__ void load_item_scalars(const RecurrentParams& p, cons
 // described at the top of this file. `stages` is BulkLayout::kMinStages .. kMaxStages (the launcher clamps).
 template <class Tile>
 __global__ void __launch_bounds__(128, bulk_min_blocks<Tile>())
-    kda_recurrent_bulk_kernel(const RecurrentParams p, const int flags, const int stages) {
+    kda_recurrent_bulk_kernel(const RecurrentParams p, const int flags, const int stages, const int l2_ahead) {
 #if KDA_DECODE_BULK_COPY
   using StateT = typename Tile::StateT;
   using Stage = BulkStage<Tile>;
@@ -181,9 +198,11 @@ __global__ void __launch_bounds__(128, bulk_min_blocks<Tile>())
     cutlass::arch::fence_barrier_init();
   }
   resolve_items<Tile>(p, 0, first, stride, total, metas, lane);  // ends with __syncwarp (also for the inits)
-  if (lane == 0)
+  if (lane == 0) {
     for (int st = 0; st < stages - 1; ++st)
       bulk_issue_item<Tile>(p, *meta_at(st), ring + st * Stage::kBytes, bars + st);
+    for (int a = 0; a < l2_ahead; ++a) bulk_prefetch_item_l2<Tile>(p, *meta_at(stages - 1 + a));  // < 16: table 0
+  }
 
   const int kl = lane % KL, rg = lane / KL;
   const int my_idx = rs_row_index<KL, NR>(lane);
@@ -277,8 +296,9 @@ __global__ void __launch_bounds__(128, bulk_min_blocks<Tile>())
     // Refill stage (j-1) % stages (== (j + stages - 1) % stages) with item j + stages - 1.
     __syncwarp();  // every lane is done with item j-1's stage (and, for a skipped item, with this one)
     const int64_t jn = j + stages - 1;
-    if (jn % kMetaBatch == 0)  // the next table, one stall per 16 items (its buffer is consumed)
-      resolve_items<Tile>(p, jn, first, stride, total, meta_at(jn), lane);
+    const int64_t jr = jn + l2_ahead;  // the furthest item this refill needs resolved
+    if (jr % kMetaBatch == 0)  // the next table, one stall per 16 items (its buffer is consumed)
+      resolve_items<Tile>(p, jr, first, stride, total, meta_at(jr), lane);
     const int prev = stage == 0 ? stages - 1 : stage - 1;
     if (lane == 0) {
       // item j-1's bulk store (the newest group before this item's) has read its stage
@@ -287,6 +307,7 @@ __global__ void __launch_bounds__(128, bulk_min_blocks<Tile>())
       else
         cute::tma_store_wait<0>();
       bulk_issue_item<Tile>(p, *meta_at(jn), ring + prev * Stage::kBytes, bars + prev);
+      if (l2_ahead > 0) bulk_prefetch_item_l2<Tile>(p, *meta_at(jr));
     }
     if (++stage == stages) stage = 0, phase ^= 1u;
   }
@@ -305,6 +326,8 @@ void run_recurrent_bulk_(const RecurrentParams& p, const RecurrentLaunch& cfg, c
   int stages = cfg.bulk_stages;
   stages = stages < Layout::kMinStages ? Layout::kMinStages : (stages > Layout::kMaxStages ? Layout::kMaxStages : stages);
   const int warp_bytes = Layout::warp_bytes(stages);
+  int l2_ahead = cfg.bulk_l2_ahead;  // stages + l2_ahead <= kMetaBatch: the two slot tables cover the window
+  l2_ahead = l2_ahead < 0 ? 0 : (l2_ahead > kMetaBatch - stages ? kMetaBatch - stages : l2_ahead);
   const int threads = cfg.warps_per_block * 32;
   const int smem = cfg.warps_per_block * warp_bytes;
   // Occupancy per (device, block shape, ring depth), queried once (first eager call), with the dynamic-smem
@@ -357,7 +380,7 @@ void run_recurrent_bulk_(const RecurrentParams& p, const RecurrentLaunch& cfg, c
   const int64_t needed = (warps + cfg.warps_per_block - 1) / cfg.warps_per_block;
   const int64_t resident = int64_t(blocks_per_sm) * cfg.num_sms;
   const int64_t blocks = needed < resident ? needed : resident;
-  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.flags, stages);
+  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.flags, stages, l2_ahead);
 }
 
 }  // namespace kda::decode

@@ -23,6 +23,7 @@ struct RecurrentLaunch {
   int carveout_percent = kCarveoutMin;          // or kCarveoutUntouched, -1 (driver default), 0..100
   int flags = 4;  // kernel flags: kFlagNoL1Prefetch (the default), kDiag* (benchmarks only)
   int bulk_stages = 3;  // ring depth of the bulk-copy kernel (run_recurrent_bulk_), 3..8
+  int bulk_l2_ahead = 0;  // bulk-copy kernel: items past the ring whose state is prefetched into L2 (0: none)
 };
 
 // K: head dim (K == V, 64 or 128). StateT: pool storage type (float or __nv_bfloat16). NR: state rows

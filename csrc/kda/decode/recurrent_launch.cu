@@ -57,6 +57,9 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream) {
   int single = 0;
   if (const char* env = std::getenv("KDA_RECURRENT_SINGLE")) single = std::atoi(env);
   if (const char* env = std::getenv("KDA_RECURRENT_BULK_STAGES")) cfg.bulk_stages = std::atoi(env);
+  // KDA_RECURRENT_BULK_L2_AHEAD=D: the bulk kernel also prefetches into L2 the state of the item D past its
+  // ring (0 = off, the default; clamped to 16 - stages).
+  if (const char* env = std::getenv("KDA_RECURRENT_BULK_L2_AHEAD")) cfg.bulk_l2_ahead = std::atoi(env);
   int max_wpb = 4;
   if (const char* env = std::getenv("KDA_RECURRENT_WARPS_PER_BLOCK")) {
     const int v = std::atoi(env);
