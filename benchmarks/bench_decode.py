@@ -54,6 +54,47 @@ KNOBS = [
     ("diag: no state store", {"KDA_RECURRENT_DIAG": "1"}),
     ("diag: no math", {"KDA_RECURRENT_DIAG": "2"}),
     ("diag: no math, no store (read only)", {"KDA_RECURRENT_DIAG": "3"}),
+    ("warps/block<=2", {"KDA_RECURRENT_WARPS_PER_BLOCK": "2"}),
+    # Bulk-copy kernel (csrc/kda/decode/recurrent_bulk_kernel.cuh): 1 = state + first-token q/k/g + dt_bias by
+    # cp.async.bulk into an mbarrier ring (default 3 stages), pool written from registers; 2 = the same plus
+    # a bulk store of the updated tile from the ring. bf16 NR=8 at 3 stages: 12 warps/SM (3 blocks); at 4
+    # stages shared memory allows 8. fp32 NR=8 stages are 9.5 KB: NR=4 (4 KB of state per stage) is the
+    # fp32 candidate.
+    ("bulk=1", {"KDA_RECURRENT_BULK": "1"}),
+    ("bulk=2", {"KDA_RECURRENT_BULK": "2"}),
+    ("bulk=1 stages=4", {"KDA_RECURRENT_BULK": "1", "KDA_RECURRENT_BULK_STAGES": "4"}),
+    ("bulk=2 stages=4", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_STAGES": "4"}),
+    ("bulk=2 stages=6 warps/block<=2", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_STAGES": "6",
+                                         "KDA_RECURRENT_WARPS_PER_BLOCK": "2"}),
+    ("bulk=2 NR=4", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4"}),
+    ("bulk=2 NR=4 stages=4", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4", "KDA_RECURRENT_BULK_STAGES": "4"}),
+    ("bulk=2 carveout=default", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_CARVEOUT": "default"}),
+    # cp.async.bulk.prefetch.L2 of the state D items past the ring (HBM -> L2 without holding shared memory)
+    ("bulk=2 L2 ahead=2", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_L2_AHEAD": "2"}),
+    ("bulk=2 L2 ahead=4", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_L2_AHEAD": "4"}),
+    ("bulk=2 stages=4 L2 ahead=4", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_STAGES": "4",
+                                    "KDA_RECURRENT_BULK_L2_AHEAD": "4"}),
+    ("bulk=2 diag: no state store", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "1"}),
+    ("bulk=2 diag: no math", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "2"}),
+    ("bulk=2 diag: read only", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "3"}),
+    ("bulk=2 NR=4 diag: read only", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4", "KDA_RECURRENT_DIAG": "3"}),
+    # One-item-per-warp kernel forced at large batch (a plain grid, state loaded straight into registers).
+    ("single=2", {"KDA_RECURRENT_SINGLE": "2"}),
+]
+# B = 1 graph-replay latency under launcher knobs (results identical; state L2-resident).
+B1_KNOBS = [
+    # one-item-per-warp kernel (recurrent_single_kernel.cuh): token loads before the slot lookup, no ring
+    ("single", {"KDA_RECURRENT_SINGLE": "1"}),
+    ("single NR=2", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "2"}),
+    ("single NR=8", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "8"}),
+    ("single warps/block<=1", {"KDA_RECURRENT_SINGLE": "1", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
+    ("single NR=2 warps/block<=2", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "2", "KDA_RECURRENT_WARPS_PER_BLOCK": "2"}),
+    ("bulk=1", {"KDA_RECURRENT_BULK": "1"}),
+    ("bulk=2", {"KDA_RECURRENT_BULK": "2"}),
+    ("bulk=1 NR=8", {"KDA_RECURRENT_BULK": "1", ROWS_ENV: "8"}),
+    ("NR=2", {ROWS_ENV: "2"}),
+    ("warps/block<=1", {"KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
+    ("bulk=1 warps/block<=1", {"KDA_RECURRENT_BULK": "1", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
 ]
 
 
@@ -156,6 +197,7 @@ def main() -> None:
             idxs = [torch.arange(r * B, (r + 1) * B, device="cuda", dtype=torch.int32) for r in range(Rn)]
             acc = None
         nbytes = B * per_seq * W
+        tb = lambda t: None if t is None else nbytes / (t * 1e-6) / 1e12  # noqa: E731
         t_ours, err = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i, S, acc) for i in idxs]))
         if err:
             print(f"[ours] {label}: {err}")
@@ -177,6 +219,8 @@ def main() -> None:
             for kname, env in KNOBS:
                 os.environ.update(env)
                 knobs[kname], _ = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i) for i in idxs], 10))
+                kt = knobs[kname]
+                print(f"  knob {label} | {kname}: {fmt(kt, 1)} us ({fmt(tb(kt), 2)} TB/s)", flush=True)
                 for e in env:
                     os.environ.pop(e, None)
             knob_rows.append([label, fmt(t_ours, 1)] + [fmt(knobs[k], 1) for k, _ in KNOBS])
@@ -193,7 +237,6 @@ def main() -> None:
             xs = (p_ours.float() - d["pool"].float()).norm() / d["pool"].float().norm()
             xerr = (xo.item(), xs.item())
             d["pool"].copy_(pool0)
-        tb = lambda t: None if t is None else nbytes / (t * 1e-6) / 1e12  # noqa: E731
         rec = dict(case=label, B=B, S=S, state_dtype=str(dt).replace("torch.", ""), bytes=nbytes, R=Rn,
                    ours_us=t_ours, fla_us=t_fla, ours_tbs=tb(t_ours), fla_tbs=tb(t_fla),
                    sweep_us={str(k): v for k, v in sweep.items()}, knobs_us=knobs, xcheck_out_state_rel=xerr)
@@ -235,7 +278,16 @@ def main() -> None:
             tf, _ = try_call(lambda d=d, idx=idx, of=of: graph_time_us([lambda: fla_step(fla_fwd, d, idx, of)],
                                                                         replays=200))
         extra.append([f"B=1 {name}: graph of 1 step, per replay", fmt(t1, 2), fmt(tf, 2), ratio(tf, t1)])
-        records.append(dict(case=f"graph1 B=1 {name}", ours_us=t1, fla_us=tf))
+        b1 = {}
+        for kname, env in B1_KNOBS:
+            os.environ.update(env)
+            b1[kname], _ = try_call(lambda d=d, idx=idx: graph_time_us([lambda: ours_step(d, idx)], replays=200))
+            print(f"  knob B=1 {name} | {kname}: {fmt(b1[kname], 2)} us (default {fmt(t1, 2)})", flush=True)
+            for e in env:
+                os.environ.pop(e, None)
+            extra.append([f"B=1 {name}: graph of 1 step, {kname}", fmt(b1[kname], 2), "",
+                          f"default/knob {ratio(t1, b1[kname])}"])
+        records.append(dict(case=f"graph1 B=1 {name}", ours_us=t1, fla_us=tf, knobs_us=b1))
 
     # eager host cost per call (Python validation + dispatch + launch), B = 1, bf16 state
     d = make_inputs(1, 1, torch.bfloat16, slots=1, seed=2)

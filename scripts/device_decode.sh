@@ -6,6 +6,9 @@
 #   run: carry [".whl", ".golden"]; command: bash scripts/device_decode.sh
 #   .golden/ holds copies of ../shared/golden/*.pt (it does not travel otherwise); KDA_GOLDEN_DIR overrides.
 #   STAGES="build tests bench" (default) or a subset; BENCH_ARGS are passed to benchmarks/bench_decode.py.
+#   Stage tests_bulk reruns tests/gpu/test_recurrent_cuda.py (less the 4096-step decodes) with
+#   KDA_RECURRENT_BULK=2 (every test through the bulk-copy kernel where it applies; BULK_MODE overrides the
+#   mode), tests_single with KDA_RECURRENT_SINGLE=2 (the one-item-per-warp kernel); both log to tests_knobs.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -30,11 +33,12 @@ for s in $STAGES; do
       python3 - "$OUT/build.log" <<'PY'
 import re, sys
 txt = open(sys.argv[1], errors="replace").read()
-for m in re.finditer(r"Compiling entry function '(_ZN3kda6decode20kda_recurrent_kernel\S*)'.*?\n(.*?)\n.*?Used (\d+) registers", txt, re.S):
+for m in re.finditer(r"Compiling entry function '(_ZN3kda6decode\d+kda_recurrent_(bulk_|single_)?kernel\S*)'.*?\n(.*?)\n.*?Used (\d+) registers", txt, re.S):
     name = m.group(1)
     tile = re.search(r"RecurrentTileILi(\d+)E(\w+?)Li(\d+)E", name)
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", m.group(0))
-    print("ptxas", tile.groups() if tile else name[:60], "regs", m.group(3), "stack/spillST/spillLD", frame.groups() if frame else "?")
+    kind = (m.group(2) or "ring_").rstrip("_")
+    print("ptxas", kind, tile.groups() if tile else name[:60], "regs", m.group(4), "stack/spillST/spillLD", frame.groups() if frame else "?")
 PY
       grep -E "error|Error" "$OUT/build.log" | grep -v "^ " | head -20
       [ $b != 0 ] && { tail -40 "$OUT/build.log"; exit $b; }
@@ -45,6 +49,18 @@ PY
       r=${PIPESTATUS[0]}; [ $r != 0 ] && rc=$r
       timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_api.py 2>&1 | tee "$OUT/tests_api.log" | tail -12
       echo "== tests in $(( $(date +%s) - t0 )) s"
+      ;;
+    tests_bulk)
+      KDA_RECURRENT_BULK=${BULK_MODE:-2} timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=5 -rfE \
+        -k "not long_decode" tests/gpu/test_recurrent_cuda.py 2>&1 | sed 's/^/[bulk] /' | tee -a "$OUT/tests_knobs.log" | tail -25
+      r=${PIPESTATUS[0]}; [ $r != 0 ] && rc=$r
+      echo "== tests_bulk in $(( $(date +%s) - t0 )) s"
+      ;;
+    tests_single)
+      KDA_RECURRENT_SINGLE=2 timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=5 -rfE \
+        -k "not long_decode" tests/gpu/test_recurrent_cuda.py 2>&1 | sed 's/^/[single] /' | tee -a "$OUT/tests_knobs.log" | tail -25
+      r=${PIPESTATUS[0]}; [ $r != 0 ] && rc=$r
+      echo "== tests_single in $(( $(date +%s) - t0 )) s"
       ;;
     bench)
       timeout 300 python3 benchmarks/bench_decode.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" | tail -60

@@ -163,6 +163,245 @@ def test_persistent_grid_invariance(monkeypatch, state_dtype):
     check_pool(pool, x["initial_state"], {i: r.final_state[i] for i, L in enumerate(lengths) if L > 0})
 
 
+# ---------------------------------------------------------------------------------------------------
+# the bulk-copy kernel (KDA_RECURRENT_BULK, csrc/kda/decode/recurrent_bulk_kernel.cuh): a schedule choice,
+# so every result must be bit-identical to the cp.async-ring kernel's (and within the SPEC tolerances of the
+# fp64 reference). Running this whole file with KDA_RECURRENT_BULK=2 in the environment also sends every
+# other test of it through the bulk kernel.
+
+BULK_ENV = "KDA_RECURRENT_BULK"
+SINGLE_ENV = "KDA_RECURRENT_SINGLE"  # the one-item-per-warp kernel (recurrent_single_kernel.cuh)
+BULK_KNOBS = ("KDA_RECURRENT_BULK_STAGES", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_BLOCKS_PER_SM", ROWS_ENV,
+              SINGLE_ENV, "KDA_RECURRENT_BULK_L2_AHEAD")
+# Ring depths 3 (the minimum), 5 and 8 (the maximum); one warp per block and one block per SM make each warp
+# walk many items, wrapping its ring and its 16-item slot table many times; NR 4 and 8 are both instantiated.
+BULK_CONFIGS = [
+    {BULK_ENV: "1"},
+    {BULK_ENV: "2"},
+    {BULK_ENV: "2", "KDA_RECURRENT_BULK_STAGES": "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
+    {BULK_ENV: "2", "KDA_RECURRENT_BULK_STAGES": "5", "KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "4"},
+    {BULK_ENV: "1", "KDA_RECURRENT_BULK_STAGES": "3", "KDA_RECURRENT_BLOCKS_PER_SM": "1",
+     "KDA_RECURRENT_WARPS_PER_BLOCK": "1", ROWS_ENV: "8"},
+    # the one-item-per-warp kernel: forced (2) at every size and tile, and by size (1: small scenarios only)
+    {SINGLE_ENV: "2"},
+    {SINGLE_ENV: "2", ROWS_ENV: "2"},
+    {SINGLE_ENV: "2", ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
+    {SINGLE_ENV: "1", BULK_ENV: "2"},
+    # L2 prefetch past the ring: stages + ahead = 16, the widest window the two 16-item slot tables allow
+    {BULK_ENV: "2", "KDA_RECURRENT_BULK_STAGES": "5", "KDA_RECURRENT_BULK_L2_AHEAD": "11",
+     "KDA_RECURRENT_BLOCKS_PER_SM": "1", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
+    {BULK_ENV: "1", "KDA_RECURRENT_BULK_L2_AHEAD": "3"},
+]
+
+
+def _run_with_env(monkeypatch, env: dict, fn):
+    for n in (BULK_ENV, *BULK_KNOBS):
+        monkeypatch.delenv(n, raising=False)
+    for n, v in env.items():
+        monkeypatch.setenv(n, v)
+    try:
+        return fn()
+    finally:
+        for n in env:
+            monkeypatch.delenv(n, raising=False)
+
+
+def _bulk_scenarios(K: int, state_dtype: torch.dtype):
+    """(name, run, check): run() -> tuple of result tensors (compared bit for bit across kernels); check(res)
+    compares one run with the fp64 reference. Every feature the bulk kernel handles differently: pool reads
+    (bulk copy) and writes (bulk store), inactive slots, GQA, zero-length sequences, checkpoints, speculative
+    per-token writes, read-only sources of either dtype, no pool, all gate modes, a misaligned dt_bias (the
+    launcher then runs the ring kernel)."""
+    other = torch.bfloat16 if state_dtype == torch.float32 else torch.float32
+    sc = []
+
+    # A. decode T=1, GQA, 300 sequences (many items per warp), two inactive slots
+    B, HV = 300, 8
+    xa = make(B=B, T=1, H=2, HV=HV, K=K, state_dtype=state_dtype, N_pool=B + 5, seed=31)
+    ta, ga = tok(xa), gkw(xa)
+    slots_a = (torch.randperm(B + 5, generator=torch.Generator().manual_seed(3))[:B]).to(torch.int32)
+    slots_a[7], slots_a[100] = -1, B + 5  # inactive: negative, and == N_pool
+    slots_a = slots_a.to(DEV)
+
+    def run_a():
+        pool = xa["initial_state"].clone()
+        o, _ = call(ta, ga, initial_state=pool, ssm_state_indices=slots_a)
+        return o, pool
+
+    def check_a(res):
+        o, pool = res
+        act = [i for i in range(B) if i not in (7, 100)]
+        r = ref({n: z[act] for n, z in ta.items()}, ga, xa["initial_state"][slots_a[act].long()])
+        assert_output(o[act], r.output)
+        assert torch.count_nonzero(o[[7, 100]]) == 0
+        check_pool(pool, xa["initial_state"], {int(slots_a[i]): r.final_state[j] for j, i in enumerate(act)})
+
+    sc.append(("decode", run_a, check_a))
+
+    # B. packed mixed lengths (zero-length too), softplus gate, plain beta, checkpoints every 16
+    lengths = [1, 17, 0, 65, 2, 0, 33]
+    xb = make(H=2, HV=4, K=K, state_dtype=state_dtype, lengths=lengths, N_pool=len(lengths) + 1, seed=32)
+    tb, gb = tok(xb, "softplus", logit=False), gkw(xb, "softplus")
+    slots_b = torch.tensor([7, 1, 2, 3, 4, 5, 6], dtype=torch.int32, device=DEV)
+
+    def run_b():
+        pool = xb["initial_state"].clone()
+        o, _, ck = call(tb, gb, initial_state=pool, cu_seqlens=xb["cu_seqlens"], ssm_state_indices=slots_b,
+                        beta_is_logit=False, checkpoint_every_n_tokens=16)
+        return o, pool, ck
+
+    def check_b(res):
+        o, pool, ck = res
+        r = ref(tb, gb, xb["initial_state"][slots_b.long()], cu_seqlens=xb["cu_seqlens"], logit=False,
+                checkpoint_every_n_tokens=16)
+        assert_output(o, r.output)
+        check_pool(pool, xb["initial_state"], {int(slots_b[i]): r.final_state[i] for i, L in enumerate(lengths) if L})
+        assert_close_rms(ck, torch.cat([c for c in r.checkpoints if c.shape[0] > 0]), state_tol(ck.dtype), "ckpt")
+
+    sc.append(("packed+checkpoints", run_b, check_b))
+
+    # C. speculative decode: per-token slots, accepted columns, one inactive token
+    Bs, S = 5, 3
+    xc = make(B=Bs, T=1 + S, H=1, HV=2, K=K, state_dtype=state_dtype, N_pool=Bs * (S + 1) + 3, seed=33)
+    tc, gc = tok(xc), gkw(xc)
+    idx_c = (torch.randperm(Bs * (S + 1), generator=torch.Generator().manual_seed(4)) + 2).reshape(Bs, S + 1)
+    idx_c = idx_c.to(torch.int32).to(DEV)
+    acc_c = torch.tensor([1, 2, 4, 0, 9], dtype=torch.int32, device=DEV)
+
+    def run_c():
+        pool = xc["initial_state"].clone()
+        o, _ = call(tc, gc, initial_state=pool, ssm_state_indices=idx_c, num_spec_tokens=S, num_accepted_tokens=acc_c)
+        return o, pool
+
+    def check_c(res):
+        o, pool = res
+        cols = (acc_c.long() - 1).clamp(0, S)
+        r = ref(tc, gc, xc["initial_state"][idx_c.long()[torch.arange(Bs, device=DEV), cols]], return_all_states=True)
+        assert_output(o, r.output)
+        check_pool(pool, xc["initial_state"],
+                   {int(idx_c[n, j]): r.all_states[n][j] for n in range(Bs) for j in range(S + 1)})
+
+    sc.append(("spec", run_c, check_c))
+
+    # D. read-only source of the other dtype (one inactive index), results to the pool
+    xd = make(B=3, T=4, H=1, HV=2, K=K, state_dtype=state_dtype, N_pool=5, seed=34)
+    td, gd = tok(xd), gkw(xd)
+    source = (torch.randn(6, 2, K, K, generator=torch.Generator().manual_seed(5)) * 0.1).to(DEV).to(other)
+    src_idx = torch.tensor([5, 0, 6], dtype=torch.int32, device=DEV)
+    slots_d = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEV)
+
+    def run_d():
+        pool = xd["initial_state"].clone()
+        o, _ = call(td, gd, initial_state=pool, ssm_state_indices=slots_d, initial_state_source=source,
+                    initial_state_indices=src_idx)
+        return o, pool
+
+    def check_d(res):
+        o, pool = res
+        r = ref({n: z[:2] for n, z in td.items()}, gd, source[[5, 0]])
+        assert_output(o[:2], r.output)
+        assert torch.count_nonzero(o[2]) == 0
+        check_pool(pool, xd["initial_state"], {1: r.final_state[0], 3: r.final_state[1]})
+
+    sc.append(("source", run_d, check_d))
+
+    # E. no pool (zeros start, fp32 final state), precomputed gate (no A_log, no dt_bias)
+    xe = make(H=1, HV=2, K=K, lengths=[4, 0, 19], seed=35)
+    te, ge = tok(xe, "precomputed"), gkw(xe, "precomputed")
+
+    def run_e():
+        o, fs = call(te, ge, cu_seqlens=xe["cu_seqlens"], output_final_state=True)
+        return o, fs
+
+    def check_e(res):
+        o, fs = res
+        r = ref(te, ge, None, cu_seqlens=xe["cu_seqlens"])
+        assert_output(o, r.output)
+        assert_close_rms(fs, r.final_state, TOL_STATE_FP32, "final_state")
+
+    sc.append(("no pool", run_e, check_e))
+
+    # F. dt_bias 4 bytes past a 16-byte boundary: not bulk-copyable, the launcher falls back (same bits)
+    xf = make(B=6, T=2, H=1, HV=2, K=K, state_dtype=state_dtype, N_pool=6, seed=36)
+    tf, gf = tok(xf), dict(gkw(xf))
+    buf = torch.empty(gf["dt_bias"].numel() + 4, device=DEV)
+    gf["dt_bias"] = buf[1 : 1 + gf["dt_bias"].numel()].view_as(gf["dt_bias"])
+    gf["dt_bias"].copy_(gkw(xf)["dt_bias"])
+
+    def run_f():
+        pool = xf["initial_state"].clone()
+        o, _ = call(tf, gf, initial_state=pool)
+        return o, pool
+
+    def check_f(res):
+        o, pool = res
+        r = ref(tf, gf, xf["initial_state"])
+        assert_output(o, r.output)
+        check_pool(pool, xf["initial_state"], {i: r.final_state[i] for i in range(6)})
+
+    sc.append(("misaligned dt_bias", run_f, check_f))
+    return sc
+
+
+@cuda_only
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_bulk_kernel_bit_identical(monkeypatch, K, state_dtype):
+    """Every bulk-kernel and one-item-per-warp configuration gives the ring kernel's bits on every scenario,
+    and (the first bulk and the first single config) matches the fp64 reference."""
+    first_single = next(i for i, e in enumerate(BULK_CONFIGS) if SINGLE_ENV in e)
+    for name, run, check in _bulk_scenarios(K, state_dtype):
+        want = _run_with_env(monkeypatch, {}, run)
+        for ci, env in enumerate(BULK_CONFIGS):
+            got = _run_with_env(monkeypatch, env, run)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(bits(a), bits(b)), f"{name}: {env} differs from the ring kernel"
+            if ci in (0, first_single):
+                check(got)
+
+
+@cuda_only
+@pytest.mark.parametrize("env", [{BULK_ENV: "1"}, {BULK_ENV: "2"}, {SINGLE_ENV: "1"}, {SINGLE_ENV: "1", ROWS_ENV: "2"}],
+                         ids=["bulk1", "bulk2", "single", "single-nr2"])
+def test_bulk_kernel_cuda_graph_b1(monkeypatch, env):
+    """B=1 decode (one item per warp: the latency path) captured in a CUDA graph under the bulk kernel and the
+    one-item-per-warp kernel: replays with new tokens and a new slot give the ring kernel's eager bits."""
+    x = make(B=1, T=1, H=32, HV=32, K=128, state_dtype=torch.bfloat16, N_pool=4, seed=37)
+
+    def decode(d):
+        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
+                              initial_state=d["pool"], ssm_state_indices=d["idx"], use_gate_in_kernel=True,
+                              lower_bound=-5.0, beta_is_logit=True, output=d["out"], backend="recurrent")
+
+    static = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                  pool=x["initial_state"], idx=torch.zeros(1, dtype=torch.int32, device=DEV),
+                  out=torch.empty_like(x["v"]))
+    for n in (BULK_ENV, *BULK_KNOBS):
+        monkeypatch.delenv(n, raising=False)
+    for n, v in env.items():
+        monkeypatch.setenv(n, v)
+    decode(static)  # eager warm-up (occupancy queries, smem opt-in) before capture
+    graph = capture_graph(lambda: decode(static))
+    for i in range(3):
+        y = make(B=1, T=1, H=32, HV=32, K=128, state_dtype=torch.bfloat16, N_pool=4, seed=300 + i)
+        for n in ("q", "k", "v", "g", "beta"):
+            static[n].copy_(y[n])
+        static["idx"].fill_(i + 1)
+        pool0 = static["pool"].clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        got_o, got_pool = static["out"].clone(), static["pool"].clone()
+        eager = dict(static, pool=pool0.clone(), out=torch.empty_like(static["out"]))
+        _run_with_env(monkeypatch, {}, lambda eager=eager: decode(eager))  # the ring kernel, eagerly
+        for n, v in env.items():
+            monkeypatch.setenv(n, v)
+        assert torch.equal(bits(got_o), bits(eager["out"])), "graph replay output differs from the ring kernel"
+        assert torch.equal(bits(got_pool), bits(eager["pool"])), "graph replay state differs from the ring kernel"
+        r = ref({n: y[n] for n in ("q", "k", "v", "g", "beta")}, gkw(x), pool0[i + 1 : i + 2])
+        assert_output(got_o, r.output)
+        check_pool(got_pool, pool0, {i + 1: r.final_state[0]})
+
+
 @pytest.mark.parametrize("T", [1, 2, 17, 65, 1000])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_lengths(T, state_dtype):

@@ -465,6 +465,140 @@ __device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
 
 // ---------------------------------------------------------------------------------------------------
 
+// The token loop of one item (SPEC §2 per token; checkpoints; speculative per-token slot writes; the output
+// row of each token). On entry `s` holds the item's start state and `cur` its first token's inputs; on exit
+// `s` holds the state after the last token (the caller writes it to the pool / final state). Shared by the
+// cp.async-ring kernel and the bulk-copy kernel (recurrent_bulk_kernel.cuh), so both compute the same bits.
+// `dtb`: dt_bias[hv, :] (global or shared memory), null when absent; `A` = exp(A_log[hv]).
+template <class Tile>
+__device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const int flags, const ItemMeta& m,
+                                                const int lane, TokenRaw cur, const int32_t spec_slot,
+                                                const float A, const float* dtb, float (&s)[Tile::NR][8]) {
+  using StateT = typename Tile::StateT;
+  constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP;
+  const int kl = lane % KL, rg = lane / KL;
+  const int my_idx = rs_row_index<KL, NR>(lane);
+  const bool writer = (lane & rs_duplicate_bits<KL, NR>()) == 0;
+  const int64_t inner = int64_t(p.HV) * K * K;
+  const int S = p.num_spec_tokens;
+  const int every = p.checkpoint_every_n_tokens;
+  const int hv = m.hv;
+  const int64_t n = m.n;
+  const int row0 = m.tile * Tile::kRowsPerWarp;
+  const int my_row = row0 + my_idx * RP + rg;
+  const int h = hv / (p.HV / p.H);
+  const int64_t head_off = int64_t(hv) * K * K;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + int64_t(m.batch) * p.out_batch_stride +
+                  int64_t(hv) * p.out_head_stride + my_row;
+  const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
+
+  int64_t next_ckpt = 0;
+  for (int64_t t = 0; t < m.len; ++t) {
+    TokenRaw nxt;
+    if (t + 1 < m.len) load_token<Tile>(p, m.batch, m.bos + t + 1, h, hv, kl, my_row, nxt);
+
+    if (every > 0 && t == next_ckpt) {  // the state BEFORE token t
+      const int64_t row = ckpt_row0 + t / every;
+      if (row >= 0 && row < p.n_checkpoint_rows)
+        store_tile_dt<Tile>(p.state_checkpoints, p.checkpoint_dtype, row * inner + head_off, row0, rg, kl, s);
+      next_ckpt += every;
+    }
+
+    // Speculative decode: the state after token t goes to slot ssm_state_indices[n, t]; a token whose slot
+    // is outside the pool is inactive (token_active in recurrent_rules.h), as is a token past column S
+    // (a sequence longer than 1+S, a broken contract, never indexes past its row).
+    int64_t wslot = -1;
+    if (S > 0 && t <= S)
+      wslot = S < 32 ? __shfl_sync(kFullMask, spec_slot, static_cast<int>(t)) : write_slot(p, n, t);
+    const bool active = S == 0 || (t <= S && slot_in_pool(wslot, p.n_pool));
+    if (!active) {
+      if (writer) out[(m.bos + t) * p.out_token_stride] = 0;
+      cur = nxt;
+      continue;
+    }
+
+    float o = 0.f;
+    if (!(flags & kDiagNoMath)) {
+      // ---- token prep: normalised q (with scale) and k, decay, beta (SPEC §2 steps 1-3)
+      float qf[8], kf[8], dec[8];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        qf[2 * w] = bf16_lo(cur.q[w]), qf[2 * w + 1] = bf16_hi(cur.q[w]);
+        kf[2 * w] = bf16_lo(cur.k[w]), kf[2 * w + 1] = bf16_hi(cur.k[w]);
+        dec[2 * w] = bf16_lo(cur.g[w]), dec[2 * w + 1] = bf16_hi(cur.g[w]);
+      }
+      float qscale = p.scale, kscale = 1.f;
+      if (p.use_qk_l2norm) {
+        float sq = 0.f, sk = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sq = fmaf(qf[e], qf[e], sq), sk = fmaf(kf[e], kf[e], sk);
+        allreduce2<KL>(sq, sk);
+        qscale = rsqrtf(sq + kL2NormEps) * p.scale;
+        kscale = rsqrtf(sk + kL2NormEps);
+      }
+      // Gate (SPEC §2 step 2): one branch per token, not per channel.
+      if (p.gate_mode == GateMode::kLowerBound) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          dec[e] = gate_log_decay<float>(GateMode::kLowerBound, dec[e], A, dt_bias_at<Tile>(dtb, kl, e),
+                                         p.lower_bound);
+      } else if (p.gate_mode == GateMode::kSoftplus) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          dec[e] = gate_log_decay<float>(GateMode::kSoftplus, dec[e], A, dt_bias_at<Tile>(dtb, kl, e),
+                                         p.lower_bound);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        qf[e] *= qscale;
+        kf[e] *= kscale;
+        dec[e] = exp_decay(dec[e]);
+      }
+      const float beta = p.beta_is_logit ? kda_sigmoid(cur.beta) : cur.beta;
+
+      // ---- decay and prediction p = S k (SPEC §2 steps 4-5)
+      float acc[NR];
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[i][e] *= dec[e];
+          a0 = fmaf(s[i][e], kf[e], a0);
+          s[i][e + 4] *= dec[e + 4];
+          a1 = fmaf(s[i][e + 4], kf[e + 4], a1);
+        }
+        acc[i] = a0 + a1;
+      }
+      const float pred = reduce_scatter<KL, NR>(acc, lane);
+      const float r = beta * (cur.v - pred);
+
+      // ---- rank-1 update S += r k^T and output o = S q (steps 6-7)
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        const float ri = __shfl_sync(kFullMask, r, rg * KL + rs_source_lane<KL, NR>(i));
+        float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[i][e] = fmaf(ri, kf[e], s[i][e]);
+          o0 = fmaf(s[i][e], qf[e], o0);
+          s[i][e + 4] = fmaf(ri, kf[e + 4], s[i][e + 4]);
+          o1 = fmaf(s[i][e + 4], qf[e + 4], o1);
+        }
+        acc[i] = o0 + o1;
+      }
+      o = reduce_scatter<KL, NR>(acc, lane);
+    }
+    if (writer) {
+      const __nv_bfloat16 ob = __float2bfloat16_rn(o);
+      out[(m.bos + t) * p.out_token_stride] = *reinterpret_cast<const uint16_t*>(&ob);
+    }
+    if (S > 0 && !(flags & kDiagNoStateStore))  // spec decode: the state after token t goes to its own slot
+      store_tile<Tile>(static_cast<StateT*>(p.state) + wslot * p.state_slot_stride + head_off, row0, rg, kl, s);
+    cur = nxt;
+  }
+}
+
 // Persistent warps: warp w of the grid handles items w, w + W, w + 2W, ... (W = warps in the grid); an item
 // is (sequence, value head, row tile). Per item: wait for its ring slot, read the start state into
 // registers, refill the slot with the item kStages ahead, then run the item's tokens.
@@ -548,117 +682,10 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
         for (int64_t t = 0; t < m.len; ++t) out[(m.bos + t) * p.out_token_stride] = 0;
       continue;
     }
-    const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
-
     // Gate constant of this value head (dt_bias is re-read per token from L1 instead of held in registers).
     const float A = p.gate_mode != GateMode::kPrecomputed ? __expf(p.A_log[hv]) : 0.f;
     const float* dtb = p.dt_bias != nullptr ? p.dt_bias + int64_t(hv) * K : nullptr;
-
-    int64_t next_ckpt = 0;
-    for (int64_t t = 0; t < m.len; ++t) {
-      TokenRaw nxt;
-      if (t + 1 < m.len) load_token<Tile>(p, m.batch, m.bos + t + 1, h, hv, kl, my_row, nxt);
-
-      if (every > 0 && t == next_ckpt) {  // the state BEFORE token t
-        const int64_t row = ckpt_row0 + t / every;
-        if (row >= 0 && row < p.n_checkpoint_rows)
-          store_tile_dt<Tile>(p.state_checkpoints, p.checkpoint_dtype, row * inner + head_off, row0, rg, kl, s);
-        next_ckpt += every;
-      }
-
-      // Speculative decode: the state after token t goes to slot ssm_state_indices[n, t]; a token whose slot
-      // is outside the pool is inactive (token_active in recurrent_rules.h), as is a token past column S
-      // (a sequence longer than 1+S, a broken contract, never indexes past its row).
-      int64_t wslot = -1;
-      if (S > 0 && t <= S)
-        wslot = S < 32 ? __shfl_sync(kFullMask, spec_slot, static_cast<int>(t)) : write_slot(p, n, t);
-      const bool active = S == 0 || (t <= S && slot_in_pool(wslot, p.n_pool));
-      if (!active) {
-        if (writer) out[(m.bos + t) * p.out_token_stride] = 0;
-        cur = nxt;
-        continue;
-      }
-
-      float o = 0.f;
-      if (!(flags & kDiagNoMath)) {
-        // ---- token prep: normalised q (with scale) and k, decay, beta (SPEC §2 steps 1-3)
-        float qf[8], kf[8], dec[8];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          qf[2 * w] = bf16_lo(cur.q[w]), qf[2 * w + 1] = bf16_hi(cur.q[w]);
-          kf[2 * w] = bf16_lo(cur.k[w]), kf[2 * w + 1] = bf16_hi(cur.k[w]);
-          dec[2 * w] = bf16_lo(cur.g[w]), dec[2 * w + 1] = bf16_hi(cur.g[w]);
-        }
-        float qscale = p.scale, kscale = 1.f;
-        if (p.use_qk_l2norm) {
-          float sq = 0.f, sk = 0.f;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) sq = fmaf(qf[e], qf[e], sq), sk = fmaf(kf[e], kf[e], sk);
-          allreduce2<KL>(sq, sk);
-          qscale = rsqrtf(sq + kL2NormEps) * p.scale;
-          kscale = rsqrtf(sk + kL2NormEps);
-        }
-        // Gate (SPEC §2 step 2): one branch per token, not per channel.
-        if (p.gate_mode == GateMode::kLowerBound) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            dec[e] = gate_log_decay<float>(GateMode::kLowerBound, dec[e], A, dt_bias_at<Tile>(dtb, kl, e),
-                                           p.lower_bound);
-        } else if (p.gate_mode == GateMode::kSoftplus) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            dec[e] = gate_log_decay<float>(GateMode::kSoftplus, dec[e], A, dt_bias_at<Tile>(dtb, kl, e),
-                                           p.lower_bound);
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          qf[e] *= qscale;
-          kf[e] *= kscale;
-          dec[e] = exp_decay(dec[e]);
-        }
-        const float beta = p.beta_is_logit ? kda_sigmoid(cur.beta) : cur.beta;
-
-        // ---- decay and prediction p = S k (SPEC §2 steps 4-5)
-        float acc[NR];
-#pragma unroll
-        for (int i = 0; i < NR; ++i) {
-          float a0 = 0.f, a1 = 0.f;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[i][e] *= dec[e];
-            a0 = fmaf(s[i][e], kf[e], a0);
-            s[i][e + 4] *= dec[e + 4];
-            a1 = fmaf(s[i][e + 4], kf[e + 4], a1);
-          }
-          acc[i] = a0 + a1;
-        }
-        const float pred = reduce_scatter<KL, NR>(acc, lane);
-        const float r = beta * (cur.v - pred);
-
-        // ---- rank-1 update S += r k^T and output o = S q (steps 6-7)
-#pragma unroll
-        for (int i = 0; i < NR; ++i) {
-          const float ri = __shfl_sync(kFullMask, r, rg * KL + rs_source_lane<KL, NR>(i));
-          float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[i][e] = fmaf(ri, kf[e], s[i][e]);
-            o0 = fmaf(s[i][e], qf[e], o0);
-            s[i][e + 4] = fmaf(ri, kf[e + 4], s[i][e + 4]);
-            o1 = fmaf(s[i][e + 4], qf[e + 4], o1);
-          }
-          acc[i] = o0 + o1;
-        }
-        o = reduce_scatter<KL, NR>(acc, lane);
-      }
-      if (writer) {
-        const __nv_bfloat16 ob = __float2bfloat16_rn(o);
-        out[(m.bos + t) * p.out_token_stride] = *reinterpret_cast<const uint16_t*>(&ob);
-      }
-      if (S > 0 && !(flags & kDiagNoStateStore))  // spec decode: the state after token t goes to its own slot
-        store_tile<Tile>(static_cast<StateT*>(p.state) + wslot * p.state_slot_stride + head_off, row0, rg, kl, s);
-      cur = nxt;
-    }
+    run_item_tokens<Tile>(p, flags, m, lane, cur, spec_slot, A, dtb, s);
 
     // A zero-length sequence leaves its slot bit-identical.
     if (S == 0 && p.state != nullptr && m.len > 0 && !(flags & kDiagNoStateStore))
