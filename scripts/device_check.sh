@@ -32,6 +32,18 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 
+# ncu_source REGEX SKIP NAME CASE: profile one launch of the kernels matching REGEX in scripts/ncu_profile.py
+# CASE (after SKIP launches), print the details page and write the source-level CSV to $RESULTS/NAME_source.csv.
+ncu_source() {
+  ncu --kernel-name "regex:$1" --launch-skip "$2" --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section SourceCounters --section InstructionStats --import-source yes \
+      -f -o "/tmp/$3" python3 scripts/ncu_profile.py "$4" >/dev/null &&
+    ncu -i "/tmp/$3.ncu-rep" --page details &&
+    ncu -i "/tmp/$3.ncu-rep" --page source --csv --print-source cuda,sass >"$RESULTS/$3_source.csv"
+}
+export -f ncu_source  # stage runs its command under timeout, in a child bash
+
 stage() {  # stage NAME CMD...: run, time, log to $OUT/NAME.log
   local name=$1; shift
   local t0=$(date +%s)
@@ -55,18 +67,9 @@ for s in $STAGES; do
     api_profile) stage api_profile python3 scripts/api_profile.py ;;  # where an end-to-end prefill call spends time
     racecheck_probe) stage racecheck_probe bash -c 'nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu &&
            /tmp/racecheck_probe && compute-sanitizer --tool racecheck /tmp/racecheck_probe' ;;
-    ncu_chunked) stage ncu_chunked bash -c 'ncu --kernel-name regex:kda_chunked --launch-skip 2 --launch-count 1 \
-           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-           --section SchedulerStats --section SourceCounters --section InstructionStats --import-source yes \
-           -f -o /tmp/ncu_chunked python3 scripts/ncu_profile.py ${NCU_CASE:-prefill_96_8192} >/dev/null &&
-           ncu -i /tmp/ncu_chunked.ncu-rep --page details &&
-           ncu -i /tmp/ncu_chunked.ncu-rep --page source --csv --print-source cuda,sass > "$RESULTS/ncu_chunked_source.csv"' ;;
-    ncu_train) stage ncu_train bash -c 'ncu --kernel-name regex:kda_training_backward_chunked --launch-skip 1 --launch-count 1 \
-           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-           --section SchedulerStats --section SourceCounters --section InstructionStats --import-source yes \
-           -f -o /tmp/ncu_train python3 scripts/ncu_profile.py ${NCU_TRAIN_CASE:-train_32_2048} >/dev/null &&
-           ncu -i /tmp/ncu_train.ncu-rep --page details &&
-           ncu -i /tmp/ncu_train.ncu-rep --page source --csv --print-source cuda,sass > "$RESULTS/ncu_train_source.csv"' ;;
+    ncu_chunked) stage ncu_chunked bash -c 'ncu_source "$@"' _ kda_chunked 2 ncu_chunked "${NCU_CASE:-prefill_96_8192}" ;;
+    ncu_train) stage ncu_train bash -c 'ncu_source "$@"' _ kda_training_backward_chunked 1 ncu_train \
+                 "${NCU_TRAIN_CASE:-train_32_2048}" ;;
     ncu) stage ncu ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 \
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
            --section WarpStateStats --section SchedulerStats python3 scripts/ncu_profile.py decode_bf16 ;;

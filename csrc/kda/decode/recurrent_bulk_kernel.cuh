@@ -359,27 +359,12 @@ void run_recurrent_bulk_(const RecurrentParams& p, const RecurrentLaunch& cfg, c
     return b;
   };
   const int blocks_per_sm = blocks_for(cfg.warps_per_block);
-  if (cfg.carveout_percent != kCarveoutUntouched) {
-    int pct = cfg.carveout_percent;
-    if (pct == kCarveoutMin) {
-      int need = 0;  // bytes: 1 KB per block is reserved by the system
-      for (int w : {1, 2, 4}) {
-        const int bytes = blocks_for(w) * (w * warp_bytes + 1024);
-        need = bytes > need ? bytes : need;
-      }
-      pct = (need * 100 + 228 * 1024 - 1) / (228 * 1024);
-      pct = pct > 100 ? 100 : pct;
-    }
-    if (carveout_set[dev] != pct + 2) {  // -1 (driver default) is a valid value: store pct + 2
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
-      (void)cudaGetLastError();
-      carveout_set[dev] = pct + 2;
-    }
-  }
-  const int64_t warps = p.N * p.HV * Tile::kTilesPerHead;
-  const int64_t needed = (warps + cfg.warps_per_block - 1) / cfg.warps_per_block;
-  const int64_t resident = int64_t(blocks_per_sm) * cfg.num_sms;
-  const int64_t blocks = needed < resident ? needed : resident;
+  int need = 0;  // shared memory of the most resident blocks of any block shape
+  if (cfg.carveout_percent == kCarveoutMin)
+    for (int w : {1, 2, 4}) need = std::max(need, resident_smem_bytes(blocks_for(w), w * warp_bytes));
+  apply_carveout(kernel, carveout_set, dev, cfg.carveout_percent, need);
+  const int64_t blocks =
+      persistent_blocks(p.N * p.HV * Tile::kTilesPerHead, cfg.warps_per_block, blocks_per_sm, cfg.num_sms);
   kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.flags, stages, l2_ahead);
 }
 

@@ -31,6 +31,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kda/common/bf16_bits.cuh"
@@ -696,6 +697,32 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
   cp_async_wait<0>();  // no copy outlives the block (the tail prefetches are empty groups, but be exact)
 }
 
+// Launch helpers shared by the decode launchers (this file's ring kernel, recurrent_bulk_kernel.cuh).
+// Shared memory `blocks` resident blocks of `block_bytes` occupy (the system reserves 1 KB per block).
+inline int resident_smem_bytes(int blocks, int block_bytes) { return blocks * (block_bytes + 1024); }
+
+// Applies a launch's carveout choice to `kernel`, once per device: kCarveoutUntouched leaves the driver's,
+// kCarveoutMin takes the smallest percent of the SM's 228 KB that holds `need` bytes, any other value is a
+// percent (-1: the driver default). carveout_set[dev] caches percent + 2 (0: never set).
+template <typename Kernel>
+inline void apply_carveout(Kernel kernel, int* carveout_set, int dev, int setting, int need) {
+  if (setting == kCarveoutUntouched) return;
+  int pct = setting;
+  if (pct == kCarveoutMin) pct = std::min(100, (need * 100 + 228 * 1024 - 1) / (228 * 1024));
+  if (carveout_set[dev] != pct + 2) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
+    (void)cudaGetLastError();
+    carveout_set[dev] = pct + 2;
+  }
+}
+
+// Persistent grid: enough blocks for `warps` work items, at most what stays resident on the device.
+inline int64_t persistent_blocks(int64_t warps, int warps_per_block, int blocks_per_sm, int num_sms) {
+  const int64_t needed = (warps + warps_per_block - 1) / warps_per_block;
+  const int64_t resident = int64_t(blocks_per_sm) * num_sms;
+  return needed < resident ? needed : resident;
+}
+
 template <int K, typename StateT, int NR>
 void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream) {
   using Tile = RecurrentTile<K, StateT, NR>;
@@ -730,29 +757,15 @@ void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaSt
   const int mb = max_blocks[dev][cfg.warps_per_block];
   int blocks_per_sm = mb;
   if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < blocks_per_sm) blocks_per_sm = cfg.max_blocks_per_sm;
-  if (cfg.carveout_percent != kCarveoutUntouched) {
-    int pct = cfg.carveout_percent;
-    if (pct == kCarveoutMin) {
-      int need = 0;  // bytes: 1 KB per block is reserved by the system
-      for (int w : {1, 2, 4}) {
-        int b = max_blocks[dev][w];
-        if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < b) b = cfg.max_blocks_per_sm;
-        const int bytes = b * (w * Ring::kWarpBytes + 1024);
-        need = bytes > need ? bytes : need;
-      }
-      pct = (need * 100 + 228 * 1024 - 1) / (228 * 1024);
-      pct = pct > 100 ? 100 : pct;
-    }
-    if (carveout_set[dev] != pct + 2) {  // -1 (driver default) is a valid value: store pct + 2
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
-      (void)cudaGetLastError();
-      carveout_set[dev] = pct + 2;
-    }
+  int need = 0;  // shared memory of the most resident blocks of any block shape
+  for (int w : {1, 2, 4}) {  // (max_blocks is filled for every shape on the first call)
+    int b = max_blocks[dev][w];
+    if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < b) b = cfg.max_blocks_per_sm;
+    need = std::max(need, resident_smem_bytes(b, w * Ring::kWarpBytes));
   }
-  const int64_t warps = p.N * p.HV * Tile::kTilesPerHead;
-  const int64_t needed = (warps + cfg.warps_per_block - 1) / cfg.warps_per_block;
-  const int64_t resident = int64_t(blocks_per_sm) * cfg.num_sms;
-  const int64_t blocks = needed < resident ? needed : resident;
+  apply_carveout(kernel, carveout_set, dev, cfg.carveout_percent, need);
+  const int64_t blocks =
+      persistent_blocks(p.N * p.HV * Tile::kTilesPerHead, cfg.warps_per_block, blocks_per_sm, cfg.num_sms);
   kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.flags);
 }
 
