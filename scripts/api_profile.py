@@ -7,11 +7,16 @@ time per call, and the CUDA kernels and host syncs of one call from torch.profil
   python3 scripts/api_profile.py
 """
 
+import os
+import sys
 import time
 
 import torch
 
 import kda_ops
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import cuda_time_ms  # noqa: E402
 
 
 def case(H, lens):
@@ -34,17 +39,7 @@ def case(H, lens):
 def main():
     for name, H, lens in (("H=96 T=8192", 96, [8192]), ("H=96 packed6", 96, [1300, 547, 2048, 963, 271, 3063])):
         run, out = case(H, lens)
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        sync_ms = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            sync_ms.append(a.elapsed_time(b))
+        synced = cuda_time_ms(run, warmup=3, rep=10)  # the benchmarks' number: median of synchronised calls
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(20):
@@ -58,8 +53,7 @@ def main():
             run(out)
         host = (time.perf_counter() - t0) / 20 * 1e3
         torch.cuda.synchronize()
-        sync_ms.sort()
-        print(f"{name}: synced-call median {sync_ms[5]:.3f} ms | pipelined {pipe:.3f} ms/call | host {host:.3f} ms/call")
+        print(f"{name}: synced-call median {synced:.3f} ms | pipelined {pipe:.3f} ms/call | host {host:.3f} ms/call")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             run()
