@@ -76,8 +76,9 @@ def chunk_recompute(S0, q, k, v, a, beta, sub: int = 16) -> dict[str, torch.Tens
     X = Kp @ S0.transpose(1, 2)
     Y = beta[:, :, None] * (v - X)
     R = INV @ Y
-    return dict(gamma=gamma, eg=eg, gC=torch.exp(g_last[:, 0]), Kp=Kp, Qp=Qp, Kr=Kr, L=L, Mqk=Mqk, INV=INV,
-                X=X, Y=Y, R=R)
+    return dict(
+        gamma=gamma, eg=eg, gC=torch.exp(g_last[:, 0]), Kp=Kp, Qp=Qp, Kr=Kr, L=L, Mqk=Mqk, INV=INV, X=X, Y=Y, R=R
+    )
 
 
 def chain_step(f: dict[str, torch.Tensor], beta: torch.Tensor, dO: torch.Tensor, dS_C: torch.Tensor) -> torch.Tensor:
@@ -120,16 +121,31 @@ def chunk_backward(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16):
     return dict(dq=dq, dk=dk, dv=dv, da=da, dbeta=dbeta, dS0=dS0)
 
 
-def chunked_training_grads(q, k, v, g, beta, A_log, dt_bias, initial_state, do, dfinal_state, cu_seqlens=None,
-                           scale=None, lower_bound=-5.0, chunk_size: int = TAPE_CHUNK, sub: int = 16,
-                           dtype=torch.float64):
+def chunked_training_grads(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    initial_state,
+    do,
+    dfinal_state,
+    cu_seqlens=None,
+    scale=None,
+    lower_bound=-5.0,
+    chunk_size: int = TAPE_CHUNK,
+    sub: int = 16,
+    dtype=torch.float64,
+):
     """The eight training gradients (SPEC §3.2 order) by the chunk-parallel schedule of the module docstring.
 
     Same arguments and gradient order as `reference_training_grads` (L2 norm on, lower-bound gate, logit β).
     Returns [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state] in `dtype`.
     """
     B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV = v.shape[2]
     group = HV // H
     scale = 1.0 / math.sqrt(K) if scale is None else scale
     qr = q.to(dtype).repeat_interleave(group, dim=2)
@@ -149,16 +165,17 @@ def chunked_training_grads(q, k, v, g, beta, A_log, dt_bias, initial_state, do, 
         starts = list(range(0, length, chunk_size))
 
         def part(x, s0, s1, b=b, bos=bos):
-            return x[b, bos + s0:bos + s1].transpose(0, 1)  # [HV, c, ...]
+            return x[b, bos + s0 : bos + s1].transpose(0, 1)  # [HV, c, ...]
 
         # 1. tapes: the state entering every chunk (the training forward's checkpoints)
         S = initial_state[n].to(dtype)
         tapes = []
-        for ci, s0 in enumerate(starts):
+        for s0 in starts:
             s1 = min(s0 + chunk_size, length)
             tapes.append(S)
-            f = chunk_recompute(S, part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1),
-                                part(bl, s0, s1), sub)
+            f = chunk_recompute(
+                S, part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1), part(bl, s0, s1), sub
+            )
             S = S * f["gC"][:, None, :] + f["R"].transpose(1, 2) @ f["Kr"]
         # 2. chain: dS_C of every chunk, last first
         dS = torch.zeros_like(S) if dfinal_state is None else dfinal_state[n].to(dtype)
@@ -166,15 +183,25 @@ def chunked_training_grads(q, k, v, g, beta, A_log, dt_bias, initial_state, do, 
         for ci in range(len(starts) - 1, -1, -1):
             s0, s1 = starts[ci], min(starts[ci] + chunk_size, length)
             dS_end[ci] = dS
-            f = chunk_recompute(tapes[ci], part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1),
-                                part(af, s0, s1), part(bl, s0, s1), sub)
+            f = chunk_recompute(
+                tapes[ci], part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1), part(bl, s0, s1), sub
+            )
             dS = chain_step(f, part(bl, s0, s1), part(dof, s0, s1), dS)
         dinit[n] = dS
         # 3. every chunk independently
         for ci, s0 in enumerate(starts):
             s1 = min(s0 + chunk_size, length)
-            r = chunk_backward(tapes[ci], dS_end[ci], part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1),
-                               part(af, s0, s1), part(bl, s0, s1), part(dof, s0, s1), sub)
+            r = chunk_backward(
+                tapes[ci],
+                dS_end[ci],
+                part(qs, s0, s1),
+                part(kn, s0, s1),
+                part(vf, s0, s1),
+                part(af, s0, s1),
+                part(bl, s0, s1),
+                part(dof, s0, s1),
+                sub,
+            )
             sl = slice(bos + s0, bos + s1)
             dqs[b, sl], dkn[b, sl], dv[b, sl] = (r[x].transpose(0, 1) for x in ("dq", "dk", "dv"))
             da[b, sl], dbeta[b, sl] = r["da"].transpose(0, 1), r["dbeta"].transpose(0, 1)

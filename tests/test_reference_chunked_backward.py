@@ -30,7 +30,7 @@ def test_chunked_backward_matches_autograd(H, HV, B, T, cu, chunk):
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], do, dfin)
     _, _, expected = reference_training_grads(*args, cu_seqlens=x.get("cu_seqlens"))
     got = chunked_training_grads(*args, cu_seqlens=x.get("cu_seqlens"), chunk_size=chunk)
-    for name, a, e in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinit"), got, expected):
+    for name, a, e in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinit"), got, expected, strict=True):
         assert a.shape == e.shape, name
         assert rel_rms(a, e) < TOL_EXACT, (name, rel_rms(a, e))
 
