@@ -179,7 +179,7 @@ def chunked_training_grads(
             S = S * f["gC"][:, None, :] + f["R"].transpose(1, 2) @ f["Kr"]
         # 2. chain: dS_C of every chunk, last first
         dS = torch.zeros_like(S) if dfinal_state is None else dfinal_state[n].to(dtype)
-        dS_end = [None] * len(starts)
+        dS_end: list[torch.Tensor | None] = [None] * len(starts)
         for ci in range(len(starts) - 1, -1, -1):
             s0, s1 = starts[ci], min(starts[ci] + chunk_size, length)
             dS_end[ci] = dS
