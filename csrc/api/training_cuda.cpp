@@ -22,6 +22,7 @@
 #include "api/checks.h"
 #include "api/recurrent_params.h"
 #include "kda/backward/backward_params.h"
+#include "kda/common/device_info.h"
 #include "kda/decode/recurrent_launch.h"
 #include "kda/prefill/chunked_launch.h"
 #include "kda/params.h"
@@ -245,8 +246,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   Tensor ddt_bias = at::empty({d.HV, kBwdDim}, f32);
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
 
-  int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device()), "cudaDeviceGetAttribute");
+  const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(1);
+  const int64_t smem_needed = training_backward_smem_bytes();
+  const int smem_optin = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
+  TORCH_CHECK(smem_needed <= smem_optin, op, ": the CUDA training backward needs ", smem_needed,
+            " bytes of shared memory per block, this GPU allows ", smem_optin,
+            " (sm_90/sm_100-class GPUs have 227 KB; sm_120 is not supported)");
   // Segments per sequence (chunked sweep, shapes only: no host sync): tokens per sequence from T (fixed) or
   // the average T / N (packed).
   const int64_t tokens_per_seq = cu_seqlens.has_value() ? (d.N > 0 ? d.T / d.N : 0) : d.T;

@@ -12,10 +12,11 @@
 namespace kda {
 
 constexpr int kBwdDim = 128;        // K == V this backward handles
-constexpr int kBwdSubBlock = 8;     // tokens between the in-chunk recompute checkpoints
+constexpr int kBwdSubBlock = 8;     // token-serial sweep: tokens between the in-chunk recompute checkpoints
 constexpr int kBwdSubBlocksPerChunk = kTapeChunk / kBwdSubBlock;
 constexpr int kBwdThreads = 256;    // one CTA per (sequence, value head) task
-// fp32 elements of per-CTA scratch: the state at every sub-block start of the chunk being reversed.
+// fp32 elements of per-CTA scratch: the state at every sub-block start of the chunk being reversed (the
+// token-serial sweep; the chunked one uses the first 3 of these 8 states).
 constexpr int64_t kBwdScratchPerCta = int64_t(kBwdSubBlocksPerChunk) * kBwdDim * kBwdDim;
 
 struct TrainingBackwardParams {
@@ -71,8 +72,10 @@ struct TrainingBackwardParams {
   float* ddt_bias = nullptr; // [HV, 128]
 };
 
-// Dynamic shared memory of the reverse kernel, bytes (the caller needs no opt-in: the launcher does it).
+// Dynamic shared memory of the reverse sweep launch_training_backward will run (chunked or token-serial),
+// bytes (the caller needs no opt-in: the launcher does it; the device must allow that much per block).
 int64_t training_backward_smem_bytes();
+int64_t training_backward_chunked_smem_bytes();
 
 // Which reverse sweep launch_training_backward runs: the chunked one (default) or, with the environment
 // variable KDA_TRAINING_BACKWARD=serial (read once), the token-serial one.

@@ -501,12 +501,15 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
 
 }  // namespace
 
-int64_t training_backward_smem_bytes() { return static_cast<int64_t>(sizeof(BwdSmem)); }
+int64_t training_backward_smem_bytes() {
+  return training_backward_use_chunked() ? training_backward_chunked_smem_bytes()
+                                         : static_cast<int64_t>(sizeof(BwdSmem));
+}
 
 int training_backward_segments(int64_t N, int HV, int64_t tokens_per_seq, int sms) {
   if (const char* e = std::getenv("KDA_TRAINING_BACKWARD_SEGMENTS")) {
     const int s = std::atoi(e);
-    if (s >= 1 && s <= 64) return s;
+    if (s >= 1 && s <= 8) return training_backward_use_chunked() ? s : 1;
   }
   const int64_t tasks = N * HV;
   if (!training_backward_use_chunked() || tasks <= 0) return 1;

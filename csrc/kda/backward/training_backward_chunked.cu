@@ -9,15 +9,17 @@
 //                                  dMqk = tril(dO Rᵀ), dKr = R dS_C, dK⁺ = -β dY S_0, dQ⁺ = dO S_0,
 //                                  dS_0 = dS_C g_C + dOᵀ Q⁺ - (β dY)ᵀ K⁺, pair terms, dΓ, da = rev-cumsum(dΓ).
 //
-// One CTA (256 threads) per (sequence, value head) task, persistent over tasks. The CTA keeps the state S
-// and the chain gradient dS (fp32, [128][132] padded rows) in shared memory and walks the tape chunks last
-// to first; inside a tape chunk it recomputes the states at the 16-token boundaries forward from the tape
-// row (saved to this CTA's global scratch), then reverses the sub-chunks. All math is fp32 on CUDA cores
-// (register-tiled products from shared memory); no atomics: bit-identical reruns.
+// One CTA (512 threads, 16 warps) per (sequence, value head, segment) task, persistent over tasks. The CTA
+// keeps the state S and the chain gradient dS (fp32 [128][132], padded rows) in shared memory and walks its
+// tape chunks last to first; inside a tape chunk it recomputes the states at the 16-token boundaries forward
+// from the tape row (saved to this CTA's global scratch), then reverses the sub-chunks. Products run on
+// tensor cores (tf32 mma.sync; 3xTF32 where dΓ needs the digits, see mma_frag); no atomics: bit-identical
+// reruns on one device (the segment count, and so the summation order, follows the SM count).
 //
 // Exponents: Γ is relative to the sub-chunk start, so E = e^{Γ} <= 1 and 1/E = e^{-Γ} <= e^{16|λ|} = e^{80}
-// for the training contract's λ >= -5 (finite in fp32). Every pair factor is formed as E_i · e^{-Γ_j} (<= 1
-// for j <= i) before it multiplies anything, so no intermediate exceeds the operands' own magnitude.
+// for the training contract's λ >= -5 (finite in fp32). Pair factors are formed either as E_i · e^{-Γ_j}
+// (<= 1 for j <= i) or with the mid-token reference (each factor <= e^{8|λ|} = e^{40}) before they multiply
+// anything, so no intermediate overflows.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -672,6 +674,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
 }
 
 }  // namespace
+
+int64_t training_backward_chunked_smem_bytes() { return static_cast<int64_t>(sizeof(ChunkedBwdSmem)); }
 
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(sizeof(ChunkedBwdSmem));
