@@ -40,8 +40,8 @@ test-gpu: build
 demo: build
 	$(PY) -m kda_ops.demo
 
-bench: build
-	$(PY) -m kda_ops.bench
+bench: build  # the three benchmarks, --quick, beside fla when importable (GPU machine; tables in benchmarks/results)
+	for b in decode prefill train; do $(PY) benchmarks/bench_$$b.py --quick || exit 1; done
 
 device-check:
 	bash scripts/device_check.sh

@@ -24,6 +24,8 @@ def parse_args(name: str, extra: Callable[[argparse.ArgumentParser], None] | Non
     if extra:
         extra(ap)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"kda_ops {name} benchmark: needs a CUDA GPU (none visible); it times the CUDA kernels")
     os.makedirs(args.out, exist_ok=True)
     return args
 

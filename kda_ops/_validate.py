@@ -272,6 +272,9 @@ def check_tokens(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, 
         _exact_shape(k, "k", (B, T, H, K), "[B, T, H, K]")
         if vs[0] != B or vs[1] != T:
             raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T}, got {_shape(v)}")
+        if len(gs) == 4 and len(bs) == 3 and gs[2] == bs[2] != HV and tuple(gs[:2]) == (B, T):
+            # g and beta agree on the value heads: the odd one out is v (HV is read from v)
+            raise ValueError(f"v must have the HV={gs[2]} value heads of g and beta ([B, T, HV, V]), got {_shape(v)}")
         _exact_shape(g, "g", (B, T, HV, K), "[B, T, HV, K]")
         _exact_shape(beta, "beta", (B, T, HV), "[B, T, HV]")
     if H < 1 or HV < 1 or K < 1 or V < 1:

@@ -231,6 +231,15 @@ def test_wrong_shape(name):
     rejects(R, (), kw, ValueError, name)
 
 
+def test_v_wrong_heads_blames_v():
+    """HV is read from v: a v with one head too few must be reported against v, not against g or beta."""
+    kw = decode_call()
+    t = kw["v"]
+    kw["v"] = torch.zeros((t.shape[0], t.shape[1], t.shape[2] - 1, t.shape[3]), dtype=t.dtype)
+    with pytest.raises(ValueError, match=r"^v must have the HV="):
+        R(**kw)
+
+
 def test_v_wrong_batch():
     kw = decode_call()
     kw["v"] = torch.zeros(3, 3, 2, V, dtype=torch.bfloat16)
