@@ -234,6 +234,6 @@ def segment_affine_map(fs: list[dict[str, torch.Tensor]], betas: list[torch.Tens
     A_map = torch.eye(K, dtype=dtype).repeat(HV, 1, 1)
     B_map = torch.zeros(HV, dOs[0].shape[-1], K, dtype=dtype)
     for f, b, dO in zip(reversed(fs), reversed(betas), reversed(dOs), strict=True):
-        A_map = chain_step(f, b, torch.zeros_like(dO[:, :, :K]).expand(HV, dO.shape[1], K), A_map)
+        A_map = chain_step(f, b, dO.new_zeros(HV, dO.shape[1], K), A_map)  # homogeneous step: no dO
         B_map = chain_step(f, b, dO, B_map)
     return A_map, B_map

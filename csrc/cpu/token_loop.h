@@ -164,8 +164,7 @@ struct HeadContext {
   int64_t token(int64_t t) const { return seq.bos + t; }
 
   const TokT* token_ptr(const TokenTensor& tt, int head, int64_t t) const {
-    return static_cast<const TokT*>(tt.ptr) + seq.batch * tt.batch_stride + token(t) * tt.token_stride +
-           head * tt.head_stride;
+    return tt.row<TokT>(seq.batch, token(t), head);
   }
 
   TokT* out_ptr(int64_t t) const {

@@ -5,6 +5,8 @@
 #pragma once
 #include <cstdint>
 
+#include "kda/common/host_device.h"
+
 namespace kda {
 
 enum class GateMode : int { kPrecomputed = 0, kSoftplus = 1, kLowerBound = 2 };
@@ -19,6 +21,15 @@ struct TokenTensor {
   int64_t batch_stride = 0;   // elements between rows of B (fixed layout; unused when packed)
   int64_t token_stride = 0;   // elements between consecutive tokens
   int64_t head_stride = 0;    // elements between heads
+
+  // Element offset / typed pointer of the row (batch row, token index along T, head).
+  KDA_HD int64_t offset(int64_t batch, int64_t tok, int64_t head) const {
+    return batch * batch_stride + tok * token_stride + head * head_stride;
+  }
+  template <class E>
+  KDA_HD const E* row(int64_t batch, int64_t tok, int64_t head) const {
+    return static_cast<const E*>(ptr) + offset(batch, tok, head);
+  }
 };
 
 // recurrent_kda: decode, speculative decode and prefill (SPEC §3.1).

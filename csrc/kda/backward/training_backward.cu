@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_training_backward_kernel(c
     const int64_t n = task / p.HV;
     const int hv = static_cast<int>(task % p.HV);
     const int hq = hv / group;
-    const SeqSpan s = bwd_seq(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
+    const SeqRange s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
     const float A = __expf(p.A_log[hv]);
     const int64_t state_off = (n * p.HV + hv) * kState;
 
@@ -168,9 +168,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_training_backward_kernel(c
       // a. prologue: warp per token, lane owns elements 4*lane .. 4*lane+3.
       for (int tl = warp; tl < len; tl += kWarps) {
         const int64_t tok = t0 + tl;
-        const int64_t ko = tok_off(p.k, s.batch, tok, hq) + 4 * lane;
-        const int64_t go = tok_off(p.g, s.batch, tok, hv) + 4 * lane;
-        const int64_t vo = tok_off(p.v, s.batch, tok, hv) + 4 * lane;
+        const int64_t ko = p.k.offset(s.batch, tok, hq) + 4 * lane;
+        const int64_t go = p.g.offset(s.batch, tok, hv) + 4 * lane;
+        const int64_t vo = p.v.offset(s.batch, tok, hv) + 4 * lane;
         float x[4], ss = 0.f;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_training_backward_kernel(c
           sm.dd[tl][col] = __expf(lam * sigmoidf_(z));
           sm.delta[tl][col] = ld_bf16(p.v.ptr, vo + e);
         }
-        if (lane == 0) sm.bs[tl] = sigmoidf_(ld_bf16(p.beta.ptr, tok_off(p.beta, s.batch, tok, hv)));
+        if (lane == 0) sm.bs[tl] = sigmoidf_(ld_bf16(p.beta.ptr, p.beta.offset(s.batch, tok, hv)));
       }
       __syncthreads();
 
@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_training_backward_kernel(c
         __syncthreads();  // δ of the chunk is written; the previous sub-block is done with qn/dos
         if (warp < bl) {
           const int64_t tok = t0 + cl + warp;
-          const int64_t qo = tok_off(p.q, s.batch, tok, hq) + 4 * lane;
-          const int64_t oo = tok_off(p.dout, s.batch, tok, hv) + 4 * lane;
+          const int64_t qo = p.q.offset(s.batch, tok, hq) + 4 * lane;
+          const int64_t oo = p.dout.offset(s.batch, tok, hv) + 4 * lane;
           float x[4], ss = 0.f;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_training_backward_kernel(c
             p.dq_head[o] = dqv * p.scale;
             p.dk_head[o] = dkv;
             // Lower-bound gate: a = λ σ(z), z = A (g + dt_bias).
-            const float z = A * (ld_bf16(p.g.ptr, tok_off(p.g, s.batch, t0 + tl, hv) + tid) + dtb_col);
+            const float z = A * (ld_bf16(p.g.ptr, p.g.offset(s.batch, t0 + tl, hv) + tid) + dtb_col);
             const float sg = sigmoidf_(z);
             const float dz = lam * dav * sg * (1.f - sg);
             const float dgv = A * dz;
@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
 #pragma unroll
     for (int e = 0; e < 4; ++e) dx[e] += src[e];
   }
-  const int64_t xo = tok_off(x, b, t, h) + 4 * lane;
+  const int64_t xo = x.offset(b, t, h) + 4 * lane;
   float xr[4], ss = 0.f, dot = 0.f;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
   const int64_t beg = tid * per;
   const int64_t end = beg + per < N ? beg + per : N;
   int64_t local = 0;
-  for (int64_t n = beg; n < end; ++n) local += (bwd_seq(cu, i64, T, n).len + kTapeChunk - 1) / kTapeChunk;
+  for (int64_t n = beg; n < end; ++n) local += (seq_range(cu, i64, T, n).len + kTapeChunk - 1) / kTapeChunk;
   part[tid] = local;
   __syncthreads();
   if (tid == 0) {
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
   __syncthreads();
   int64_t run = part[tid];
   for (int64_t n = beg; n < end; ++n) {
-    run += (bwd_seq(cu, i64, T, n).len + kTapeChunk - 1) / kTapeChunk;
+    run += (seq_range(cu, i64, T, n).len + kTapeChunk - 1) / kTapeChunk;
     out[n + 1] = run;
   }
 }

@@ -224,7 +224,7 @@ __device__ __forceinline__ void state_to_global(float* dst, const float* src) {
 }
 
 struct Task {
-  SeqSpan s;
+  SeqRange s;
   int hv, hq;
   float A;  // exp(A_log[hv])
 };
@@ -239,7 +239,7 @@ __device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams&
   const int r = (i % 10) >> 1;
   const TokenTensor& tt = r == 0 ? p.k : (r == 1 ? p.q : (r == 2 ? p.v : (r == 3 ? p.dout : p.g)));
   const int head = r < 2 ? tk.hq : tk.hv;
-  const auto* row = static_cast<const __nv_bfloat16*>(tt.ptr) + tok_off(tt, tk.s.batch, tok, head) + 64 * (i & 1);
+  const auto* row = tt.row<__nv_bfloat16>(tk.s.batch, tok, head) + 64 * (i & 1);
   asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
 }
 
@@ -253,11 +253,11 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     float kx[4], qx[4], vv[4], dd[4], a[4];
     if (tl < len) {
       const int64_t tok = t0 + tl;
-      const int64_t ko = tok_off(p.k, tk.s.batch, tok, tk.hq) + 4 * lane;
-      const int64_t qo = tok_off(p.q, tk.s.batch, tok, tk.hq) + 4 * lane;
-      const int64_t vo = tok_off(p.v, tk.s.batch, tok, tk.hv) + 4 * lane;
-      const int64_t oo = tok_off(p.dout, tk.s.batch, tok, tk.hv) + 4 * lane;
-      const int64_t go = tok_off(p.g, tk.s.batch, tok, tk.hv) + 4 * lane;
+      const int64_t ko = p.k.offset(tk.s.batch, tok, tk.hq) + 4 * lane;
+      const int64_t qo = p.q.offset(tk.s.batch, tok, tk.hq) + 4 * lane;
+      const int64_t vo = p.v.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
+      const int64_t oo = p.dout.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
+      const int64_t go = p.g.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
       float sk = 0.f, sq = 0.f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -277,7 +277,7 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
         kx[e] *= rk;
         qx[e] *= rq;
       }
-      if (lane == 0) sm.beta[tl] = sigmoidf_(ld_bf16(p.beta.ptr, tok_off(p.beta, tk.s.batch, tok, tk.hv)));
+      if (lane == 0) sm.beta[tl] = sigmoidf_(ld_bf16(p.beta.ptr, p.beta.offset(tk.s.batch, tok, tk.hv)));
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) kx[e] = qx[e] = vv[e] = dd[e] = a[e] = 0.f;
@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_segmap_kern
     Task tk;
     tk.hv = static_cast<int>((task / P) % p.HV);
     tk.hq = tk.hv / (p.HV / p.H);
-    tk.s = bwd_seq(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
+    tk.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
     tk.A = __expf(p.A_log[tk.hv]);
     const SegRange r = seg_chunks((tk.s.len + kTapeChunk - 1) / kTapeChunk, P, k);
     __syncthreads();  // the previous task is done with S and dS
@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     Task tk;
     tk.hv = static_cast<int>((task / P) % p.HV);
     tk.hq = tk.hv / group;
-    tk.s = bwd_seq(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
+    tk.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
     tk.A = __expf(p.A_log[tk.hv]);
     const int64_t state_off = (n * p.HV + tk.hv) * kState;
     // Gate chain rule: thread (column tid / 4, tokens [4 (tid % 4), +4) of each sub-chunk), fixed order.
@@ -627,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
 #pragma unroll
           for (int u = 0; u < 4; ++u) {  // the gate loads go out first
             const int t = 4 * part + u;
-            zt[u] = t < len ? tk.A * (ld_bf16(p.g.ptr, tok_off(p.g, tk.s.batch, t0 + t, tk.hv) + c) + dtb_col) : 0.f;
+            zt[u] = t < len ? tk.A * (ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, t0 + t, tk.hv) + c) + dtb_col) : 0.f;
           }
 #pragma unroll
           for (int u = 3; u >= 0; --u) {

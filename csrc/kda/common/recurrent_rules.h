@@ -16,20 +16,23 @@ struct SeqRange {
   int64_t len;    // number of tokens (>= 0; a non-monotone cu_seqlens pair counts as empty)
 };
 
-KDA_HD SeqRange seq_range(const RecurrentParams& p, int64_t n) {
-  if (p.cu_seqlens == nullptr) return {n, 0, p.T};
+KDA_HD SeqRange seq_range(const void* cu_seqlens, bool cu_seqlens_int64, int64_t T, int64_t n) {
+  if (cu_seqlens == nullptr) return {n, 0, T};
   int64_t a, b;
-  if (p.cu_seqlens_int64) {
-    a = static_cast<const int64_t*>(p.cu_seqlens)[n];
-    b = static_cast<const int64_t*>(p.cu_seqlens)[n + 1];
+  if (cu_seqlens_int64) {
+    a = static_cast<const int64_t*>(cu_seqlens)[n];
+    b = static_cast<const int64_t*>(cu_seqlens)[n + 1];
   } else {
-    a = static_cast<const int32_t*>(p.cu_seqlens)[n];
-    b = static_cast<const int32_t*>(p.cu_seqlens)[n + 1];
+    a = static_cast<const int32_t*>(cu_seqlens)[n];
+    b = static_cast<const int32_t*>(cu_seqlens)[n + 1];
   }
   // Caller contract (SPEC §5): 0 <= a <= b <= T. Clamp so a broken contract never reads out of bounds.
-  a = a < 0 ? 0 : (a > p.T ? p.T : a);
-  b = b < a ? a : (b > p.T ? p.T : b);
+  a = a < 0 ? 0 : (a > T ? T : a);
+  b = b < a ? a : (b > T ? T : b);
   return {0, a, b - a};
+}
+KDA_HD SeqRange seq_range(const RecurrentParams& p, int64_t n) {
+  return seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
 }
 
 KDA_HD bool slot_in_pool(int64_t slot, int64_t n_pool) { return slot >= 0 && slot < n_pool; }

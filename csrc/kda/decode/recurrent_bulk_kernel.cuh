@@ -139,12 +139,9 @@ __device__ __forceinline__ void bulk_issue_item(const RecurrentParams& p, const 
   if (load) {
     const int h = m.hv / (p.HV / p.H);
     const int64_t b = m.batch, t = m.bos;
-    const auto* q = static_cast<const __nv_bfloat16*>(p.q.ptr) + b * p.q.batch_stride + t * p.q.token_stride +
-                    int64_t(h) * p.q.head_stride;
-    const auto* k = static_cast<const __nv_bfloat16*>(p.k.ptr) + b * p.k.batch_stride + t * p.k.token_stride +
-                    int64_t(h) * p.k.head_stride;
-    const auto* g = static_cast<const __nv_bfloat16*>(p.g.ptr) + b * p.g.batch_stride + t * p.g.token_stride +
-                    int64_t(m.hv) * p.g.head_stride;
+    const auto* q = p.q.row<__nv_bfloat16>(b, t, h);
+    const auto* k = p.k.row<__nv_bfloat16>(b, t, h);
+    const auto* g = p.g.row<__nv_bfloat16>(b, t, m.hv);
     cute::SM90_BULK_COPY_G2S::copy(q, bar, stage + Stage::kQ, Stage::kTokenBytes);
     cute::SM90_BULK_COPY_G2S::copy(k, bar, stage + Stage::kKey, Stage::kTokenBytes);
     cute::SM90_BULK_COPY_G2S::copy(g, bar, stage + Stage::kGate, Stage::kTokenBytes);
@@ -159,10 +156,8 @@ __device__ __forceinline__ void load_item_scalars(const RecurrentParams& p, cons
                                                   uint32_t& vb, float& alog) {
   if (m.kind >= 0 && m.len > 0) {
     const int my_row = m.tile * Tile::kRowsPerWarp + my_idx * Tile::RP + rg;
-    const auto* v = static_cast<const uint16_t*>(p.v.ptr) + int64_t(m.batch) * p.v.batch_stride +
-                    m.bos * p.v.token_stride + int64_t(m.hv) * p.v.head_stride + my_row;
-    const auto* b = static_cast<const uint16_t*>(p.beta.ptr) + int64_t(m.batch) * p.beta.batch_stride +
-                    m.bos * p.beta.token_stride + int64_t(m.hv) * p.beta.head_stride;
+    const auto* v = p.v.row<uint16_t>(m.batch, m.bos, m.hv) + my_row;
+    const auto* b = p.beta.row<uint16_t>(m.batch, m.bos, m.hv);
     vb = uint32_t(__ldg(v)) | (uint32_t(__ldg(b)) << 16);
     alog = p.gate_mode != GateMode::kPrecomputed ? __ldg(p.A_log + m.hv) : 0.f;
   }

@@ -273,16 +273,11 @@ __device__ __forceinline__ void load_token_slice(const __nv_bfloat16* base, int 
 template <class Tile>
 __device__ __forceinline__ void load_token(const RecurrentParams& p, int64_t batch, int64_t tok, int h, int hv,
                                            int kl, int my_row, TokenRaw& r) {
-  const auto* q = static_cast<const __nv_bfloat16*>(p.q.ptr) + batch * p.q.batch_stride + tok * p.q.token_stride +
-                  int64_t(h) * p.q.head_stride;
-  const auto* k = static_cast<const __nv_bfloat16*>(p.k.ptr) + batch * p.k.batch_stride + tok * p.k.token_stride +
-                  int64_t(h) * p.k.head_stride;
-  const auto* g = static_cast<const __nv_bfloat16*>(p.g.ptr) + batch * p.g.batch_stride + tok * p.g.token_stride +
-                  int64_t(hv) * p.g.head_stride;
-  const auto* v = static_cast<const uint16_t*>(p.v.ptr) + batch * p.v.batch_stride + tok * p.v.token_stride +
-                  int64_t(hv) * p.v.head_stride + my_row;
-  const auto* b = static_cast<const uint16_t*>(p.beta.ptr) + batch * p.beta.batch_stride +
-                  tok * p.beta.token_stride + int64_t(hv) * p.beta.head_stride;
+  const auto* q = p.q.row<__nv_bfloat16>(batch, tok, h);
+  const auto* k = p.k.row<__nv_bfloat16>(batch, tok, h);
+  const auto* g = p.g.row<__nv_bfloat16>(batch, tok, hv);
+  const auto* v = p.v.row<uint16_t>(batch, tok, hv) + my_row;
+  const auto* b = p.beta.row<uint16_t>(batch, tok, hv);
   load_token_slice<Tile>(q, kl, r.q);
   load_token_slice<Tile>(k, kl, r.k);
   load_token_slice<Tile>(g, kl, r.g);
@@ -416,12 +411,9 @@ __device__ __forceinline__ void prefetch_item(const RecurrentParams& p, const It
     }
     const int h = m.hv / (p.HV / p.H);
     const int64_t b = m.batch, t = m.bos;
-    const auto* q = static_cast<const __nv_bfloat16*>(p.q.ptr) + b * p.q.batch_stride + t * p.q.token_stride +
-                    int64_t(h) * p.q.head_stride;
-    const auto* k = static_cast<const __nv_bfloat16*>(p.k.ptr) + b * p.k.batch_stride + t * p.k.token_stride +
-                    int64_t(h) * p.k.head_stride;
-    const auto* g = static_cast<const __nv_bfloat16*>(p.g.ptr) + b * p.g.batch_stride + t * p.g.token_stride +
-                    int64_t(m.hv) * p.g.head_stride;
+    const auto* q = p.q.row<__nv_bfloat16>(b, t, h);
+    const auto* k = p.k.row<__nv_bfloat16>(b, t, h);
+    const auto* g = p.g.row<__nv_bfloat16>(b, t, m.hv);
 #pragma unroll
     for (int c = 0; c < Tile::kChunks; ++c) {
       prefetch_l1(q + Tile::chunk_offset(kl, c));
@@ -430,12 +422,10 @@ __device__ __forceinline__ void prefetch_item(const RecurrentParams& p, const It
     }
     if (lane < 2) {  // the warp's rows of v (<= 64 contiguous bytes): its first and last element
       const int row = m.tile * Tile::kRowsPerWarp + lane * (Tile::kRowsPerWarp - 1);
-      prefetch_l1(static_cast<const __nv_bfloat16*>(p.v.ptr) + b * p.v.batch_stride + t * p.v.token_stride +
-                  int64_t(m.hv) * p.v.head_stride + row);
+      prefetch_l1(p.v.row<__nv_bfloat16>(b, t, m.hv) + row);
     }
     if (lane == 0) {
-      prefetch_l1(static_cast<const __nv_bfloat16*>(p.beta.ptr) + b * p.beta.batch_stride +
-                  t * p.beta.token_stride + int64_t(m.hv) * p.beta.head_stride);
+      prefetch_l1(p.beta.row<__nv_bfloat16>(b, t, m.hv));
       if (p.gate_mode != GateMode::kPrecomputed) prefetch_l1(p.A_log + m.hv);
       if (p.num_spec_tokens > 0) prefetch_l1(p.ssm_state_indices + int64_t(m.n) * (p.num_spec_tokens + 1));
     }
