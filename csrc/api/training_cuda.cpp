@@ -120,6 +120,53 @@ void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
+// RecurrentParams of the training contract (lower-bound gate, L2 norm on, logit beta, checkpoints every
+// kTapeChunk tokens at tape_cu_starts) for the forward with tapes (v, start = initial_state, final_state, the
+// tapes) and for the backward chain (v = dO, start = dfinal_state or undefined = zeros, final = dinitial_state,
+// checkpoints = the chain gradients). Read-only start states from slot n (initial_state_indices = null).
+RecurrentParams training_recurrent_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                          const Tensor& beta, const Tensor& A, const Tensor& dtb,
+                                          const OptTensor& cu_seqlens, const Tensor& out, const Tensor& start,
+                                          const Tensor& final_state, const Tensor& checkpoints,
+                                          const Tensor& checkpoint_cu_starts, double scale, double lower_bound) {
+  const OptTensor A_opt(A), dtb_opt(dtb), none, fs_opt(final_state), ck_opt(checkpoints),
+      cks_opt(checkpoint_cu_starts);
+  RecurrentArgs args{.q = q,
+                     .k = k,
+                     .v = v,
+                     .g = g,
+                     .beta = beta,
+                     .A_log = A_opt,
+                     .dt_bias = dtb_opt,
+                     .state = none,
+                     .state_source = none,  // set below: make_recurrent_params wants indices with a source
+                     .initial_state_indices = none,
+                     .cu_seqlens = cu_seqlens,
+                     .ssm_state_indices = none,
+                     .num_accepted_tokens = none,
+                     .seq_order = none,
+                     .output = out,
+                     .final_state = fs_opt,
+                     .state_checkpoints = ck_opt,
+                     .checkpoint_cu_starts = cks_opt,
+                     .scale = scale,
+                     .gate_mode = static_cast<int64_t>(GateMode::kLowerBound),
+                     .lower_bound = lower_bound,
+                     .use_qk_l2norm = true,
+                     .beta_is_logit = true,
+                     .num_spec_tokens = 0,
+                     .checkpoint_every_n_tokens = kTapeChunk};
+  RecurrentParams p = make_recurrent_params(args);
+  if (start.defined()) {
+    p.state_source = start.data_ptr();
+    p.state_source_dtype = start.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
+    p.source_slot_stride = int64_t(p.HV) * kBwdDim * kBwdDim;
+    p.n_source = start.size(0);
+  }
+  p.initial_state_indices = nullptr;
+  return p;
+}
+
 // Forward with tapes. Returns (out bf16, final_state fp32, tapes fp32, tape_cu_starts int64).
 std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op, const Tensor& q_in,
                                                                  const Tensor& k_in, const Tensor& v_in,
@@ -156,39 +203,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
                                    tape_cu_starts.data_ptr<int64_t>(), stream),
              "kda tape_cu_starts kernel");
 
-  const OptTensor A_opt(A), dtb_opt(dtb), none, fs_opt(final_state), ck_opt(tapes), cks_opt(tape_cu_starts);
-  RecurrentArgs args{.q = q,
-                     .k = k,
-                     .v = v,
-                     .g = g,
-                     .beta = beta,
-                     .A_log = A_opt,
-                     .dt_bias = dtb_opt,
-                     .state = none,
-                     .state_source = none,  // set below: make_recurrent_params wants indices with a source
-                     .initial_state_indices = none,
-                     .cu_seqlens = cu_seqlens,
-                     .ssm_state_indices = none,
-                     .num_accepted_tokens = none,
-                     .seq_order = none,
-                     .output = out,
-                     .final_state = fs_opt,
-                     .state_checkpoints = ck_opt,
-                     .checkpoint_cu_starts = cks_opt,
-                     .scale = scale,
-                     .gate_mode = static_cast<int64_t>(GateMode::kLowerBound),
-                     .lower_bound = lower_bound,
-                     .use_qk_l2norm = true,
-                     .beta_is_logit = true,
-                     .num_spec_tokens = 0,
-                     .checkpoint_every_n_tokens = kTapeChunk};
-  RecurrentParams p = make_recurrent_params(args);
-  // Read-only start states from initial_state slot n (initial_state_indices = null: recurrent_rules.h).
-  p.state_source = init.data_ptr();
-  p.state_source_dtype = init.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
-  p.source_slot_stride = int64_t(d.HV) * kBwdDim * kBwdDim;
-  p.n_source = d.N;
-  p.initial_state_indices = nullptr;
+  RecurrentParams p = training_recurrent_params(q, k, v, g, beta, A, dtb, cu_seqlens, out, init, final_state, tapes,
+                                                tape_cu_starts, scale, lower_bound);
   // The chunked tensor-core kernel writes the tapes as its checkpoints (every 64 tokens, fp32) whenever the
   // sequences are long enough to fill chunks; short ones (mostly decode-sized) take the token-serial kernel.
   if (chunked_preferred(p))
@@ -229,7 +245,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
     KDA_CHECK(dfinal_state->dim() == 4 && dfinal_state->size(0) == d.N && dfinal_state->size(1) == d.HV &&
                   dfinal_state->size(2) == kBwdDim && dfinal_state->size(3) == kBwdDim,
               op, ": dfinal_state must be [N, HV, V, K], got ", dfinal_state->sizes());
-    dfinal = compact_f32(*dfinal_state);
+    dfinal = compact_f32(*dfinal_state);  // (16-byte aligned: the chain reads it with vector loads)
   }
   const Tensor tapes = compact_f32(tapes_in);
   const Tensor A = A_log.contiguous();
@@ -247,21 +263,32 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
 
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(1);
+  const bool chunked = training_backward_use_chunked();
   const int64_t smem_needed = training_backward_smem_bytes();
   const int smem_optin = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
   TORCH_CHECK(smem_needed <= smem_optin, op, ": the CUDA training backward needs ", smem_needed,
             " bytes of shared memory per block, this GPU allows ", smem_optin,
             " (sm_90/sm_100-class GPUs have 227 KB; sm_120 is not supported)");
-  // Segments per sequence (chunked sweep, shapes only: no host sync): tokens per sequence from T (fixed) or
-  // the average T / N (packed).
-  const int64_t tokens_per_seq = cu_seqlens.has_value() ? (d.N > 0 ? d.T / d.N : 0) : d.T;
-  const int segments = training_backward_segments(d.N, d.HV, tokens_per_seq, sms);
-  const int64_t tasks = d.N * d.HV * segments;
+  // Tasks of the reverse sweep: (tape row, value head) for the chunked one, (sequence, value head) for the
+  // token-serial one; one parameter-gradient partial row per task row.
+  const int64_t partial_rows = chunked ? tapes.size(0) : d.N;
+  const int64_t tasks = partial_rows * d.HV;
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
   Tensor head_grads = at::zeros({2, d.B * d.T * d.HV * kBwdDim}, f32);
-  Tensor partials = at::empty({d.N * d.HV * segments * (kBwdDim + 1)}, f32);
-  Tensor seg_maps = at::empty({segments > 1 ? tasks * 2 * kBwdDim * kBwdDim : 0}, f32);
+  Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
   Tensor scratch = at::empty({std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  Tensor dstates;
+  if (chunked) {
+    // The backward chain: dS at the end of every tape chunk (and dinitial_state), the chunked kernel in reverse.
+    dstates = at::empty_like(tapes);
+    // (named: the kernel reads these copies after this statement)
+    const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), gc = kernel_tokens(g), dO = kernel_tokens(dout);
+    RecurrentParams pc = training_recurrent_params(qc, kc, dO, gc, beta, A, dtb, cu_seqlens, dO, dfinal, dinit,
+                                                   dstates, tape_cu_starts, scale, lower_bound);
+    pc.out = nullptr;  // the chain writes no output
+    check_cuda(launch_chunked_backward_chain(pc, stream), "kda backward chain kernel");
+  }
 
   TrainingBackwardParams p;
   p.B = d.B;
@@ -294,17 +321,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   float* hg = head_grads.data_ptr<float>();
   p.dq_head = hg;
   p.dk_head = hg + d.B * d.T * d.HV * kBwdDim;
+  p.partial_rows = partial_rows;
   p.ddt_partial = partials.data_ptr<float>();
-  p.dA_partial = p.ddt_partial + d.N * d.HV * segments * kBwdDim;
-  p.segments = segments;
-  p.seg_maps = segments > 1 ? seg_maps.data_ptr<float>() : nullptr;
+  p.dA_partial = p.ddt_partial + tasks * kBwdDim;
+  p.dstates = chunked ? dstates.data_ptr<float>() : nullptr;
   p.scratch = scratch.data_ptr<float>();
   p.grid = grid;
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dA_log = dA_log.data_ptr<float>();
   p.ddt_bias = ddt_bias.data_ptr<float>();
-  check_cuda(launch_training_backward(p, c10::cuda::getCurrentCUDAStream()), "kda training backward kernels");
+  check_cuda(launch_training_backward(p, stream), "kda training backward kernels");
   // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
   return {dq, dk, dv, dg, dbeta, dA_log.view(A_log.sizes()), ddt_bias.view(dt_bias.sizes()), dinit};
 }

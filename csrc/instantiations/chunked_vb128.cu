@@ -2,4 +2,4 @@
 #include "kda/prefill/chunked_instantiations.h"
 #include "kda/prefill/chunked_kernel.cuh"
 
-template cudaError_t kda::prefill::run_chunked_<128, 3, 4>(const kda::RecurrentParams&, bool, int, cudaStream_t);
+template cudaError_t kda::prefill::run_chunked_<128, 3, 4, false>(const kda::RecurrentParams&, bool, int, cudaStream_t);

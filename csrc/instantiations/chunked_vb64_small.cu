@@ -2,4 +2,4 @@
 #include "kda/prefill/chunked_instantiations.h"
 #include "kda/prefill/chunked_kernel.cuh"
 
-template cudaError_t kda::prefill::run_chunked_<64, 2, 2>(const kda::RecurrentParams&, bool, int, cudaStream_t);
+template cudaError_t kda::prefill::run_chunked_<64, 2, 2, false>(const kda::RecurrentParams&, bool, int, cudaStream_t);

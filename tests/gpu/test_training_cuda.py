@@ -407,33 +407,45 @@ def test_rejects_unsupported_direct_op():
     assert r.stdout.count("RAISED") == 3, report
 
 
-@pytest.mark.parametrize("lam", [-1.0, -0.02], ids=["lam-1", "lam-0.02"])  # -0.02: the maps' 𝔄 stays O(1)
-def test_backward_segment_split(monkeypatch, lam):
-    """The chunked backward's segment split (KDA_TRAINING_BACKWARD_SEGMENTS: each sequence's tape chunks
-    reversed by several CTAs, joined by the segments' affine chain maps) against the fp64 reference and
-    against no split, with segments that hold one chunk, several, and none (8 segments, 5 chunks)."""
-    x = _case_inputs(1, 0, 2, 4, [300, 0, 500, 65], False, seed=11, with_dfinal=True)
+def test_backward_chain_wide_grid():
+    """N * HV > SMs / 2 runs the backward chain with 128 value rows per CTA (the other tests use 64):
+    fixed layout, 20 sequences of 130 tokens, GQA 2, against the fp64 reference."""
+    x = _case_inputs(20, 130, 2, 4, None, False, seed=5, with_dfinal=True)
+    sc = 1.0 / math.sqrt(K)
+    _, _, g_ref = _reference(x, cu_seqlens=None, scale=sc, lower_bound=-1.0)
+    c = _cuda(x)
+    got = torch.ops.kda.recurrent_kda_backward(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"], c["initial_state"], None, c["do"],
+        c["dfinal_state"], sc, -1.0
+    )
+    errs = _errors(GRADS, got, g_ref)
+    _report(f"chain_wide_grid: {_fmt(errs)}")
+    bad = [n_ for n_, (r, _) in errs.items() if r > TOL_GRAD]
+    assert not bad, f"over tolerance {bad}: {_fmt(errs)}"
+
+
+@pytest.mark.parametrize("lam", [-5.0, -1.0, -0.02], ids=["lam-5", "lam-1", "lam-0.02"])
+def test_backward_chain_and_tape_rows(lam):
+    """The chunked backward's two stages: the backward chain (dS at the end of every tape chunk, last chunk
+    first) and the (tape row, value head) tasks that map each row back to its sequence. Packed rows with
+    empty sequences before, between and after, lengths that end mid-chunk and exactly on a tape boundary,
+    against the fp64 reference; reruns bit-identical."""
+    x = _case_inputs(1, 0, 2, 4, [0, 300, 0, 0, 128, 65, 1, 0], False, seed=11, with_dfinal=True)
     sc = 1.0 / math.sqrt(K)
     _, _, g_ref = _reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam)
     c = _cuda(x)
     args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
     _, _, tapes, tcs = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, lam)
-    got = {}
-    for segs in (1, 2, 3, 8):
-        monkeypatch.setenv("KDA_TRAINING_BACKWARD_SEGMENTS", str(segs))
-        got[segs] = torch.ops.kda.recurrent_kda_training_backward(
-            *args, tapes, tcs, c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
-        )
-        again = torch.ops.kda.recurrent_kda_training_backward(
-            *args, tapes, tcs, c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
-        )
-        torch.cuda.synchronize()
-        errs = _errors(GRADS, got[segs], g_ref)
-        _report(f"segments={segs} lam={lam}: {_fmt(errs)}")
-        bad = [n_ for n_, (r, _) in errs.items() if r > TOL_GRAD]
-        assert not bad, f"segments={segs}: over tolerance {bad}: {_fmt(errs)}"
-        for n_, a, b in zip(GRADS, got[segs], again, strict=True):
-            assert torch.equal(a, b), f"segments={segs}: {n_} rerun is not bit-identical"
-    for segs in (2, 3, 8):  # the split only regroups fp32 sums: close to no split
-        for n_, a, b in zip(GRADS, got[segs], got[1], strict=True):
-            assert rel_rms(a, b) < 2e-3, f"segments={segs}: {n_} differs from no split by {rel_rms(a, b):.1e}"
+    got = torch.ops.kda.recurrent_kda_training_backward(
+        *args, tapes, tcs, c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
+    )
+    again = torch.ops.kda.recurrent_kda_training_backward(
+        *args, tapes, tcs, c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
+    )
+    torch.cuda.synchronize()
+    errs = _errors(GRADS, got, g_ref)
+    _report(f"chain_and_tape_rows lam={lam}: {_fmt(errs)}")
+    bad = [n_ for n_, (r, _) in errs.items() if r > TOL_GRAD]
+    assert not bad, f"over tolerance {bad}: {_fmt(errs)}"
+    for n_, a, b in zip(GRADS, got, again, strict=True):
+        assert torch.equal(a, b), f"{n_} rerun is not bit-identical"

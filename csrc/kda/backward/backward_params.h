@@ -55,15 +55,17 @@ struct TrainingBackwardParams {
   // Workspace (caller-allocated, fp32).
   float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head; caller zeroes
   float* dk_head = nullptr;      // [B*T, HV, 128] dL/d(normalised k) per value head; caller zeroes
-  float* ddt_partial = nullptr;  // [N, HV, segments, 128] per-sequence/segment ddt_bias sums (fully written)
-  float* dA_partial = nullptr;   // [N, HV, segments] per-sequence/segment dA_log sums (fully written)
-  // Chunked sweep only: each sequence's tape chunks are split into `segments` runs reversed by separate
-  // CTAs; seg_maps [N, HV, segments, 2, 128, 128] holds each run's chain as dS_start = dS_end 𝔄 + 𝔅
-  // (kda_ops/reference_chunked_backward.py: segment_affine_map). segments == 1: no split, no maps.
-  int segments = 1;
-  float* seg_maps = nullptr;
+  // Parameter-gradient partials, one row per task (fully written): the token-serial sweep's tasks are the
+  // (sequence, value head) pairs (partial_rows = N), the chunked one's the (tape row, value head) pairs
+  // (partial_rows = n_tape_rows).
+  int64_t partial_rows = 0;
+  float* ddt_partial = nullptr;  // [partial_rows, HV, 128] ddt_bias sums
+  float* dA_partial = nullptr;   // [partial_rows, HV] dA_log sums
+  // Chunked sweep only: the chain gradient dL/dS at the END of every tape chunk, [n_tape_rows, HV, 128, 128]
+  // fp32 (written by the backward chain, launch_chunked_backward_chain, which also writes dinitial_state).
+  const float* dstates = nullptr;
   float* scratch = nullptr;      // [grid, kBwdScratchPerCta]
-  int grid = 0;                  // CTAs of the reverse kernel (persistent over N*HV tasks)
+  int grid = 0;                  // CTAs of the reverse kernel (persistent over its tasks)
 
   // Outputs of the finishing kernels.
   void* dq = nullptr;        // [B, T, H, 128] bf16 compact
@@ -81,16 +83,12 @@ int64_t training_backward_chunked_smem_bytes();
 // variable KDA_TRAINING_BACKWARD=serial (read once), the token-serial one.
 bool training_backward_use_chunked();
 
-// The chunked reverse sweep alone (training_backward_chunked.cu): writes dv, dg, dbeta, dinitial_state,
-// dq_head, dk_head, ddt_partial, dA_partial exactly as the token-serial sweep does.
+// The chunked reverse sweep alone (training_backward_chunked.cu), after the backward chain has written
+// dstates: writes dv, dg, dbeta, dq_head, dk_head, ddt_partial, dA_partial (one partial row per tape row).
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream);
 
-// Segments the chunked sweep splits each sequence into (1 = none) for N sequences of about `tokens_per_seq`
-// tokens: enough (n, hv, segment) tasks to fill the SMs, at least two tape chunks per segment, at most 8.
-// The environment variable KDA_TRAINING_BACKWARD_SEGMENTS=<s> overrides it (benchmarks, tests).
-int training_backward_segments(int64_t N, int HV, int64_t tokens_per_seq, int sms);
-
-// Reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient reduction, on `stream`.
+// Reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient reduction, on `stream` (the chunked
+// sweep needs the backward chain to have run first on the same stream).
 // No host synchronisation, no allocation (CUDA-graph capturable).
 cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream_t stream);
 

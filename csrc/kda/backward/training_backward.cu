@@ -451,20 +451,18 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, rho * dx[e] - c3 * xr[e]);
 }
 
-// dA_log[hv] and ddt_bias[hv, k]: sums over sequences in increasing n, then segments in increasing order.
+// dA_log[hv] and ddt_bias[hv, k]: sums over the partial rows in increasing order (deterministic, and the
+// same bits on every GPU: the rows follow the shapes, not the SM count).
 __global__ void kda_training_backward_param_finish_kernel(const TrainingBackwardParams p) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(p.HV) * kDim) return;
   const int64_t hv = idx / kDim, k = idx % kDim;
   float acc = 0.f;
-  const int P = p.segments;
-  for (int64_t n = 0; n < p.N; ++n)
-    for (int sg = 0; sg < P; ++sg) acc += p.ddt_partial[((n * p.HV + hv) * P + sg) * kDim + k];
+  for (int64_t r = 0; r < p.partial_rows; ++r) acc += p.ddt_partial[(r * p.HV + hv) * kDim + k];
   p.ddt_bias[idx] = acc;
   if (k == 0) {
     float a = 0.f;
-    for (int64_t n = 0; n < p.N; ++n)
-      for (int sg = 0; sg < P; ++sg) a += p.dA_partial[(n * p.HV + hv) * P + sg];
+    for (int64_t r = 0; r < p.partial_rows; ++r) a += p.dA_partial[r * p.HV + hv];
     p.dA_log[hv] = a;
   }
 }
@@ -506,18 +504,6 @@ int64_t training_backward_smem_bytes() {
                                          : static_cast<int64_t>(sizeof(BwdSmem));
 }
 
-int training_backward_segments(int64_t N, int HV, int64_t tokens_per_seq, int sms) {
-  if (const char* e = std::getenv("KDA_TRAINING_BACKWARD_SEGMENTS")) {
-    const int s = std::atoi(e);
-    if (s >= 1 && s <= 8) return training_backward_use_chunked() ? s : 1;
-  }
-  const int64_t tasks = N * HV;
-  if (!training_backward_use_chunked() || tasks <= 0) return 1;
-  int64_t s = sms / tasks;                                                     // tasks that fill the SMs
-  s = std::min<int64_t>(s, tokens_per_seq / (2 * kTapeChunk));                 // >= 2 tape chunks per segment
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(s, 8)));
-}
-
 bool training_backward_use_chunked() {
   static const bool chunked = [] {
     const char* e = std::getenv("KDA_TRAINING_BACKWARD");
@@ -531,12 +517,13 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
   cudaError_t err =
       cudaFuncSetAttribute(kda_training_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  if (p.N * p.HV > 0 && p.grid > 0) {
+  if (p.grid > 0) {
     if (training_backward_use_chunked()) {
+      if (p.partial_rows != p.n_tape_rows) return cudaErrorInvalidValue;  // one partial row per tape row
       err = launch_training_backward_chunked_sweep(p, stream);
       if (err != cudaSuccess) return err;
-    } else {
-      if (p.segments != 1) return cudaErrorInvalidValue;  // the token-serial sweep writes one partial per task
+    } else if (p.N * p.HV > 0) {
+      if (p.partial_rows != p.N) return cudaErrorInvalidValue;  // one partial row per sequence
       kda_training_backward_kernel<<<p.grid, kBwdThreads, smem, stream>>>(p);
     }
   }

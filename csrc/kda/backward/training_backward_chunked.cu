@@ -350,167 +350,58 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   __syncthreads();
 }
 
-// Tape chunks [c0, c1) of segment k when a sequence's nc chunks are split into P runs.
-struct SegRange {
-  int64_t c0, c1;
-};
-__device__ __forceinline__ SegRange seg_chunks(int64_t nc, int P, int k) {
-  const int64_t per = (nc + P - 1) / P;
-  const int64_t c0 = k * per < nc ? k * per : nc;
-  return {c0, c0 + per < nc ? c0 + per : nc};
+// Row r of the tapes belongs to the one sequence n with tape_cu_starts[n] <= r < tape_cu_starts[n + 1] (empty
+// sequences own no rows); -1 for rows past the last sequence's.
+__device__ __forceinline__ int64_t tape_row_sequence(const int64_t* starts, int64_t N, int64_t row) {
+  if (row < 0 || row >= starts[N]) return -1;
+  int64_t lo = 0, hi = N;  // invariant: starts[lo] <= row < starts[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (starts[mid] <= row) lo = mid; else hi = mid;
+  }
+  return lo;
 }
 
-// dS = dS·𝔄 + 𝔅 (all [128][128]; 𝔄 in shared memory [128][kLD], 𝔅 compact in global memory), tf32 tensor
-// cores; warp w computes rows [16 (w/2), +16) x columns [64 (w%2), +64). Ends synchronised.
-__device__ void apply_segment_map(float* dS, const float* Amap, const float* Bmap) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int m0 = (threadIdx.x >> 6) * 16, c0 = ((threadIdx.x >> 5) & 1) * 64;
-  float d[8][4];
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int c = c0 + 8 * nt + 2 * q;
-    d[nt][0] = Bmap[(m0 + g) * kD + c];
-    d[nt][1] = Bmap[(m0 + g) * kD + c + 1];
-    d[nt][2] = Bmap[(m0 + g + 8) * kD + c];
-    d[nt][3] = Bmap[(m0 + g + 8) * kD + c + 1];
-  }
-#pragma unroll 2
-  for (int k0 = 0; k0 < kD; k0 += 8) {
-    const uint32_t a[4] = {tf32(dS[(m0 + g) * kLD + k0 + q]), tf32(dS[(m0 + g + 8) * kLD + k0 + q]),
-                           tf32(dS[(m0 + g) * kLD + k0 + q + 4]), tf32(dS[(m0 + g + 8) * kLD + k0 + q + 4])};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int c = c0 + 8 * nt + g;
-      mma_tf32(d[nt], a, tf32(Amap[(k0 + q) * kLD + c]), tf32(Amap[(k0 + q + 4) * kLD + c]));
-    }
-  }
-  __syncthreads();  // every warp has read dS
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int c = c0 + 8 * nt + 2 * q;
-    dS[(m0 + g) * kLD + c] = d[nt][0];
-    dS[(m0 + g) * kLD + c + 1] = d[nt][1];
-    dS[(m0 + g + 8) * kLD + c] = d[nt][2];
-    dS[(m0 + g + 8) * kLD + c + 1] = d[nt][3];
-  }
-  __syncthreads();
-}
-
-// The affine map of every segment but the first (the first one's is never needed): 𝔄 = I and 𝔅 = 0 in
-// S and dS, then the chain step of each sub-chunk of the segment, last first (segment_affine_map).
-__global__ void __launch_bounds__(kThreads, 1) kda_training_backward_segmap_kernel(const TrainingBackwardParams p) {
-  extern __shared__ float4 smem_raw[];
-  ChunkedBwdSmem& sm = *reinterpret_cast<ChunkedBwdSmem*>(smem_raw);
-  const int tid = threadIdx.x, P = p.segments;
-  const int64_t tasks = p.N * p.HV * P;
-  constexpr int64_t kState = int64_t(kD) * kD;
-  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int k = static_cast<int>(task % P);
-    if (k == 0) continue;
-    const int64_t n = task / (int64_t(p.HV) * P);
-    Task tk;
-    tk.hv = static_cast<int>((task / P) % p.HV);
-    tk.hq = tk.hv / (p.HV / p.H);
-    tk.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
-    tk.A = __expf(p.A_log[tk.hv]);
-    const SegRange r = seg_chunks((tk.s.len + kTapeChunk - 1) / kTapeChunk, P, k);
-    __syncthreads();  // the previous task is done with S and dS
-    for (int i = tid; i < kD * kLD; i += kThreads) {
-      sm.S[i] = (i / kLD == i % kLD) ? 1.f : 0.f;
-      sm.dS[i] = 0.f;
-    }
-    __syncthreads();
-    for (int64_t c = r.c1 - 1; c >= r.c0; --c) {
-      const int64_t tc0 = tk.s.bos + c * kTapeChunk;
-      const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
-                                                                                : kTapeChunk);
-      for (int sb = (clen + kC - 1) / kC - 1; sb >= 0; --sb) {
-        const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
-        if (sb > 0)
-          prefetch_sub_chunk(p, tk, tc0 + (sb - 1) * kC, kC);
-        else if (c > r.c0)  // the last sub-chunk of the previous (full) tape chunk
-          prefetch_sub_chunk(p, tk, tc0 - kC, kC);
-        sub_chunk_forward(sm, p, tk, tc0 + sb * kC, len, true, false);
-        gemm_small<true>(sm.dr, sm.M, nullptr, sm.dO);  // Mqkᵀ dO (column-local, as in the main kernel)
-        gemm_abt(sm.dr, sm.kr, sm.dS, 1.f, true);       // + Kr 𝔅ᵀ
-        gemm_abt(sm.vx, sm.kr, sm.S, 1.f, false);       // Kr 𝔄ᵀ
-        __syncwarp();
-        gemm_small<true>(sm.kp, sm.INV, nullptr, sm.dr);  // dY of 𝔅
-        gemm_small<true>(sm.R, sm.INV, nullptr, sm.vx);   // dY of 𝔄
-        __syncthreads();
-        rank_update<2>(
-            sm.dS, sm.gC,
-            [&](int pp, int t, int v) { return pp == 0 ? sm.dO[t * kLD + v] : -sm.beta[t] * sm.kp[t * kLD + v]; },
-            [&](int pp, int t, int cc) {
-              return (pp == 0 ? sm.qs[t * kLD + cc] : sm.kn[t * kLD + cc]) * sm.E[t * kLD + cc];
-            });
-        rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return -sm.beta[t] * sm.R[t * kLD + v]; },
-                       [&](int, int t, int cc) { return sm.kn[t * kLD + cc] * sm.E[t * kLD + cc]; });
-        __syncthreads();
-      }
-    }
-    float* map = p.seg_maps + ((n * p.HV + tk.hv) * P + k) * 2 * kState;
-    state_to_global(map, sm.S);
-    state_to_global(map + kState, sm.dS);
-  }
-}
-
+// One CTA per (tape row, value head) task, persistent: the gradients of the 64 tokens of one tape chunk from its
+// tape row S_0 and the chain gradient at its end dS_C (p.dstates, written by the backward chain).
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_kernel(const TrainingBackwardParams p) {
   extern __shared__ float4 smem_raw[];
   ChunkedBwdSmem& sm = *reinterpret_cast<ChunkedBwdSmem*>(smem_raw);
   const int tid = threadIdx.x;
   float* scr = p.scratch + static_cast<int64_t>(blockIdx.x) * kBwdScratchPerCta;
-  const int P = p.segments;
-  const int64_t tasks = p.N * p.HV * P;
+  const int64_t tasks = p.n_tape_rows * p.HV;
   const int group = p.HV / p.H;
   constexpr int64_t kState = int64_t(kD) * kD;
 
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int k = static_cast<int>(task % P);  // segment
-    const int64_t n = task / (int64_t(p.HV) * P);
+    const int64_t row = task / p.HV;
+    const int64_t n = tape_row_sequence(p.tape_cu_starts, p.N, row);
     Task tk;
-    tk.hv = static_cast<int>((task / P) % p.HV);
+    tk.hv = static_cast<int>(task % p.HV);
+    const int64_t c = n < 0 ? -1 : row - p.tape_cu_starts[n];  // the tape chunk within the sequence
+    if (n >= 0) tk.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
+    if (n < 0 || c < 0 || c * kTapeChunk >= tk.s.len) {
+      // an unused row (or a broken tape_cu_starts): zero partials, the finishing kernel sums every row
+      __syncthreads();  // (the partial stores of the previous task are done with sm.part)
+      if (tid < kD) p.ddt_partial[task * kD + tid] = 0.f;
+      if (tid == 0) p.dA_partial[task] = 0.f;
+      continue;
+    }
     tk.hq = tk.hv / group;
-    tk.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
     tk.A = __expf(p.A_log[tk.hv]);
-    const int64_t state_off = (n * p.HV + tk.hv) * kState;
     // Gate chain rule: thread (column tid / 4, tokens [4 (tid % 4), +4) of each sub-chunk), fixed order.
     const float dtb_col = p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + (tid >> 2)] : 0.f;
     float ddt_acc = 0.f, dA_acc = 0.f;
 
-    __syncthreads();  // the previous task is done with dS
-    if (p.dfinal_state != nullptr) {
-      state_to_smem(sm.dS, p.dfinal_state + state_off);
-    } else {
-      for (int i = tid; i < kD * kLD; i += kThreads) sm.dS[i] = 0.f;
-    }
-
-    const int64_t nc = (tk.s.len + kTapeChunk - 1) / kTapeChunk;
-    for (int j = P - 1; j > k; --j) {  // dS at the end of this segment: the later segments' maps, last first
-      const SegRange rj = seg_chunks(nc, P, j);
-      if (rj.c0 >= rj.c1) continue;
-      const float* map = p.seg_maps + ((n * p.HV + tk.hv) * P + j) * 2 * kState;
-      __syncthreads();  // dS is complete, S is free
-      state_to_smem(sm.S, map);
-      __syncthreads();
-      apply_segment_map(sm.dS, sm.S, map + kState);
-    }
-    const SegRange range = seg_chunks(nc, P, k);
-    for (int64_t c = range.c1 - 1; c >= range.c0; --c) {
+    __syncthreads();  // the previous task is done with S and dS
+    state_to_smem(sm.dS, p.dstates + (row * p.HV + tk.hv) * kState);
+    state_to_smem(sm.S, p.tapes + (row * p.HV + tk.hv) * kState);
+    __syncthreads();
+    {
       const int64_t tc0 = tk.s.bos + c * kTapeChunk;
       const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
                                                                                 : kTapeChunk);
       const int nsub = (clen + kC - 1) / kC;
-      __syncthreads();  // S is free
-      {
-        const int64_t row = p.tape_cu_starts[n] + c;
-        if (row >= 0 && row < p.n_tape_rows) {
-          state_to_smem(sm.S, p.tapes + (row * p.HV + tk.hv) * kState);
-        } else {  // broken tape_cu_starts contract: never read out of bounds
-          for (int i = tid; i < kD * kLD; i += kThreads) sm.S[i] = 0.f;
-        }
-      }
-      __syncthreads();
       // Forward recompute: the state entering each sub-chunk but the last goes to scratch.
       for (int sb = 0; sb + 1 < nsub; ++sb) {
         prefetch_sub_chunk(p, tk, tc0 + (sb + 1) * kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
@@ -524,10 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       for (int sb = nsub - 1; sb >= 0; --sb) {
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
         const int64_t t0 = tc0 + sb * kC;
-        if (sb > 0)
-          prefetch_sub_chunk(p, tk, t0 - kC, kC);
-        else if (c > range.c0)  // the previous tape chunk (full) starts with its forward recompute
-          prefetch_sub_chunk(p, tk, tc0 - kTapeChunk, kC);
+        if (sb > 0) prefetch_sub_chunk(p, tk, t0 - kC, kC);
         if (sb + 1 < nsub) {
           state_to_smem(sm.S, scr + sb * kState);
           __syncthreads();
@@ -655,9 +543,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       }
     }
 
-    __syncthreads();  // dS is complete (also when the sequence is empty: written by other threads)
-    if (k == 0) state_to_global(p.dinitial_state + state_off, sm.dS);
-    const int64_t part = (n * p.HV + tk.hv) * P + k;
+    const int64_t part = task;  // = row * HV + hv
+    __syncthreads();
     sm.part[tid & 3][tid >> 2] = ddt_acc;
     __syncthreads();
     if (tid < kD)
@@ -679,18 +566,11 @@ int64_t training_backward_chunked_smem_bytes() { return static_cast<int64_t>(siz
 
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(sizeof(ChunkedBwdSmem));
-  if (p.segments < 1 || (p.segments > 1 && p.seg_maps == nullptr)) return cudaErrorInvalidValue;
-  cudaError_t err = cudaFuncSetAttribute(kda_training_backward_chunked_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (p.dstates == nullptr) return cudaErrorInvalidValue;
+  const cudaError_t err = cudaFuncSetAttribute(kda_training_backward_chunked_kernel,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  if (p.segments > 1) {
-    err = cudaFuncSetAttribute(kda_training_backward_segmap_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem);
-    if (err != cudaSuccess) return err;
-    kda_training_backward_segmap_kernel<<<p.grid, kThreads, smem, stream>>>(p);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
+  if (p.n_tape_rows * p.HV <= 0) return cudaSuccess;
   kda_training_backward_chunked_kernel<<<p.grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -258,7 +258,24 @@ __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
 
-template <int VB, int STAGES, int RAW_STAGES>
+// Stores x at M[r][c] of a [16][16] 16-bit operand matrix: fp16 (saturated) in the forward; in the backward
+// chain (BWD) bf16 at the transposed position M[c][r], the orientation the adjoint products read.
+template <bool BWD>
+__device__ __forceinline__ void put16(__half* m, int r, int c, float x) {
+  if constexpr (BWD)
+    reinterpret_cast<__nv_bfloat16*>(m)[c * kChunk + r] = __float2bfloat16_rn(x);
+  else
+    m[r * kChunk + c] = __float2half_rn(clamp_f16(x));
+}
+
+// BWD = false: the prefill (and the training forward with tapes). BWD = true: the backward chain of the
+// training backward (kda_ops/reference_chunked_backward.py, chain_step), the same prep on the same chunks
+// walked last to first, with the value rows of the chain gradient dS[V, K] in the chain warps' registers:
+//   dRᵀ = dS Krᵀ + dOᵀ Mqk,  dXᵀ = -dRᵀ INVb,  dS = dS ⊙ γ_C + dOᵀ Q⁺ + dXᵀ K⁺   (all bf16 operands, fp32 acc)
+// p.v carries dO, p.state_source dfinal_state (null: zeros), p.final_state receives dinitial_state and the
+// checkpoint rows receive dS at the END of every checkpoint interval (row of the interval's start): the
+// chain gradient entering each 64-token tape chunk from the right.
+template <int VB, int STAGES, int RAW_STAGES, bool BWD>
 __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
     kda_chunked_kernel(const RecurrentParams p, const bool out_vec16, const int diag) {
   using Cfg = ChunkedConfig<VB, STAGES, RAW_STAGES>;
@@ -286,6 +303,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
   const int64_t head_off = int64_t(hv) * K * K;
   const int64_t inner = int64_t(p.HV) * K * K;
   const int64_t n_chunks = (sr.len + kChunk - 1) / kChunk;
+  // the chunk the j-th step processes: j in the forward, last first in the backward chain
+  auto phys = [&](int64_t j) { return BWD ? n_chunks - 1 - j : j; };
   auto chunk_len = [&](int64_t c) {
     return static_cast<int>(sr.len - c * kChunk < kChunk ? sr.len - c * kChunk : kChunk);
   };
@@ -295,8 +314,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
            int64_t(hv) * p.out_head_stride + v0;
   };
 
-  if (st.kind < 0) {  // inactive: zero output, no state read or write
-    if (warp < NW)
+  if (st.kind < 0) {  // inactive: zero output, no state read or write (never in the backward chain)
+    if (!BWD && warp < NW)
       for (int64_t t = lane; t < sr.len * 2; t += 32) {
         __nv_bfloat16* o = out_row(sr.bos + t / 2) + (t % 2) * 8;
 #pragma unroll
@@ -348,7 +367,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
           for (int e = 0; e < 4; ++e) {
             const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
             ap[i * kChunk + jj] = jj < i ? bt[i] * al[nt][e] : 0.f;
-            op.mqk[i * kChunk + jj] = __float2half_rn(jj <= i ? clamp_f16(aq[nt][e]) : 0.f);
+            put16<BWD>(op.mqk, i, jj, jj <= i ? aq[nt][e] : 0.f);
           }
         __syncwarp();
       }
@@ -396,15 +415,15 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
               x0 = fmaf(sm.i2s[r * 8 + mm], tcol[mm], x0);
               x1 = fmaf(sm.i2s[r * 8 + mm + 1], tcol[mm + 1], x1);
             }
-            op.invb[r * kChunk + c] = __float2half_rn(clamp_f16(col[r] * bc));
-            op.invb[(8 + r) * kChunk + c] = __float2half_rn(clamp_f16(-(x0 + x1) * bc));
+            put16<BWD>(op.invb, r, c, col[r] * bc);
+            put16<BWD>(op.invb, 8 + r, c, -(x0 + x1) * bc);
           }
         } else if (lane < 16) {
           const float bc = bt[8 + c];
 #pragma unroll
           for (int r = 0; r < 8; ++r) {
-            op.invb[r * kChunk + 8 + c] = __float2half_rn(0.f);
-            op.invb[(8 + r) * kChunk + 8 + c] = __float2half_rn(clamp_f16(col[r] * bc));
+            put16<BWD>(op.invb, r, 8 + c, 0.f);
+            put16<BWD>(op.invb, 8 + r, 8 + c, col[r] * bc);
           }
         }
         __syncwarp();  // i2s is reused next chunk
@@ -437,8 +456,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
       if (c < n_chunks) {
         typename Smem::Raw& rb = sm.raw[c % kRawStages];
         __nv_bfloat16* dst3[3] = {rb.q, rb.k, rb.g};
-        const int64_t t0 = sr.bos + c * kChunk;
-        const int cl = chunk_len(c);
+        const int64_t t0 = sr.bos + phys(c) * kChunk;
+        const int cl = chunk_len(phys(c));
 #pragma unroll
         for (int u = 0; u < 6; ++u) {
           const int which = u >> 1, within = ptid + kPrepThreads * (u & 1), r = within >> 4, pc = within & 15;
@@ -452,8 +471,8 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
     // never waited on
     auto load_beta = [&](int64_t c) {
       __nv_bfloat16 bv = __float2bfloat16_rn(0.f);
-      if (ptid < kChunk && c < n_chunks && c * kChunk + ptid < sr.len)
-        bv = bsrc[(sr.bos + c * kChunk + ptid) * p.beta.token_stride];
+      if (ptid < kChunk && c < n_chunks && phys(c) * kChunk + ptid < sr.len)
+        bv = bsrc[(sr.bos + phys(c) * kChunk + ptid) * p.beta.token_stride];
       return bv;
     };
 
@@ -462,7 +481,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
     __nv_bfloat16 beta_next = load_beta(0);
     for (int64_t j = 0; j < n_chunks; ++j) {
       const int b = static_cast<int>(j % kStages);
-      const int cl = chunk_len(j);
+      const int cl = chunk_len(phys(j));
       const __nv_bfloat16 beta_raw = beta_next;
       beta_next = load_beta(j + 1);
       // The chain is done with chunk j-kStages' operands (and so, transitively, is W with its G -> W tiles).
@@ -569,7 +588,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
         *reinterpret_cast<uint4*>(op.kp + o) = pack8_bf16(kp);
         *reinterpret_cast<uint4*>(op.qp + o) = pack8_bf16(qp);
         // |Kr| <= |k̂| <= 1 with the L2 norm: no saturation needed
-        *reinterpret_cast<uint4*>(op.kr + o) = p.use_qk_l2norm ? pack8_f16_nosat(kr) : pack8_f16(kr);
+        if constexpr (BWD)  // bf16: the B operand of dS Krᵀ, whose A (dS) is bf16
+          *reinterpret_cast<uint4*>(op.kr + o) = pack8_bf16(kr);
+        else
+          *reinterpret_cast<uint4*>(op.kr + o) = p.use_qk_l2norm ? pack8_f16_nosat(kr) : pack8_f16(kr);
       }
       if (pairwise) {
         // Exact pairwise exponents on CUDA cores (Γ_i - Γ_j = Γ'_i - Γ'_j), masked entries written as 0
@@ -587,7 +609,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
             mq *= sm.rq[i] * sm.rk[jj];
           }
           sm.ap[b][e] = jj < i ? sm.beta[b][i] * l : 0.f;
-          op.mqk[e] = __float2half_rn(clamp_f16(mq));
+          put16<BWD>(op.mqk, i, jj, mq);
         }
       }
       if (ptid == 0) sm.pairwise[b] = pairwise;
@@ -649,12 +671,13 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
   // this warp's 16 columns of v, kRawStages - 1 chunks ahead: lane -> (token lane / 2, 8 columns (lane & 1) * 8)
   const auto* vsrc = static_cast<const __nv_bfloat16*>(p.v.ptr) + sr.batch * p.v.batch_stride +
                      int64_t(hv) * p.v.head_stride + v0 + (lane & 1) * 8;
-  auto issue_v = [&](int64_t c) {
+  auto issue_v = [&](int64_t c) {  // (dO in the backward chain)
     if (c < n_chunks) {
       const int t = lane >> 1;
-      const bool ok = c * kChunk + t < sr.len;
+      const int64_t pc = phys(c);
+      const bool ok = pc * kChunk + t < sr.len;
       cp_async_16(&sm.vbuf[warp][c % kRawStages][t * 16 + (lane & 1) * 8],
-                  vsrc + (sr.bos + (ok ? c * kChunk + t : 0)) * p.v.token_stride, ok);
+                  vsrc + (sr.bos + (ok ? pc * kChunk + t : 0)) * p.v.token_stride, ok);
     }
     cp_async_commit();
   };
@@ -666,13 +689,19 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
 
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int b = static_cast<int>(c % kStages);
-    const int64_t t0 = c * kChunk;  // chunk start within the sequence
-    const int cl = chunk_len(c);
+    const int64_t t0 = phys(c) * kChunk;  // chunk start within the sequence
+    const int cl = chunk_len(phys(c));
     __syncwarp();  // every lane is done with the v slot refilled below (chunk c - 1's)
     issue_v(c + kRawStages - 1);
 
-    // Checkpoint: the state BEFORE token t0 (t0 a multiple of the interval, itself a multiple of 16).
-    if (every > 0 && t0 % every == 0) {
+    if constexpr (BWD) {
+      // Checkpoint: dS at the end of the interval holding this chunk, when the chunk ends it (or the sequence).
+      if (every > 0 && ((t0 + kChunk) % every == 0 || c == 0)) {
+        const int64_t row = ckpt_row0 + t0 / every;
+        if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
+      }
+    } else if (every > 0 && t0 % every == 0) {
+      // Checkpoint: the state BEFORE token t0 (t0 a multiple of the interval, itself a multiple of 16).
       const int64_t row = ckpt_row0 + t0 / every;
       if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
     }
@@ -685,6 +714,73 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
       named_arrive(kBarEmpty0 + b, Cfg::kCountEmpty);
       continue;
     }
+    if constexpr (BWD) {
+      // A operand dOᵀ [16 value rows][16 tokens] from this warp's dO tile vb[t][v] (bf16 pairs along t)
+      const auto pk = [&](int vr, int t) {
+        __nv_bfloat162 w;
+        w.x = vb[t * 16 + vr], w.y = vb[(t + 1) * 16 + vr];
+        return *reinterpret_cast<uint32_t*>(&w);
+      };
+      const uint32_t oa[4] = {pk(gq, 2 * cq), pk(gq + 8, 2 * cq), pk(gq, 2 * cq + 8), pk(gq + 8, 2 * cq + 8)};
+      // ---- dRᵀ = dS Krᵀ + dOᵀ Mqk (op.mqk holds Mqkᵀ)
+      float ax[2][4], ax2[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ax[nt][e] = 0.f, ax2[nt][e] = 0.f;
+      {
+        uint32_t bm[4];
+        load_b16x16(op.mqk, lane, bm);
+        mma_bf16(ax2[0], oa, bm[0], bm[1]);
+        mma_bf16(ax2[1], oa, bm[2], bm[3]);
+        uint32_t bk[2][4];
+        ldsm_x4(op.kr + toff_b.at(0), bk[0]);
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks) {
+          const int cur = ks & 1;
+          if (ks + 1 < K / 16) ldsm_x4(op.kr + toff_b.at(ks + 1), bk[cur ^ 1]);
+          const uint32_t a[4] = {pack_bf16x2(s[2 * ks][0], s[2 * ks][1]), pack_bf16x2(s[2 * ks][2], s[2 * ks][3]),
+                                 pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                                 pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+          float(&x)[2][4] = cur ? ax2 : ax;
+          mma_bf16(x[0], a, bk[cur][0], bk[cur][1]);
+          mma_bf16(x[1], a, bk[cur][2], bk[cur][3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ax[nt][e] += ax2[nt][e];
+      }
+      // ---- dXᵀ = -dRᵀ INVb (op.invb holds INVbᵀ)
+      float ar[2][4];
+      {
+        const uint32_t ya[4] = {pack_bf16x2(ax[0][0], ax[0][1]), pack_bf16x2(ax[0][2], ax[0][3]),
+                                pack_bf16x2(ax[1][0], ax[1][1]), pack_bf16x2(ax[1][2], ax[1][3])};
+        uint32_t bi[4];
+        load_b16x16(op.invb, lane, bi);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ar[0][e] = 0.f, ar[1][e] = 0.f;
+        mma_bf16(ar[0], ya, bi[0], bi[1]);
+        mma_bf16(ar[1], ya, bi[2], bi[3]);
+      }
+      const uint32_t xa[4] = {pack_bf16x2(-ar[0][0], -ar[0][1]), pack_bf16x2(-ar[0][2], -ar[0][3]),
+                              pack_bf16x2(-ar[1][0], -ar[1][1]), pack_bf16x2(-ar[1][2], -ar[1][3])};
+      // ---- dS = dS ⊙ γ_C + dOᵀ Q⁺ + dXᵀ K⁺
+#pragma unroll
+      for (int pp = 0; pp < K / 16; ++pp) {
+        uint32_t bq[4], bk[4];
+        ldsm_x4_t(op.qp + toff_t.at(pp), bq);
+        ldsm_x4_t(op.kp + toff_t.at(pp), bk);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int nt = 2 * pp + hh;
+          const float2 gmm = *reinterpret_cast<const float2*>(op.gamma_c + 8 * nt + 2 * cq);
+          s[nt][0] *= gmm.x, s[nt][1] *= gmm.y, s[nt][2] *= gmm.x, s[nt][3] *= gmm.y;
+          mma_bf16(s[nt], oa, bq[2 * hh], bq[2 * hh + 1]);
+          mma_bf16(s[nt], xa, bk[2 * hh], bk[2 * hh + 1]);
+        }
+      }
+    } else {
 
     // ---- [Xᵀ | O_interᵀ] = S [K⁺ ; Q⁺]ᵀ and Yᵀ = Vᵀ - Xᵀ
     // Two accumulator sets (even / odd k-steps) halve the dependent HMMA chain; the B fragments of step
@@ -783,6 +879,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
         }
       }
     }
+    }  // (forward)
     named_arrive(kBarEmpty0 + b, Cfg::kCountEmpty);  // done with chunk c's operands
   }
   cp_async_wait<0>();
@@ -795,10 +892,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
 
 namespace kda::prefill {
 
-template <int VB, int STAGES, int RAW_STAGES>
+template <int VB, int STAGES, int RAW_STAGES, bool BWD>
 cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, int diag, cudaStream_t stream) {
   using Cfg = ChunkedConfig<VB, STAGES, RAW_STAGES>;
-  auto kernel = kda_chunked_kernel<VB, STAGES, RAW_STAGES>;
+  auto kernel = kda_chunked_kernel<VB, STAGES, RAW_STAGES, BWD>;
   constexpr int smem = static_cast<int>(sizeof(ChunkedSmem<VB, STAGES, RAW_STAGES>));
   static bool attr_set[64] = {};
   int dev = 0;

@@ -58,13 +58,22 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
                          (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
   const char* dg = std::getenv("KDA_CHUNKED_DIAG");  // benchmarks only: skips work on purpose
   const int diag = dg != nullptr ? std::atoi(dg) : 0;
-  if (vb == 128) return prefill::run_chunked_<128, 3, 4>(p, out_vec16, diag, stream);
+  if (vb == 128) return prefill::run_chunked_<128, 3, 4, false>(p, out_vec16, diag, stream);
   // Less shared memory per block than the default pipeline needs (sm_120: 99 KB): shallower pipeline.
   // KDA_CHUNKED_PIPELINE=small forces it anywhere (tests: the same arithmetic, bit-identical results).
   const char* pipe = std::getenv("KDA_CHUNKED_PIPELINE");
   const bool small = kSmem64 > optin || (pipe != nullptr && pipe[0] == 's');
-  if (small) return prefill::run_chunked_<64, 2, 2>(p, out_vec16, diag, stream);
-  return prefill::run_chunked_<64, 3, 4>(p, out_vec16, diag, stream);
+  if (small) return prefill::run_chunked_<64, 2, 2, false>(p, out_vec16, diag, stream);
+  return prefill::run_chunked_<64, 3, 4, false>(p, out_vec16, diag, stream);
+}
+
+cudaError_t launch_chunked_backward_chain(const RecurrentParams& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
+  // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs.
+  const int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
+  if (vb == 128) return prefill::run_chunked_<128, 3, 4, true>(p, false, 0, stream);
+  return prefill::run_chunked_<64, 3, 4, true>(p, false, 0, stream);
 }
 
 }  // namespace kda
