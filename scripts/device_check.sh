@@ -65,6 +65,7 @@ for s in $STAGES; do
     bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ${BENCH_ARGS:-} ;;
     demo) stage demo python3 -m kda_ops.demo ;;
     api_profile) stage api_profile python3 scripts/api_profile.py ;;  # where an end-to-end prefill call spends time
+    train_profile) stage train_profile python3 scripts/train_profile.py ;;  # kernels of one training backward
     racecheck_probe) stage racecheck_probe bash -c 'nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu &&
            /tmp/racecheck_probe && compute-sanitizer --tool racecheck /tmp/racecheck_probe' ;;
     ncu_chunked) stage ncu_chunked bash -c 'ncu_source "$@"' _ kda_chunked 2 ncu_chunked "${NCU_CASE:-prefill_96_8192}" ;;

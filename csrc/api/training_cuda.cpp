@@ -276,12 +276,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
   Tensor head_grads = at::zeros({2, d.B * d.T * d.HV * kBwdDim}, f32);
   Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
-  Tensor scratch = at::empty({std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
+  // per-CTA state scratch of the token-serial sweep
+  Tensor scratch = at::empty({chunked ? 0 : std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Tensor dstates;
   if (chunked) {
-    // The backward chain: dS at the end of every tape chunk (and dinitial_state), the chunked kernel in reverse.
-    dstates = at::empty_like(tapes);
+    // The backward chain (the chunked kernel in reverse): dS at the end of every 16-token chunk, four rows per
+    // tape row, and dinitial_state.
+    dstates = at::empty({tapes.size(0) * (kTapeChunk / 16), d.HV, kBwdDim, kBwdDim}, f32);
     // (named: the kernel reads these copies after this statement)
     const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), gc = kernel_tokens(g), dO = kernel_tokens(dout);
     RecurrentParams pc = training_recurrent_params(qc, kc, dO, gc, beta, A, dtb, cu_seqlens, dO, dfinal, dinit,
@@ -325,7 +327,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.ddt_partial = partials.data_ptr<float>();
   p.dA_partial = p.ddt_partial + tasks * kBwdDim;
   p.dstates = chunked ? dstates.data_ptr<float>() : nullptr;
-  p.scratch = scratch.data_ptr<float>();
+  p.scratch = chunked ? nullptr : scratch.data_ptr<float>();
   p.grid = grid;
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();

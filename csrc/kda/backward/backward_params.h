@@ -61,10 +61,11 @@ struct TrainingBackwardParams {
   int64_t partial_rows = 0;
   float* ddt_partial = nullptr;  // [partial_rows, HV, 128] ddt_bias sums
   float* dA_partial = nullptr;   // [partial_rows, HV] dA_log sums
-  // Chunked sweep only: the chain gradient dL/dS at the END of every tape chunk, [n_tape_rows, HV, 128, 128]
-  // fp32 (written by the backward chain, launch_chunked_backward_chain, which also writes dinitial_state).
+  // Chunked sweep only: the chain gradient dL/dS at the END of every 16-token chunk, [4 n_tape_rows, HV, 128,
+  // 128] fp32, row 4 r + j for chunk j of tape row r (written by the backward chain,
+  // launch_chunked_backward_chain, which also writes dinitial_state).
   const float* dstates = nullptr;
-  float* scratch = nullptr;      // [grid, kBwdScratchPerCta]
+  float* scratch = nullptr;      // token-serial sweep only: [grid, kBwdScratchPerCta]
   int grid = 0;                  // CTAs of the reverse kernel (persistent over its tasks)
 
   // Outputs of the finishing kernels.

@@ -9,12 +9,15 @@
 //                                  dMqk = tril(dO Rᵀ), dKr = R dS_C, dK⁺ = -β dY S_0, dQ⁺ = dO S_0,
 //                                  dS_0 = dS_C g_C + dOᵀ Q⁺ - (β dY)ᵀ K⁺, pair terms, dΓ, da = rev-cumsum(dΓ).
 //
-// One CTA (512 threads, 16 warps) per (sequence, value head, segment) task, persistent over tasks. The CTA
-// keeps the state S and the chain gradient dS (fp32 [128][132], padded rows) in shared memory and walks its
-// tape chunks last to first; inside a tape chunk it recomputes the states at the 16-token boundaries forward
-// from the tape row (saved to this CTA's global scratch), then reverses the sub-chunks. Products run on
-// tensor cores (tf32 mma.sync; 3xTF32 where dΓ needs the digits, see mma_frag); no atomics: bit-identical
-// reruns on one device (the segment count, and so the summation order, follows the SM count).
+// Two stages. The backward chain (the chunked prefill kernel in reverse, kda/prefill/chunked_kernel.cuh with
+// BWD = true, launched by csrc/api/training_cuda.cpp) carries dS over each sequence, last chunk first, and
+// writes dS_C of every 16-token chunk to p.dstates. Then this kernel, one CTA (512 threads, 16 warps) per
+// (tape row, value head) task, persistent over the tasks, needs no serial dependence between tasks: it loads
+// the tape row (the state entering the 64-token tape chunk) into shared memory (fp32 [128][132], padded rows)
+// and walks the four sub-chunks forward, each step with dS_C from p.dstates: the gradients of the sub-chunk,
+// then S = S g_C + Rᵀ Kr for the next. Products run on tensor cores (tf32 mma.sync; 3xTF32 where dΓ needs
+// the digits, see mma_frag); no atomics: bit-identical reruns, and the parameter partials are one row per
+// task, summed in row order (the same bits on every GPU).
 //
 // Exponents: Γ is relative to the sub-chunk start, so E = e^{Γ} <= 1 and 1/E = e^{-Γ} <= e^{16|λ|} = e^{80}
 // for the training contract's λ >= -5 (finite in fp32). Pair factors are formed either as E_i · e^{-Γ_j}
@@ -43,7 +46,6 @@ constexpr int kThreads = 512;   // 16 warps: warp w owns columns [8w, 8w+8) of e
 constexpr int kWarps = kThreads / 32;
 constexpr int kSubPerTape = kTapeChunk / kC;
 static_assert(kD == 128 && kWarps == 16, "thread layouts below assume 128 channels and 16 warps");
-static_assert(kSubPerTape - 1 <= kBwdSubBlocksPerChunk, "the scratch holds the sub-chunk start states");
 
 struct ChunkedBwdSmem {
   float S[kD * kLD];   // forward state entering the current sub-chunk, S[v][k]
@@ -79,11 +81,11 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
 // through CuTe's SM80 atom. Fragment layout (PTX ISA, m16n8k8 .tf32), g = lane / 4, q = lane % 4:
 //   A (16x8, row): a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4); B (8x8, col): b0 (q, g), b1 (q+4, g);
 //   C (16x8): c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q), c3 (g+8, 2q+1).
-__device__ __forceinline__ uint32_t tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+// tf32 operand bits: x rounded at the 13th bit by one integer add (the tensor core ignores the low 13 bits),
+// as CUTLASS's round_half_ulp_truncate; cheaper than cvt.rna.tf32.f32 (inf inputs become NaN).
+__device__ __forceinline__ uint32_t tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+// The same value with the low bits cleared: an exact fp32 number, so x - tf32_hi(x) is the exact remainder.
+__device__ __forceinline__ uint32_t tf32_hi(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
                                            d[2], d[3]);
@@ -103,8 +105,9 @@ __device__ __forceinline__ void mma_frag(float (&d)[4], int n0, FA fa, FB fb) {
     float (&acc)[4] = (k0 & 8) ? e : d;
     const float af[4] = {fa(g, k0 + q), fa(g + 8, k0 + q), fa(g, k0 + q + 4), fa(g + 8, k0 + q + 4)};
     const float bf[2] = {fb(k0 + q, n0 + g), fb(k0 + q + 4, n0 + g)};
-    const uint32_t a[4] = {tf32(af[0]), tf32(af[1]), tf32(af[2]), tf32(af[3])};
-    const uint32_t b0 = tf32(bf[0]), b1 = tf32(bf[1]);
+    const uint32_t a[4] = {PRECISE ? tf32_hi(af[0]) : tf32(af[0]), PRECISE ? tf32_hi(af[1]) : tf32(af[1]),
+                           PRECISE ? tf32_hi(af[2]) : tf32(af[2]), PRECISE ? tf32_hi(af[3]) : tf32(af[3])};
+    const uint32_t b0 = PRECISE ? tf32_hi(bf[0]) : tf32(bf[0]), b1 = PRECISE ? tf32_hi(bf[1]) : tf32(bf[1]);
     if constexpr (PRECISE) {
       const uint32_t al[4] = {tf32(af[0] - __uint_as_float(a[0])), tf32(af[1] - __uint_as_float(a[1])),
                               tf32(af[2] - __uint_as_float(a[2])), tf32(af[3] - __uint_as_float(a[3]))};
@@ -209,17 +212,11 @@ __device__ __forceinline__ void rank_update(float* X, const float* gC, FA fa, FB
   }
 }
 
-// [128][128] compact global <-> [128][kLD] shared.
+// [128][128] compact global -> [128][kLD] shared.
 __device__ __forceinline__ void state_to_smem(float* dst, const float* src) {
   for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
     const int v = i >> 5, c = (i & 31) * 4;
     st4(dst + v * kLD + c, ld4(src + v * kD + c));
-  }
-}
-__device__ __forceinline__ void state_to_global(float* dst, const float* src) {
-  for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
-    const int v = i >> 5, c = (i & 31) * 4;
-    st4(dst + v * kD + c, ld4(src + v * kLD + c));
   }
 }
 
@@ -246,7 +243,7 @@ __device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams&
 // Loads the tokens [t0, t0 + len) of the sub-chunk (zeros beyond len) and forms E, Ei, gC, β,
 // then L, Mqk, INV, K⁺, Kr, V - X = V - K⁺ Sᵀ and R. Ends synchronised.
 __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
-                                  int64_t t0, int len, bool need_q, bool need_state = true) {
+                                  int64_t t0, int len) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float lam = p.lower_bound;
   for (int tl = warp; tl < kC; tl += kThreads / 32) {
@@ -262,9 +259,9 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         kx[e] = ld_bf16(p.k.ptr, ko + e);
-        qx[e] = need_q ? ld_bf16(p.q.ptr, qo + e) : 0.f;
+        qx[e] = ld_bf16(p.q.ptr, qo + e);
         vv[e] = ld_bf16(p.v.ptr, vo + e);
-        dd[e] = need_q ? ld_bf16(p.dout.ptr, oo + e) : 0.f;
+        dd[e] = ld_bf16(p.dout.ptr, oo + e);
         const float dtb = p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + 4 * lane + e] : 0.f;
         a[e] = lam * sigmoidf_(tk.A * (ld_bf16(p.g.ptr, go + e) + dtb));
         sk = fmaf(kx[e], kx[e], sk);
@@ -342,11 +339,9 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
 #pragma unroll
     for (int i = 0; i < kC; ++i) sm.INV[i][j] = x[i];
   }
-  if (need_state) {
-    gemm_abt(sm.vx, sm.kp, sm.S, -1.f, true);  // V - X
-    __syncthreads();
-    gemm_small<false>(sm.R, sm.INV, sm.beta, sm.vx);  // R = INV diag(β) (V - X)
-  }
+  gemm_abt(sm.vx, sm.kp, sm.S, -1.f, true);  // V - X
+  __syncthreads();
+  gemm_small<false>(sm.R, sm.INV, sm.beta, sm.vx);  // R = INV diag(β) (V - X)
   __syncthreads();
 }
 
@@ -368,7 +363,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
   extern __shared__ float4 smem_raw[];
   ChunkedBwdSmem& sm = *reinterpret_cast<ChunkedBwdSmem*>(smem_raw);
   const int tid = threadIdx.x;
-  float* scr = p.scratch + static_cast<int64_t>(blockIdx.x) * kBwdScratchPerCta;
   const int64_t tasks = p.n_tape_rows * p.HV;
   const int group = p.HV / p.H;
   constexpr int64_t kState = int64_t(kD) * kD;
@@ -394,33 +388,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     float ddt_acc = 0.f, dA_acc = 0.f;
 
     __syncthreads();  // the previous task is done with S and dS
-    state_to_smem(sm.dS, p.dstates + (row * p.HV + tk.hv) * kState);
     state_to_smem(sm.S, p.tapes + (row * p.HV + tk.hv) * kState);
-    __syncthreads();
     {
       const int64_t tc0 = tk.s.bos + c * kTapeChunk;
       const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
                                                                                 : kTapeChunk);
       const int nsub = (clen + kC - 1) / kC;
-      // Forward recompute: the state entering each sub-chunk but the last goes to scratch.
-      for (int sb = 0; sb + 1 < nsub; ++sb) {
-        prefetch_sub_chunk(p, tk, tc0 + (sb + 1) * kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
-        state_to_global(scr + sb * kState, sm.S);
-        sub_chunk_forward(sm, p, tk, tc0 + sb * kC, kC, false);
-        rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
-                       [&](int, int t, int c) { return sm.kr[t * kLD + c]; });
-        __syncthreads();
-      }
-      // Reverse sweep over the sub-chunks.
-      for (int sb = nsub - 1; sb >= 0; --sb) {
+      // Forward over the sub-chunks: S is the state entering sub-chunk sb (updated at the end of each step),
+      // dS the chain gradient leaving it (from the backward chain).
+      for (int sb = 0; sb < nsub; ++sb) {
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
         const int64_t t0 = tc0 + sb * kC;
-        if (sb > 0) prefetch_sub_chunk(p, tk, t0 - kC, kC);
-        if (sb + 1 < nsub) {
-          state_to_smem(sm.S, scr + sb * kState);
-          __syncthreads();
-        }
-        sub_chunk_forward(sm, p, tk, t0, len, true);
+        if (sb + 1 < nsub) prefetch_sub_chunk(p, tk, t0 + kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
+        // (the previous step's last reads of dS are behind its closing barrier; sub_chunk_forward's first
+        // barrier publishes these stores before any use)
+        state_to_smem(sm.dS, p.dstates + ((row * kSubPerTape + sb) * p.HV + tk.hv) * kState);
+        sub_chunk_forward(sm, p, tk, t0, len);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
         // Column-local: a warp reads back only the dR columns it wrote (frag_each and mma_frag's B operand
         // use the same columns), so a warp barrier orders these three products.
@@ -474,12 +457,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         }
         __syncthreads();                              // kr is dead
         gemm_ab(sm.kr, sm.dO, sm.S, 1.f, nullptr);   // dQ⁺ = dO S_0
-        // dS_0 = dS_C g_C + dOᵀ (q E) - (β dY)ᵀ (k E)
-        rank_update<2>(
-            sm.dS, sm.gC,
-            [&](int p, int t, int v) { return p == 0 ? sm.dO[t * kLD + v] : -sm.beta[t] * sm.kp[t * kLD + v]; },
-            [&](int p, int t, int c) { return (p == 0 ? sm.qs[t * kLD + c] : sm.kn[t * kLD + c]) * sm.E[t * kLD + c]; });
-        __syncthreads();  // dY (kp) is dead: dΓ goes there
+        __syncthreads();  // dY (kp) is dead: dΓ goes there; every product with S_0 is done
+        // the state entering the next sub-chunk: S = S g_C + Rᵀ Kr (Kr = k e^{Γ_last - Γ} re-formed: kr holds dQ⁺)
+        if (sb + 1 < nsub)
+          rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
+                         [&](int, int t, int c) { return sm.kn[t * kLD + c] * (sm.gC[c] * sm.Ei[t * kLD + c]); });
         {  // pair terms on tensor cores (mid-token reference, as L and Mqk), then dq, dk, dΓ per element
           const int n0 = (tid >> 5) * 8;
           const auto P = [&](int i, int c) { return sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]; };

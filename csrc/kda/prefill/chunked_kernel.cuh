@@ -272,9 +272,9 @@ __device__ __forceinline__ void put16(__half* m, int r, int c, float x) {
 // training backward (kda_ops/reference_chunked_backward.py, chain_step), the same prep on the same chunks
 // walked last to first, with the value rows of the chain gradient dS[V, K] in the chain warps' registers:
 //   dRᵀ = dS Krᵀ + dOᵀ Mqk,  dXᵀ = -dRᵀ INVb,  dS = dS ⊙ γ_C + dOᵀ Q⁺ + dXᵀ K⁺   (all bf16 operands, fp32 acc)
-// p.v carries dO, p.state_source dfinal_state (null: zeros), p.final_state receives dinitial_state and the
-// checkpoint rows receive dS at the END of every checkpoint interval (row of the interval's start): the
-// chain gradient entering each 64-token tape chunk from the right.
+// p.v carries dO, p.state_source dfinal_state (null: zeros), p.final_state receives dinitial_state and
+// p.state_checkpoints receives dS at the END of every 16-token chunk (the chain gradient entering it from the
+// right), row (every / 16) * checkpoint_cu_starts[n] + chunk: every / 16 sub-rows per checkpoint row.
 template <int VB, int STAGES, int RAW_STAGES, bool BWD>
 __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
     kda_chunked_kernel(const RecurrentParams p, const bool out_vec16, const int diag) {
@@ -695,9 +695,10 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
     issue_v(c + kRawStages - 1);
 
     if constexpr (BWD) {
-      // Checkpoint: dS at the end of the interval holding this chunk, when the chunk ends it (or the sequence).
-      if (every > 0 && ((t0 + kChunk) % every == 0 || c == 0)) {
-        const int64_t row = ckpt_row0 + t0 / every;
+      // dS at the end of EVERY 16-token chunk: row (every / 16) * (checkpoint row of the sequence) + chunk
+      // (the sub-rows of checkpoint row r are (every / 16) r + 0 .. every / 16 - 1).
+      if (every > 0) {
+        const int64_t row = ckpt_row0 * (every / kChunk) + t0 / kChunk;
         if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
       }
     } else if (every > 0 && t0 % every == 0) {
