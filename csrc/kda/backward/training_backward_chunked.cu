@@ -28,6 +28,7 @@
 
 #include <cstdint>
 
+#include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/mma_sm80.hpp>
 
 #include "kda/backward/backward_common.cuh"
@@ -130,11 +131,46 @@ __device__ __forceinline__ void frag_each(const float (&d)[4], int n0, F f) {
   f(g + 8, n0 + 2 * q + 1, d[3]);
 }
 
+// ldmatrix of four 8x4 fp32 tiles (as 8x8 b16): lane l gives the row address of tile l / 8 and receives, from
+// each tile, the 32-bit element (row l / 4, column l % 4), which is the tf32 m16n8k8 fragment layout.
+__device__ __forceinline__ void ldsm_f32x4(const float* p, uint32_t (&r)[4]) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(p), r[0], r[1], r[2], r[3]);
+}
+
+// d += Σ_k A[m][k] B(k, n0 + n) over k < 128, plain tf32, with A a [16][kLD] shared tile (k contiguous) read by
+// ldmatrix; B_NK: B stored [n][kLD] (k contiguous, ldmatrix too), else [k][kLD] (n contiguous, scalar loads).
+// Rows of kLD = 132 floats put the 8 rows of an ldmatrix phase in 8 distinct 16-byte bank groups.
+template <bool B_NK>
+__device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, const float* B) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const float* pa = A + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLD + 4 * (lane >> 4);
+  const float* pb = B_NK ? B + (n0 + (lane & 7)) * kLD + 4 * (lane >> 3) : B + q * kLD + n0 + g;
+  float e[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int k0 = 0; k0 < kD; k0 += 16) {
+    uint32_t a0[4], a1[4], b[4];
+    ldsm_f32x4(pa + k0, a0);
+    ldsm_f32x4(pa + k0 + 8, a1);
+    if constexpr (B_NK) {
+      ldsm_f32x4(pb + k0, b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) b[i] = __float_as_uint(pb[(k0 + 4 * i) * kLD]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a0[i] += 0x1000u, a1[i] += 0x1000u, b[i] += 0x1000u;  // round (see tf32)
+    mma_tf32(d, a0, b[0], b[1]);
+    mma_tf32(e, a1, b[2], b[3]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] += e[i];
+}
+
 // C[t][v] (acc ? +=: =) sign·Σ_c A[t][c] B[v][c]   (A, C [16][kLD]; B [128][kLD]); warp w: v in [8w, 8w+8).
 __device__ __forceinline__ void gemm_abt(float* C, const float* A, const float* B, float sign, bool acc) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
-  mma_frag<kD>(d, n0, [&](int m, int k) { return A[m * kLD + k]; }, [&](int k, int n) { return B[n * kLD + k]; });
+  mma_rows<true>(d, n0, A, B);
   frag_each(d, n0, [&](int t, int v, float x) {
     float* o = C + t * kLD + v;
     *o = acc ? fmaf(sign, x, *o) : sign * x;
@@ -146,7 +182,7 @@ __device__ __forceinline__ void gemm_ab(float* C, const float* A, const float* B
                                         const float* row_scale) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
-  mma_frag<kD>(d, n0, [&](int m, int k) { return A[m * kLD + k]; }, [&](int k, int n) { return B[k * kLD + n]; });
+  mma_rows<false>(d, n0, A, B);
   frag_each(d, n0, [&](int t, int c, float x) { C[t * kLD + c] = (row_scale ? sign * row_scale[t] : sign) * x; });
 }
 
@@ -225,6 +261,11 @@ struct Task {
   int hv, hq;
   float A;  // exp(A_log[hv])
 };
+
+// Pulls a [128][128] fp32 state (64 KB, 512 lines of 128 bytes) into L2: one prefetch per thread.
+__device__ __forceinline__ void prefetch_state_l2(const float* src) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(src + threadIdx.x * 32));
+}
 
 // Pulls the token rows a later sub-chunk step loads (k, q, v, dO, g of tokens [t0, t0 + len)) into L2 while the
 // current step computes: 16 tokens x 5 rows x 2 lines of 128 bytes, one prefetch per thread.
@@ -399,7 +440,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       for (int sb = 0; sb < nsub; ++sb) {
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
         const int64_t t0 = tc0 + sb * kC;
-        if (sb + 1 < nsub) prefetch_sub_chunk(p, tk, t0 + kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
+        if (sb + 1 < nsub) {
+          prefetch_sub_chunk(p, tk, t0 + kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
+          prefetch_state_l2(p.dstates + ((row * kSubPerTape + sb + 1) * p.HV + tk.hv) * kState);
+        } else if (task + gridDim.x < tasks) {  // this CTA's next task: its tape row and first dS
+          const int64_t nrow = (task + gridDim.x) / p.HV, nhv = (task + gridDim.x) % p.HV;
+          prefetch_state_l2(p.tapes + (nrow * p.HV + nhv) * kState);
+          prefetch_state_l2(p.dstates + (nrow * kSubPerTape * p.HV + nhv) * kState);
+        }
         // (the previous step's last reads of dS are behind its closing barrier; sub_chunk_forward's first
         // barrier publishes these stores before any use)
         state_to_smem(sm.dS, p.dstates + ((row * kSubPerTape + sb) * p.HV + tk.hv) * kState);
