@@ -26,7 +26,8 @@ Per chunk (one sequence, all value heads; q normalised and scaled, k normalised,
          and at the last token + Σ_i Kr_i ⊙ dKr_i + g_C ⊙ colsum(dS_C ⊙ S_0)
     da   = reverse cumsum of dΓ over the chunk's tokens.
 
-Chunk-parallel schedule (what the CUDA backward does):
+Chunk-parallel schedule (what the CUDA backward does, with 16-token chunks: the chain is the chunked
+kernel run in reverse, step 3 one CTA task per 64-token tape chunk walking its four 16-token chunks):
   1. tapes: S_0 of every chunk (the training forward writes them, every 64 tokens);
   2. chain: dS_C of every chunk, last chunk first (dS_C of the last chunk = dfinal_state), with
      `chain_step` — it needs only dO, Mqk, INV, Kr, Q⁺, K⁺ and g_C of the chunk, not the other gradients;
@@ -226,8 +227,9 @@ def segment_affine_map(fs: list[dict[str, torch.Tensor]], betas: list[torch.Tens
 
     fs, betas, dOs: the chunks' `chunk_recompute` dicts, β and dO in time order. Built last chunk first:
     𝔄 <- 𝔄 A_c (the homogeneous chain step: dO = 0), 𝔅 <- 𝔅 A_c + B_c (`chain_step`), from 𝔄 = I, 𝔅 = 0.
-    Lets independent CTAs reverse disjoint segments of one sequence: each segment's dS_end is the
-    composition of the later segments' maps applied to dfinal_state (the CUDA backward's segment split).
+    Lets independent workers reverse disjoint segments of one sequence: each segment's dS_end is the
+    composition of the later segments' maps applied to dfinal_state (session 3's CUDA segment split; the
+    CUDA backward now runs the chain itself first, see docs/design.md, and this stays as tested algebra).
     """
     HV, _, K = fs[0]["Kp"].shape
     dtype = fs[0]["Kp"].dtype
