@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -49,7 +50,10 @@ def main() -> None:
 
     fla = None if args.no_peers else import_fla_kda()
     rows, records = [], []
-    for name, H, lens in CASES[:1] if args.quick else CASES:
+    cases = CASES[:1] if args.quick else CASES
+    t_start = time.time()
+    for i_case, (name, H, lens) in enumerate(cases):
+        print(f"[bench_train {time.time() - t_start:6.0f} s] case {i_case + 1}/{len(cases)}: {name}", flush=True)
         d = make(H, lens)
         leaves = [d[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
 
@@ -101,6 +105,8 @@ def main() -> None:
                 for x in leaves:
                     x.grad = None
 
+            note = " (its first calls compile and autotune)" if label == "fla" else ""
+            print(f"[bench_train {time.time() - t_start:6.0f} s]   {label}{note}", flush=True)
             t_f, err = try_call(lambda fwd=fwd: cuda_time_ms(lambda: fwd().detach(), warmup=2, rep=5))
             t_fb, err2 = try_call(lambda fb=fb: cuda_time_ms(fb, warmup=2, rep=5))
             for e in (err, err2):
@@ -137,13 +143,18 @@ def main() -> None:
         )
         d, leaves = {}, []
         torch.cuda.empty_cache()
+        write_table(args.out, rows, records)  # after every case: a run cut short keeps what it measured
+    write_table(args.out, rows, records, plot=True)
+
+
+def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool = False) -> None:
     notes = [
         f"# training forward+backward, {torch.cuda.get_device_name()}",
         "ms, median of CUDA-event timings; bwd = (fwd+bwd) - fwd; ratio = fla / ours on fwd+bwd",
         "context bytes per token-head = fp32 128x128 tape every 64 tokens (q+k+v+g bf16 = 1024 B)",
     ]
     write_results(
-        args.out,
+        out,
         "bench_train",
         [
             "case",
@@ -160,8 +171,10 @@ def main() -> None:
         records,
         notes,
     )
+    if not plot:
+        return
     bar_plot(
-        args.out,
+        out,
         "bench_train",
         [r["case"] for r in records],
         {"ours": [r["ours_fwd_bwd_ms"] for r in records], "fla": [r["fla_fwd_bwd_ms"] for r in records]},
