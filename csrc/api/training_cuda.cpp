@@ -2,7 +2,8 @@
 //   recurrent_kda_training_forward  = the chunked kernel (csrc/kda/prefill; token-serial csrc/kda/decode for
 //                                     decode-sized sequences) with fp32
 //                                     tapes every kTapeChunk tokens, lower-bound gate, logit beta, L2 norm;
-//   recurrent_kda_training_backward = the reverse sweep of csrc/kda/backward from the tapes;
+//   recurrent_kda_training_backward = csrc/kda/backward from the tapes (default: the backward chain, i.e. the
+//                                     chunked kernel in reverse, then the chunk-parallel sweep);
 //   recurrent_kda_backward          = both.
 // Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128. No host
 // synchronisation anywhere (tape_cu_starts is computed on the device), so the ops can be captured in a
@@ -255,15 +256,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
 
   Tensor dq = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
   Tensor dk = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
-  // Packed calls: tokens outside every sequence stay zero (a broken cu_seqlens may leave some); the fixed
-  // layout's sweeps write every token.
-  const bool packed = cu_seqlens.has_value();
-  const auto token_grads = [&](at::IntArrayRef shape, const at::TensorOptions& o) {
-    return packed ? at::zeros(shape, o) : at::empty(shape, o);
-  };
-  Tensor dv = token_grads({d.B, d.T, d.HV, kBwdDim}, tok);
-  Tensor dg = token_grads({d.B, d.T, d.HV, kBwdDim}, tok);
-  Tensor dbeta = token_grads({d.B, d.T, d.HV}, tok);
+  // Zero-filled: tokens no task reaches stay zero (outside every packed sequence, or tapes / tape_cu_starts
+  // passed to the op directly that do not cover the shapes), never stale memory.
+  Tensor dv = at::zeros({d.B, d.T, d.HV, kBwdDim}, tok);
+  Tensor dg = at::zeros({d.B, d.T, d.HV, kBwdDim}, tok);
+  Tensor dbeta = at::zeros({d.B, d.T, d.HV}, tok);
   Tensor dA_log = at::empty({d.HV}, f32);
   Tensor ddt_bias = at::empty({d.HV, kBwdDim}, f32);
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
@@ -280,7 +277,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   const int64_t partial_rows = chunked ? tapes.size(0) : d.N;
   const int64_t tasks = partial_rows * d.HV;
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
-  Tensor head_grads = token_grads({2, d.B * d.T * d.HV * kBwdDim}, f32);
+  Tensor head_grads = at::zeros({2, d.B * d.T * d.HV * kBwdDim}, f32);
   Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
   // per-CTA state scratch of the token-serial sweep
   Tensor scratch = at::empty({chunked ? 0 : std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);

@@ -426,8 +426,8 @@ def test_backward_chain_wide_grid():
 
 @pytest.mark.parametrize("lam", [-5.0, -1.0, -0.02], ids=["lam-5", "lam-1", "lam-0.02"])
 def test_backward_chain_and_tape_rows(lam):
-    """The chunked backward's two stages: the backward chain (dS at the end of every tape chunk, last chunk
-    first) and the (tape row, value head) tasks that map each row back to its sequence. Packed rows with
+    """The chunked backward's two stages: the backward chain (dS at the end of every 16-token chunk, last
+    chunk first) and the (tape row, value head) tasks that map each row back to its sequence. Packed rows with
     empty sequences before, between and after, lengths that end mid-chunk and exactly on a tape boundary,
     against the fp64 reference; reruns bit-identical."""
     x = _case_inputs(1, 0, 2, 4, [0, 300, 0, 0, 128, 65, 1, 0], False, seed=11, with_dfinal=True)

@@ -15,8 +15,8 @@ constexpr int kBwdDim = 128;        // K == V this backward handles
 constexpr int kBwdSubBlock = 8;     // token-serial sweep: tokens between the in-chunk recompute checkpoints
 constexpr int kBwdSubBlocksPerChunk = kTapeChunk / kBwdSubBlock;
 constexpr int kBwdThreads = 256;    // one CTA per (sequence, value head) task
-// fp32 elements of per-CTA scratch: the state at every sub-block start of the chunk being reversed (the
-// token-serial sweep; the chunked one uses the first 3 of these 8 states).
+// fp32 elements of per-CTA scratch of the token-serial sweep: the state at every sub-block start of the chunk
+// being reversed (the chunked sweep needs none).
 constexpr int64_t kBwdScratchPerCta = int64_t(kBwdSubBlocksPerChunk) * kBwdDim * kBwdDim;
 
 struct TrainingBackwardParams {
@@ -46,11 +46,11 @@ struct TrainingBackwardParams {
   float scale = 0.f;        // q scale (> 0)
   float lower_bound = 0.f;  // λ in [-5, 0)
 
-  // Outputs written by the reverse kernel (all compact).
-  void* dv = nullptr;               // [B, T, HV, 128] bf16 (caller zeroes: tokens outside every sequence)
-  void* dg = nullptr;               // [B, T, HV, 128] bf16 (idem)
-  void* dbeta = nullptr;            // [B, T, HV] bf16 (idem)
-  float* dinitial_state = nullptr;  // [N, HV, 128, 128]
+  // Outputs written by the sweep (all compact; the caller zeroes them: tokens no task reaches).
+  void* dv = nullptr;               // [B, T, HV, 128] bf16
+  void* dg = nullptr;               // [B, T, HV, 128] bf16
+  void* dbeta = nullptr;            // [B, T, HV] bf16
+  float* dinitial_state = nullptr;  // [N, HV, 128, 128] (token-serial sweep; the backward chain otherwise)
 
   // Workspace (caller-allocated, fp32).
   float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head; caller zeroes

@@ -1,6 +1,7 @@
 // CUDA training backward of KDA (SPEC §2.1): a deterministic token-serial reverse sweep.
 //
-// Anatomy (first correct version; the tensor-core chunked backward replaces the inner loops later):
+// Anatomy (the first correct version, kept as KDA_TRAINING_BACKWARD=serial; the default is the chunked
+// backward of training_backward_chunked.cu, which shares kernels 2 and 3):
 //
 // 1. kda_training_backward_kernel — one CTA per (sequence n, value head hv) task, persistent over
 //    tasks (grid = min(tasks, SMs): the per-CTA scratch is bounded by the grid). 256 threads; warp w
@@ -23,7 +24,7 @@
 //         workspace. dA_log / ddt_bias are accumulated per task in a fixed token order.
 // 2. kda_training_backward_qk_finish_kernel — warp per (token, q/k head, q|k): GQA sum of the value
 //    heads of the group in increasing hv, then the L2-norm backward, bf16 out.
-// 3. kda_training_backward_param_finish_kernel — dA_log and ddt_bias summed over sequences in order.
+// 3. kda_training_backward_param_finish_kernel — dA_log and ddt_bias summed over the partial rows in order.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

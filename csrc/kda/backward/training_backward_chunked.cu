@@ -1,5 +1,5 @@
-// CUDA training backward of KDA, chunked form (SPEC §2.1 in the WY form of §2.2): the reverse sweep that
-// launch_training_backward runs by default (KDA_TRAINING_BACKWARD=serial selects the token-serial one).
+// CUDA training backward of KDA, chunked form (SPEC §2.1 in the WY form of §2.2): the chunk-parallel sweep
+// that launch_training_backward runs by default (KDA_TRAINING_BACKWARD=serial selects the token-serial one).
 //
 // The algebra is kda_ops/reference_chunked_backward.py (checked there against fp64 autograd), with 16-token
 // chunks ("sub-chunks" of the 64-token tape chunks):
