@@ -173,11 +173,15 @@ def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool
     )
     if not plot:
         return
+    series = {"ours": [r["ours_fwd_bwd_ms"] for r in records]}
+    fla = [r["fla_fwd_bwd_ms"] for r in records]
+    if any(x is not None for x in fla):  # an unmeasured series would read as 0 ms
+        series["fla"] = fla
     bar_plot(
         out,
         "bench_train",
         [r["case"] for r in records],
-        {"ours": [r["ours_fwd_bwd_ms"] for r in records], "fla": [r["fla_fwd_bwd_ms"] for r in records]},
+        series,
         "fwd+bwd ms (lower is better)",
     )
 

@@ -4,7 +4,7 @@ For recurrent_kda_training_backward at the issue-5 shapes prints the CUDA kernel
 torch.profiler (name, calls, total µs), so the backward chain, the chunk-parallel sweep and the finishing
 kernels can be told apart.
 
-  python3 scripts/train_profile.py [H=96,32]
+  python3 scripts/train_profile.py [96,32]     (comma-separated head counts)
 """
 
 import sys
