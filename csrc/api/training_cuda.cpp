@@ -272,7 +272,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   TORCH_CHECK(smem_needed <= smem_optin, op, ": the CUDA training backward needs ", smem_needed,
             " bytes of shared memory per block, this GPU allows ", smem_optin,
             " (sm_90/sm_100-class GPUs have 227 KB; sm_120 is not supported)");
-  // Tasks of the reverse sweep: (tape row, value head) for the chunked one, (sequence, value head) for the
+  // Tasks of the sweep: (tape row, value head) for the chunked one, (sequence, value head) for the
   // token-serial one; one parameter-gradient partial row per task row.
   const int64_t partial_rows = chunked ? tapes.size(0) : d.N;
   const int64_t tasks = partial_rows * d.HV;
