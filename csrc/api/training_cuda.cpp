@@ -282,16 +282,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   // per-CTA state scratch of the token-serial sweep
   Tensor scratch = at::empty({chunked ? 0 : std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  Tensor dstates;
+  Tensor dstates, dstate_cu_starts;
   if (chunked) {
-    // The backward chain (the chunked kernel in reverse): dS at the end of every 16-token chunk, four rows per
-    // tape row, and dinitial_state.
-    dstates = at::empty({tapes.size(0) * (kTapeChunk / 16), d.HV, kBwdDim, kBwdDim}, f32);
+    // The backward chain (the chunked kernel in reverse): dS at the end of every 16-token chunk and
+    // dinitial_state. Rows: a 16-token prefix like tape_cu_starts (fixed: B ceil(T/16); packed: <= T/16 + N).
+    dstate_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
+    check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
+                                     cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
+                                     dstate_cu_starts.data_ptr<int64_t>(), stream, 16),
+               "kda dS row starts kernel");
+    const int64_t drows = cu_seqlens.has_value() ? d.T / 16 + d.N : d.B * ((d.T + 15) / 16);
+    dstates = at::empty({drows, d.HV, kBwdDim, kBwdDim}, f32);
     // (named: the kernel reads these copies after this statement)
     const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), gc = kernel_tokens(g), dO = kernel_tokens(dout);
     RecurrentParams pc = training_recurrent_params(qc, kc, dO, gc, beta, A, dtb, cu_seqlens, dO, dfinal, dinit,
                                                    dstates, tape_cu_starts, scale, lower_bound);
     pc.out = nullptr;  // the chain writes no output
+    pc.checkpoint_every_n_tokens = 16;  // dS of every 16-token chunk: row dstate_cu_starts[n] + chunk
+    pc.checkpoint_cu_starts = dstate_cu_starts.data_ptr<int64_t>();
     check_cuda(launch_chunked_backward_chain(pc, stream), "kda backward chain kernel");
   }
 
@@ -330,6 +338,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.ddt_partial = partials.data_ptr<float>();
   p.dA_partial = p.ddt_partial + tasks * kBwdDim;
   p.dstates = chunked ? dstates.data_ptr<float>() : nullptr;
+  p.dstate_cu_starts = chunked ? dstate_cu_starts.data_ptr<int64_t>() : nullptr;
+  p.n_dstate_rows = chunked ? dstates.size(0) : 0;
   p.scratch = chunked ? nullptr : scratch.data_ptr<float>();
   p.grid = grid;
   p.dq = dq.data_ptr();

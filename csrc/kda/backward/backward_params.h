@@ -61,10 +61,13 @@ struct TrainingBackwardParams {
   int64_t partial_rows = 0;
   float* ddt_partial = nullptr;  // [partial_rows, HV, 128] ddt_bias sums
   float* dA_partial = nullptr;   // [partial_rows, HV] dA_log sums
-  // Chunked sweep only: the chain gradient dL/dS at the END of every 16-token chunk, [4 n_tape_rows, HV, 128,
-  // 128] fp32, row 4 r + j for chunk j of tape row r (written by the backward chain,
-  // launch_chunked_backward_chain, which also writes dinitial_state).
+  // Chunked sweep only: the chain gradient dL/dS at the END of every 16-token chunk, [n_dstate_rows, HV, 128,
+  // 128] fp32, row dstate_cu_starts[n] + j for the j-th 16-token chunk of sequence n (launch_tape_cu_starts
+  // with chunk 16); written by the backward chain, launch_chunked_backward_chain, which also writes
+  // dinitial_state.
   const float* dstates = nullptr;
+  const int64_t* dstate_cu_starts = nullptr;  // [N+1]
+  int64_t n_dstate_rows = 0;
   float* scratch = nullptr;      // token-serial sweep only: [grid, kBwdScratchPerCta]
   int grid = 0;                  // CTAs of the reverse kernel (persistent over its tasks)
 
@@ -93,9 +96,10 @@ cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams&
 // No host synchronisation, no allocation (CUDA-graph capturable).
 cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream_t stream);
 
-// tape_cu_starts[0] = 0, tape_cu_starts[n+1] = tape_cu_starts[n] + ceil(L_n / kTapeChunk), with L_n the
-// sequence lengths of RecurrentParams' rule (seq_range: cu_seqlens clamped to [0, T]; fixed: T).
+// tape_cu_starts[0] = 0, tape_cu_starts[n+1] = tape_cu_starts[n] + ceil(L_n / chunk), with L_n the
+// sequence lengths of RecurrentParams' rule (seq_range: cu_seqlens clamped to [0, T]; fixed: T). chunk =
+// kTapeChunk: the tape rows; 16: the backward chain's dS rows.
 cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64, int64_t N, int64_t T,
-                                  int64_t* tape_cu_starts, cudaStream_t stream);
+                                  int64_t* tape_cu_starts, cudaStream_t stream, int chunk = kTapeChunk);
 
 }  // namespace kda

@@ -471,14 +471,14 @@ __global__ void kda_training_backward_param_finish_kernel(const TrainingBackward
 constexpr int kScanThreads = 1024;
 
 __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const void* cu, bool i64, int64_t N,
-                                                                          int64_t T, int64_t* out) {
+                                                                          int64_t T, int chunk, int64_t* out) {
   __shared__ int64_t part[kScanThreads];
   const int tid = threadIdx.x;
   const int64_t per = (N + kScanThreads - 1) / kScanThreads;
   const int64_t beg = tid * per;
   const int64_t end = beg + per < N ? beg + per : N;
   int64_t local = 0;
-  for (int64_t n = beg; n < end; ++n) local += (seq_range(cu, i64, T, n).len + kTapeChunk - 1) / kTapeChunk;
+  for (int64_t n = beg; n < end; ++n) local += (seq_range(cu, i64, T, n).len + chunk - 1) / chunk;
   part[tid] = local;
   __syncthreads();
   if (tid == 0) {
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
   __syncthreads();
   int64_t run = part[tid];
   for (int64_t n = beg; n < end; ++n) {
-    run += (seq_range(cu, i64, T, n).len + kTapeChunk - 1) / kTapeChunk;
+    run += (seq_range(cu, i64, T, n).len + chunk - 1) / chunk;
     out[n + 1] = run;
   }
 }
@@ -545,8 +545,10 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
 }
 
 cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64, int64_t N, int64_t T,
-                                  int64_t* tape_cu_starts, cudaStream_t stream) {
-  kda_tape_cu_starts_kernel<<<1, kScanThreads, 0, stream>>>(cu_seqlens, cu_seqlens_int64, N, T, tape_cu_starts);
+                                  int64_t* tape_cu_starts, cudaStream_t stream, int chunk) {
+  if (chunk <= 0) return cudaErrorInvalidValue;
+  kda_tape_cu_starts_kernel<<<1, kScanThreads, 0, stream>>>(cu_seqlens, cu_seqlens_int64, N, T, chunk,
+                                                            tape_cu_starts);
   return cudaGetLastError();
 }
 

@@ -435,6 +435,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
                                                                                 : kTapeChunk);
       const int nsub = (clen + kC - 1) / kC;
+      // dS_C row of sub-chunk sb (a broken dstate_cu_starts reads nothing out of bounds: null = zeros)
+      const int64_t drow0 = p.dstate_cu_starts[n] + c * kSubPerTape;
+      const auto dstate = [&](int sb) -> const float* {
+        const int64_t r = drow0 + sb;
+        return r >= 0 && r < p.n_dstate_rows ? p.dstates + (r * p.HV + tk.hv) * kState : nullptr;
+      };
       // Forward over the sub-chunks: S is the state entering sub-chunk sb (updated at the end of each step),
       // dS the chain gradient leaving it (from the backward chain).
       for (int sb = 0; sb < nsub; ++sb) {
@@ -442,15 +448,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         const int64_t t0 = tc0 + sb * kC;
         if (sb + 1 < nsub) {
           prefetch_sub_chunk(p, tk, t0 + kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
-          prefetch_state_l2(p.dstates + ((row * kSubPerTape + sb + 1) * p.HV + tk.hv) * kState);
-        } else if (task + gridDim.x < tasks) {  // this CTA's next task: its tape row and first dS
+          if (const float* nd = dstate(sb + 1)) prefetch_state_l2(nd);
+        } else if (task + gridDim.x < tasks) {  // this CTA's next task: its tape row
           const int64_t nrow = (task + gridDim.x) / p.HV, nhv = (task + gridDim.x) % p.HV;
           prefetch_state_l2(p.tapes + (nrow * p.HV + nhv) * kState);
-          prefetch_state_l2(p.dstates + (nrow * kSubPerTape * p.HV + nhv) * kState);
         }
         // (the previous step's last reads of dS are behind its closing barrier; sub_chunk_forward's first
         // barrier publishes these stores before any use)
-        state_to_smem(sm.dS, p.dstates + ((row * kSubPerTape + sb) * p.HV + tk.hv) * kState);
+        if (const float* ds = dstate(sb)) {
+          state_to_smem(sm.dS, ds);
+        } else {
+          for (int i = tid; i < kD * kLD; i += kThreads) sm.dS[i] = 0.f;
+        }
         sub_chunk_forward(sm, p, tk, t0, len);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
         // Column-local: a warp reads back only the dR columns it wrote (frag_each and mma_frag's B operand

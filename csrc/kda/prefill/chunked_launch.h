@@ -26,8 +26,9 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream);
 // The backward chain of the CUDA training backward on the same kernel (BWD mode): walks each sequence's
 // chunks last to first carrying the chain gradient dS (kda_ops/reference_chunked_backward.py, chain_step).
 // `p` as for a training forward with tapes, except: p.v = dO, p.state_source = dfinal_state (fp32; null =
-// zeros), p.final_state = dinitial_state, and p.state_checkpoints ([4 * tape rows, HV, V, K] with every = 64
-// and tape_cu_starts) receives dS at the END of every 16-token chunk: row 4 r + j for chunk j of tape row r. Needs the default pipeline's ~150-160 KB of shared memory per block.
+// zeros), p.final_state = dinitial_state, and p.state_checkpoints receives dS at the END of every 16-token
+// chunk: row (every / 16) checkpoint_cu_starts[n] + j for chunk j (the training backward: every = 16 with a
+// 16-token row prefix). Needs the default pipeline's ~150-160 KB of shared memory per block.
 cudaError_t launch_chunked_backward_chain(const RecurrentParams& p, cudaStream_t stream);
 
 }  // namespace kda
