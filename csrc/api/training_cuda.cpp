@@ -254,8 +254,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   const auto f32 = q.options().dtype(at::kFloat);
   const auto tok = q.options();
 
-  Tensor dq = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
-  Tensor dk = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
+  // No GQA group (HV == H) on the chunked sweep: it writes dq, dk itself (after the L2-norm backward), so
+  // tokens no task reaches must read as zero; otherwise the qk finishing kernel writes every token.
+  const bool fused_qk = training_backward_use_chunked() && d.HV == d.H;
+  Tensor dq = fused_qk ? at::zeros({d.B, d.T, d.H, kBwdDim}, tok) : at::empty({d.B, d.T, d.H, kBwdDim}, tok);
+  Tensor dk = fused_qk ? at::zeros({d.B, d.T, d.H, kBwdDim}, tok) : at::empty({d.B, d.T, d.H, kBwdDim}, tok);
   // Zero-filled: tokens no task reaches stay zero (outside every packed sequence, or tapes / tape_cu_starts
   // passed to the op directly that do not cover the shapes), never stale memory.
   Tensor dv = at::zeros({d.B, d.T, d.HV, kBwdDim}, tok);
@@ -277,7 +280,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   const int64_t partial_rows = chunked ? tapes.size(0) : d.N;
   const int64_t tasks = partial_rows * d.HV;
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
-  Tensor head_grads = at::zeros({2, d.B * d.T * d.HV * kBwdDim}, f32);
+  Tensor head_grads = at::zeros({fused_qk ? 0 : 2 * d.B * d.T * d.HV * kBwdDim}, f32);
   Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
   // per-CTA state scratch of the token-serial sweep
   Tensor scratch = at::empty({chunked ? 0 : std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
@@ -331,9 +334,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.dg = dg.data_ptr();
   p.dbeta = dbeta.data_ptr();
   p.dinitial_state = dinit.data_ptr<float>();
-  float* hg = head_grads.data_ptr<float>();
+  float* hg = fused_qk ? nullptr : head_grads.data_ptr<float>();
   p.dq_head = hg;
-  p.dk_head = hg + d.B * d.T * d.HV * kBwdDim;
+  p.dk_head = fused_qk ? nullptr : hg + d.B * d.T * d.HV * kBwdDim;
+  p.fused_qk = fused_qk;
   p.partial_rows = partial_rows;
   p.ddt_partial = partials.data_ptr<float>();
   p.dA_partial = p.ddt_partial + tasks * kBwdDim;

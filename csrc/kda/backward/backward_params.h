@@ -71,6 +71,10 @@ struct TrainingBackwardParams {
   float* scratch = nullptr;      // token-serial sweep only: [grid, kBwdScratchPerCta]
   int grid = 0;                  // CTAs of the reverse kernel (persistent over its tasks)
 
+  // Chunked sweep with HV == H (no GQA group to sum): the sweep does the L2-norm backward itself and writes
+  // dq, dk (caller zeroes them: tokens no task reaches); dq_head, dk_head unused, no qk finishing kernel.
+  bool fused_qk = false;
+
   // Outputs of the finishing kernels.
   void* dq = nullptr;        // [B, T, H, 128] bf16 compact
   void* dk = nullptr;        // [B, T, H, 128] bf16 compact

@@ -531,7 +531,7 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t warps = p.B * p.T * p.H * 2;
-  if (warps > 0) {
+  if (warps > 0 && !p.fused_qk) {
     const int64_t blocks = (warps * 32 + 255) / 256;
     kda_training_backward_qk_finish_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
     err = cudaGetLastError();

@@ -67,6 +67,8 @@ struct ChunkedBwdSmem {
   float dA[kC][kC];    // dL/dA (strictly lower), A = I + diag(β) L
   float dM[kC][kC];
   float beta[kC];      // σ(logit), 0 on padding tokens
+  float rho_q[kC];     // 1 / |q| and 1 / |k| (the L2 norms' rsqrt, no scale), for the fused L2-norm backward
+  float rho_k[kC];
   float gC[kD];        // e^{Γ_last}
   float ext[kD];       // extra dΓ of the last position (Kr·dKr and the S_0 decay term)
   float part[4][kD];   // partial column sums
@@ -309,7 +311,9 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
         sq = fmaf(qx[e], qx[e], sq);
       }
       const float rk = rsqrtf(warp_sum32(sk) + kL2NormEps);
-      const float rq = rsqrtf(warp_sum32(sq) + kL2NormEps) * p.scale;
+      const float r0 = rsqrtf(warp_sum32(sq) + kL2NormEps);
+      const float rq = r0 * p.scale;
+      if (lane == 0) sm.rho_q[tl] = r0, sm.rho_k[tl] = rk;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         kx[e] *= rk;
@@ -539,7 +543,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
             const float dq = fmaf(sm.kr[o], ev, P(t, cc) * rm[e]);
             const float dk_row = fmaf(sm.vx[o], ev, P(t, cc) * rl[e]);
             const float dk_col = fmaf(sm.dr[o], sm.gC[cc] * ei, N(t, cc) * cl[e]);
-            if (t < len) {
+            if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (kr, vx are dead: own elements)
+              sm.kr[o] = dq * p.scale;
+              sm.vx[o] = dk_row + dk_col;
+            } else if (t < len) {
               const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
               p.dq_head[ho] = dq * p.scale;
               p.dk_head[ho] = dk_row + dk_col;
@@ -548,6 +555,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           }
         }
         __syncthreads();
+        if (p.fused_qk) {  // no GQA group: the L2-norm backward here, dx = ρ (dx̂ - (x̂·dx̂) x̂); warp w: token w
+          const int w = tid >> 5, lane = tid & 31;
+          if (w < len) {
+            const int o = w * kLD + 4 * lane;
+            const float4 dqh = ld4(sm.kr + o), dkh = ld4(sm.vx + o), kh = ld4(sm.kn + o), qs4 = ld4(sm.qs + o);
+            const float is = 1.f / p.scale;
+            const float4 qh = make_float4(qs4.x * is, qs4.y * is, qs4.z * is, qs4.w * is);
+            const float dotq = warp_sum32(dot4(qh, dqh, 0.f)), dotk = warp_sum32(dot4(kh, dkh, 0.f));
+            const float rq = sm.rho_q[w], rk = sm.rho_k[w];
+            const int64_t oo = ((tk.s.batch * p.T + t0 + w) * p.H + tk.hq) * kD + 4 * lane;
+            const __nv_bfloat162 q01 = __floats2bfloat162_rn(rq * (dqh.x - dotq * qh.x), rq * (dqh.y - dotq * qh.y));
+            const __nv_bfloat162 q23 = __floats2bfloat162_rn(rq * (dqh.z - dotq * qh.z), rq * (dqh.w - dotq * qh.w));
+            const __nv_bfloat162 k01 = __floats2bfloat162_rn(rk * (dkh.x - dotk * kh.x), rk * (dkh.y - dotk * kh.y));
+            const __nv_bfloat162 k23 = __floats2bfloat162_rn(rk * (dkh.z - dotk * kh.z), rk * (dkh.w - dotk * kh.w));
+            *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.dq) + oo) =
+                make_uint2(*reinterpret_cast<const uint32_t*>(&q01), *reinterpret_cast<const uint32_t*>(&q23));
+            *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.dk) + oo) =
+                make_uint2(*reinterpret_cast<const uint32_t*>(&k01), *reinterpret_cast<const uint32_t*>(&k23));
+          }
+        }
         {  // da = reverse cumsum of dΓ (4 lanes per channel, 4 tokens each); a = λ σ(z), z = A (g + dt_bias)
           const int c = tid >> 2, part = tid & 3;
           float zt[4], suf[4], run = 0.f;
