@@ -415,8 +415,19 @@ def test_backward_chain_wide_grid():
     _, _, g_ref = _reference(x, cu_seqlens=None, scale=sc, lower_bound=-1.0)
     c = _cuda(x)
     got = torch.ops.kda.recurrent_kda_backward(
-        c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"], c["initial_state"], None, c["do"],
-        c["dfinal_state"], sc, -1.0
+        c["q"],
+        c["k"],
+        c["v"],
+        c["g"],
+        c["beta"],
+        c["A_log"],
+        c["dt_bias"],
+        c["initial_state"],
+        None,
+        c["do"],
+        c["dfinal_state"],
+        sc,
+        -1.0,
     )
     errs = _errors(GRADS, got, g_ref)
     _report(f"chain_wide_grid: {_fmt(errs)}")
@@ -449,3 +460,73 @@ def test_backward_chain_and_tape_rows(lam):
     assert not bad, f"over tolerance {bad}: {_fmt(errs)}"
     for n_, a, b in zip(GRADS, got, again, strict=True):
         assert torch.equal(a, b), f"{n_} rerun is not bit-identical"
+
+
+_SERIAL_SWEEP = """
+import math, torch, kda_ops
+from kda_ops.reference import reference_training_grads, rel_rms
+import sys
+sys.path.insert(0, "tests/gpu")
+import test_training_cuda as t
+x = t._case_inputs(1, 0, 2, 4, [70, 0, 33], False, seed=3, with_dfinal=True)
+sc = 1.0 / math.sqrt(128)
+_, _, ref = t._reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=-1.0)
+c = t._cuda(x)
+got = torch.ops.kda.recurrent_kda_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"],
+                                           c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, -1.0)
+for n, a, r in zip(t.GRADS, got, ref):
+    print(n, f"{rel_rms(a, r):.2e}")
+"""
+
+
+def test_serial_sweep_subprocess():
+    """KDA_TRAINING_BACKWARD=serial (read once per process, so in a subprocess): the token-serial sweep
+    against the fp64 reference on a packed GQA case with an empty sequence."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, KDA_TRAINING_BACKWARD="serial")
+    r = subprocess.run(
+        [sys.executable, "-c", _SERIAL_SWEEP], capture_output=True, text=True, timeout=300, cwd=root, env=env
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    errs = {line.split()[0]: float(line.split()[1]) for line in r.stdout.strip().splitlines()}
+    _report("serial_sweep: " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
+    assert len(errs) == len(GRADS) and all(v <= TOL_GRAD for v in errs.values()), errs
+
+
+def test_fused_qk_uncovered_tokens():
+    """HV == H (the sweep does the L2-norm backward itself and writes dq/dk): packed rows with an empty
+    sequence and 7 tokens after the last sequence that no sequence covers; gradients against the fp64
+    reference, and exactly zero on the uncovered tokens."""
+    x = _case_inputs(1, 0, 4, 4, [40, 0, 21], False, seed=13, with_dfinal=True)
+    pad = 7
+    gen = torch.Generator().manual_seed(99)
+    for n in ("q", "k", "v", "g", "do", "beta"):
+        extra = torch.randn(1, pad, *x[n].shape[2:], generator=gen).to(x[n].dtype)
+        x[n] = torch.cat([x[n], extra], 1)
+    sc, lam = 1.0 / math.sqrt(K), -1.0
+    _, _, g_ref = _reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam)
+    c = _cuda(x)
+    got = torch.ops.kda.recurrent_kda_backward(
+        c["q"],
+        c["k"],
+        c["v"],
+        c["g"],
+        c["beta"],
+        c["A_log"],
+        c["dt_bias"],
+        c["initial_state"],
+        c["cu_seqlens"],
+        c["do"],
+        c["dfinal_state"],
+        sc,
+        lam,
+    )
+    errs = _errors(GRADS, got, g_ref)
+    _report(f"fused_qk_uncovered: {_fmt(errs)}")
+    bad = [n_ for n_, (r, _) in errs.items() if r > TOL_GRAD]
+    assert not bad, f"over tolerance {bad}: {_fmt(errs)}"
+    for n_, t in zip(GRADS[:5], got[:5], strict=True):
+        assert (t[:, -pad:] == 0).all(), f"{n_}: uncovered tokens are not zero"
