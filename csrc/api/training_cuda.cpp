@@ -286,6 +286,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   Tensor scratch = at::empty({chunked ? 0 : std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Tensor dstates, dstate_cu_starts;
+  // Token tensors as the kernels want them (16-byte aligned base, strides multiples of 8 elements): the chain
+  // and the chunked sweep read them with vector loads. (Named: the kernels read these copies after this.)
+  const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), vc = kernel_tokens(v), gc = kernel_tokens(g),
+               dO = kernel_tokens(dout);
   if (chunked) {
     // The backward chain (the chunked kernel in reverse): dS at the end of every 16-token chunk and
     // dinitial_state. Rows: a 16-token prefix like tape_cu_starts (fixed: B ceil(T/16); packed: <= T/16 + N).
@@ -296,8 +300,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
                "kda dS row starts kernel");
     const int64_t drows = cu_seqlens.has_value() ? d.T / 16 + d.N : d.B * ((d.T + 15) / 16);
     dstates = at::empty({drows, d.HV, kBwdDim, kBwdDim}, f32);
-    // (named: the kernel reads these copies after this statement)
-    const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), gc = kernel_tokens(g), dO = kernel_tokens(dout);
     RecurrentParams pc = training_recurrent_params(qc, kc, dO, gc, beta, A, dtb, cu_seqlens, dO, dfinal, dinit,
                                                    dstates, tape_cu_starts, scale, lower_bound);
     pc.out = nullptr;  // the chain writes no output
@@ -312,12 +314,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.N = d.N;
   p.H = d.H;
   p.HV = d.HV;
-  p.q = token_view(q);
-  p.k = token_view(k);
-  p.v = token_view(v);
-  p.g = token_view(g);
+  p.q = token_view(qc);
+  p.k = token_view(kc);
+  p.v = token_view(vc);
+  p.g = token_view(gc);
   p.beta = token_view(beta);
-  p.dout = token_view(dout);
+  p.dout = token_view(dO);
   p.A_log = A.data_ptr<float>();
   p.dt_bias = dtb.data_ptr<float>();
   p.tapes = tapes.data_ptr<float>();

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
 
 #include "kda/backward/backward_common.cuh"
@@ -250,12 +251,31 @@ __device__ __forceinline__ void rank_update(float* X, const float* gC, FA fa, FB
   }
 }
 
-// [128][128] compact global -> [128][kLD] shared.
-__device__ __forceinline__ void state_to_smem(float* dst, const float* src) {
+// [128][128] compact global -> [128][kLD] shared, asynchronous (cp.async, 16 bytes per copy, no registers):
+// each thread's copies are complete after its cp_async_wait<0>(), visible to the CTA after a barrier behind
+// it. A null src writes zeros (plain stores, visible after the same barrier).
+__device__ __forceinline__ void state_to_smem_async(float* dst, const float* src) {
+  if (src == nullptr) {
+    for (int i = threadIdx.x; i < kD * kLD / 4; i += kThreads) st4(dst + 4 * i, make_float4(0.f, 0.f, 0.f, 0.f));
+    return;
+  }
+#pragma unroll
   for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
     const int v = i >> 5, c = (i & 31) * 4;
-    st4(dst + v * kLD + c, ld4(src + v * kD + c));
+    cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
+        *reinterpret_cast<const cute::uint128_t*>(src + v * kD + c), *reinterpret_cast<cute::uint128_t*>(dst + v * kLD + c));
   }
+  cute::cp_async_fence();
+}
+
+// Four consecutive bf16 (8 bytes, aligned: the host passes token tensors with 16-byte bases and strides that
+// are multiples of 8 elements) as floats; bf16 -> fp32 is exact (the high half of the word).
+__device__ __forceinline__ void ld_bf16x4(const void* base, int64_t off, float (&x)[4]) {
+  const uint2 r = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + off);
+  x[0] = __uint_as_float(r.x << 16);
+  x[1] = __uint_as_float(r.x & 0xffff0000u);
+  x[2] = __uint_as_float(r.y << 16);
+  x[3] = __uint_as_float(r.y & 0xffff0000u);
 }
 
 struct Task {
@@ -298,15 +318,16 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
       const int64_t vo = p.v.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
       const int64_t oo = p.dout.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
       const int64_t go = p.g.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
-      float sk = 0.f, sq = 0.f;
+      float sk = 0.f, sq = 0.f, gx[4];
+      ld_bf16x4(p.k.ptr, ko, kx);
+      ld_bf16x4(p.q.ptr, qo, qx);
+      ld_bf16x4(p.v.ptr, vo, vv);
+      ld_bf16x4(p.dout.ptr, oo, dd);
+      ld_bf16x4(p.g.ptr, go, gx);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        kx[e] = ld_bf16(p.k.ptr, ko + e);
-        qx[e] = ld_bf16(p.q.ptr, qo + e);
-        vv[e] = ld_bf16(p.v.ptr, vo + e);
-        dd[e] = ld_bf16(p.dout.ptr, oo + e);
         const float dtb = p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + 4 * lane + e] : 0.f;
-        a[e] = lam * sigmoidf_(tk.A * (ld_bf16(p.g.ptr, go + e) + dtb));
+        a[e] = lam * sigmoidf_(tk.A * (gx[e] + dtb));
         sk = fmaf(kx[e], kx[e], sk);
         sq = fmaf(qx[e], qx[e], sq);
       }
@@ -433,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     float ddt_acc = 0.f, dA_acc = 0.f;
 
     __syncthreads();  // the previous task is done with S and dS
-    state_to_smem(sm.S, p.tapes + (row * p.HV + tk.hv) * kState);
+    state_to_smem_async(sm.S, p.tapes + (row * p.HV + tk.hv) * kState);
     {
       const int64_t tc0 = tk.s.bos + c * kTapeChunk;
       const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
@@ -446,8 +467,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         return r >= 0 && r < p.n_dstate_rows ? p.dstates + (r * p.HV + tk.hv) * kState : nullptr;
       };
       // Forward over the sub-chunks: S is the state entering sub-chunk sb (updated at the end of each step),
-      // dS the chain gradient leaving it (from the backward chain).
+      // dS the chain gradient leaving it (from the backward chain). dS of sub-chunk sb + 1 is copied in while
+      // step sb finishes (from the barrier after its last read of dS).
+      state_to_smem_async(sm.dS, dstate(0));
       for (int sb = 0; sb < nsub; ++sb) {
+        // this thread's copies of S and dS are done; sub_chunk_forward's first barrier publishes every thread's
+        cute::cp_async_wait<0>();
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
         const int64_t t0 = tc0 + sb * kC;
         if (sb + 1 < nsub) {
@@ -456,13 +481,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         } else if (task + gridDim.x < tasks) {  // this CTA's next task: its tape row
           const int64_t nrow = (task + gridDim.x) / p.HV, nhv = (task + gridDim.x) % p.HV;
           prefetch_state_l2(p.tapes + (nrow * p.HV + nhv) * kState);
-        }
-        // (the previous step's last reads of dS are behind its closing barrier; sub_chunk_forward's first
-        // barrier publishes these stores before any use)
-        if (const float* ds = dstate(sb)) {
-          state_to_smem(sm.dS, ds);
-        } else {
-          for (int i = tid; i < kD * kLD; i += kThreads) sm.dS[i] = 0.f;
         }
         sub_chunk_forward(sm, p, tk, t0, len);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
@@ -509,7 +527,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           }
         }
         gemm_ab(sm.dr, sm.R, sm.dS, 1.f, nullptr);  // dKr = R dS_C (dR is dead)
-        __syncthreads();                              // everyone is done with vx (dβ)
+        __syncthreads();                              // everyone is done with vx (dβ) and with dS
+        if (sb + 1 < nsub) state_to_smem_async(sm.dS, dstate(sb + 1));
         gemm_ab(sm.vx, sm.kp, sm.S, -1.f, sm.beta);  // dK⁺ = -β dY S_0
         if (tid < kD) {
           float s = 0.f;
