@@ -57,10 +57,10 @@ struct ChunkedBwdSmem {
   float E[kC * kLD];   // e^{Γ} (first the log-decay a)
   float Ei[kC * kLD];  // e^{-Γ}
   float vx[kC * kLD];  // v, then V - X, then dK⁺
-  float dO[kC * kLD];  // dL/do
+  float dO[kC * kLD];  // dL/do, then dL/dq̂ (the fused L2-norm backward)
   float R[kC * kLD];   // deltas R = INV β (V - X)
-  float kr[kC * kLD];  // Kr = k e^{Γ_last - Γ}, then dQ⁺
-  float kp[kC * kLD];  // K⁺ = k e^{Γ}, then dY, then dΓ
+  float kr[kC * kLD];  // Kr = k e^{Γ_last - Γ}
+  float kp[kC * kLD];  // K⁺ = k e^{Γ}, then dY, then dQ⁺, then dΓ
   float dr[kC * kLD];  // dR, then dKr
   float L[kC][kC];     // strictly lower, β not applied
   float M[kC][kC];     // Mqk, lower incl. diagonal
@@ -143,7 +143,7 @@ __device__ __forceinline__ void ldsm_f32x4(const float* p, uint32_t (&r)[4]) {
 // d += Σ_k A[m][k] B(k, n0 + n) over k < 128, plain tf32, with A a [16][kLD] shared tile (k contiguous) read by
 // ldmatrix; B_NK: B stored [n][kLD] (k contiguous, ldmatrix too), else [k][kLD] (n contiguous, scalar loads).
 // Rows of kLD = 132 floats put the 8 rows of an ldmatrix phase in 8 distinct 16-byte bank groups.
-template <bool B_NK>
+template <bool B_NK, bool A_EXACT = false>
 __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, const float* B) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const float* pa = A + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLD + 4 * (lane >> 4);
@@ -161,7 +161,10 @@ __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, 
       for (int i = 0; i < 4; ++i) b[i] = __float_as_uint(pb[(k0 + 4 * i) * kLD]);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a0[i] += 0x1000u, a1[i] += 0x1000u, b[i] += 0x1000u;  // round (see tf32)
+    for (int i = 0; i < 4; ++i) {  // round (see tf32); A_EXACT: A holds tf32-exact values (bf16 inputs)
+      if constexpr (!A_EXACT) a0[i] += 0x1000u, a1[i] += 0x1000u;
+      b[i] += 0x1000u;
+    }
     mma_tf32(d, a0, b[0], b[1]);
     mma_tf32(e, a1, b[2], b[3]);
   }
@@ -181,11 +184,12 @@ __device__ __forceinline__ void gemm_abt(float* C, const float* A, const float* 
 }
 
 // C[t][c] = sign·rs(t)·Σ_v A[t][v] B[v][c]   (A, C [16][kLD]; B [128][kLD]); rs = row_scale or 1.
+template <bool A_EXACT = false>
 __device__ __forceinline__ void gemm_ab(float* C, const float* A, const float* B, float sign,
                                         const float* row_scale) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
-  mma_rows<false>(d, n0, A, B);
+  mma_rows<false, A_EXACT>(d, n0, A, B);
   frag_each(d, n0, [&](int t, int c, float x) { C[t * kLD + c] = (row_scale ? sign * row_scale[t] : sign) * x; });
 }
 
@@ -535,13 +539,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           for (int t = 0; t < kC; ++t) s = fmaf(sm.kr[t * kLD + tid], sm.dr[t * kLD + tid], s);
           sm.ext[tid] += s;
         }
-        __syncthreads();                              // kr is dead
-        gemm_ab(sm.kr, sm.dO, sm.S, 1.f, nullptr);   // dQ⁺ = dO S_0
-        __syncthreads();  // dY (kp) is dead: dΓ goes there; every product with S_0 is done
-        // the state entering the next sub-chunk: S = S g_C + Rᵀ Kr (Kr = k e^{Γ_last - Γ} re-formed: kr holds dQ⁺)
+        __syncthreads();                                        // dY (kp) is dead: dQ⁺ goes there
+        gemm_ab<true>(sm.kp, sm.dO, sm.S, 1.f, nullptr);  // dQ⁺ = dO S_0 (dO is bf16: exact in tf32)
+        __syncthreads();  // every product with S_0 is done; dO is dead (the fused dq̂ goes there)
+        // the state entering the next sub-chunk: S = S g_C + Rᵀ Kr
         if (sb + 1 < nsub)
           rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
-                         [&](int, int t, int c) { return sm.kn[t * kLD + c] * (sm.gC[c] * sm.Ei[t * kLD + c]); });
+                         [&](int, int t, int c) { return sm.kr[t * kLD + c]; });
         {  // pair terms on tensor cores (mid-token reference, as L and Mqk), then dq, dk, dΓ per element
           const int n0 = (tid >> 5) * 8;
           const auto P = [&](int i, int c) { return sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]; };
@@ -559,18 +563,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           for (int e = 0; e < 4; ++e) {
             const int t = g + 8 * (e >> 1), cc = n0 + 2 * q + (e & 1), o = t * kLD + cc;
             const float ev = sm.E[o], ei = sm.Ei[o];
-            const float dq = fmaf(sm.kr[o], ev, P(t, cc) * rm[e]);
+            const float dq = fmaf(sm.kp[o], ev, P(t, cc) * rm[e]);
             const float dk_row = fmaf(sm.vx[o], ev, P(t, cc) * rl[e]);
             const float dk_col = fmaf(sm.dr[o], sm.gC[cc] * ei, N(t, cc) * cl[e]);
-            if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (kr, vx are dead: own elements)
-              sm.kr[o] = dq * p.scale;
+            if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (dO is dead, vx: own elements)
+              sm.dO[o] = dq * p.scale;
               sm.vx[o] = dk_row + dk_col;
             } else if (t < len) {
               const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
               p.dq_head[ho] = dq * p.scale;
               p.dk_head[ho] = dk_row + dk_col;
             }
-            sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));
+            sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));  // dΓ over dQ⁺ (own element)
           }
         }
         __syncthreads();
@@ -578,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           const int w = tid >> 5, lane = tid & 31;
           if (w < len) {
             const int o = w * kLD + 4 * lane;
-            const float4 dqh = ld4(sm.kr + o), dkh = ld4(sm.vx + o), kh = ld4(sm.kn + o), qs4 = ld4(sm.qs + o);
+            const float4 dqh = ld4(sm.dO + o), dkh = ld4(sm.vx + o), kh = ld4(sm.kn + o), qs4 = ld4(sm.qs + o);
             const float is = 1.f / p.scale;
             const float4 qh = make_float4(qs4.x * is, qs4.y * is, qs4.z * is, qs4.w * is);
             const float dotq = warp_sum32(dot4(qh, dqh, 0.f)), dotk = warp_sum32(dot4(kh, dkh, 0.f));
