@@ -30,11 +30,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-# Triton's compile + autotune cache (fla's chunk_kda kernels autotune for minutes in a fresh process): a
-# carried .triton_cache/ (git-ignored) is used in place, and TRITON_CACHE_OUT=1 returns the cache as
-# $OUT/triton_cache.tar.gz, to unpack into .triton_cache/ here and carry next time (carry: [".triton_cache"]).
+# Triton's compile + autotune cache (fla's chunk_kda kernels compile and autotune for minutes in a fresh
+# process). TRITON_CACHE_OUT=1 returns it compressed, split into parts under the device tool's 16 MiB file
+# limit ($OUT/triton_cache.tgz.part00, part01, ...: ~29 MB after fla's first training case in session 5).
+# Next time put those parts in .triton_cache_parts/ (git-ignored) and carry it: they are unpacked into
+# $TRITON_CACHE_DIR before the stages. A carried .triton_cache/ (unpacked) is used in place too.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G ".triton_cache_parts/triton_cache.tgz.part*" >/dev/null; then
+  cat .triton_cache_parts/triton_cache.tgz.part* | tar -xzf - -C "$TRITON_CACHE_DIR" ||
+    echo "warning: .triton_cache_parts did not unpack; Triton starts from an empty cache"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 
 # ncu_source REGEX SKIP NAME CASE: profile one launch of the kernels matching REGEX in scripts/ncu_profile.py
@@ -87,7 +93,9 @@ done
 # The device tool returns at most 8 files from $OUT: every stage log also goes into the archive.
 mkdir -p "$RESULTS/logs" && cp "$OUT"/*.log "$RESULTS/logs/" 2>/dev/null
 tar -czf "$OUT/results.tar.gz" -C "$RESULTS" . 2>/dev/null
-[ "${TRITON_CACHE_OUT:-0}" = 1 ] && tar -czf "$OUT/triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+if [ "${TRITON_CACHE_OUT:-0}" = 1 ]; then
+  tar -czf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M -d - "$OUT/triton_cache.tgz.part"
+fi
 # One log for all benchmarks keeps the returned file count low.
 for s in $STAGES; do case $s in bench_*) [ -f "$OUT/$s.log" ] && { echo "== $s"; cat "$OUT/$s.log"; rm "$OUT/$s.log"; };; esac; done >"$OUT/bench.log"
 python3 - "$SUMMARY" "$STAGES" <<PY
