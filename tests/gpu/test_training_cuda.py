@@ -72,6 +72,12 @@ def _cuda(x: dict) -> dict:
     return {k: (None if v is None else v.cuda()) for k, v in x.items()}
 
 
+def _raw_backward(c, cu, sc, lam):
+    """torch.ops.kda.recurrent_kda_backward (from the raw inputs) on the tensors of _cuda / _case_inputs."""
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    return torch.ops.kda.recurrent_kda_backward(*(c[n] for n in names), cu, c["do"], c["dfinal_state"], sc, lam)
+
+
 def _expected_tapes(x, scale, lam):
     res = recurrent_kda_reference(
         x["q"],
@@ -328,9 +334,7 @@ def test_cuda_graph_capture_backward():
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
     def call():
-        return torch.ops.kda.recurrent_kda_backward(
-            *(c[n] for n in names), c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
-        )
+        return _raw_backward(c, c["cu_seqlens"], sc, lam)
 
     call()  # eager warm-up
     torch.cuda.synchronize()
@@ -414,21 +418,7 @@ def test_backward_chain_wide_grid():
     sc = 1.0 / math.sqrt(K)
     _, _, g_ref = _reference(x, cu_seqlens=None, scale=sc, lower_bound=-1.0)
     c = _cuda(x)
-    got = torch.ops.kda.recurrent_kda_backward(
-        c["q"],
-        c["k"],
-        c["v"],
-        c["g"],
-        c["beta"],
-        c["A_log"],
-        c["dt_bias"],
-        c["initial_state"],
-        None,
-        c["do"],
-        c["dfinal_state"],
-        sc,
-        -1.0,
-    )
+    got = _raw_backward(c, None, sc, -1.0)
     errs = _errors(GRADS, got, g_ref)
     _report(f"chain_wide_grid: {_fmt(errs)}")
     bad = [n_ for n_, (r, _) in errs.items() if r > TOL_GRAD]
@@ -472,8 +462,7 @@ x = t._case_inputs(1, 0, 2, 4, [70, 0, 33], False, seed=3, with_dfinal=True)
 sc = 1.0 / math.sqrt(128)
 _, _, ref = t._reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=-1.0)
 c = t._cuda(x)
-got = torch.ops.kda.recurrent_kda_backward(c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"],
-                                           c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, -1.0)
+got = t._raw_backward(c, c["cu_seqlens"], sc, -1.0)
 for n, a, r in zip(t.GRADS, got, ref):
     print(n, f"{rel_rms(a, r):.2e}")
 """
@@ -509,21 +498,7 @@ def test_fused_qk_uncovered_tokens():
     sc, lam = 1.0 / math.sqrt(K), -1.0
     _, _, g_ref = _reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam)
     c = _cuda(x)
-    got = torch.ops.kda.recurrent_kda_backward(
-        c["q"],
-        c["k"],
-        c["v"],
-        c["g"],
-        c["beta"],
-        c["A_log"],
-        c["dt_bias"],
-        c["initial_state"],
-        c["cu_seqlens"],
-        c["do"],
-        c["dfinal_state"],
-        sc,
-        lam,
-    )
+    got = _raw_backward(c, c["cu_seqlens"], sc, lam)
     errs = _errors(GRADS, got, g_ref)
     _report(f"fused_qk_uncovered: {_fmt(errs)}")
     bad = [n_ for n_, (r, _) in errs.items() if r > TOL_GRAD]
