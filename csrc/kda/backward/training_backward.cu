@@ -518,6 +518,9 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
   cudaError_t err =
       cudaFuncSetAttribute(kda_training_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
+  // fused_qk (the sweep writes dq/dk itself) needs the chunked sweep and no GQA group: the token-serial sweep
+  // writes per-head dq/dk to the workspace, and with HV > H several value heads would write one dq row.
+  if (p.fused_qk && (!training_backward_use_chunked() || p.HV != p.H)) return cudaErrorInvalidValue;
   if (p.grid > 0) {
     if (training_backward_use_chunked()) {
       if (p.partial_rows != p.n_tape_rows) return cudaErrorInvalidValue;  // one partial row per tape row

@@ -655,7 +655,7 @@ int64_t training_backward_chunked_smem_bytes() { return static_cast<int64_t>(siz
 
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(sizeof(ChunkedBwdSmem));
-  if (p.dstates == nullptr) return cudaErrorInvalidValue;
+  if (p.dstates == nullptr || p.dstate_cu_starts == nullptr) return cudaErrorInvalidValue;
   const cudaError_t err = cudaFuncSetAttribute(kda_training_backward_chunked_kernel,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
