@@ -4,6 +4,7 @@ switches that skip one role's math (1 chain, 2 W solve, 4 G prep; results are ga
   python3 scripts/chunked_diag.py            # H=96 and H=32, T=8192, lower-bound gate, bf16 state
 """
 
+import functools
 import os
 
 import torch
@@ -33,9 +34,9 @@ def main():
         A_log, dtb = torch.rand(H, device="cuda") * 0.5, torch.randn(H, 128, device="cuda") * 0.1
         out = torch.empty_like(v)
 
-        def run():
-            kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dtb, initial_state=pool, output=out,
-                                  use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, backend="chunked")
+        run = functools.partial(kda_ops.recurrent_kda, q, k, v, g, beta, A_log=A_log, dt_bias=dtb,
+                                initial_state=pool, output=out, use_gate_in_kernel=True, lower_bound=-5.0,
+                                beta_is_logit=True, backend="chunked")
 
         row = []
         for diag in ("0", "1", "2", "4", "3", "5", "6", "7"):
