@@ -251,16 +251,17 @@ def check_tokens(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, 
         _rank(beta, "beta", 3, "[B, T, HV]")
 
     dtype = q.dtype
+    fp16_note = " (fp16 is not supported)" if dtype == torch.float16 else ""
     if on_cuda:
         if dtype != torch.bfloat16:
             note = (
                 " (fp32/fp64 token tensors run on the CPU path only: move the tensors to CPU)"
                 if dtype in (torch.float32, torch.float64)
-                else (" (fp16 is not supported)" if dtype == torch.float16 else "")
+                else fp16_note
             )
             raise TypeError(f"q must be torch.bfloat16 on CUDA, got {dtype}{note}")
     elif dtype not in CPU_TOKEN_DTYPES:
-        _dtype(q, "q", CPU_TOKEN_DTYPES, " on CPU" + (" (fp16 is not supported)" if dtype == torch.float16 else ""))
+        _dtype(q, "q", CPU_TOKEN_DTYPES, " on CPU" + fp16_note)
     if not (k.dtype == dtype and v.dtype == dtype and g.dtype == dtype and beta.dtype == dtype):
         for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
             if x.dtype != dtype:

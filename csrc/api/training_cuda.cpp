@@ -35,9 +35,16 @@ using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
 struct TrainDims {
-  int64_t B, T, N, rows;
+  int64_t B, T, N, rows;  // rows: of the tapes (chunk_rows_bound with kTapeChunk)
   int H, HV;
+  bool packed;
 };
+
+// Rows of a buffer with one row per `chunk` tokens of every sequence (the tapes: 64; the chain's dS: 16), an
+// upper bound from shapes as the fake kernels compute it: fixed B ceil(T/chunk), packed T/chunk + N.
+int64_t chunk_rows_bound(const TrainDims& d, int64_t chunk) {
+  return d.packed ? d.T / chunk + d.N : d.B * ((d.T + chunk - 1) / chunk);
+}
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
@@ -100,11 +107,12 @@ TrainDims check_training_inputs(const char* op, const Tensor& q, const Tensor& k
     KDA_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, op,
                    ": cu_seqlens must be int32 or int64, got ", cu.scalar_type());
     d.N = cu.numel() - 1;
-    d.rows = d.T / kTapeChunk + d.N;
+    d.packed = true;
   } else {
     d.N = d.B;
-    d.rows = d.B * ((d.T + kTapeChunk - 1) / kTapeChunk);
+    d.packed = false;
   }
+  d.rows = chunk_rows_bound(d, kTapeChunk);
   return d;
 }
 
@@ -256,9 +264,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
 
   // No GQA group (HV == H) on the chunked sweep: it writes dq, dk itself (after the L2-norm backward), so
   // tokens no task reaches must read as zero; otherwise the qk finishing kernel writes every token.
-  const bool fused_qk = training_backward_use_chunked() && d.HV == d.H;
-  Tensor dq = fused_qk ? at::zeros({d.B, d.T, d.H, kBwdDim}, tok) : at::empty({d.B, d.T, d.H, kBwdDim}, tok);
-  Tensor dk = fused_qk ? at::zeros({d.B, d.T, d.H, kBwdDim}, tok) : at::empty({d.B, d.T, d.H, kBwdDim}, tok);
+  const bool chunked = training_backward_use_chunked();
+  const bool fused_qk = chunked && d.HV == d.H;
+  const auto qk_grad = [&] {
+    return fused_qk ? at::zeros({d.B, d.T, d.H, kBwdDim}, tok) : at::empty({d.B, d.T, d.H, kBwdDim}, tok);
+  };
+  Tensor dq = qk_grad();
+  Tensor dk = qk_grad();
   // Zero-filled: tokens no task reaches stay zero (outside every packed sequence, or tapes / tape_cu_starts
   // passed to the op directly that do not cover the shapes), never stale memory.
   Tensor dv = at::zeros({d.B, d.T, d.HV, kBwdDim}, tok);
@@ -269,7 +281,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
 
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(1);
-  const bool chunked = training_backward_use_chunked();
   const int64_t smem_needed = training_backward_smem_bytes();
   const int smem_optin = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
   TORCH_CHECK(smem_needed <= smem_optin, op, ": the CUDA training backward needs ", smem_needed,
@@ -298,8 +309,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
                                      cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
                                      dstate_cu_starts.data_ptr<int64_t>(), stream, 16),
                "kda dS row starts kernel");
-    const int64_t drows = cu_seqlens.has_value() ? d.T / 16 + d.N : d.B * ((d.T + 15) / 16);
-    dstates = at::empty({drows, d.HV, kBwdDim, kBwdDim}, f32);
+    dstates = at::empty({chunk_rows_bound(d, 16), d.HV, kBwdDim, kBwdDim}, f32);
     RecurrentParams pc = training_recurrent_params(qc, kc, dO, gc, beta, A, dtb, cu_seqlens, dO, dfinal, dinit,
                                                    dstates, tape_cu_starts, scale, lower_bound);
     pc.out = nullptr;  // the chain writes no output
