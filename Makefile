@@ -25,6 +25,7 @@ venv: $(if $(VENV),$(VENV)/.ready,)
 
 build: venv
 	@echo "== building kda_ops._C (KDA_CUDA_ARCHS=$(KDA_CUDA_ARCHS), MAX_JOBS=$(MAX_JOBS))"
+	@flock -n $(BUILD_LOCK) true || echo "== waiting for the build lock $(BUILD_LOCK): another checkout on this machine is building"
 	flock $(BUILD_LOCK) $(PY) setup.py -q build_ext --inplace
 ifneq ($(VENV),)
 	@# make the checkout importable from anywhere with the venv's python (an in-place "develop" install)
