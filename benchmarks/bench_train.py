@@ -164,7 +164,8 @@ def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool
         f"# training forward+backward, {torch.cuda.get_device_name()}",
         "ms, median of CUDA-event timings; bwd = (fwd+bwd) - fwd; ratio = fla / ours on fwd+bwd",
         "context bytes per token-head: the tapes (and row starts) the training forward allocates, fp32 128x128 per"
-        " 64-token chunk, rows B*ceil(T/64) fixed or T//64 + N packed (an upper bound from shapes); the bf16"
+        " 64-token chunk but each sequence's first, rows B*(ceil(T/64) - 1) fixed or T//64 packed (an upper bound"
+        " from shapes); the bf16"
         " q+k+v+g of the call are 1024 B",
     ]
     write_results(

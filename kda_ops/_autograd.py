@@ -1,7 +1,8 @@
 """Autograd of the functional training forward op (SPEC §3.4).
 
 ``torch.ops.kda.recurrent_kda_training_forward`` returns ``(out, final_state, tapes, tape_cu_starts)``;
-the tapes (the state before every 64-token chunk) are saved, and the backward is one call of
+the tapes (the state before every 64-token chunk but each sequence's first) and the initial state (by
+reference) are saved, and the backward is one call of
 ``torch.ops.kda.recurrent_kda_training_backward`` (the reverse sweep of SPEC §2.1 from the tapes).
 Gradients flow to all eight tensor inputs; the tapes and their row offsets are not differentiable.
 Registered through ``torch.library.register_autograd``, so it composes with torch.compile, FakeTensor
@@ -16,14 +17,14 @@ import torch
 def _setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound = inputs
     _out, _final_state, tapes, tape_cu_starts = output
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, tapes, tape_cu_starts, cu_seqlens)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, tapes, tape_cu_starts, initial_state, cu_seqlens)
     ctx.scale = scale
     ctx.lower_bound = lower_bound
     ctx.mark_non_differentiable(tapes, tape_cu_starts)
 
 
 def _backward(ctx, d_out, d_final_state, _d_tapes, _d_tape_cu_starts):  # type: ignore[no-untyped-def]
-    q, k, v, g, beta, A_log, dt_bias, tapes, tape_cu_starts, cu_seqlens = ctx.saved_tensors
+    q, k, v, g, beta, A_log, dt_bias, tapes, tape_cu_starts, initial_state, cu_seqlens = ctx.saved_tensors
     if d_out is None:  # grads are materialised by autograd; kept for safety with custom callers
         d_out = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
@@ -36,6 +37,7 @@ def _backward(ctx, d_out, d_final_state, _d_tapes, _d_tape_cu_starts):  # type: 
         dt_bias,
         tapes,
         tape_cu_starts,
+        initial_state,
         cu_seqlens,
         d_out.contiguous(),
         None if d_final_state is None else d_final_state.contiguous(),

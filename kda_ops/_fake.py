@@ -6,11 +6,12 @@ validation is kda_ops/_validate.py, which runs before any op call of the public 
 
 Output rules (shared with the CPU and CUDA implementations):
 - training forward: out [B, T, HV, V] in q's dtype; final_state [N, HV, V, K] in initial_state's
-  dtype; tapes [rows, HV, V, K] fp32 (fp64 when q is fp64), rows = B*ceil(T/64) fixed, T//64 + N
-  packed (an upper bound from shapes, spare rows zero); tape_cu_starts int64 [N+1]. All contiguous.
+  dtype; tapes [rows, HV, V, K] fp32 (fp64 when q is fp64): the state before every 64-token chunk but
+  each sequence's first (that one is initial_state), rows = B*(ceil(T/64) - 1) fixed (0 for T == 0),
+  T//64 packed (an upper bound from shapes, spare rows zero); tape_cu_starts int64 [N+1]. All contiguous.
 - backward ops: dq, dk, dv, dg, dbeta shaped like their inputs in q's dtype; dA_log / ddt_bias shaped
   like A_log / dt_bias in A_log's dtype; dinitial_state [N, HV, V, K] in initial_state's dtype
-  (recurrent_kda_backward) or the tapes' dtype (training backward, which has no initial_state input).
+  (recurrent_kda_backward) or the tapes' dtype (training backward, whose initial_state is optional).
   All contiguous.
 """
 
@@ -172,7 +173,7 @@ def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_s
         lambda: f"initial_state must be [N, HV, V, K]=[{N}, {HV}, {V}, {K}], got {initial_state.shape}",
     )
     acc = _acc_dtype(q)
-    rows = T // TAPE_CHUNK + N if cu_seqlens is not None else B * ((T + TAPE_CHUNK - 1) // TAPE_CHUNK)
+    rows = T // TAPE_CHUNK if cu_seqlens is not None else B * max((T + TAPE_CHUNK - 1) // TAPE_CHUNK - 1, 0)
     out = q.new_empty((B, T, HV, V))
     final_state = q.new_empty((N, HV, V, K), dtype=initial_state.dtype)
     tapes = q.new_empty((rows, HV, V, K), dtype=acc)
@@ -198,7 +199,21 @@ def _grads(q, k, v, g, beta, A_log, dt_bias, N, state_dtype):
 
 @torch.library.register_fake("kda::recurrent_kda_training_backward")
 def _training_backward_fake(
-    q, k, v, g, beta, A_log, dt_bias, tapes, tape_cu_starts, cu_seqlens, do, dfinal_state, scale, lower_bound
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    tapes,
+    tape_cu_starts,
+    initial_state,
+    cu_seqlens,
+    do,
+    dfinal_state,
+    scale,
+    lower_bound,
 ):
     _check_tokens(q, k, v, g, beta)
     B, T, H, K = q.shape
@@ -214,11 +229,12 @@ def _training_backward_fake(
         lambda: f"tapes must be [rows, HV, V, K], got {tapes.shape}",
     )
     torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
-    if dfinal_state is not None:
-        torch._check(
-            tuple(dfinal_state.shape) == (N, HV, V, K),
-            lambda: f"dfinal_state must be [N, HV, V, K], got {dfinal_state.shape}",
-        )
+    for name, s in (("initial_state", initial_state), ("dfinal_state", dfinal_state)):
+        if s is not None:
+            torch._check(
+                tuple(s.shape) == (N, HV, V, K),
+                lambda name=name, s=s: f"{name} must be [N, HV, V, K], got {s.shape}",
+            )
     return _grads(q, k, v, g, beta, A_log, dt_bias, N, tapes.dtype)
 
 

@@ -535,10 +535,11 @@ def _check_out_tensor(
 
 
 def _tape_rows(d: V.Dims) -> Any:
-    """Rows of the training tapes, an upper bound from shapes (DESIGN: fixed B*ceil(T/64), packed T//64 + N)."""
+    """Rows of the training tapes, an upper bound from shapes (no row for the state before token 0: fixed
+    B*(ceil(T/64) - 1), packed T//64; docs/design.md "Tapes")."""
     if d.packed:
-        return d.T // V.TAPE_CHUNK + d.N
-    return d.B * ((d.T + V.TAPE_CHUNK - 1) // V.TAPE_CHUNK)
+        return d.T // V.TAPE_CHUNK
+    return d.B * max((d.T + V.TAPE_CHUNK - 1) // V.TAPE_CHUNK - 1, 0)
 
 
 def _grad_specs(d: V.Dims) -> list[tuple[str, tuple[Any, ...], str, torch.dtype]]:
@@ -615,8 +616,9 @@ def recurrent_kda_training_forward(
     """Training forward of KDA with saved tapes (SPEC §3.2): L2 norm on, lower-bound gate, logit beta.
 
     Computes SPEC §2 with ``a = λ sigmoid(exp(A_log) (g + dt_bias))`` and ``β = sigmoid(beta)``, and saves
-    the state before every 64-token chunk of every sequence (the tapes) so that
-    :func:`recurrent_kda_training_backward` never reruns the whole forward.
+    the state before every 64-token chunk of every sequence but its first (the tapes; the first is
+    ``initial_state``, kept in the context by reference) so that :func:`recurrent_kda_training_backward`
+    never reruns the whole forward.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] raw gate; beta: [B, T, HV] logits. bf16 with
@@ -703,6 +705,7 @@ def recurrent_kda_training_forward(
             context_out.tape_cu_starts.copy_(starts)
         ctx = context_out
         ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.A_log, ctx.dt_bias = q, k, v, g, beta, A, dtb
+        ctx.initial_state = h0
         ctx.cu_seqlens, ctx.cu_seqlens_cpu, ctx.scale, ctx.lower_bound = cu64, host, sc, lb
         ctx.state_dtype = h0.dtype
     else:
@@ -716,6 +719,7 @@ def recurrent_kda_training_forward(
             dt_bias=dtb,
             tapes=tapes,
             tape_cu_starts=starts,
+            initial_state=h0,
             cu_seqlens=cu64,
             scale=sc,
             lower_bound=lb,
@@ -766,6 +770,7 @@ def recurrent_kda_training_backward(
         ("ctx.A_log", ctx.A_log),
         ("ctx.dt_bias", ctx.dt_bias),
         ("ctx.tapes", ctx.tapes),
+        ("ctx.initial_state", ctx.initial_state),
         ("do", do),
         ("dfinal_state", dfinal_state),
     ]
@@ -780,6 +785,7 @@ def recurrent_kda_training_backward(
         ctx.dt_bias,
         ctx.tapes,
         ctx.tape_cu_starts,
+        ctx.initial_state,
         ctx.cu_seqlens,
         dO,
         dS,

@@ -137,8 +137,11 @@ class RecurrentKDATrainingContext:
         v: [B, T, HV, V]; g: [B, T, HV, K] raw gate input; beta: [B, T, HV] logits.
         A_log: [HV]; dt_bias: [HV, K] (fp32; fp64 with fp64 tokens on CPU).
         tapes: [rows, HV, V, K] fp32 (fp64 with fp64 tokens): the state before every 64-token chunk of
-            every sequence; rows = B*ceil(T/64) fixed, T//64 + N packed (an upper bound, spare rows 0).
-        tape_cu_starts: int64 [N+1]: first tape row of each sequence.
+            every sequence but its first; rows = B*(ceil(T/64) - 1) fixed, T//64 packed (an upper bound,
+            spare rows 0). At most 64·V·K·4 B / 64 tokens = the bf16 q+k+v+g bytes per token-head.
+        tape_cu_starts: int64 [N+1]: first tape row of each sequence (ceil(L/64) - 1 rows each, at least 0).
+        initial_state: [N, HV, V, K], the forward's initial state (by reference; the state before token 0,
+            which the tapes do not repeat), or None for zeros.
         cu_seqlens: int64 [N+1] on the device of q, or None (fixed layout).
         cu_seqlens_cpu: the validated host mirror of cu_seqlens (packed calls), or None.
         scale: the q scale actually used (> 0). lower_bound: λ in [-5, 0).
@@ -154,6 +157,7 @@ class RecurrentKDATrainingContext:
     dt_bias: torch.Tensor
     tapes: torch.Tensor
     tape_cu_starts: torch.Tensor
+    initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     scale: float
     lower_bound: float

@@ -346,7 +346,7 @@ def training_forward(inp, scale, lb):
 def training_backward(inp, fwd, scale, lb, dfinal=True):
     return OPS.recurrent_kda_training_backward.default(
         inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], fwd[2], fwd[3],
-        inp.get("cu_seqlens"), inp["do"], inp["dfinal"] if dfinal else None, scale, lb)
+        inp["initial_state"], inp.get("cu_seqlens"), inp["do"], inp["dfinal"] if dfinal else None, scale, lb)
 
 
 def reference_grads(inp, scale, lb, dfinal=True):
@@ -363,15 +363,15 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_s
 def test_training_forward_tapes(layout):
     if layout == "fixed":
         inp = _training_inputs(B=2, T=130, H=1, HV=2, seed=31)
-        lens, rows = [130, 130], 2 * 3
+        lens, rows = [130, 130], 2 * (3 - 1)  # no row for the state before token 0
     else:
         inp = _training_inputs(cu=[0, 64, 64, 65, 195], H=1, HV=2, seed=32)
-        lens, rows = [64, 0, 1, 130], 195 // 64 + 4
+        lens, rows = [64, 0, 1, 130], 195 // 64
     scale, lb = 0.15, -4.0
     out, final, tapes, starts = training_forward(inp, scale, lb)
     want_starts = [0]
     for L in lens:
-        want_starts.append(want_starts[-1] + -(-L // TAPE_CHUNK))
+        want_starts.append(want_starts[-1] + max(-(-L // TAPE_CHUNK) - 1, 0))
     assert starts.dtype == torch.int64 and starts.tolist() == want_starts
     assert tapes.shape == (rows, 2, 64, 64) and tapes.dtype == torch.float32
     assert final.dtype == inp["initial_state"].dtype and out.dtype == inp["v"].dtype
@@ -382,7 +382,8 @@ def test_training_forward_tapes(layout):
     assert rel_rms(out, ref.output) < 5e-3  # bf16 output rounding
     assert rel_rms(final, ref.final_state) < 1e-5  # fp32 state, fp32 loop
     used = want_starts[-1]
-    assert rel_rms(tapes[:used], torch.cat(ref.checkpoints)) < 1e-5  # fp32 tape rows = fp32 running state
+    # fp32 tape rows = fp32 running state before tokens 64, 128, ... (token 0's is initial_state)
+    assert rel_rms(tapes[:used], torch.cat([c[1:] for c in ref.checkpoints])) < 1e-5
     assert tapes[used:].abs().max() == 0 if used < rows else True, "unused tape rows are zero"
 
 
@@ -472,7 +473,7 @@ def test_training_empty_and_flat_dt_bias():
 def test_training_rejects_bad_tapes():
     inp = _training_inputs(cu=[0, 70, 80], H=1, HV=2, seed=53)
     fwd = training_forward(inp, 0.1, -5.0)
-    bad = (fwd[0], fwd[1], fwd[2], torch.tensor([0, 1, 2]))  # sequence 0 needs 2 rows
+    bad = (fwd[0], fwd[1], fwd[2], torch.tensor([0, 1, 2]))  # sequence 1 (10 tokens) needs no row
     with pytest.raises(ValueError):
         training_backward(inp, bad, 0.1, -5.0)
     with pytest.raises(ValueError):

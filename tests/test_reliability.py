@@ -81,7 +81,8 @@ def _tensors(obj: Any):
         for o in obj.values():
             yield from _tensors(o)
     elif isinstance(obj, RecurrentKDATrainingContext):
-        for f in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "tapes", "tape_cu_starts", "cu_seqlens"):
+        fields = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "tapes", "tape_cu_starts", "initial_state")
+        for f in (*fields, "cu_seqlens"):
             t = getattr(obj, f)
             if t is not None:
                 yield t

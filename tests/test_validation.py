@@ -36,7 +36,8 @@ def _tensors(obj):
         for o in obj.values():
             yield from _tensors(o)
     elif isinstance(obj, RecurrentKDATrainingContext):
-        for f in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "tapes", "tape_cu_starts", "cu_seqlens"):
+        fields = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "tapes", "tape_cu_starts", "initial_state")
+        for f in (*fields, "cu_seqlens"):
             t = getattr(obj, f)
             if t is not None:
                 yield t
@@ -174,8 +175,9 @@ def fake_ctx(**over):
         beta=a["beta"],
         A_log=a["A_log"],
         dt_bias=a["dt_bias"],
-        tapes=torch.zeros(2, 2, V, K),
-        tape_cu_starts=torch.tensor([0, 1, 2]),
+        tapes=torch.zeros(0, 2, V, K),  # T = 4: no tape rows (the state before token 0 is initial_state)
+        tape_cu_starts=torch.tensor([0, 0, 0]),
+        initial_state=torch.zeros(2, 2, V, K),
         cu_seqlens=None,
         scale=0.125,
         lower_bound=-5.0,

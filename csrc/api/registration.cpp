@@ -32,18 +32,19 @@ TORCH_LIBRARY(kda, m) {
 
   // Training forward (functional): L2 norm on, lower-bound gate, logit beta. Returns the output, the
   // final state per sequence, and the tapes: the state before every kTapeChunk(=64)-token chunk of
-  // every sequence ([rows, HV, V, K], rows = an upper bound from shapes, see _fake.py) with
-  // tape_cu_starts int64 [N+1] giving each sequence's first row.
+  // every sequence but the first ([rows, HV, V, K], rows = an upper bound from shapes, see _fake.py; the state
+  // before token 0 is initial_state) with tape_cu_starts int64 [N+1] giving each sequence's first row.
   m.def(
       "recurrent_kda_training_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
       "Tensor dt_bias, Tensor initial_state, Tensor? cu_seqlens, float scale, float lower_bound) -> "
       "(Tensor out, Tensor final_state, Tensor tapes, Tensor tape_cu_starts)");
 
-  // Training backward from the tapes: the eight gradients of SPEC §2.1 in SPEC order.
+  // Training backward from the tapes and the initial state (None: zeros): the eight gradients of SPEC §2.1 in
+  // SPEC order.
   m.def(
       "recurrent_kda_training_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
-      "Tensor dt_bias, Tensor tapes, Tensor tape_cu_starts, Tensor? cu_seqlens, Tensor do, "
-      "Tensor? dfinal_state, float scale, float lower_bound) -> "
+      "Tensor dt_bias, Tensor tapes, Tensor tape_cu_starts, Tensor? initial_state, Tensor? cu_seqlens, "
+      "Tensor do, Tensor? dfinal_state, float scale, float lower_bound) -> "
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, "
       "Tensor dinitial_state)");
 

@@ -35,12 +35,14 @@ using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
 struct TrainDims {
-  int64_t B, T, N, rows;  // rows: of the tapes (chunk_rows_bound with kTapeChunk)
+  int64_t B, T, N;
+  int64_t rows;   // tape rows: an upper bound from shapes (kda_ops/_fake.py)
+  int64_t slots;  // 64-token chunks of all sequences: an upper bound from shapes (the chunked sweep's tasks)
   int H, HV;
   bool packed;
 };
 
-// Rows of a buffer with one row per `chunk` tokens of every sequence (the tapes: 64; the chain's dS: 16), an
+// Rows of a buffer with one row per `chunk` tokens of every sequence (the sweep slots: 64; the chain's dS: 16), an
 // upper bound from shapes as the fake kernels compute it: fixed B ceil(T/chunk), packed T/chunk + N.
 int64_t chunk_rows_bound(const TrainDims& d, int64_t chunk) {
   return d.packed ? d.T / chunk + d.N : d.B * ((d.T + chunk - 1) / chunk);
@@ -112,7 +114,11 @@ TrainDims check_training_inputs(const char* op, const Tensor& q, const Tensor& k
     d.N = d.B;
     d.packed = false;
   }
-  d.rows = chunk_rows_bound(d, kTapeChunk);
+  // 64-token slots: the old tape bound. Tape rows: sum over n of max(ceil(L_n/64) - 1, 0), at most T/64 packed
+  // (<= sum of floor(L_n/64)) and B (ceil(T/64) - 1) fixed: no row for the state before token 0 (the initial
+  // state, an input of the backward).
+  d.slots = chunk_rows_bound(d, kTapeChunk);
+  d.rows = d.packed ? d.T / kTapeChunk : d.slots - (d.T > 0 ? d.B : 0);
   return d;
 }
 
@@ -203,17 +209,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
 
   Tensor out = at::empty({d.B, d.T, d.HV, kBwdDim}, q.options());
   Tensor final_state = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
-  Tensor tapes = at::zeros({d.rows, d.HV, kBwdDim, kBwdDim}, f32);  // unused rows stay zero
+  // Fixed layout: the forward writes every row. Packed: rows past the sequences' stay zero.
+  Tensor tapes = d.packed ? at::zeros({d.rows, d.HV, kBwdDim, kBwdDim}, f32)
+                          : at::empty({d.rows, d.HV, kBwdDim, kBwdDim}, f32);
   Tensor tape_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
                                    cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
-                                   tape_cu_starts.data_ptr<int64_t>(), stream),
+                                   tape_cu_starts.data_ptr<int64_t>(), stream, kTapeChunk, /*first=*/1),
              "kda tape_cu_starts kernel");
 
   RecurrentParams p = training_recurrent_params(q, k, v, g, beta, A, dtb, cu_seqlens, out, init, final_state, tapes,
                                                 tape_cu_starts, scale, lower_bound);
+  p.checkpoint_first = 1;  // no tape row for the state before token 0 (initial_state)
   // The chunked tensor-core kernel writes the tapes as its checkpoints (every 64 tokens, fp32) whenever the
   // sequences are long enough to fill chunks; short ones (mostly decode-sized) take the token-serial kernel.
   if (chunked_preferred(p))
@@ -228,8 +237,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> training_backward_impl(
     const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
     const Tensor& A_log, const Tensor& dt_bias, const Tensor& tapes_in, const Tensor& tape_cu_starts,
-    const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state, double scale,
-    double lower_bound) {
+    const OptTensor& initial_state, const OptTensor& cu_seqlens, const Tensor& dout,
+    const OptTensor& dfinal_state, double scale, double lower_bound) {
   const TrainDims d = check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
   c10::cuda::CUDAGuard guard(q.device());
   KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
@@ -255,6 +264,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
                   dfinal_state->size(2) == kBwdDim && dfinal_state->size(3) == kBwdDim,
               op, ": dfinal_state must be [N, HV, V, K], got ", dfinal_state->sizes());
     dfinal = compact_f32(*dfinal_state);  // (16-byte aligned: the chain reads it with vector loads)
+  }
+  Tensor init;  // the state before token 0 of each sequence (the tapes start at token 64); undefined = zeros
+  if (initial_state.has_value()) {
+    KDA_CHECK_SAME_DEVICE(*initial_state, q, "initial_state");
+    KDA_CHECK(initial_state->dim() == 4 && initial_state->size(0) == d.N && initial_state->size(1) == d.HV &&
+                  initial_state->size(2) == kBwdDim && initial_state->size(3) == kBwdDim,
+              op, ": initial_state must be [N, HV, V, K], got ", initial_state->sizes());
+    KDA_CHECK_TYPE(initial_state->scalar_type() == at::kFloat || initial_state->scalar_type() == at::kBFloat16, op,
+                   ": initial_state must be float32 or bfloat16, got ", initial_state->scalar_type());
+    init = compact_f32(*initial_state);  // (16-byte aligned: the sweep copies it with cp.async)
   }
   const Tensor tapes = compact_f32(tapes_in);
   const Tensor A = A_log.contiguous();
@@ -288,7 +307,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
             " (sm_90/sm_100-class GPUs have 227 KB; sm_120 is not supported)");
   // Tasks of the sweep: (tape row, value head) for the chunked one, (sequence, value head) for the
   // token-serial one; one parameter-gradient partial row per task row.
-  const int64_t partial_rows = chunked ? tapes.size(0) : d.N;
+  const int64_t partial_rows = chunked ? d.slots : d.N;
   const int64_t tasks = partial_rows * d.HV;
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
   Tensor head_grads = at::zeros({fused_qk ? 0 : 2 * d.B * d.T * d.HV * kBwdDim}, f32);
@@ -296,7 +315,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   // per-CTA state scratch of the token-serial sweep
   Tensor scratch = at::empty({chunked ? 0 : std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  Tensor dstates, dstate_cu_starts;
+  Tensor dstates, dstate_cu_starts, slot_cu_starts;
   // Token tensors as the kernels want them (16-byte aligned base, strides multiples of 8 elements): the chain
   // and the chunked sweep read them with vector loads. (Named: the kernels read these copies after this.)
   const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), vc = kernel_tokens(v), gc = kernel_tokens(g),
@@ -310,6 +329,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
                                      dstate_cu_starts.data_ptr<int64_t>(), stream, 16),
                "kda dS row starts kernel");
     dstates = at::empty({chunk_rows_bound(d, 16), d.HV, kBwdDim, kBwdDim}, f32);
+    // the chunked sweep's task slots: one per 64-token chunk, the state before token 0 included
+    slot_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
+    check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
+                                     cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
+                                     slot_cu_starts.data_ptr<int64_t>(), stream, kTapeChunk, /*first=*/0),
+               "kda slot starts kernel");
     RecurrentParams pc = training_recurrent_params(qc, kc, dO, gc, beta, A, dtb, cu_seqlens, dO, dfinal, dinit,
                                                    dstates, tape_cu_starts, scale, lower_bound);
     pc.out = nullptr;  // the chain writes no output
@@ -335,6 +360,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.tapes = tapes.data_ptr<float>();
   p.n_tape_rows = tapes.size(0);
   p.tape_cu_starts = tape_cu_starts.data_ptr<int64_t>();
+  p.initial_state = init.defined() ? init.data_ptr<float>() : nullptr;
+  p.slot_cu_starts = chunked ? slot_cu_starts.data_ptr<int64_t>() : nullptr;
+  p.n_slots = chunked ? d.slots : 0;
   if (cu_seqlens.has_value()) {
     p.cu_seqlens = cu_seqlens->data_ptr();
     p.cu_seqlens_int64 = cu_seqlens->scalar_type() == at::kLong;
@@ -379,10 +407,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_cuda(const Tensor& q
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> training_backward_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
-    const Tensor& dt_bias, const Tensor& tapes, const Tensor& tape_cu_starts, const OptTensor& cu_seqlens,
-    const Tensor& dout, const OptTensor& dfinal_state, double scale, double lower_bound) {
+    const Tensor& dt_bias, const Tensor& tapes, const Tensor& tape_cu_starts, const OptTensor& initial_state,
+    const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state, double scale,
+    double lower_bound) {
   return training_backward_impl("recurrent_kda_training_backward", q, k, v, g, beta, A_log, dt_bias, tapes,
-                                tape_cu_starts, cu_seqlens, dout, dfinal_state, scale, lower_bound);
+                                tape_cu_starts, initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> backward_cuda(
@@ -393,7 +422,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> backw
   auto fwd = training_forward_impl(op, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
                                    lower_bound);
   auto grads = training_backward_impl(op, q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd),
-                                      cu_seqlens, dout, dfinal_state, scale, lower_bound);
+                                      initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound);
   // dinitial_state in initial_state's dtype (kda_ops/_fake.py).
   if (initial_state.scalar_type() != at::kFloat)
     std::get<7>(grads) = std::get<7>(grads).to(initial_state.scalar_type());

@@ -248,8 +248,8 @@ void run_sequence_head(HeadContext<TokT>& c, acc_t<TokT>* S, acc_t<TokT>* o) {
   const int every = p.checkpoint_every_n_tokens;
   const int64_t len = c.seq.len;
   for (int64_t t = 0; t < len; ++t) {
-    if (every > 0 && t % every == 0) {
-      const int64_t row = p.checkpoint_cu_starts[n] + t / every;
+    if (every > 0 && t % every == 0 && t / every >= p.checkpoint_first) {
+      const int64_t row = p.checkpoint_cu_starts[n] + t / every - p.checkpoint_first;
       if (row >= 0 && row < p.n_checkpoint_rows)
         store_vec(elem_ptr(p.state_checkpoints, p.checkpoint_dtype, row * p.HV * blk + head_off),
                   p.checkpoint_dtype, S, blk);

@@ -89,17 +89,20 @@ TrainingProblem check_training_inputs(const at::Tensor& q, const at::Tensor& k, 
   return pb;
 }
 
-// Tape rows: fixed layout B * ceil(T/64); packed T//64 + N (an upper bound on sum ceil(L_i/64) that
-// the fake kernel computes from shapes). Unused rows stay zero.
+// Tape rows: the state before every 64-token chunk but the first (the initial state, an input of the backward):
+// max(ceil(L_i/64) - 1, 0) per sequence. Fixed layout B * (ceil(T/64) - 1); packed T//64 (an upper bound on the
+// sum, from shapes, as the fake kernel computes it). Unused rows stay zero.
+int64_t tape_rows_of(int64_t len) { return std::max<int64_t>(ceil_div(len, kTapeChunk) - 1, 0); }
+
 int64_t tape_rows(const TrainingProblem& pb, bool packed) {
-  return packed ? pb.T / kTapeChunk + pb.N : pb.B * ceil_div(pb.T, kTapeChunk);
+  return packed ? pb.T / kTapeChunk : pb.B * tape_rows_of(pb.T);
 }
 
 at::Tensor tape_starts(const TrainingProblem& pb) {
   at::Tensor s = at::empty({pb.N + 1}, at::kLong);
   int64_t* sp = s.data_ptr<int64_t>();
   sp[0] = 0;
-  for (int64_t n = 0; n < pb.N; ++n) sp[n + 1] = sp[n] + ceil_div(pb.len[n], kTapeChunk);
+  for (int64_t n = 0; n < pb.N; ++n) sp[n + 1] = sp[n] + tape_rows_of(pb.len[n]);
   return s;
 }
 
@@ -153,8 +156,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
   at::Tensor final_state = at::empty({pb.N, pb.HV, pb.V, pb.K}, init.options());
 
   CpuExtras x;
-  const RecurrentParams p =
+  RecurrentParams p =
       training_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, tapes, starts, scale, lower_bound, x);
+  p.checkpoint_first = 1;  // no tape row for the state before token 0
   x.init_state = init.data_ptr();
   x.init_dtype = to_kda_dtype(init.scalar_type(), "initial_state");
   x.final_state = final_state.data_ptr();
@@ -304,10 +308,16 @@ void backward_head(HeadContext<TokT>& c, const BackwardOut<TokT>& bo, BackwardSc
   for (int64_t ch = ceil_div(len, kTapeChunk) - 1; ch >= 0; --ch) {
     const int64_t t0 = ch * kTapeChunk;
     const int64_t cl = std::min<int64_t>(kTapeChunk, len - t0);
-    const int64_t row = p.checkpoint_cu_starts[c.n] + ch;  // checked against the tape size up front
     Acc* states = w.states.data();
-    load_vec(states, elem_ptr(p.state_checkpoints, p.checkpoint_dtype, row * p.HV * blk + head_off),
-             p.checkpoint_dtype, blk);
+    if (ch > 0) {  // tape row (checked against the tape size up front)
+      const int64_t row = p.checkpoint_cu_starts[c.n] + ch - 1;
+      load_vec(states, elem_ptr(p.state_checkpoints, p.checkpoint_dtype, row * p.HV * blk + head_off),
+               p.checkpoint_dtype, blk);
+    } else if (c.x.init_state != nullptr) {  // the state before token 0
+      load_vec(states, elem_ptr(c.x.init_state, c.x.init_dtype, seq_off), c.x.init_dtype, blk);
+    } else {
+      std::fill(states, states + blk, Acc(0));
+    }
     for (int64_t i = 0; i < cl; ++i) {
       std::copy(states + i * blk, states + (i + 1) * blk, states + (i + 1) * blk);
       c.load(t0 + i);
@@ -388,6 +398,7 @@ void run_backward_typed(const RecurrentParams& p, const CpuExtras& x, const Trai
 Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, const at::Tensor& A_log_in, const at::Tensor& dt_bias_in,
                             const at::Tensor& tapes, const at::Tensor& tape_cu_starts,
+                            const std::optional<at::Tensor>& initial_state,
                             const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& dout,
                             const std::optional<at::Tensor>& dfinal_state, double scale, double lower_bound) {
   const at::Tensor A_log = A_log_in.contiguous(), dt_bias = dt_bias_in.contiguous();
@@ -408,7 +419,7 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
   {
     const int64_t* sp = starts.data_ptr<int64_t>();
     for (int64_t n = 0; n < pb.N; ++n) {
-      const int64_t want = ceil_div(pb.len[n], kTapeChunk);
+      const int64_t want = tape_rows_of(pb.len[n]);
       KDA_CHECK(sp[n] >= 0 && sp[n + 1] - sp[n] == want && sp[n + 1] <= tapes.size(0),
                 "tape_cu_starts does not match the sequences and tapes: sequence ", n, " has ", pb.len[n],
                 " tokens (", want, " tape rows), got rows [", sp[n], ", ", sp[n + 1], ") of ", tapes.size(0));
@@ -424,6 +435,13 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
   RecurrentParams p = training_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, do_c, tapes_c, starts, scale,
                                       lower_bound, x);
   p.out = nullptr;  // the backward writes no forward output
+  at::Tensor init;
+  if (initial_state.has_value()) {
+    check_state(*initial_state, pb, "initial_state");
+    init = initial_state->contiguous();
+    x.init_state = init.data_ptr();
+    x.init_dtype = to_kda_dtype(init.scalar_type(), "initial_state");
+  }
 
   at::Tensor dq = at::zeros(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), q.options());
@@ -453,8 +471,8 @@ Grads backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state, double scale,
                    double lower_bound) {
   auto fwd = training_forward_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound);
-  Grads gr = training_backward_cpu(q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd), cu_seqlens,
-                                   dout, dfinal_state, scale, lower_bound);
+  Grads gr = training_backward_cpu(q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd),
+                                   initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound);
   std::get<7>(gr) = std::get<7>(gr).to(initial_state.scalar_type());
   return gr;
 }

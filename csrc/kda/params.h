@@ -83,6 +83,10 @@ struct RecurrentParams {
   const int64_t* checkpoint_cu_starts = nullptr;  // [N+1]
   int64_t n_checkpoint_rows = 0;                  // C: rows at or past it are never written
   int checkpoint_every_n_tokens = 0;
+  // First checkpoint written: the one before token checkpoint_first * every, at row checkpoint_cu_starts[n]
+  // + j - checkpoint_first for the state before token j * every. 0 everywhere but the training tapes, which
+  // skip the state before token 0 (the initial state, an input of the backward already): 1.
+  int checkpoint_first = 0;
 
   float scale = 0.f;
   GateMode gate_mode = GateMode::kPrecomputed;

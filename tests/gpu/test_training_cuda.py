@@ -95,10 +95,12 @@ def _expected_tapes(x, scale, lam):
         beta_is_logit=True,
         checkpoint_every_n_tokens=64,
     )
+    # the tapes skip the state before token 0 (initial_state, an input of the backward)
+    ckpts = [c[1:] for c in res.checkpoints]
     starts = [0]
-    for c in res.checkpoints:
+    for c in ckpts:
         starts.append(starts[-1] + c.shape[0])
-    return res.checkpoints, starts
+    return ckpts, starts
 
 
 # (name, B, T, H, HV, packed lengths or None, zero initial state, λ, scale or None, dfinal given)
@@ -154,7 +156,9 @@ def test_training_ops_vs_reference(case):
         errs["tapes"] = (rel_rms(tapes_c[used], torch.cat(exp_rows)), _maxabs(tapes_c[used], torch.cat(exp_rows)))
     spare_zero = bool((tapes_c[~used] == 0).all())
 
-    grads = torch.ops.kda.recurrent_kda_training_backward(*args, tapes, tcs, cu, c["do"], c["dfinal_state"], sc, lam)
+    grads = torch.ops.kda.recurrent_kda_training_backward(
+        *args, tapes, tcs, c["initial_state"], cu, c["do"], c["dfinal_state"], sc, lam
+    )
     torch.cuda.synchronize()
     errs.update(_errors(GRADS, grads, g_ref))
     _report(f"{name}: {_fmt(errs)}")
@@ -175,7 +179,9 @@ def test_training_ops_vs_reference(case):
     assert errs["out"][1] <= TOL_OUT_MAXABS, f"{name}: output max abs error: {_fmt(errs)}"
 
     # Determinism (bit-identical rerun) and recurrent_kda_backward == forward + training backward.
-    grads2 = torch.ops.kda.recurrent_kda_training_backward(*args, tapes, tcs, cu, c["do"], c["dfinal_state"], sc, lam)
+    grads2 = torch.ops.kda.recurrent_kda_training_backward(
+        *args, tapes, tcs, c["initial_state"], cu, c["do"], c["dfinal_state"], sc, lam
+    )
     for n_, a, b in zip(GRADS, grads, grads2, strict=True):
         assert torch.equal(a, b), f"{n_}: rerun of the training backward is not bit-identical"
     out2, fs2, tapes2, _ = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], cu, sc, lam)
@@ -196,13 +202,19 @@ def test_dfinal_none_is_zero_and_int32_cu_seqlens():
     o32, f32, t32, s32 = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], cu32, sc, lam)
     assert torch.equal(o64, o32) and torch.equal(f64, f32) and torch.equal(t64, t32) and torch.equal(s64, s32)
     zeros = torch.zeros_like(c["initial_state"])
-    g_none = torch.ops.kda.recurrent_kda_training_backward(*args, t64, s64, cu64, c["do"], None, sc, lam)
-    g_zero = torch.ops.kda.recurrent_kda_training_backward(*args, t64, s64, cu32, c["do"], zeros, sc, lam)
+    g_none = torch.ops.kda.recurrent_kda_training_backward(
+        *args, t64, s64, c["initial_state"], cu64, c["do"], None, sc, lam
+    )
+    g_zero = torch.ops.kda.recurrent_kda_training_backward(
+        *args, t64, s64, c["initial_state"], cu32, c["do"], zeros, sc, lam
+    )
     for n_, a, b in zip(GRADS, g_none, g_zero, strict=True):
         assert torch.equal(a, b), f"{n_}: dfinal_state=None differs from zeros"
     # A flat [HV*K] dt_bias gives a flat ddt_bias with the same values.
     flat = (*args[:6], c["dt_bias"].reshape(-1))
-    g_flat = torch.ops.kda.recurrent_kda_training_backward(*flat, t64, s64, cu64, c["do"], None, sc, lam)
+    g_flat = torch.ops.kda.recurrent_kda_training_backward(
+        *flat, t64, s64, c["initial_state"], cu64, c["do"], None, sc, lam
+    )
     assert g_flat[6].shape == (c["dt_bias"].numel(),) and torch.equal(g_flat[6], g_none[6].reshape(-1))
 
 
@@ -222,7 +234,9 @@ def test_strided_views():
     beta = c["beta"].transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, HV] with token stride 1
     args = (q, k, c["v"], c["g"], beta, c["A_log"], c["dt_bias"])
     _, _, tapes, tcs = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], None, sc, lam)
-    grads = torch.ops.kda.recurrent_kda_training_backward(*args, tapes, tcs, None, c["do"], c["dfinal_state"], sc, lam)
+    grads = torch.ops.kda.recurrent_kda_training_backward(
+        *args, tapes, tcs, c["initial_state"], None, c["do"], c["dfinal_state"], sc, lam
+    )
     errs = _errors(GRADS, grads, g_ref)
     _report(f"strided_views: {_fmt(errs)}")
     assert all(r <= TOL_GRAD for r, _ in errs.values()), _fmt(errs)
@@ -253,7 +267,7 @@ def test_golden_training_grads_packed_gqa():
         *args, x["initial_state"], x["cu_seqlens"], sc, lam
     )
     grads = torch.ops.kda.recurrent_kda_training_backward(
-        *args, tapes, tcs, x["cu_seqlens"], x["do"], x["dfinal_state"], sc, lam
+        *args, tapes, tcs, x["initial_state"], x["cu_seqlens"], x["do"], x["dfinal_state"], sc, lam
     )
     errs = _errors(("out", "final_state"), (out, fs), (exp["output"], exp["final_state"]))
     errs.update(_errors(GRADS, grads, [exp[n] for n in GRADS]))
@@ -309,12 +323,14 @@ def test_cuda_matches_cpu_op():
         *args_cpu, x["initial_state"], x["cu_seqlens"], sc, lam
     )
     g_c = torch.ops.kda.recurrent_kda_training_backward(
-        *args_cpu, t_c, s_c, x["cu_seqlens"], x["do"], x["dfinal_state"], sc, lam
+        *args_cpu, t_c, s_c, x["initial_state"], x["cu_seqlens"], x["do"], x["dfinal_state"], sc, lam
     )
     c = _cuda(x)
     args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
     o, f, t, s = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, lam)
-    g = torch.ops.kda.recurrent_kda_training_backward(*args, t, s, c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam)
+    g = torch.ops.kda.recurrent_kda_training_backward(
+        *args, t, s, c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
+    )
     assert torch.equal(s.cpu(), s_c) and t.shape == t_c.shape
     errs = _errors(("out", "final_state", "tapes"), (o, f, t), (o_c, f_c, t_c))
     errs.update(_errors(GRADS, g, g_c))
@@ -438,10 +454,10 @@ def test_backward_chain_and_tape_rows(lam):
     args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
     _, _, tapes, tcs = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, lam)
     got = torch.ops.kda.recurrent_kda_training_backward(
-        *args, tapes, tcs, c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
+        *args, tapes, tcs, c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
     )
     again = torch.ops.kda.recurrent_kda_training_backward(
-        *args, tapes, tcs, c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
+        *args, tapes, tcs, c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
     )
     torch.cuda.synchronize()
     errs = _errors(GRADS, got, g_ref)

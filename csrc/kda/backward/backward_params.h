@@ -32,11 +32,18 @@ struct TrainingBackwardParams {
   const float* A_log = nullptr;    // [HV]
   const float* dt_bias = nullptr;  // [HV, 128], may be null (0)
 
-  // Tapes: fp32 [n_tape_rows, HV, 128, 128], compact; row tape_cu_starts[n] + c holds the state of
-  // sequence n before its token 64*c (SPEC §3.1 checkpoint rule with every = kTapeChunk).
+  // Tapes: fp32 [n_tape_rows, HV, 128, 128], compact; row tape_cu_starts[n] + c - 1 holds the state of
+  // sequence n before its token 64*c, for c >= 1 (the checkpoint rule with every = kTapeChunk and
+  // checkpoint_first = 1); the state before token 0 is initial_state.
   const float* tapes = nullptr;
   int64_t n_tape_rows = 0;
   const int64_t* tape_cu_starts = nullptr;  // [N+1]
+  const float* initial_state = nullptr;     // [N, HV, 128, 128] compact fp32; null = zeros
+  // Chunked sweep: its tasks are (slot, value head), one slot per 64-token chunk of every sequence, slot
+  // slot_cu_starts[n] + c for chunk c of sequence n (launch_tape_cu_starts with first = 0); n_slots rows
+  // (an upper bound from shapes: B ceil(T/64) fixed, T/64 + N packed; unused slots write zero partials).
+  const int64_t* slot_cu_starts = nullptr;  // [N+1]
+  int64_t n_slots = 0;
 
   const void* cu_seqlens = nullptr;  // [N+1] int32 / int64; null for the fixed layout
   bool cu_seqlens_int64 = false;
@@ -56,8 +63,8 @@ struct TrainingBackwardParams {
   float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head; caller zeroes
   float* dk_head = nullptr;      // [B*T, HV, 128] dL/d(normalised k) per value head; caller zeroes
   // Parameter-gradient partials, one row per task (fully written): the token-serial sweep's tasks are the
-  // (sequence, value head) pairs (partial_rows = N), the chunked one's the (tape row, value head) pairs
-  // (partial_rows = n_tape_rows).
+  // (sequence, value head) pairs (partial_rows = N), the chunked one's the (slot, value head) pairs
+  // (partial_rows = n_slots).
   int64_t partial_rows = 0;
   float* ddt_partial = nullptr;  // [partial_rows, HV, 128] ddt_bias sums
   float* dA_partial = nullptr;   // [partial_rows, HV] dA_log sums
@@ -82,6 +89,16 @@ struct TrainingBackwardParams {
   float* ddt_bias = nullptr; // [HV, 128]
 };
 
+// The state of sequence n, value head hv, before its token 64 c: initial_state for c == 0, else tape row
+// tape_cu_starts[n] + c - 1. Null means zeros: no initial_state, or a row outside the tapes (a broken
+// tape_cu_starts contract never reads out of bounds).
+KDA_HD const float* tape_state(const TrainingBackwardParams& p, int64_t n, int64_t c, int hv) {
+  constexpr int64_t kState = int64_t(kBwdDim) * kBwdDim;
+  if (c == 0) return p.initial_state != nullptr ? p.initial_state + (n * p.HV + hv) * kState : nullptr;
+  const int64_t row = p.tape_cu_starts[n] + c - 1;
+  return row >= 0 && row < p.n_tape_rows ? p.tapes + (row * p.HV + hv) * kState : nullptr;
+}
+
 // Dynamic shared memory of the reverse sweep launch_training_backward will run (chunked or token-serial),
 // bytes (the caller needs no opt-in: the launcher does it; the device must allow that much per block).
 int64_t training_backward_smem_bytes();
@@ -100,10 +117,12 @@ cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams&
 // No host synchronisation, no allocation (CUDA-graph capturable).
 cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream_t stream);
 
-// tape_cu_starts[0] = 0, tape_cu_starts[n+1] = tape_cu_starts[n] + ceil(L_n / chunk), with L_n the
-// sequence lengths of RecurrentParams' rule (seq_range: cu_seqlens clamped to [0, T]; fixed: T). chunk =
-// kTapeChunk: the tape rows; 16: the backward chain's dS rows.
+// tape_cu_starts[0] = 0, tape_cu_starts[n+1] = tape_cu_starts[n] + max(ceil(L_n / chunk) - first, 0), with
+// L_n the sequence lengths of RecurrentParams' rule (seq_range: cu_seqlens clamped to [0, T]; fixed: T).
+// chunk = kTapeChunk, first = 1: the tape rows (no row for the state before token 0); chunk = kTapeChunk,
+// first = 0: the chunked sweep's task slots (one per 64-token chunk); chunk = 16: the backward chain's dS rows.
 cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64, int64_t N, int64_t T,
-                                  int64_t* tape_cu_starts, cudaStream_t stream, int chunk = kTapeChunk);
+                                  int64_t* tape_cu_starts, cudaStream_t stream, int chunk = kTapeChunk,
+                                  int first = 0);
 
 }  // namespace kda

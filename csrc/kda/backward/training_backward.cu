@@ -195,10 +195,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_training_backward_kernel(c
       // b. forward recompute of the chunk from its tape row.
       float S[8][8];
       {
-        const int64_t row = p.tape_cu_starts[n] + c;
-        if (row >= 0 && row < p.n_tape_rows) {
-          load_frag(S, p.tapes + (row * p.HV + hv) * kState, row0, col0);
-        } else {  // broken tape_cu_starts contract: never read out of bounds
+        if (const float* s0 = tape_state(p, n, c, hv)) {  // initial_state for c = 0, else a tape row
+          load_frag(S, s0, row0, col0);
+        } else {  // no initial_state, or a broken tape_cu_starts contract: never read out of bounds
 #pragma unroll
           for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -470,15 +469,22 @@ __global__ void kda_training_backward_param_finish_kernel(const TrainingBackward
 
 constexpr int kScanThreads = 1024;
 
+// Rows of one sequence of L tokens: ceil(L / chunk) - first, at least 0.
+__device__ __forceinline__ int64_t rows_of(int64_t L, int chunk, int first) {
+  const int64_t r = (L + chunk - 1) / chunk - first;
+  return r > 0 ? r : 0;
+}
+
 __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const void* cu, bool i64, int64_t N,
-                                                                          int64_t T, int chunk, int64_t* out) {
+                                                                          int64_t T, int chunk, int first,
+                                                                          int64_t* out) {
   __shared__ int64_t part[kScanThreads];
   const int tid = threadIdx.x;
   const int64_t per = (N + kScanThreads - 1) / kScanThreads;
   const int64_t beg = tid * per;
   const int64_t end = beg + per < N ? beg + per : N;
   int64_t local = 0;
-  for (int64_t n = beg; n < end; ++n) local += (seq_range(cu, i64, T, n).len + chunk - 1) / chunk;
+  for (int64_t n = beg; n < end; ++n) local += rows_of(seq_range(cu, i64, T, n).len, chunk, first);
   part[tid] = local;
   __syncthreads();
   if (tid == 0) {
@@ -493,7 +499,7 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
   __syncthreads();
   int64_t run = part[tid];
   for (int64_t n = beg; n < end; ++n) {
-    run += (seq_range(cu, i64, T, n).len + chunk - 1) / chunk;
+    run += rows_of(seq_range(cu, i64, T, n).len, chunk, first);
     out[n + 1] = run;
   }
 }
@@ -523,7 +529,7 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
   if (p.fused_qk && (!training_backward_use_chunked() || p.HV != p.H)) return cudaErrorInvalidValue;
   if (p.grid > 0) {
     if (training_backward_use_chunked()) {
-      if (p.partial_rows != p.n_tape_rows) return cudaErrorInvalidValue;  // one partial row per tape row
+      if (p.partial_rows != p.n_slots) return cudaErrorInvalidValue;  // one partial row per task slot
       err = launch_training_backward_chunked_sweep(p, stream);
       if (err != cudaSuccess) return err;
     } else if (p.N * p.HV > 0) {
@@ -548,9 +554,9 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
 }
 
 cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64, int64_t N, int64_t T,
-                                  int64_t* tape_cu_starts, cudaStream_t stream, int chunk) {
-  if (chunk <= 0) return cudaErrorInvalidValue;
-  kda_tape_cu_starts_kernel<<<1, kScanThreads, 0, stream>>>(cu_seqlens, cu_seqlens_int64, N, T, chunk,
+                                  int64_t* tape_cu_starts, cudaStream_t stream, int chunk, int first) {
+  if (chunk <= 0 || first < 0) return cudaErrorInvalidValue;
+  kda_tape_cu_starts_kernel<<<1, kScanThreads, 0, stream>>>(cu_seqlens, cu_seqlens_int64, N, T, chunk, first,
                                                             tape_cu_starts);
   return cudaGetLastError();
 }

@@ -12,8 +12,9 @@
 // Two stages. The backward chain (the chunked prefill kernel in reverse, kda/prefill/chunked_kernel.cuh with
 // BWD = true, launched by csrc/api/training_cuda.cpp) carries dS over each sequence, last chunk first, and
 // writes dS_C of every 16-token chunk to p.dstates. Then this kernel, one CTA (512 threads, 16 warps) per
-// (tape row, value head) task, persistent over the tasks, needs no serial dependence between tasks: it loads
-// the tape row (the state entering the 64-token tape chunk) into shared memory (fp32 [128][132], padded rows)
+// (64-token chunk, value head) task, persistent over the tasks, needs no serial dependence between tasks: it
+// loads the state entering the chunk (initial_state for a sequence's first chunk, else its tape row) into
+// shared memory (fp32 [128][132], padded rows)
 // and walks the four sub-chunks forward, each step with dS_C from p.dstates: the gradients of the sub-chunk,
 // then S = S g_C + Rᵀ Kr for the next. Products run on tensor cores (tf32 mma.sync; 3xTF32 where dΓ needs
 // the digits, see mma_frag); no atomics: bit-identical reruns, and the parameter partials are one row per
@@ -415,9 +416,9 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   __syncthreads();
 }
 
-// Row r of the tapes belongs to the one sequence n with tape_cu_starts[n] <= r < tape_cu_starts[n + 1] (empty
-// sequences own no rows); -1 for rows past the last sequence's.
-__device__ __forceinline__ int64_t tape_row_sequence(const int64_t* starts, int64_t N, int64_t row) {
+// Slot r belongs to the one sequence n with slot_cu_starts[n] <= r < slot_cu_starts[n + 1] (empty sequences own
+// no slots); -1 for slots past the last sequence's.
+__device__ __forceinline__ int64_t slot_sequence(const int64_t* starts, int64_t N, int64_t row) {
   if (row < 0 || row >= starts[N]) return -1;
   int64_t lo = 0, hi = N;  // invariant: starts[lo] <= row < starts[hi]
   while (hi - lo > 1) {
@@ -427,25 +428,34 @@ __device__ __forceinline__ int64_t tape_row_sequence(const int64_t* starts, int6
   return lo;
 }
 
-// One CTA per (tape row, value head) task, persistent: the gradients of the 64 tokens of one tape chunk from its
-// tape row S_0 and the chain gradient at its end dS_C (p.dstates, written by the backward chain).
+// The state entering the 64-token chunk of task `task` (slot task / HV, value head task % HV): see tape_state;
+// null for zeros or an unused slot.
+__device__ __forceinline__ const float* task_state(const TrainingBackwardParams& p, int64_t task) {
+  const int64_t slot = task / p.HV;
+  const int64_t n = slot_sequence(p.slot_cu_starts, p.N, slot);
+  return n < 0 ? nullptr : tape_state(p, n, slot - p.slot_cu_starts[n], static_cast<int>(task % p.HV));
+}
+
+// One CTA per (slot, value head) task, persistent: the gradients of the 64 tokens of one 64-token chunk from
+// the state entering it, S_0 (initial_state for a sequence's first chunk, a tape row otherwise), and the chain
+// gradient at its end dS_C (p.dstates, written by the backward chain).
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_kernel(const TrainingBackwardParams p) {
   extern __shared__ float4 smem_raw[];
   ChunkedBwdSmem& sm = *reinterpret_cast<ChunkedBwdSmem*>(smem_raw);
   const int tid = threadIdx.x;
-  const int64_t tasks = p.n_tape_rows * p.HV;
+  const int64_t tasks = p.n_slots * p.HV;
   const int group = p.HV / p.H;
   constexpr int64_t kState = int64_t(kD) * kD;
 
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int64_t row = task / p.HV;
-    const int64_t n = tape_row_sequence(p.tape_cu_starts, p.N, row);
+    const int64_t slot = task / p.HV;
+    const int64_t n = slot_sequence(p.slot_cu_starts, p.N, slot);
     Task tk;
     tk.hv = static_cast<int>(task % p.HV);
-    const int64_t c = n < 0 ? -1 : row - p.tape_cu_starts[n];  // the tape chunk within the sequence
+    const int64_t c = n < 0 ? -1 : slot - p.slot_cu_starts[n];  // the 64-token chunk within the sequence
     if (n >= 0) tk.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
     if (n < 0 || c < 0 || c * kTapeChunk >= tk.s.len) {
-      // an unused row (or a broken tape_cu_starts): zero partials, the finishing kernel sums every row
+      // an unused slot (or a broken slot_cu_starts): zero partials, the finishing kernel sums every row
       __syncthreads();  // (the partial stores of the previous task are done with sm.part)
       if (tid < kD) p.ddt_partial[task * kD + tid] = 0.f;
       if (tid == 0) p.dA_partial[task] = 0.f;
@@ -458,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     float ddt_acc = 0.f, dA_acc = 0.f;
 
     __syncthreads();  // the previous task is done with S and dS
-    state_to_smem_async(sm.S, p.tapes + (row * p.HV + tk.hv) * kState);
+    state_to_smem_async(sm.S, tape_state(p, n, c, tk.hv));  // null: zeros
     {
       const int64_t tc0 = tk.s.bos + c * kTapeChunk;
       const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
@@ -482,9 +492,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         if (sb + 1 < nsub) {
           prefetch_sub_chunk(p, tk, t0 + kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
           if (const float* nd = dstate(sb + 1)) prefetch_state_l2(nd);
-        } else if (task + gridDim.x < tasks) {  // this CTA's next task: its tape row
-          const int64_t nrow = (task + gridDim.x) / p.HV, nhv = (task + gridDim.x) % p.HV;
-          prefetch_state_l2(p.tapes + (nrow * p.HV + nhv) * kState);
+        } else if (task + gridDim.x < tasks) {  // this CTA's next task: the state entering its chunk
+          if (const float* ns = task_state(p, task + gridDim.x)) prefetch_state_l2(ns);
         }
         sub_chunk_forward(sm, p, tk, t0, len);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
@@ -632,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       }
     }
 
-    const int64_t part = task;  // = row * HV + hv
+    const int64_t part = task;  // = slot * HV + hv
     __syncthreads();
     sm.part[tid & 3][tid >> 2] = ddt_acc;
     __syncthreads();
@@ -655,11 +664,12 @@ int64_t training_backward_chunked_smem_bytes() { return static_cast<int64_t>(siz
 
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(sizeof(ChunkedBwdSmem));
-  if (p.dstates == nullptr || p.dstate_cu_starts == nullptr) return cudaErrorInvalidValue;
+  if (p.dstates == nullptr || p.dstate_cu_starts == nullptr || p.slot_cu_starts == nullptr)
+    return cudaErrorInvalidValue;
   const cudaError_t err = cudaFuncSetAttribute(kda_training_backward_chunked_kernel,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  if (p.n_tape_rows * p.HV <= 0) return cudaSuccess;
+  if (p.n_slots * p.HV <= 0) return cudaSuccess;
   kda_training_backward_chunked_kernel<<<p.grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -489,7 +489,7 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
     if (t + 1 < m.len) load_token<Tile>(p, m.batch, m.bos + t + 1, h, hv, kl, my_row, nxt);
 
     if (every > 0 && t == next_ckpt) {  // the state BEFORE token t
-      const int64_t row = ckpt_row0 + t / every;
+      const int64_t row = t / every >= p.checkpoint_first ? ckpt_row0 + t / every - p.checkpoint_first : -1;
       if (row >= 0 && row < p.n_checkpoint_rows)
         store_tile_dt<Tile>(p.state_checkpoints, p.checkpoint_dtype, row * inner + head_off, row0, rg, kl, s);
       next_ckpt += every;

@@ -701,9 +701,9 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
         const int64_t row = ckpt_row0 * (every / kChunk) + t0 / kChunk;
         if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
       }
-    } else if (every > 0 && t0 % every == 0) {
+    } else if (every > 0 && t0 % every == 0 && t0 / every >= p.checkpoint_first) {
       // Checkpoint: the state BEFORE token t0 (t0 a multiple of the interval, itself a multiple of 16).
-      const int64_t row = ckpt_row0 + t0 / every;
+      const int64_t row = ckpt_row0 + t0 / every - p.checkpoint_first;
       if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
     }
     cp_async_wait<kRawStages - 1>();
