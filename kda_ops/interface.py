@@ -706,6 +706,7 @@ def recurrent_kda_training_forward(
         ctx = context_out
         ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.A_log, ctx.dt_bias = q, k, v, g, beta, A, dtb
         ctx.initial_state = h0
+        ctx.extra["initial_state_version"] = h0._version
         ctx.cu_seqlens, ctx.cu_seqlens_cpu, ctx.scale, ctx.lower_bound = cu64, host, sc, lb
         ctx.state_dtype = h0.dtype
     else:
@@ -726,6 +727,7 @@ def recurrent_kda_training_forward(
             cu_seqlens_cpu=host,
             state_dtype=h0.dtype,
         )
+        ctx.extra["initial_state_version"] = h0._version
     return o, fs, ctx
 
 
@@ -760,6 +762,15 @@ def recurrent_kda_training_backward(
     if not isinstance(ctx, RecurrentKDATrainingContext):
         raise TypeError(f"ctx must be a kda_ops.RecurrentKDATrainingContext, got {V._type_name(ctx)}")
     d = V.check_tokens(ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.cu_seqlens, kv_rule="training")
+    h0 = ctx.initial_state
+    saved = ctx.extra.get("initial_state_version")
+    if h0 is not None and saved is not None and h0._version != saved:
+        raise RuntimeError(
+            "ctx.initial_state must be unmodified between the forward and the backward (the context keeps the "
+            "forward's initial_state by reference: the tapes do not repeat the state before token 0), got "
+            f"version {h0._version}, saved at version {saved} (modified in place); pass the forward a copy "
+            "if the state buffer is reused, e.g. carried to the next segment"
+        )
     dO, dS = _check_do(do, dfinal_state, d)
     reads = [
         ("ctx.q", ctx.q),
@@ -911,8 +922,8 @@ def kda(
     A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d, state_required=False)
     sc = V.check_scale(scale, d.K)
     ofs = V._bool(output_final_state, "output_final_state")
-    if h0 is None:
-        h0 = q.new_zeros((d.N, d.HV, d.V, d.K), dtype=V.param_dtype(d))
+    if h0 is None:  # zeros as a stride-0 view: autograd saves one element, not [N, HV, V, K]
+        h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
     cu64, _ = _training_cu(d, cu_seqlens, None, "none")
     o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     return o, (fs if ofs else None)

@@ -141,7 +141,8 @@ class RecurrentKDATrainingContext:
             spare rows 0). At most 64·V·K·4 B / 64 tokens = the bf16 q+k+v+g bytes per token-head.
         tape_cu_starts: int64 [N+1]: first tape row of each sequence (ceil(L/64) - 1 rows each, at least 0).
         initial_state: [N, HV, V, K], the forward's initial state (by reference; the state before token 0,
-            which the tapes do not repeat), or None for zeros.
+            which the tapes do not repeat), or None for zeros. Modifying it in place before the backward is
+            an error the backward reports (its version counter is kept in ``extra``).
         cu_seqlens: int64 [N+1] on the device of q, or None (fixed layout).
         cu_seqlens_cpu: the validated host mirror of cu_seqlens (packed calls), or None.
         scale: the q scale actually used (> 0). lower_bound: λ in [-5, 0).

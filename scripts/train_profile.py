@@ -39,7 +39,7 @@ def main():
         args, init, do = inputs(H, T)
         sc, lam = 128**-0.5, -5.0
         _, _, tapes, tcs = torch.ops.kda.recurrent_kda_training_forward(*args, init, None, sc, lam)
-        bwd_args = (*args, tapes, tcs, None, do, None, sc, lam)
+        bwd_args = (*args, tapes, tcs, init, None, do, None, sc, lam)
         for _ in range(2):
             torch.ops.kda.recurrent_kda_training_backward(*bwd_args)
         torch.cuda.synchronize()

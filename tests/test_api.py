@@ -859,3 +859,24 @@ def test_cuda_graph_backward():
     torch.cuda.synchronize()
     for a, b in zip(outs, ref_outs, strict=True):
         assert torch.equal(a, b)
+
+
+@needs_cpu_op("recurrent_kda_training_forward", "recurrent_kda_training_backward")
+def test_kda_without_initial_state_saves_no_state_block():
+    """kda() with initial_state=None: the backward needs the zero start state (the tapes do not repeat the
+    state before token 0); autograd saves it as a stride-0 view (one element), not an [N, HV, V, K] block."""
+    x = inputs(H=1, HV=2, T=40)  # < 64 tokens: no tape rows (a [1, 2, 64, 64] tape would match the shape)
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, _ = kda_ops.kda(*leaves[:6], leaves[6].view(2, -1))
+    state_shape = (1, 2, x["v"].shape[-1], x["q"].shape[-1])
+    blocks = [nbytes for shape, nbytes in saved if shape == state_shape]
+    assert blocks and max(blocks) <= 4, f"saved start state: {blocks} bytes"
+    o.float().sum().backward()  # and the backward runs from it
+    assert all(t.grad is not None and torch.isfinite(t.grad.float()).all() for t in leaves)

@@ -683,6 +683,18 @@ def test_training_context_out_shapes():
 TB = kda_ops.recurrent_kda_training_backward
 
 
+@needs_cpu_op("recurrent_kda_training_forward", "recurrent_kda_training_backward")
+def test_training_backward_initial_state_modified():
+    """The context keeps initial_state by reference (the tapes do not repeat the state before token 0): an
+    in-place change between forward and backward is reported, naming it, and nothing is written."""
+    a = train_args()
+    _, _, ctx = TF(**a)
+    do = torch.zeros(2, 4, 2, V, dtype=torch.bfloat16)
+    TB(ctx, do, None)  # unmodified: fine
+    a["initial_state"].add_(1.0)
+    rejects(TB, (ctx, do, None), {}, RuntimeError, "initial_state")
+
+
 def test_training_backward_args():
     ctx = fake_ctx()
     do = torch.zeros(2, 4, 2, V, dtype=torch.bfloat16)

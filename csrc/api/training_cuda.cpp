@@ -305,7 +305,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   TORCH_CHECK(smem_needed <= smem_optin, op, ": the CUDA training backward needs ", smem_needed,
             " bytes of shared memory per block, this GPU allows ", smem_optin,
             " (sm_90/sm_100-class GPUs have 227 KB; sm_120 is not supported)");
-  // Tasks of the sweep: (tape row, value head) for the chunked one, (sequence, value head) for the
+  // Tasks of the sweep: (64-token slot, value head) for the chunked one, (sequence, value head) for the
   // token-serial one; one parameter-gradient partial row per task row.
   const int64_t partial_rows = chunked ? d.slots : d.N;
   const int64_t tasks = partial_rows * d.HV;
@@ -326,7 +326,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
     dstate_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
     check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
                                      cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
-                                     dstate_cu_starts.data_ptr<int64_t>(), stream, 16),
+                                     dstate_cu_starts.data_ptr<int64_t>(), stream, 16, /*first=*/0),
                "kda dS row starts kernel");
     dstates = at::empty({chunk_rows_bound(d, 16), d.HV, kBwdDim, kBwdDim}, f32);
     // the chunked sweep's task slots: one per 64-token chunk, the state before token 0 included

@@ -210,6 +210,11 @@ def test_dfinal_none_is_zero_and_int32_cu_seqlens():
     )
     for n_, a, b in zip(GRADS, g_none, g_zero, strict=True):
         assert torch.equal(a, b), f"{n_}: dfinal_state=None differs from zeros"
+    # initial_state=None in the training backward (the state before token 0 of every sequence) equals zeros
+    g_h0_none = torch.ops.kda.recurrent_kda_training_backward(*args, t64, s64, None, cu64, c["do"], None, sc, lam)
+    g_h0_zero = torch.ops.kda.recurrent_kda_training_backward(*args, t64, s64, zeros, cu64, c["do"], None, sc, lam)
+    for n_, a, b in zip(GRADS, g_h0_none, g_h0_zero, strict=True):
+        assert torch.equal(a, b), f"{n_}: initial_state=None differs from zeros"
     # A flat [HV*K] dt_bias gives a flat ddt_bias with the same values.
     flat = (*args[:6], c["dt_bias"].reshape(-1))
     g_flat = torch.ops.kda.recurrent_kda_training_backward(

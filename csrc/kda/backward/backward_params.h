@@ -109,7 +109,7 @@ int64_t training_backward_chunked_smem_bytes();
 bool training_backward_use_chunked();
 
 // The chunked reverse sweep alone (training_backward_chunked.cu), after the backward chain has written
-// dstates: writes dv, dg, dbeta, dq_head, dk_head, ddt_partial, dA_partial (one partial row per tape row).
+// dstates: writes dv, dg, dbeta, dq_head, dk_head, ddt_partial, dA_partial (one partial row per task slot).
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream);
 
 // Reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient reduction, on `stream` (the chunked
@@ -122,7 +122,6 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
 // chunk = kTapeChunk, first = 1: the tape rows (no row for the state before token 0); chunk = kTapeChunk,
 // first = 0: the chunked sweep's task slots (one per 64-token chunk); chunk = 16: the backward chain's dS rows.
 cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64, int64_t N, int64_t T,
-                                  int64_t* tape_cu_starts, cudaStream_t stream, int chunk = kTapeChunk,
-                                  int first = 0);
+                                  int64_t* tape_cu_starts, cudaStream_t stream, int chunk, int first);
 
 }  // namespace kda
