@@ -358,6 +358,9 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     st4(sm.dO + o, make_float4(dd[0], dd[1], dd[2], dd[3]));
     st4(sm.E + o, make_float4(a[0], a[1], a[2], a[3]));
   }
+  // This thread's cp.async copies of S and dS (issued by the caller) are done, after the token loads above
+  // had them in flight; the barrier publishes every thread's before any use.
+  cute::cp_async_wait<0>();
   __syncthreads();
   {  // Γ = inclusive prefix of a over the sub-chunk: 4 lanes per channel, 4 tokens each
     const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
@@ -485,8 +488,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       // step sb finishes (from the barrier after its last read of dS).
       state_to_smem_async(sm.dS, dstate(0));
       for (int sb = 0; sb < nsub; ++sb) {
-        // this thread's copies of S and dS are done; sub_chunk_forward's first barrier publishes every thread's
-        cute::cp_async_wait<0>();
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
         const int64_t t0 = tc0 + sb * kC;
         if (sb + 1 < nsub) {
