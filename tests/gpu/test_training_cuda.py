@@ -526,3 +526,28 @@ def test_fused_qk_uncovered_tokens():
     assert not bad, f"over tolerance {bad}: {_fmt(errs)}"
     for n_, t in zip(GRADS[:5], got[:5], strict=True):
         assert (t[:, -pad:] == 0).all(), f"{n_}: uncovered tokens are not zero"
+
+
+@pytest.mark.parametrize("group", [1, 2], ids=["HV=H", "GQA2"])
+def test_uncovered_tokens_hold_inf(group):
+    """Packed tokens that no sequence covers, holding inf in q and k: their gradients are exactly zero
+    (HV == H: the sweep never reads them; GQA: the finishing kernel maps a zero gradient row to zero), and
+    the covered tokens match the fp64 reference of the same call with finite values there."""
+    x = _case_inputs(1, 0, 2, 2 * group, [33, 0, 18], False, seed=21, with_dfinal=True)
+    pad = 5
+    gen = torch.Generator().manual_seed(7)
+    for n in ("q", "k", "v", "g", "do", "beta"):
+        extra = torch.randn(1, pad, *x[n].shape[2:], generator=gen).to(x[n].dtype)
+        x[n] = torch.cat([x[n], extra], 1)
+    sc, lam = 1.0 / math.sqrt(K), -1.0
+    _, _, g_ref = _reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam)
+    c = _cuda(x)
+    for n in ("q", "k"):
+        c[n][:, -pad:] = float("inf")
+    got = _raw_backward(c, c["cu_seqlens"], sc, lam)
+    for n_, t in zip(GRADS[:5], got[:5], strict=True):
+        assert (t[:, -pad:] == 0).all(), f"{n_}: uncovered tokens are not zero"
+    errs = _errors(GRADS, got, g_ref)
+    _report(f"uncovered_inf_group{group}: {_fmt(errs)}")
+    bad = [n_ for n_, (r, _) in errs.items() if not r <= TOL_GRAD]
+    assert not bad, f"over tolerance {bad}: {_fmt(errs)}"

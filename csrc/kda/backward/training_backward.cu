@@ -434,6 +434,14 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
 #pragma unroll
     for (int e = 0; e < 4; ++e) dx[e] += src[e];
   }
+  void* out = which ? p.dk : p.dq;
+  // A zero gradient row maps to zero (the L2-norm Jacobian times 0), also where x holds inf/NaN: packed tokens
+  // outside every sequence keep their zero-filled workspace rows and must get 0, not 0·inf.
+  if (!__any_sync(0xffffffffu, dx[0] != 0.f || dx[1] != 0.f || dx[2] != 0.f || dx[3] != 0.f)) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, 0.f);
+    return;
+  }
   const int64_t xo = x.offset(b, t, h) + 4 * lane;
   float xr[4], ss = 0.f, dot = 0.f;
 #pragma unroll
@@ -446,7 +454,6 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   dot = warp_sum32(dot);
   const float rho = rsqrtf(ss + kL2NormEps);
   const float c3 = rho * rho * rho * dot;
-  void* out = which ? p.dk : p.dq;
 #pragma unroll
   for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, rho * dx[e] - c3 * xr[e]);
 }
