@@ -42,8 +42,8 @@ struct TrainDims {
   bool packed;
 };
 
-// Rows of a buffer with one row per `chunk` tokens of every sequence (the sweep slots: 64; the chain's dS: 16), an
-// upper bound from shapes as the fake kernels compute it: fixed B ceil(T/chunk), packed T/chunk + N.
+// Rows of a buffer with one row per `chunk` tokens of every sequence (the sweep's slots: 64; the chain's dS:
+// 16), an upper bound from shapes: fixed B ceil(T/chunk), packed T/chunk + N.
 int64_t chunk_rows_bound(const TrainDims& d, int64_t chunk) {
   return d.packed ? d.T / chunk + d.N : d.B * ((d.T + chunk - 1) / chunk);
 }
