@@ -209,9 +209,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
 
   Tensor out = at::empty({d.B, d.T, d.HV, kBwdDim}, q.options());
   Tensor final_state = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
-  // Fixed layout: the forward writes every row. Packed: rows past the sequences' stay zero.
-  Tensor tapes = d.packed ? at::zeros({d.rows, d.HV, kBwdDim, kBwdDim}, f32)
-                          : at::empty({d.rows, d.HV, kBwdDim, kBwdDim}, f32);
+  // Fixed layout: the forward writes every row. Packed: rows past the sequences' are zeroed below.
+  Tensor tapes = at::empty({d.rows, d.HV, kBwdDim, kBwdDim}, f32);
   Tensor tape_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
@@ -219,6 +218,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
                                    cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
                                    tape_cu_starts.data_ptr<int64_t>(), stream, kTapeChunk, /*first=*/1),
              "kda tape_cu_starts kernel");
+  if (d.packed)
+    check_cuda(launch_zero_rows_past(tapes.data_ptr<float>(), d.rows, d.HV * kBwdDim * kBwdDim,
+                                     tape_cu_starts.data_ptr<int64_t>(), d.N, stream),
+               "kda tape zero kernel");
 
   RecurrentParams p = training_recurrent_params(q, k, v, g, beta, A, dtb, cu_seqlens, out, init, final_state, tapes,
                                                 tape_cu_starts, scale, lower_bound);
@@ -281,20 +284,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   const auto f32 = q.options().dtype(at::kFloat);
   const auto tok = q.options();
 
-  // No GQA group (HV == H) on the chunked sweep: it writes dq, dk itself (after the L2-norm backward), so
-  // tokens no task reaches must read as zero; otherwise the qk finishing kernel writes every token.
+  // No GQA group (HV == H) on the chunked sweep: it writes dq, dk itself (after the L2-norm backward);
+  // otherwise the qk finishing kernel does. Token gradients are not zero-filled: the sweep writes every token
+  // of every sequence and launch_training_backward zeroes the packed tokens outside them (covered_tokens).
   const bool chunked = training_backward_use_chunked();
   const bool fused_qk = chunked && d.HV == d.H;
-  const auto qk_grad = [&] {
-    return fused_qk ? at::zeros({d.B, d.T, d.H, kBwdDim}, tok) : at::empty({d.B, d.T, d.H, kBwdDim}, tok);
-  };
-  Tensor dq = qk_grad();
-  Tensor dk = qk_grad();
-  // Zero-filled: tokens no task reaches stay zero (outside every packed sequence, or tapes / tape_cu_starts
-  // passed to the op directly that do not cover the shapes), never stale memory.
-  Tensor dv = at::zeros({d.B, d.T, d.HV, kBwdDim}, tok);
-  Tensor dg = at::zeros({d.B, d.T, d.HV, kBwdDim}, tok);
-  Tensor dbeta = at::zeros({d.B, d.T, d.HV}, tok);
+  Tensor dq = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
+  Tensor dk = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
+  Tensor dv = at::empty({d.B, d.T, d.HV, kBwdDim}, tok);
+  Tensor dg = at::empty({d.B, d.T, d.HV, kBwdDim}, tok);
+  Tensor dbeta = at::empty({d.B, d.T, d.HV}, tok);
   Tensor dA_log = at::empty({d.HV}, f32);
   Tensor ddt_bias = at::empty({d.HV, kBwdDim}, f32);
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
@@ -310,7 +309,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   const int64_t partial_rows = chunked ? d.slots : d.N;
   const int64_t tasks = partial_rows * d.HV;
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
-  Tensor head_grads = at::zeros({fused_qk ? 0 : 2 * d.B * d.T * d.HV * kBwdDim}, f32);
+  Tensor head_grads = at::empty({fused_qk ? 0 : 2 * d.B * d.T * d.HV * kBwdDim}, f32);  // covered rows only
   Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
   // per-CTA state scratch of the token-serial sweep
   Tensor scratch = at::empty({chunked ? 0 : std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);

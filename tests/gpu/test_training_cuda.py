@@ -528,10 +528,55 @@ def test_fused_qk_uncovered_tokens():
         assert (t[:, -pad:] == 0).all(), f"{n_}: uncovered tokens are not zero"
 
 
+def _poison_allocator(specs, copies=3):
+    """Fills cached CUDA memory with NaN: `copies` tensors of every (shape, dtype) in specs, freed again, so
+    the next allocations of those sizes get NaN-filled blocks from torch's caching allocator."""
+    held = [torch.full(shape, float("nan"), dtype=dt, device="cuda") for shape, dt in specs for _ in range(copies)]
+    torch.cuda.synchronize()
+    del held
+
+
+@pytest.mark.parametrize("group", [1, 2], ids=["HV=H", "GQA2"])
+def test_stale_memory_outside_sequences(group):
+    """The training ops allocate their outputs without a zero-fill: the tape rows past the sequences' and the
+    gradients of packed tokens after the last sequence are written as zeros by the kernels. The caching
+    allocator is first filled with NaN blocks of the outputs' sizes; those rows must still be exactly zero,
+    and the covered tokens match the fp64 reference."""
+    H, HV, pad = 2, 2 * group, 20
+    x = _case_inputs(1, 0, H, HV, [70, 0, 40], False, seed=5, with_dfinal=True)
+    gen = torch.Generator().manual_seed(17)
+    for n in ("q", "k", "v", "g", "do", "beta"):
+        extra = torch.randn(1, pad, *x[n].shape[2:], generator=gen).to(x[n].dtype)
+        x[n] = torch.cat([x[n], extra], 1)
+    T = x["q"].shape[1]  # 130: tape rows bound T // 64 = 2, the sequences use 1
+    sc, lam = 1.0 / math.sqrt(K), -1.0
+    _, _, g_ref = _reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam)
+    c = _cuda(x)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
+    bf, f32 = torch.bfloat16, torch.float32
+    specs = [((T // 64, HV, K, K), f32), ((1, T, H, K), bf), ((1, T, HV, K), bf), ((1, T, HV), bf)]
+    specs.append(((2 * T * HV * K,), f32))  # the GQA workspace of per-value-head dq/dk
+    _poison_allocator(specs)
+    _, _, tapes, tcs = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, lam)
+    used = int(tcs[-1])
+    assert tapes.shape[0] == T // 64 and used == 1
+    assert (tapes[used:] == 0).all(), "tape rows past the sequences are not zero"
+    _poison_allocator(specs)
+    got = torch.ops.kda.recurrent_kda_training_backward(
+        *args, tapes, tcs, c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam
+    )
+    for n_, t in zip(GRADS[:5], got[:5], strict=True):
+        assert (t[:, -pad:] == 0).all(), f"{n_}: uncovered tokens are not zero"
+    errs = _errors(GRADS, got, g_ref)
+    _report(f"stale_memory_group{group}: {_fmt(errs)}")
+    bad = [n_ for n_, (r, _) in errs.items() if not r <= TOL_GRAD]
+    assert not bad, f"over tolerance {bad}: {_fmt(errs)}"
+
+
 @pytest.mark.parametrize("group", [1, 2], ids=["HV=H", "GQA2"])
 def test_uncovered_tokens_hold_inf(group):
     """Packed tokens that no sequence covers, holding inf in q and k: their gradients are exactly zero
-    (HV == H: the sweep never reads them; GQA: the finishing kernel maps a zero gradient row to zero), and
+    (HV == H: the sweep never reads them; GQA: the finishing kernel writes zero outside covered_tokens), and
     the covered tokens match the fp64 reference of the same call with finite values there."""
     x = _case_inputs(1, 0, 2, 2 * group, [33, 0, 18], False, seed=21, with_dfinal=True)
     pad = 5

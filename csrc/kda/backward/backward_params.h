@@ -53,15 +53,15 @@ struct TrainingBackwardParams {
   float scale = 0.f;        // q scale (> 0)
   float lower_bound = 0.f;  // λ in [-5, 0)
 
-  // Outputs written by the sweep (all compact; the caller zeroes them: tokens no task reaches).
+  // Outputs written by the sweep (all compact; tokens outside covered_tokens are zeroed by the launcher).
   void* dv = nullptr;               // [B, T, HV, 128] bf16
   void* dg = nullptr;               // [B, T, HV, 128] bf16
   void* dbeta = nullptr;            // [B, T, HV] bf16
   float* dinitial_state = nullptr;  // [N, HV, 128, 128] (token-serial sweep; the backward chain otherwise)
 
   // Workspace (caller-allocated, fp32).
-  float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head; caller zeroes
-  float* dk_head = nullptr;      // [B*T, HV, 128] dL/d(normalised k) per value head; caller zeroes
+  float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head (covered tokens only)
+  float* dk_head = nullptr;      // [B*T, HV, 128] dL/d(normalised k) per value head (covered tokens only)
   // Parameter-gradient partials, one row per task (fully written): the token-serial sweep's tasks are the
   // (sequence, value head) pairs (partial_rows = N), the chunked one's the (slot, value head) pairs
   // (partial_rows = n_slots).
@@ -79,7 +79,7 @@ struct TrainingBackwardParams {
   int grid = 0;                  // CTAs of the reverse kernel (persistent over its tasks)
 
   // Chunked sweep with HV == H (no GQA group to sum): the sweep does the L2-norm backward itself and writes
-  // dq, dk (caller zeroes them: tokens no task reaches); dq_head, dk_head unused, no qk finishing kernel.
+  // dq, dk (zeroed by the launcher outside covered_tokens); dq_head, dk_head unused, no qk finishing kernel.
   bool fused_qk = false;
 
   // Outputs of the finishing kernels.
@@ -97,6 +97,26 @@ KDA_HD const float* tape_state(const TrainingBackwardParams& p, int64_t n, int64
   if (c == 0) return p.initial_state != nullptr ? p.initial_state + (n * p.HV + hv) * kState : nullptr;
   const int64_t row = p.tape_cu_starts[n] + c - 1;
   return row >= 0 && row < p.n_tape_rows ? p.tapes + (row * p.HV + hv) * kState : nullptr;
+}
+
+// The packed tokens some sweep task certainly writes the gradients of: [lo, hi). Every token of the fixed
+// layout. Packed: [c_0, c_N) with c_i = cu_seqlens[i] clamped to [0, T] (seq_range's rule): sequence n covers
+// [c_n, c_{n+1}) when c_{n+1} > c_n, so every token between c_0 and c_N is crossed by some sequence, even for
+// a non-monotone cu_seqlens. Empty when the chunked sweep's slots exceed their bound (a broken contract: some
+// slots would not run). The launcher zeroes the gradients of tokens outside it before the sweep.
+struct CoveredTokens {
+  int64_t lo, hi;
+  KDA_HD bool contains(int64_t t) const { return t >= lo && t < hi; }
+};
+KDA_HD CoveredTokens covered_tokens(const TrainingBackwardParams& p) {
+  if (p.cu_seqlens == nullptr) return {0, p.T};
+  const auto clamped = [&](int64_t i) {
+    const int64_t x = p.cu_seqlens_int64 ? static_cast<const int64_t*>(p.cu_seqlens)[i]
+                                         : static_cast<const int32_t*>(p.cu_seqlens)[i];
+    return x < 0 ? int64_t(0) : (x > p.T ? p.T : x);
+  };
+  if (p.slot_cu_starts != nullptr && p.slot_cu_starts[p.N] > p.n_slots) return {0, 0};
+  return {clamped(0), clamped(p.N)};
 }
 
 // Dynamic shared memory of the reverse sweep launch_training_backward will run (chunked or token-serial),
@@ -123,5 +143,11 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
 // first = 0: the chunked sweep's task slots (one per 64-token chunk); chunk = 16: the backward chain's dS rows.
 cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64, int64_t N, int64_t T,
                                   int64_t* tape_cu_starts, cudaStream_t stream, int chunk, int first);
+
+// Zeroes the rows [starts[N], rows) of a [rows, row_elems] fp32 tensor (row_elems a multiple of 4, 16-byte
+// aligned): the tape rows past the sequences' (the bound from shapes exceeds what the sequences use), so the
+// packed tapes need no zero-fill of their used rows, which the forward writes.
+cudaError_t launch_zero_rows_past(float* x, int64_t rows, int64_t row_elems, const int64_t* starts, int64_t N,
+                                  cudaStream_t stream);
 
 }  // namespace kda

@@ -426,6 +426,14 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   const int64_t ti = rest / p.H;
   const int64_t b = ti / p.T, t = ti % p.T;
   const int group = p.HV / p.H;
+  void* out = which ? p.dk : p.dq;
+  // Packed tokens outside every sequence: no task wrote their workspace rows; their gradient is 0 (never read
+  // x there: it may hold inf/NaN).
+  if (!covered_tokens(p).contains(t)) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, 0.f);
+    return;
+  }
   const float* dh = which ? p.dk_head : p.dq_head;
   const TokenTensor& x = which ? p.k : p.q;
   float dx[4] = {0.f, 0.f, 0.f, 0.f};
@@ -433,14 +441,6 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
     const float* src = dh + (ti * p.HV + h * group + g) * kDim + 4 * lane;
 #pragma unroll
     for (int e = 0; e < 4; ++e) dx[e] += src[e];
-  }
-  void* out = which ? p.dk : p.dq;
-  // A zero gradient row maps to zero (the L2-norm Jacobian times 0), also where x holds inf/NaN: packed tokens
-  // outside every sequence keep their zero-filled workspace rows and must get 0, not 0·inf.
-  if (!__any_sync(0xffffffffu, dx[0] != 0.f || dx[1] != 0.f || dx[2] != 0.f || dx[3] != 0.f)) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, 0.f);
-    return;
   }
   const int64_t xo = x.offset(b, t, h) + 4 * lane;
   float xr[4], ss = 0.f, dot = 0.f;
@@ -456,6 +456,27 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   const float c3 = rho * rho * rho * dot;
 #pragma unroll
   for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, rho * dx[e] - c3 * xr[e]);
+}
+
+// Zeroes dv, dg, dβ (and dq, dk when the sweep writes them itself) of the tokens outside covered_tokens, which
+// no sweep task reaches (packed tokens outside every sequence); runs before the sweep, so a token a broken
+// cu_seqlens covers anyway still gets the sweep's values. Block-stride over tokens, 16-byte stores.
+__global__ void __launch_bounds__(256) kda_training_backward_zero_uncovered_kernel(const TrainingBackwardParams p) {
+  const CoveredTokens cov = covered_tokens(p);
+  const auto zero = [](void* base, int64_t row, int64_t row_elems) {  // bf16 rows of a multiple of 8 elements
+    uint4* r = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(base) + row * row_elems);
+    for (int64_t i = threadIdx.x; i < row_elems / 8; i += blockDim.x) r[i] = make_uint4(0u, 0u, 0u, 0u);
+  };
+  for (int64_t ti = blockIdx.x; ti < p.B * p.T; ti += gridDim.x) {
+    if (cov.contains(ti % p.T)) continue;
+    zero(p.dv, ti, int64_t(p.HV) * kDim);
+    zero(p.dg, ti, int64_t(p.HV) * kDim);
+    for (int i = threadIdx.x; i < p.HV; i += blockDim.x) st_bf16(p.dbeta, ti * p.HV + i, 0.f);
+    if (p.fused_qk) {
+      zero(p.dq, ti, int64_t(p.H) * kDim);
+      zero(p.dk, ti, int64_t(p.H) * kDim);
+    }
+  }
 }
 
 // dA_log[hv] and ddt_bias[hv, k]: sums over the partial rows in increasing order (deterministic, and the
@@ -511,6 +532,17 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
   }
 }
 
+__global__ void __launch_bounds__(256) kda_zero_rows_past_kernel(float* x, int64_t rows, int64_t row_elems,
+                                                                  const int64_t* starts, int64_t N) {
+  const int64_t first = starts[N] < 0 ? 0 : starts[N];
+  for (int64_t r = first + blockIdx.y; r < rows; r += gridDim.y) {
+    float4* row = reinterpret_cast<float4*>(x + r * row_elems);
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < row_elems / 4;
+         i += int64_t(gridDim.x) * blockDim.x)
+      row[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
 }  // namespace
 
 int64_t training_backward_smem_bytes() {
@@ -534,6 +566,12 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
   // fused_qk (the sweep writes dq/dk itself) needs the chunked sweep and no GQA group: the token-serial sweep
   // writes per-head dq/dk to the workspace, and with HV > H several value heads would write one dq row.
   if (p.fused_qk && (!training_backward_use_chunked() || p.HV != p.H)) return cudaErrorInvalidValue;
+  if (p.cu_seqlens != nullptr && p.B * p.T > 0) {  // the fixed layout covers every token
+    const int64_t blocks = std::min<int64_t>(p.B * p.T, 512);  // most find no uncovered token
+    kda_training_backward_zero_uncovered_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   if (p.grid > 0) {
     if (training_backward_use_chunked()) {
       if (p.partial_rows != p.n_slots) return cudaErrorInvalidValue;  // one partial row per task slot
@@ -565,6 +603,17 @@ cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64,
   if (chunk <= 0 || first < 0) return cudaErrorInvalidValue;
   kda_tape_cu_starts_kernel<<<1, kScanThreads, 0, stream>>>(cu_seqlens, cu_seqlens_int64, N, T, chunk, first,
                                                             tape_cu_starts);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_zero_rows_past(float* x, int64_t rows, int64_t row_elems, const int64_t* starts, int64_t N,
+                                  cudaStream_t stream) {
+  if (rows <= 0 || row_elems <= 0) return cudaSuccess;
+  if (row_elems % 4 != 0) return cudaErrorInvalidValue;
+  // blockIdx.y strides over rows, blockIdx.x over a row: rows past the sequences are few (at most about N)
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((row_elems / 4 + 255) / 256, 64)),
+                  static_cast<unsigned>(std::min<int64_t>(rows, 16)));
+  kda_zero_rows_past_kernel<<<grid, 256, 0, stream>>>(x, rows, row_elems, starts, N);
   return cudaGetLastError();
 }
 

@@ -144,7 +144,7 @@ __device__ __forceinline__ void ldsm_f32x4(const float* p, uint32_t (&r)[4]) {
 // d += Σ_k A[m][k] B(k, n0 + n) over k < 128, plain tf32, with A a [16][kLD] shared tile (k contiguous) read by
 // ldmatrix; B_NK: B stored [n][kLD] (k contiguous, ldmatrix too), else [k][kLD] (n contiguous, scalar loads).
 // Rows of kLD = 132 floats put the 8 rows of an ldmatrix phase in 8 distinct 16-byte bank groups.
-template <bool B_NK, bool A_EXACT = false>
+template <bool B_NK>
 __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, const float* B) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const float* pa = A + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLD + 4 * (lane >> 4);
@@ -162,8 +162,8 @@ __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, 
       for (int i = 0; i < 4; ++i) b[i] = __float_as_uint(pb[(k0 + 4 * i) * kLD]);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // round (see tf32); A_EXACT: A holds tf32-exact values (bf16 inputs)
-      if constexpr (!A_EXACT) a0[i] += 0x1000u, a1[i] += 0x1000u;
+    for (int i = 0; i < 4; ++i) {  // round (see tf32)
+      a0[i] += 0x1000u, a1[i] += 0x1000u;
       b[i] += 0x1000u;
     }
     mma_tf32(d, a0, b[0], b[1]);
@@ -171,6 +171,34 @@ __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, 
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) d[i] += e[i];
+}
+
+// d1 += Σ_k A1[m][k] B[k][n0 + n], d2 += Σ_k A2[m][k] B[k][n0 + n] over k < 128: mma_rows<false> for two A tiles
+// ([16][kLD]) against one B ([128][kLD], n contiguous), whose scalar loads serve both; A2 holds tf32-exact values.
+__device__ __forceinline__ void mma_rows_pair(float (&d1)[4], float (&d2)[4], int n0, const float* A1,
+                                              const float* A2, const float* B) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int ao = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLD + 4 * (lane >> 4);
+  const float* pb = B + q * kLD + n0 + g;
+  float e1[4] = {0.f, 0.f, 0.f, 0.f}, e2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+  for (int k0 = 0; k0 < kD; k0 += 16) {
+    uint32_t a0[4], a1[4], c0[4], c1[4], b[4];
+    ldsm_f32x4(A1 + ao + k0, a0);
+    ldsm_f32x4(A1 + ao + k0 + 8, a1);
+    ldsm_f32x4(A2 + ao + k0, c0);
+    ldsm_f32x4(A2 + ao + k0 + 8, c1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) b[i] = __float_as_uint(pb[(k0 + 4 * i) * kLD]) + 0x1000u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a0[i] += 0x1000u, a1[i] += 0x1000u;
+    mma_tf32(d1, a0, b[0], b[1]);
+    mma_tf32(e1, a1, b[2], b[3]);
+    mma_tf32(d2, c0, b[0], b[1]);
+    mma_tf32(e2, c1, b[2], b[3]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d1[i] += e1[i], d2[i] += e2[i];
 }
 
 // C[t][v] (acc ? +=: =) sign·Σ_c A[t][c] B[v][c]   (A, C [16][kLD]; B [128][kLD]); warp w: v in [8w, 8w+8).
@@ -185,12 +213,11 @@ __device__ __forceinline__ void gemm_abt(float* C, const float* A, const float* 
 }
 
 // C[t][c] = sign·rs(t)·Σ_v A[t][v] B[v][c]   (A, C [16][kLD]; B [128][kLD]); rs = row_scale or 1.
-template <bool A_EXACT = false>
 __device__ __forceinline__ void gemm_ab(float* C, const float* A, const float* B, float sign,
                                         const float* row_scale) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
-  mma_rows<false, A_EXACT>(d, n0, A, B);
+  mma_rows<false>(d, n0, A, B);
   frag_each(d, n0, [&](int t, int c, float x) { C[t * kLD + c] = (row_scale ? sign * row_scale[t] : sign) * x; });
 }
 
@@ -543,14 +570,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         gemm_ab(sm.dr, sm.R, sm.dS, 1.f, nullptr);  // dKr = R dS_C (dR is dead)
         __syncthreads();                              // everyone is done with vx (dβ) and with dS
         if (sb + 1 < nsub) state_to_smem_async(sm.dS, dstate(sb + 1));
-        gemm_ab(sm.vx, sm.kp, sm.S, -1.f, sm.beta);  // dK⁺ = -β dY S_0
-        if (tid < kD) {
-          float s = 0.f;
-          for (int t = 0; t < kC; ++t) s = fmaf(sm.kr[t * kLD + tid], sm.dr[t * kLD + tid], s);
-          sm.ext[tid] += s;
+        {  // dK⁺ = -β dY S_0 (into vx) and dQ⁺ = dO S_0 (into kp once dY is dead; dO is bf16: exact in tf32)
+          const int n0 = (tid >> 5) * 8;
+          float dkp[4] = {}, dqp[4] = {};
+          mma_rows_pair(dkp, dqp, n0, sm.kp, sm.dO, sm.S);
+          if (tid < kD) {
+            float s = 0.f;
+            for (int t = 0; t < kC; ++t) s = fmaf(sm.kr[t * kLD + tid], sm.dr[t * kLD + tid], s);
+            sm.ext[tid] += s;
+          }
+          __syncthreads();  // every warp is done reading dY
+          frag_each(dkp, n0, [&](int t, int c, float x) { sm.vx[t * kLD + c] = -sm.beta[t] * x; });
+          frag_each(dqp, n0, [&](int t, int c, float x) { sm.kp[t * kLD + c] = x; });
         }
-        __syncthreads();                                        // dY (kp) is dead: dQ⁺ goes there
-        gemm_ab<true>(sm.kp, sm.dO, sm.S, 1.f, nullptr);  // dQ⁺ = dO S_0 (dO is bf16: exact in tf32)
         __syncthreads();  // every product with S_0 is done; dO is dead (the fused dq̂ goes there)
         // the state entering the next sub-chunk: S = S g_C + Rᵀ Kr
         if (sb + 1 < nsub)
