@@ -45,12 +45,20 @@ def make(H: int, lens: list[int], dev: str = "cuda"):
 
 
 def main() -> None:
-    args = parse_args("train")
+    args = parse_args(
+        "train",
+        lambda ap: ap.add_argument(
+            "--cases", default="", help="comma-separated case numbers to run (1-based; default: all, --quick: 1)"
+        ),
+    )
     import kda_ops
 
     fla = None if args.no_peers else import_fla_kda()
     rows, records = [], []
-    cases = CASES[:1] if args.quick else CASES
+    if args.cases:
+        cases = [CASES[int(i) - 1] for i in args.cases.split(",")]
+    else:
+        cases = CASES[:1] if args.quick else CASES
     t_start = time.time()
     for i_case, (name, H, lens) in enumerate(cases):
         print(f"[bench_train {time.time() - t_start:6.0f} s] case {i_case + 1}/{len(cases)}: {name}", flush=True)
