@@ -55,7 +55,7 @@ struct ChunkedBwdSmem {
   float dS[kD * kLD];  // chain gradient dL/dS at the end of the current sub-chunk
   float kn[kC * kLD];  // normalised k
   float qs[kC * kLD];  // normalised q times scale
-  float E[kC * kLD];   // e^{Γ} (first the log-decay a)
+  float E[kC * kLD];   // e^{Γ}
   float Ei[kC * kLD];  // e^{-Γ}
   float vx[kC * kLD];  // v, then V - X, then dK⁺
   float dO[kC * kLD];  // dL/do, then dL/dq̂ (the fused L2-norm backward)
@@ -338,28 +338,23 @@ __device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams&
 // Loads the tokens [t0, t0 + len) of the sub-chunk (zeros beyond len) and forms E, Ei, gC, β,
 // then L, Mqk, INV, K⁺, Kr, V - X = V - K⁺ Sᵀ and R. Ends synchronised.
 __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
-                                  int64_t t0, int len) {
+                                  int64_t t0, int len, float dtb_col) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const float lam = p.lower_bound;
   for (int tl = warp; tl < kC; tl += kThreads / 32) {
-    float kx[4], qx[4], vv[4], dd[4], a[4];
+    float kx[4], qx[4], vv[4], dd[4];
     if (tl < len) {
       const int64_t tok = t0 + tl;
       const int64_t ko = p.k.offset(tk.s.batch, tok, tk.hq) + 4 * lane;
       const int64_t qo = p.q.offset(tk.s.batch, tok, tk.hq) + 4 * lane;
       const int64_t vo = p.v.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
       const int64_t oo = p.dout.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
-      const int64_t go = p.g.offset(tk.s.batch, tok, tk.hv) + 4 * lane;
-      float sk = 0.f, sq = 0.f, gx[4];
+      float sk = 0.f, sq = 0.f;
       ld_bf16x4(p.k.ptr, ko, kx);
       ld_bf16x4(p.q.ptr, qo, qx);
       ld_bf16x4(p.v.ptr, vo, vv);
       ld_bf16x4(p.dout.ptr, oo, dd);
-      ld_bf16x4(p.g.ptr, go, gx);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float dtb = p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + 4 * lane + e] : 0.f;
-        a[e] = lam * sigmoidf_(tk.A * (gx[e] + dtb));
         sk = fmaf(kx[e], kx[e], sk);
         sq = fmaf(qx[e], qx[e], sq);
       }
@@ -375,7 +370,7 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
       if (lane == 0) sm.beta[tl] = sigmoidf_(ld_bf16(p.beta.ptr, p.beta.offset(tk.s.batch, tok, tk.hv)));
     } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) kx[e] = qx[e] = vv[e] = dd[e] = a[e] = 0.f;
+      for (int e = 0; e < 4; ++e) kx[e] = qx[e] = vv[e] = dd[e] = 0.f;
       if (lane == 0) sm.beta[tl] = 0.f;
     }
     const int o = tl * kLD + 4 * lane;
@@ -383,24 +378,24 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     st4(sm.qs + o, make_float4(qx[0], qx[1], qx[2], qx[3]));
     st4(sm.vx + o, make_float4(vv[0], vv[1], vv[2], vv[3]));
     st4(sm.dO + o, make_float4(dd[0], dd[1], dd[2], dd[3]));
-    st4(sm.E + o, make_float4(a[0], a[1], a[2], a[3]));
   }
-  // This thread's cp.async copies of S and dS (issued by the caller) are done, after the token loads above
-  // had them in flight; the barrier publishes every thread's before any use.
-  cute::cp_async_wait<0>();
-  __syncthreads();
-  {  // Γ = inclusive prefix of a over the sub-chunk: 4 lanes per channel, 4 tokens each
+  {  // Γ = inclusive prefix of the log-decay a = λ σ(A (g + dt_bias)) over the sub-chunk (a = 0 past len), from
+     // gate loads of this thread's own (channel tid / 4, tokens [4 (tid % 4), +4)): no barrier before the prefix
     const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
     float gam[4], run = 0.f;
 #pragma unroll
+    for (int u = 0; u < 4; ++u) {  // the loads go out first
+      const int t = 4 * part + u;
+      gam[u] = t < len ? ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, t0 + t, tk.hv) + c) : 0.f;
+    }
+#pragma unroll
     for (int u = 0; u < 4; ++u) {
-      run += sm.E[(4 * part + u) * kLD + c];
+      run += 4 * part + u < len ? p.lower_bound * sigmoidf_(tk.A * (gam[u] + dtb_col)) : 0.f;
       gam[u] = run;
     }
-    const float t0 = __shfl_sync(0xffffffffu, run, 0, 4), t1 = __shfl_sync(0xffffffffu, run, 1, 4);
-    const float t2 = __shfl_sync(0xffffffffu, run, 2, 4), t3 = __shfl_sync(0xffffffffu, run, 3, 4);
-    const float off = part == 0 ? 0.f : (part == 1 ? t0 : (part == 2 ? t0 + t1 : (t0 + t1) + t2));
-    __syncwarp();  // every lane has read its a before E is overwritten
+    const float t0s = __shfl_sync(0xffffffffu, run, 0, 4), t1s = __shfl_sync(0xffffffffu, run, 1, 4);
+    const float t2s = __shfl_sync(0xffffffffu, run, 2, 4);
+    const float off = part == 0 ? 0.f : (part == 1 ? t0s : (part == 2 ? t0s + t1s : (t0s + t1s) + t2s));
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const float gm = gam[u] + off;
@@ -408,8 +403,10 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
       sm.Ei[(4 * part + u) * kLD + c] = __expf(-gm);
     }
     if (part == 3) sm.gC[c] = __expf(gam[3] + off);
-    (void)t3;
   }
+  // This thread's cp.async copies of S and dS (issued by the caller) are done, after the token loads above
+  // had them in flight; the barrier publishes every thread's before any use.
+  cute::cp_async_wait<0>();
   __syncthreads();
   // L and Mqk on tensor cores with the mid-token reference: e^{Γ_i - Γ_j} = P_i N_j, P = e^{Γ - Γ_mid}
   // (E · Ei_mid), N = e^{Γ_mid - Γ} (E_mid · Ei); every factor <= e^{8|λ|} = e^{40} (λ >= -5).
@@ -523,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         } else if (task + gridDim.x < tasks) {  // this CTA's next task: the state entering its chunk
           if (const float* ns = task_state(p, task + gridDim.x)) prefetch_state_l2(ns);
         }
-        sub_chunk_forward(sm, p, tk, t0, len);
+        sub_chunk_forward(sm, p, tk, t0, len, dtb_col);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
         // Column-local: a warp reads back only the dR columns it wrote (frag_each and mma_frag's B operand
         // use the same columns), so a warp barrier orders these three products.
