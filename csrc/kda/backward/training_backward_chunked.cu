@@ -49,7 +49,6 @@ constexpr int kThreads = 512;   // 16 warps: warp w owns columns [8w, 8w+8) of e
 constexpr int kWarps = kThreads / 32;
 constexpr int kSubPerTape = kTapeChunk / kC;
 static_assert(kD == 128 && kWarps == 16, "thread layouts below assume 128 channels and 16 warps");
-static_assert(kThreads == 2 * kC * kC, "the dA/dM half sums take one element per thread");
 
 struct ChunkedBwdSmem {
   float S[kD * kLD];   // forward state entering the current sub-chunk, S[v][k]
@@ -69,10 +68,6 @@ struct ChunkedBwdSmem {
   float INV[kC][kC];
   float dA[kC][kC];    // dL/dA (strictly lower), A = I + diag(β) L
   float dM[kC][kC];
-  float Lp[kC][kC];    // second halves of the channel sums of L, M, dA, dM (gemm_tri)
-  float Mp[kC][kC];
-  float dAp[kC][kC];
-  float dMp[kC][kC];
   float beta[kC];      // σ(logit), 0 on padding tokens
   float rho_q[kC];     // 1 / |q| and 1 / |k| (the L2 norms' rsqrt, no scale), for the fused L2-norm backward
   float rho_k[kC];
@@ -236,20 +231,15 @@ __device__ __forceinline__ void gemm_small(float* C, const float (*Wm)[kC], cons
   frag_each(d, n0, [&](int t, int c, float x) { C[t * kLD + c] = x; });
 }
 
-// W[i][j] + Wp[i][j] = sign·Σ_c fa(i, c)·fb(j, c) for j < i (strict) or j <= i, 0 above, on warps w0 .. w0 + 3:
-// warp w0 + w computes columns j in [8 (w % 2), +8) over the channels c in [64 (w / 2), +64), into W for the
-// first half and Wp for the second (the caller adds Wp into W after a barrier). Other warps return at once.
+// W[i][j] = sign·Σ_c fa(i, c)·fb(j, c) for j < i (strict) or j <= i, 0 above: warps w0 and w0 + 1
+// (columns j in [0, 8) and [8, 16)); other warps return at once.
 template <typename FA, typename FB>
-__device__ __forceinline__ void gemm_tri(float (*W)[kC], float (*Wp)[kC], int w0, FA fa, FB fb, bool strict,
-                                         float sign) {
+__device__ __forceinline__ void gemm_tri(float (*W)[kC], int w0, FA fa, FB fb, bool strict, float sign) {
   const int w = (threadIdx.x >> 5) - w0;
-  if (w < 0 || w > 3) return;
-  const int c0 = 64 * (w >> 1), n0 = 8 * (w & 1);
-  float(*out)[kC] = (w >> 1) ? Wp : W;
+  if (w < 0 || w > 1) return;
   float d[4] = {};
-  mma_frag<kD / 2, true>(d, n0, [&](int i, int c) { return fa(i, c0 + c); },
-                         [&](int k, int n) { return fb(n, c0 + k); });
-  frag_each(d, n0, [&](int i, int j, float x) { out[i][j] = (strict ? j < i : j <= i) ? sign * x : 0.f; });
+  mma_frag<kD, true>(d, 8 * w, fa, [&](int k, int n) { return fb(n, k); });
+  frag_each(d, 8 * w, [&](int i, int j, float x) { W[i][j] = (strict ? j < i : j <= i) ? sign * x : 0.f; });
 }
 
 // Rank-16 update of a [128][kLD] matrix in place: X[v][c] = X[v][c]·gC[c] + Σ_t Σ_p a(p, t, v)·b(p, t, c),
@@ -422,9 +412,9 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   // (E · Ei_mid), N = e^{Γ_mid - Γ} (E_mid · Ei); every factor <= e^{8|λ|} = e^{40} (λ >= -5).
   {
     const auto colop = [&](int j, int c) { return sm.kn[j * kLD + c] * (sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]); };
-    gemm_tri(sm.L, sm.Lp, 0, [&](int i, int c) { return sm.kn[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
+    gemm_tri(sm.L, 0, [&](int i, int c) { return sm.kn[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
              colop, true, 1.f);
-    gemm_tri(sm.M, sm.Mp, 4, [&](int i, int c) { return sm.qs[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
+    gemm_tri(sm.M, 2, [&](int i, int c) { return sm.qs[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
              colop, false, 1.f);
   }
   // K⁺ and Kr
@@ -433,26 +423,19 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     sm.kp[o] = sm.kn[o] * sm.E[o];
     sm.kr[o] = sm.kn[o] * (sm.gC[c] * sm.Ei[o]);
   }
-  __syncthreads();         // L, M (two halves each), K⁺ and Kr are complete
-  if (threadIdx.x < kC) {  // INV column j by forward substitution; then L += Lp
+  __syncthreads();         // L, K⁺ and Kr are complete
+  if (threadIdx.x < kC) {  // INV column j by forward substitution
     const int j = threadIdx.x;
     float x[kC];
 #pragma unroll
     for (int i = 0; i < kC; ++i) {
       float s = 0.f;
 #pragma unroll
-      for (int m = 0; m < i; ++m) s = fmaf(sm.L[i][m] + sm.Lp[i][m], x[m], s);
+      for (int m = 0; m < i; ++m) s = fmaf(sm.L[i][m], x[m], s);
       x[i] = i < j ? 0.f : (i == j ? 1.f : -sm.beta[i] * s);
     }
 #pragma unroll
     for (int i = 0; i < kC; ++i) sm.INV[i][j] = x[i];
-    __syncwarp(0x0000ffffu);  // every column's substitution is done reading L
-#pragma unroll
-    for (int i = 0; i < kC; ++i) sm.L[i][j] += sm.Lp[i][j];
-  } else if (threadIdx.x >= 32 && threadIdx.x < 32 + kC) {  // M += Mp (warp 1)
-    const int j = threadIdx.x - 32;
-#pragma unroll
-    for (int i = 0; i < kC; ++i) sm.M[i][j] += sm.Mp[i][j];
   }
   gemm_abt(sm.vx, sm.kp, sm.S, -1.f, true);  // V - X
   __syncthreads();
@@ -547,8 +530,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         gemm_small<true>(sm.kp, sm.INV, nullptr, sm.dr);
         __syncthreads();
         const auto row_of = [&](const float* X) { return [X](int i, int c) { return X[i * kLD + c]; }; };
-        gemm_tri(sm.dA, sm.dAp, 0, row_of(sm.kp), row_of(sm.R), true, -1.f);  // dA = -stril(dY Rᵀ)
-        gemm_tri(sm.dM, sm.dMp, 4, row_of(sm.dO), row_of(sm.R), false, 1.f);  // dMqk = tril(dO Rᵀ)
+        gemm_tri(sm.dA, 0, row_of(sm.kp), row_of(sm.R), true, -1.f);   // dA = -stril(dY Rᵀ)
+        gemm_tri(sm.dM, 2, row_of(sm.dO), row_of(sm.R), false, 1.f);   // dMqk = tril(dO Rᵀ)
         {  // the S_0 decay term of dΓ_last, g_C ⊙ colsum(dS_C ⊙ S_0): four partial sums of 32 rows
           const int c = tid & 127, v0 = (tid >> 7) * 32;
           float s[4] = {0.f, 0.f, 0.f, 0.f};  // independent chains (fixed order: deterministic)
@@ -567,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           for (int t = warp; t < warp + 1; ++t) {
             const float4 dy = ld4(sm.kp + t * kLD + 4 * lane), vx = ld4(sm.vx + t * kLD + 4 * lane);
             float s = dot4(dy, vx, 0.f);
-            if (lane < kC) s = fmaf(sm.dA[t][lane] + sm.dAp[t][lane], sm.L[t][lane], s);
+            if (lane < kC) s = fmaf(sm.dA[t][lane], sm.L[t][lane], s);
             s = warp_sum32(s);
             if (t < len) {
               const float b = sm.beta[t];
@@ -588,10 +571,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           const int n0 = (tid >> 5) * 8;
           float dkp[4] = {}, dqp[4] = {};
           mma_rows_pair(dkp, dqp, n0, sm.kp, sm.dO, sm.S);
-          if (tid < kC * kC)  // dA += dAp, dM += dMp (their readers come after the barriers below)
-            (&sm.dA[0][0])[tid] += (&sm.dAp[0][0])[tid];
-          else
-            (&sm.dM[0][0])[tid - kC * kC] += (&sm.dMp[0][0])[tid - kC * kC];
           if (tid < kD) {
             float s = 0.f;
             for (int t = 0; t < kC; ++t) s = fmaf(sm.kr[t * kLD + tid], sm.dr[t * kLD + tid], s);
