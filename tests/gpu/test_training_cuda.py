@@ -506,16 +506,23 @@ def test_serial_sweep_subprocess():
     assert len(errs) == len(GRADS) and all(v <= TOL_GRAD for v in errs.values()), errs
 
 
+def _with_uncovered_tail(x, pad, seed):
+    """Appends `pad` random tokens after the last packed sequence (cu_seqlens unchanged): tokens no sequence
+    covers."""
+    gen = torch.Generator().manual_seed(seed)
+    for n in ("q", "k", "v", "g", "do", "beta"):
+        extra = torch.randn(1, pad, *x[n].shape[2:], generator=gen).to(x[n].dtype)
+        x[n] = torch.cat([x[n], extra], 1)
+    return x
+
+
 def test_fused_qk_uncovered_tokens():
     """HV == H (the sweep does the L2-norm backward itself and writes dq/dk): packed rows with an empty
     sequence and 7 tokens after the last sequence that no sequence covers; gradients against the fp64
     reference, and exactly zero on the uncovered tokens."""
     x = _case_inputs(1, 0, 4, 4, [40, 0, 21], False, seed=13, with_dfinal=True)
     pad = 7
-    gen = torch.Generator().manual_seed(99)
-    for n in ("q", "k", "v", "g", "do", "beta"):
-        extra = torch.randn(1, pad, *x[n].shape[2:], generator=gen).to(x[n].dtype)
-        x[n] = torch.cat([x[n], extra], 1)
+    x = _with_uncovered_tail(x, pad, seed=99)
     sc, lam = 1.0 / math.sqrt(K), -1.0
     _, _, g_ref = _reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam)
     c = _cuda(x)
@@ -544,10 +551,7 @@ def test_stale_memory_outside_sequences(group):
     and the covered tokens match the fp64 reference."""
     H, HV, pad = 2, 2 * group, 20
     x = _case_inputs(1, 0, H, HV, [70, 0, 40], False, seed=5, with_dfinal=True)
-    gen = torch.Generator().manual_seed(17)
-    for n in ("q", "k", "v", "g", "do", "beta"):
-        extra = torch.randn(1, pad, *x[n].shape[2:], generator=gen).to(x[n].dtype)
-        x[n] = torch.cat([x[n], extra], 1)
+    x = _with_uncovered_tail(x, pad, seed=17)
     T = x["q"].shape[1]  # 130: tape rows bound T // 64 = 2, the sequences use 1
     sc, lam = 1.0 / math.sqrt(K), -1.0
     _, _, g_ref = _reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam)
@@ -580,10 +584,7 @@ def test_uncovered_tokens_hold_inf(group):
     the covered tokens match the fp64 reference of the same call with finite values there."""
     x = _case_inputs(1, 0, 2, 2 * group, [33, 0, 18], False, seed=21, with_dfinal=True)
     pad = 5
-    gen = torch.Generator().manual_seed(7)
-    for n in ("q", "k", "v", "g", "do", "beta"):
-        extra = torch.randn(1, pad, *x[n].shape[2:], generator=gen).to(x[n].dtype)
-        x[n] = torch.cat([x[n], extra], 1)
+    x = _with_uncovered_tail(x, pad, seed=7)
     sc, lam = 1.0 / math.sqrt(K), -1.0
     _, _, g_ref = _reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=lam)
     c = _cuda(x)
