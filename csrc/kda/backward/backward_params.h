@@ -102,8 +102,9 @@ KDA_HD const float* tape_state(const TrainingBackwardParams& p, int64_t n, int64
 // The packed tokens some sweep task certainly writes the gradients of: [lo, hi). Every token of the fixed
 // layout. Packed: [c_0, c_N) with c_i = cu_seqlens[i] clamped to [0, T] (seq_range's rule): sequence n covers
 // [c_n, c_{n+1}) when c_{n+1} > c_n, so every token between c_0 and c_N is crossed by some sequence, even for
-// a non-monotone cu_seqlens. Empty when the chunked sweep's slots exceed their bound (a broken contract: some
-// slots would not run). The launcher zeroes the gradients of tokens outside it before the sweep.
+// a non-monotone cu_seqlens (which may cover tokens outside it too). Empty when c_N < c_0 or the chunked sweep's
+// slots exceed their bound (broken contracts: some slots would not run). The launcher zeroes the gradients of
+// the tokens outside it before the sweep.
 struct CoveredTokens {
   int64_t lo, hi;
   KDA_HD bool contains(int64_t t) const { return t >= lo && t < hi; }
@@ -116,7 +117,8 @@ KDA_HD CoveredTokens covered_tokens(const TrainingBackwardParams& p) {
     return x < 0 ? int64_t(0) : (x > p.T ? p.T : x);
   };
   if (p.slot_cu_starts != nullptr && p.slot_cu_starts[p.N] > p.n_slots) return {0, 0};
-  return {clamped(0), clamped(p.N)};
+  const int64_t lo = clamped(0), hi = clamped(p.N);
+  return hi >= lo ? CoveredTokens{lo, hi} : CoveredTokens{0, 0};
 }
 
 // Dynamic shared memory of the reverse sweep launch_training_backward will run (chunked or token-serial),

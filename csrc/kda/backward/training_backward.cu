@@ -427,8 +427,8 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   const int64_t b = ti / p.T, t = ti % p.T;
   const int group = p.HV / p.H;
   void* out = which ? p.dk : p.dq;
-  // Packed tokens outside every sequence: no task wrote their workspace rows; their gradient is 0 (never read
-  // x there: it may hold inf/NaN).
+  // Packed tokens outside covered_tokens (outside every sequence, for a valid cu_seqlens): their workspace rows
+  // may be unwritten; their gradient is 0 (x there is never read: it may hold inf/NaN).
   if (!covered_tokens(p).contains(t)) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, 0.f);
@@ -458,20 +458,22 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, rho * dx[e] - c3 * xr[e]);
 }
 
-// Zeroes dv, dg, dβ (and dq, dk when the sweep writes them itself) of the tokens outside covered_tokens, which
-// no sweep task reaches (packed tokens outside every sequence); runs before the sweep, so a token a broken
-// cu_seqlens covers anyway still gets the sweep's values. Block-stride over tokens, 16-byte stores.
+// Zeroes dv, dg, dβ (and dq, dk when the sweep writes them itself) of the packed tokens outside covered_tokens
+// (for a valid cu_seqlens: the tokens no sequence covers); runs before the sweep, so a token a broken
+// cu_seqlens covers anyway still gets the sweep's values. Packed layout (B = 1); block per token of
+// [0, lo) and [hi, T), 16-byte stores.
 __global__ void __launch_bounds__(256) kda_training_backward_zero_uncovered_kernel(const TrainingBackwardParams p) {
   const CoveredTokens cov = covered_tokens(p);
   const auto zero = [](void* base, int64_t row, int64_t row_elems) {  // bf16 rows of a multiple of 8 elements
     uint4* r = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(base) + row * row_elems);
     for (int64_t i = threadIdx.x; i < row_elems / 8; i += blockDim.x) r[i] = make_uint4(0u, 0u, 0u, 0u);
   };
-  for (int64_t ti = blockIdx.x; ti < p.B * p.T; ti += gridDim.x) {
-    if (cov.contains(ti % p.T)) continue;
+  const int64_t uncovered = cov.lo + (p.T - cov.hi);
+  for (int64_t i = blockIdx.x; i < uncovered; i += gridDim.x) {
+    const int64_t ti = i < cov.lo ? i : cov.hi + (i - cov.lo);
     zero(p.dv, ti, int64_t(p.HV) * kDim);
     zero(p.dg, ti, int64_t(p.HV) * kDim);
-    for (int i = threadIdx.x; i < p.HV; i += blockDim.x) st_bf16(p.dbeta, ti * p.HV + i, 0.f);
+    for (int h = threadIdx.x; h < p.HV; h += blockDim.x) st_bf16(p.dbeta, ti * p.HV + h, 0.f);
     if (p.fused_qk) {
       zero(p.dq, ti, int64_t(p.H) * kDim);
       zero(p.dk, ti, int64_t(p.H) * kDim);
@@ -567,7 +569,8 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
   // writes per-head dq/dk to the workspace, and with HV > H several value heads would write one dq row.
   if (p.fused_qk && (!training_backward_use_chunked() || p.HV != p.H)) return cudaErrorInvalidValue;
   if (p.cu_seqlens != nullptr && p.B * p.T > 0) {  // the fixed layout covers every token
-    const int64_t blocks = std::min<int64_t>(p.B * p.T, 512);  // most find no uncovered token
+    if (p.B != 1) return cudaErrorInvalidValue;     // packed calls have B = 1
+    const int64_t blocks = std::min<int64_t>(p.T, 512);  // (blocks past the uncovered tokens exit at once)
     kda_training_backward_zero_uncovered_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
