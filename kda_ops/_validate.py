@@ -270,6 +270,15 @@ def check_tokens(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, 
     B, T, H, K = qs
     HV, V = vs[2], vs[3]
     if not (ks == qs and vs[0] == B and vs[1] == T and gs == (B, T, HV, K) and bs == (B, T, HV)):
+        if (
+            len(ks) == 4
+            and len(gs) == 4
+            and ks[:2] == vs[:2] == gs[:2]
+            and ks[3] == gs[3]
+            and (ks[:2] != qs[:2] or ks[3] != qs[3])
+        ):
+            # k, v and g agree on B, T (and k, g on K): the odd one out is q (the shapes are read from q)
+            raise ValueError(f"q must have shape [B, T, H, K] with B, T, K of k, v and g {list(ks)}, got {_shape(q)}")
         _exact_shape(k, "k", (B, T, H, K), "[B, T, H, K]")
         if vs[0] != B or vs[1] != T:
             raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T}, got {_shape(v)}")

@@ -242,6 +242,18 @@ def test_v_wrong_heads_blames_v():
         R(**kw)
 
 
+@pytest.mark.parametrize("dim", [1, 3], ids=["T", "K"])
+def test_q_wrong_shape_blames_q(dim):
+    """The shapes are read from q: a q with a wrong T or K (k, v, g agreeing) is reported against q, not k."""
+    kw = decode_call()
+    t = kw["q"]
+    shape = list(t.shape)
+    shape[dim] += 1
+    kw["q"] = torch.zeros(shape, dtype=t.dtype)
+    with pytest.raises(ValueError, match=r"^q must have shape"):
+        R(**kw)
+
+
 def test_v_wrong_batch():
     kw = decode_call()
     kw["v"] = torch.zeros(3, 3, 2, V, dtype=torch.bfloat16)

@@ -622,7 +622,6 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
   const bool writer = (lane & rs_duplicate_bits<KL, NR>()) == 0;
   const int64_t inner = int64_t(p.HV) * K * K;  // elements of one [HV, V, K] block
   const int S = p.num_spec_tokens;
-  const int every = p.checkpoint_every_n_tokens;
 
   int stage = 0;
   int64_t j = 0;
