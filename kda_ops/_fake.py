@@ -161,6 +161,14 @@ def _recurrent_kda_fake(
     return None
 
 
+def _check_state(s, name, N, HV, V, K):  # type: ignore[no-untyped-def]
+    """A per-sequence state argument: [N, HV, V, K]."""
+    torch._check(
+        tuple(s.shape) == (N, HV, V, K),
+        lambda: f"{name} must be [N, HV, V, K]=[{N}, {HV}, {V}, {K}], got {s.shape}",
+    )
+
+
 @torch.library.register_fake("kda::recurrent_kda_training_forward")
 def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound):
     _check_tokens(q, k, v, g, beta)
@@ -168,10 +176,7 @@ def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_s
     HV, V = v.shape[2], v.shape[3]
     _check_gate_params(A_log, dt_bias, HV, K)
     N = _num_seqs(q, cu_seqlens)
-    torch._check(
-        tuple(initial_state.shape) == (N, HV, V, K),
-        lambda: f"initial_state must be [N, HV, V, K]=[{N}, {HV}, {V}, {K}], got {initial_state.shape}",
-    )
+    _check_state(initial_state, "initial_state", N, HV, V, K)
     acc = _acc_dtype(q)
     rows = T // TAPE_CHUNK if cu_seqlens is not None else B * max((T + TAPE_CHUNK - 1) // TAPE_CHUNK - 1, 0)
     out = q.new_empty((B, T, HV, V))
@@ -231,10 +236,7 @@ def _training_backward_fake(
     torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
     for name, s in (("initial_state", initial_state), ("dfinal_state", dfinal_state)):
         if s is not None:
-            torch._check(
-                tuple(s.shape) == (N, HV, V, K),
-                lambda name=name, s=s: f"{name} must be [N, HV, V, K], got {s.shape}",
-            )
+            _check_state(s, name, N, HV, V, K)
     return _grads(q, k, v, g, beta, A_log, dt_bias, N, tapes.dtype)
 
 
@@ -245,14 +247,8 @@ def _backward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, 
     HV, V = v.shape[2], v.shape[3]
     _check_gate_params(A_log, dt_bias, HV, K)
     N = _num_seqs(q, cu_seqlens)
-    torch._check(
-        tuple(initial_state.shape) == (N, HV, V, K),
-        lambda: f"initial_state must be [N, HV, V, K], got {initial_state.shape}",
-    )
+    _check_state(initial_state, "initial_state", N, HV, V, K)
     torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
     if dfinal_state is not None:
-        torch._check(
-            tuple(dfinal_state.shape) == (N, HV, V, K),
-            lambda: f"dfinal_state must be [N, HV, V, K], got {dfinal_state.shape}",
-        )
+        _check_state(dfinal_state, "dfinal_state", N, HV, V, K)
     return _grads(q, k, v, g, beta, A_log, dt_bias, N, initial_state.dtype)

@@ -491,6 +491,15 @@ def pool_dtypes(d: Dims) -> tuple[torch.dtype, ...]:
     return POOL_DTYPES_CUDA if d.on_cuda else POOL_DTYPES_CPU
 
 
+def check_unmodified(t: torch.Tensor | None, saved_version: int | None, name: str, why: str) -> None:
+    """RuntimeError if `t` was modified in place since its version counter read `saved_version`."""
+    if t is not None and saved_version is not None and t._version != saved_version:
+        raise RuntimeError(
+            f"{name} must be unmodified between the forward and the backward ({why}), got version "
+            f"{t._version}, saved at version {saved_version} (modified in place)"
+        )
+
+
 def check_pool(t: Any, name: str, d: Dims) -> torch.Tensor:
     """A state pool [N_pool, HV, V, K]: compact [HV, V, K] block per slot, slot stride a multiple of 16
     elements when padded (SPEC §3.1)."""

@@ -706,7 +706,6 @@ def recurrent_kda_training_forward(
         ctx = context_out
         ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.A_log, ctx.dt_bias = q, k, v, g, beta, A, dtb
         ctx.initial_state = h0
-        ctx.extra["initial_state_version"] = h0._version
         ctx.cu_seqlens, ctx.cu_seqlens_cpu, ctx.scale, ctx.lower_bound = cu64, host, sc, lb
         ctx.state_dtype = h0.dtype
     else:
@@ -727,7 +726,7 @@ def recurrent_kda_training_forward(
             cu_seqlens_cpu=host,
             state_dtype=h0.dtype,
         )
-        ctx.extra["initial_state_version"] = h0._version
+    ctx.extra["initial_state_version"] = h0._version
     return o, fs, ctx
 
 
@@ -762,15 +761,13 @@ def recurrent_kda_training_backward(
     if not isinstance(ctx, RecurrentKDATrainingContext):
         raise TypeError(f"ctx must be a kda_ops.RecurrentKDATrainingContext, got {V._type_name(ctx)}")
     d = V.check_tokens(ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.cu_seqlens, kv_rule="training")
-    h0 = ctx.initial_state
-    saved = ctx.extra.get("initial_state_version")
-    if h0 is not None and saved is not None and h0._version != saved:
-        raise RuntimeError(
-            "ctx.initial_state must be unmodified between the forward and the backward (the context keeps the "
-            "forward's initial_state by reference: the tapes do not repeat the state before token 0), got "
-            f"version {h0._version}, saved at version {saved} (modified in place); pass the forward a copy "
-            "if the state buffer is reused, e.g. carried to the next segment"
-        )
+    V.check_unmodified(
+        ctx.initial_state,
+        ctx.extra.get("initial_state_version"),
+        "ctx.initial_state",
+        "the context keeps the forward's initial_state by reference: the tapes do not repeat the state before "
+        "token 0; pass the forward a copy if the state buffer is reused, e.g. carried to the next segment",
+    )
     dO, dS = _check_do(do, dfinal_state, d)
     reads = [
         ("ctx.q", ctx.q),
