@@ -20,7 +20,7 @@
 #include "api/recurrent_params.h"
 #include "kda/common/zero_uncovered.h"
 #include "kda/decode/recurrent_launch.h"
-#include "kda/prefill/chunked_launch.h"
+#include "kda/chunked/chunked_launch.h"
 #include "kda/params.h"
 
 namespace kda {

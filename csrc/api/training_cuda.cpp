@@ -25,7 +25,7 @@
 #include "kda/backward/backward_params.h"
 #include "kda/common/device_info.h"
 #include "kda/decode/recurrent_launch.h"
-#include "kda/prefill/chunked_launch.h"
+#include "kda/chunked/chunked_launch.h"
 #include "kda/params.h"
 
 namespace kda {

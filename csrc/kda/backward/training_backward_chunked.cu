@@ -9,7 +9,7 @@
 //                                  dMqk = tril(dO Rᵀ), dKr = R dS_C, dK⁺ = -β dY S_0, dQ⁺ = dO S_0,
 //                                  dS_0 = dS_C g_C + dOᵀ Q⁺ - (β dY)ᵀ K⁺, pair terms, dΓ, da = rev-cumsum(dΓ).
 //
-// Two stages. The backward chain (the chunked prefill kernel in reverse, kda/prefill/chunked_kernel.cuh with
+// Two stages. The backward chain (the chunked prefill kernel in reverse, kda/chunked/chunked_kernel.cuh with
 // BWD = true, launched by csrc/api/training_cuda.cpp) carries dS over each sequence, last chunk first, and
 // writes dS_C of every 16-token chunk to p.dstates. Then this kernel, one CTA (512 threads, 16 warps) per
 // (64-token chunk, value head) task, persistent over the tasks, needs no serial dependence between tasks: it

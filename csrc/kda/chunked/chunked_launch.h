@@ -1,4 +1,4 @@
-// Host entry of the chunked tensor-core prefill (csrc/kda/prefill/chunked_kernel.cuh): multi-token
+// Host entry of the chunked tensor-core prefill (csrc/kda/chunked/chunked_kernel.cuh): multi-token
 // prefill of recurrent_kda in 16-token chunks. Included by csrc/api/recurrent_cuda.cpp; no torch types.
 #pragma once
 #include <cuda_runtime_api.h>

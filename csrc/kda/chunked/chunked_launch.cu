@@ -3,9 +3,9 @@
 #include <cstdlib>
 
 #include "kda/common/device_info.h"
-#include "kda/prefill/chunked_instantiations.h"
-#include "kda/prefill/chunked_kernel.cuh"  // (sizeof the shared-memory layouts only)
-#include "kda/prefill/chunked_launch.h"
+#include "kda/chunked/chunked_instantiations.h"
+#include "kda/chunked/chunked_kernel.cuh"  // (sizeof the shared-memory layouts only)
+#include "kda/chunked/chunked_launch.h"
 
 namespace kda {
 namespace {
