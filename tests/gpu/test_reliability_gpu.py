@@ -1,8 +1,8 @@
 """GPU tier of the reliability suite (issue 6; SPEC §3.1, §5, §6): CUDA graph reuse, a 10 000-call stress
 run with memory accounting, and size limits (64-bit offsets, more than 65535 sequences x heads).
 
-The device-neutral parts (guard bands, broken contracts, determinism, the validation catalogue) are in
-tests/test_reliability.py, parametrized on CUDA there.
+The device-neutral parts are parametrized on CUDA in the CPU tier: tests/test_guard_bands.py,
+test_device_contracts.py (broken contracts), test_determinism.py, test_validation_catalogue.py.
 
 - Graphs: each call is captured once after eager warm-up, then replayed 6 times with new values copied
   into the static buffers (tokens, indices with -1, cu_seqlens with empty rows, accepted counts), with
@@ -31,8 +31,8 @@ import time
 
 import pytest
 import torch
+from _builders import STATS, StressState, raw_bytes, stress_call
 from conftest import assert_close_rms, assert_output, capture_graph, lengths_to_cu, state_tol
-from test_reliability import STATS, StressState, raw_bytes, stress_call
 
 import kda_ops
 from kda_ops.reference import recurrent_kda_reference
