@@ -170,7 +170,8 @@ BROKEN = {
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_broken_contracts_stay_in_bounds(device, case):
-    """Broken device-value contracts (SPEC §5): the op runs, reads nothing outside its inputs (NaN guard
+    """Broken device-value contracts (docs/contract.md "Errors"): the op runs, reads nothing outside its inputs (NaN
+    guard
     bands would reach the results) and writes nothing outside its output, pool and checkpoint views."""
     lengths, o = BROKEN[case]
     gen = torch.Generator().manual_seed(11)
@@ -287,7 +288,7 @@ UNCOVERED = {
 
 
 def _covered(cu: list[int], T: int) -> torch.Tensor:
-    """[T] bool: some sequence covers the token, by the clamp rule of kda::seq_range (SPEC §5)."""
+    """[T] bool: some sequence covers the token, by the clamp rule of kda::seq_range (docs/contract.md "Errors")."""
     m = torch.zeros(T, dtype=torch.bool)
     for n in range(len(cu) - 1):
         a = min(max(cu[n], 0), T)

@@ -340,7 +340,7 @@ IDX_BAD = (torch.int64, torch.int16, torch.float32, torch.uint8)
 CU_BAD = (torch.float32, torch.int16, torch.float64, torch.uint8, torch.bool)
 TOK_BAD_ALL = (torch.float16, torch.int32, torch.int64, torch.bool, torch.complex64)
 R_TOKENS = ("q", "k", "v", "g", "beta")
-R_SPECS: dict[str, TArg] = {
+R_TARGS: dict[str, TArg] = {
     "k": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2, 3), stride="last"),
     "v": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1), stride="last"),
     "g": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2, 3), stride="last"),
@@ -627,7 +627,7 @@ def _r_needs_ok(c: RCfg, needs: frozenset) -> bool:
     return True
 
 
-R_MUTS: list[Mut] = _tensor_muts(R_SPECS, R_TOKENS, TOK_BAD_ALL) + [_head_ratio_mut()] + _r_flag_muts()
+R_MUTS: list[Mut] = _tensor_muts(R_TARGS, R_TOKENS, TOK_BAD_ALL) + [_head_ratio_mut()] + _r_flag_muts()
 
 
 @settings(max_examples=30, **HSET)
@@ -721,7 +721,7 @@ def _grad_outs(c: TCfg) -> list[torch.Tensor]:
         torch.empty(B, T, HV, K, dtype=c.dtype),
         torch.empty(B, T, HV, dtype=c.dtype),
         torch.empty(HV, dtype=c.pdt),
-        torch.empty(HV, K, dtype=c.pdt),  # [HV, K] also for a flat dt_bias (SPEC §3.2)
+        torch.empty(HV, K, dtype=c.pdt),  # [HV, K] also for a flat dt_bias (docs/contract.md "API")
         torch.empty(N, HV, V, K, dtype=c.pdt),
     ]
 
@@ -769,20 +769,20 @@ def kda_base(c: TCfg) -> dict:
     return kw
 
 
-TOKEN_SPECS = {
+TOKEN_TARGS = {
     "k": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2, 3), stride="last"),
     "v": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1), stride="last"),
     "g": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2, 3), stride="last"),
     "beta": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2), stride="last"),
 }
 PARAM_BAD = FLOATS + (torch.int32,)
-TRAIN_PARAM_SPECS = {
+TRAIN_PARAM_TARGS = {
     "A_log": TArg(bad_dtypes=PARAM_BAD, shape_dims=(0,)),
     "dt_bias": TArg(bad_dtypes=PARAM_BAD, shape_dims=(0,), rank_dim=-1, drop_rank=False),
     "initial_state": TArg(bad_dtypes=PARAM_BAD, shape_dims=(0, 1, 2, 3)),
     "cu_seqlens": TArg(frozenset({"packed"}), CU_BAD, (), drop_rank=False, stride="flat"),
 }
-DO_SPECS = {
+DO_TARGS = {
     "do": TArg(bad_dtypes=FLOATS + (torch.int32,), shape_dims=(0, 1, 2, 3)),
     "dfinal_state": TArg(frozenset({"dfinal"}), PARAM_BAD, (0, 1, 2, 3)),
 }
@@ -849,8 +849,8 @@ def _common_train_muts(fn_has_state_required: bool = True) -> list[Mut]:
 
 
 def _tf_muts() -> list[Mut]:
-    specs = dict(TOKEN_SPECS)
-    specs.update(TRAIN_PARAM_SPECS)
+    specs = dict(TOKEN_TARGS)
+    specs.update(TRAIN_PARAM_TARGS)
     specs.update(
         {
             "out": TArg(frozenset({"out"}), FLOATS + (torch.int32,), (0, 1, 2, 3)),
@@ -917,7 +917,7 @@ def _tf_muts() -> list[Mut]:
 
 
 def _tb_muts() -> list[Mut]:
-    m = _tensor_muts(DO_SPECS, (), ())
+    m = _tensor_muts(DO_TARGS, (), ())
     m = [x for x in m if not x.label.startswith(("dtype:all-tokens", "device:q", "rank+1:q", "stride:q"))]
     m += _grad_out_muts()
 
@@ -993,9 +993,9 @@ def _grad_out_muts() -> list[Mut]:
 
 
 def _rb_muts() -> list[Mut]:
-    specs = dict(TOKEN_SPECS)
-    specs.update(TRAIN_PARAM_SPECS)
-    specs.update(DO_SPECS)
+    specs = dict(TOKEN_TARGS)
+    specs.update(TRAIN_PARAM_TARGS)
+    specs.update(DO_TARGS)
     m = _tensor_muts(specs, R_TOKENS, TOK_BAD_ALL) + [_head_ratio_mut()] + _common_train_muts() + _grad_out_muts()
 
     def ws(kw, c, p):
@@ -1007,8 +1007,8 @@ def _rb_muts() -> list[Mut]:
 
 
 def _kda_muts() -> list[Mut]:
-    specs = dict(TOKEN_SPECS)
-    specs.update(TRAIN_PARAM_SPECS)
+    specs = dict(TOKEN_TARGS)
+    specs.update(TRAIN_PARAM_TARGS)
     specs["initial_state"] = replace(specs["initial_state"], needs=frozenset({"state"}))
     m = _tensor_muts(specs, R_TOKENS, TOK_BAD_ALL) + [_head_ratio_mut()]
     m += [x for x in _common_train_muts() if x.label != "shape:cu_seqlens-vs-initial_state"]
