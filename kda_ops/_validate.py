@@ -10,8 +10,18 @@ Every message reads ``"<arg> must be <expected>, got <actual>"``. Exception type
 Validation runs before anything is written, so a rejected call leaves every tensor bit-identical.
 Checks read shapes, dtypes and devices only; tensor VALUES are read only where they already live on
 the host (CPU tensors in eager mode), so no check ever syncs with a GPU and every check traces under
-``torch.compile`` (where value checks are skipped). Device-side values are caller contracts (docs/contract.md "Errors"):
-``validate_cu_seqlens`` / ``validate_state_indices`` check them on request, with a host sync.
+``torch.compile`` (where value checks are skipped). Device-side values are caller contracts
+(docs/contract.md "Errors"): ``validate_cu_seqlens`` / ``validate_state_indices`` check them on request,
+with a host sync.
+
+interface.py normalises, calls these checks and routes; it raises nothing itself. The checks are pure
+functions of the arguments' Python types, shapes, dtypes, devices and strides (a cache keyed by those
+can skip them), except for the few that read values or addresses, kept apart: the host-value checks
+(``_cu_values``, ``_spec_cu_values``, ``check_permutation``, ``checkpoint_starts_values``, the host
+mirror in ``check_training_cu``), the 16-byte alignment of CUDA pools (``data_ptr``), the memory-overlap
+checks (``check_writes_no_overlap``, ``check_no_overlap``), ``check_unmodified`` (version counters) and
+the CUDA-capture state (``capturing``). Shape rules live here too: ``checkpoint_starts`` /
+``checkpoint_rows`` (checkpoint rows) and ``tape_rows`` (training tape rows, also used by _fake.py).
 """
 
 from __future__ import annotations
