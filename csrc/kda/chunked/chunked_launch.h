@@ -1,4 +1,4 @@
-// Host entry of the chunked tensor-core prefill (csrc/kda/chunked/chunked_kernel.cuh): multi-token
+// Host entry of the chunked tensor-core kernel (csrc/kda/chunked/chunked_kernel.cuh): multi-token
 // prefill of recurrent_kda in 16-token chunks. Included by csrc/api/recurrent_cuda.cpp; no torch types.
 #pragma once
 #include <cuda_runtime_api.h>
@@ -8,7 +8,7 @@
 namespace kda {
 
 // Whether the chunked kernel covers `p`: K == V == 128, no speculative decode, checkpoint interval a
-// multiple of 16 (SPEC guarantees it through the Python API). `why` names the first unmet condition.
+// multiple of 16 (the Python API guarantees it). `why` names the first unmet condition.
 bool chunked_supported(const RecurrentParams& p, const char** why);
 
 // The automatic backend choice for a call the chunked kernel supports: chunked when the sequences are
@@ -20,7 +20,7 @@ bool chunked_preferred(const RecurrentParams& p);
 // 16-byte aligned q/k/g/v rows with strides that are multiples of 8 elements, aligned state buffers).
 // KDA_CHUNKED_VB=64|128 (benchmarks) forces the value rows per CTA; KDA_CHUNKED_PIPELINE=small the
 // shallow pipeline that GPUs with ~100 KB of shared memory per block get (sm_120); results do not depend
-// on either.
+// on either. Both are read once per process, at the first call (chunked_launch.cu).
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream);
 
 // The backward chain of the CUDA training backward on the same kernel (BWD mode): walks each sequence's
