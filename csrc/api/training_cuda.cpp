@@ -106,9 +106,8 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 
 // RecurrentParams of the training contract (lower-bound gate, L2 norm on, logit beta, checkpoints every
-// kTapeChunk tokens at tape_cu_starts) for the forward with tapes (v, start = initial_state, final_state, the
-// tapes) and for the backward chain (v = dO, start = dfinal_state or undefined = zeros, final = dinitial_state,
-// checkpoints = the chain gradients). Read-only start states from slot n (initial_state_indices = null).
+// kTapeChunk tokens at tape_cu_starts) for the forward with tapes: v, start = initial_state (read-only, slot n),
+// final_state, the tapes as the checkpoints. (The backward chain has its own BackwardChainParams.)
 RecurrentParams training_recurrent_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                           const Tensor& beta, const Tensor& A, const Tensor& dtb,
                                           const OptTensor& cu_seqlens, const Tensor& out, const Tensor& start,
@@ -300,11 +299,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
                                      cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
                                      slot_cu_starts.data_ptr<int64_t>(), stream, kTapeChunk, /*first=*/0),
                "kda slot starts kernel");
-    RecurrentParams pc = training_recurrent_params(qc, kc, dO, gc, beta, A, dtb, cu_seqlens, dO, dfinal, dinit,
-                                                   dstates, tape_cu_starts, scale, lower_bound);
-    pc.out = nullptr;  // the chain writes no output
-    pc.checkpoint_every_n_tokens = 16;  // dS of every 16-token chunk: row dstate_cu_starts[n] + chunk
-    pc.checkpoint_cu_starts = dstate_cu_starts.data_ptr<int64_t>();
+    BackwardChainParams pc;
+    pc.B = d.B;
+    pc.T = d.T;
+    pc.N = d.N;
+    pc.H = d.H;
+    pc.HV = d.HV;
+    pc.q = token_view(qc);
+    pc.k = token_view(kc);
+    pc.g = token_view(gc);
+    pc.beta = token_view(beta);
+    pc.dout = token_view(dO);
+    pc.A_log = A.data_ptr<float>();
+    pc.dt_bias = dtb.data_ptr<float>();
+    if (cu_seqlens.has_value()) {
+      pc.cu_seqlens = cu_seqlens->data_ptr();
+      pc.cu_seqlens_int64 = cu_seqlens->scalar_type() == at::kLong;
+    }
+    pc.scale = static_cast<float>(scale);
+    pc.lower_bound = static_cast<float>(lower_bound);
+    pc.dfinal_state = dfinal.defined() ? dfinal.data_ptr<float>() : nullptr;
+    pc.dinitial_state = dinit.data_ptr<float>();
+    pc.dstates = dstates.data_ptr<float>();  // dS of every 16-token chunk: row dstate_cu_starts[n] + chunk
+    pc.dstate_cu_starts = dstate_cu_starts.data_ptr<int64_t>();
+    pc.n_dstate_rows = dstates.size(0);
     check_cuda(launch_chunked_backward_chain(pc, stream), "kda backward chain kernel");
   }
 

@@ -90,7 +90,51 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   return prefill::run_chunked_<64, 3, 4, false>(p, out_vec16, diag, stream);
 }
 
-cudaError_t launch_chunked_backward_chain(const RecurrentParams& p, cudaStream_t stream) {
+// BackwardChainParams -> the RecurrentParams fields the chunked kernel reads in BWD mode: v carries dO, the
+// read-only start state (state_source, slot n) dfinal_state, final_state receives dinitial_state, and the
+// checkpoints (every 16 tokens, at dstate_cu_starts) receive dS at the end of every chunk; no output, no pool.
+RecurrentParams chain_as_recurrent(const BackwardChainParams& c) {
+  constexpr int kDim = prefill::kHeadDim;
+  RecurrentParams p;
+  p.B = c.B;
+  p.T = c.T;
+  p.N = c.N;
+  p.H = c.H;
+  p.HV = c.HV;
+  p.K = kDim;
+  p.V = kDim;
+  p.token_dtype = DType::kBFloat16;
+  p.q = c.q;
+  p.k = c.k;
+  p.v = c.dout;
+  p.g = c.g;
+  p.beta = c.beta;
+  p.A_log = c.A_log;
+  p.dt_bias = c.dt_bias;
+  if (c.dfinal_state != nullptr) {
+    p.state_source = c.dfinal_state;
+    p.state_source_dtype = DType::kFloat32;
+    p.source_slot_stride = int64_t(c.HV) * kDim * kDim;
+    p.n_source = c.N;
+  }
+  p.cu_seqlens = c.cu_seqlens;
+  p.cu_seqlens_int64 = c.cu_seqlens_int64;
+  p.final_state = c.dinitial_state;
+  p.state_checkpoints = c.dstates;
+  p.checkpoint_dtype = DType::kFloat32;
+  p.checkpoint_cu_starts = c.dstate_cu_starts;
+  p.n_checkpoint_rows = c.n_dstate_rows;
+  p.checkpoint_every_n_tokens = prefill::kChunk;
+  p.scale = c.scale;
+  p.gate_mode = GateMode::kLowerBound;
+  p.lower_bound = c.lower_bound;
+  p.use_qk_l2norm = true;
+  p.beta_is_logit = true;
+  return p;
+}
+
+cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStream_t stream) {
+  const RecurrentParams p = chain_as_recurrent(c);
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
   // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs.
