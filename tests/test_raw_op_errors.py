@@ -18,12 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r"""
-import sys
 import torch
 import kda_ops  # noqa: F401  (registers torch.ops.kda)
-sys.path.insert(0, "tests")
-from _raw_ops import raw_recurrent
-
 OPS = torch.ops.kda
 BF = torch.bfloat16
 
@@ -38,7 +34,13 @@ def recurrent(B=1, T=4, H=1, HV=2, K=8, V=8):
     beta = torch.randn(B, T, HV).to(BF)
     out = torch.zeros(B, T, HV, V, dtype=BF)
     A_log, dtb = torch.zeros(HV), torch.zeros(HV, K)
-    raw_recurrent(q, k, v, g, beta, A_log=A_log, dt_bias=dtb, output=out, scale=0.5)
+    OPS.recurrent_kda.default(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dtb, state=None, state_source=None, initial_state_indices=None,
+        cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None, seq_order=None, output=out,
+        final_state=None, state_checkpoints=None, checkpoint_cu_starts=None, workspace=None, scale=0.5,
+        gate_mode=2, lower_bound=-5.0, use_qk_l2norm=True, beta_is_logit=True, num_spec_tokens=0,
+        checkpoint_every_n_tokens=0, backend=0, zero_uncovered=False,
+    )
 
 
 def training_args(B=1, T=4, H=1, HV=2, K=8, V=8):

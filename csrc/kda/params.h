@@ -1,7 +1,19 @@
-// Plain-old-data parameters handed from csrc/api (torch-facing) to the kernels (csrc/kda, csrc/cpu).
-// No torch types here. Strides and offsets are in ELEMENTS and 64-bit (docs/contract.md, Errors: tensors past 2^31
-// elements work). Token tensors have a contiguous last dim; their batch/token/head strides are free
-// (views of a fused projection work).
+// Plain-old-data parameters handed from csrc/api (torch-facing) to the kernels (csrc/kda, csrc/cpu): the
+// lowest layer with host_device.h and tape_rows.h, included by every other one and including none of them.
+// No torch types here. Strides and offsets are in ELEMENTS and 64-bit (docs/contract.md, Errors: tensors
+// past 2^31 elements work). Token tensors have a contiguous last dim; their batch/token/head strides are
+// free (views of a fused projection work).
+//
+// The structs, one per family of calls:
+//   RecurrentParams          the arguments of the recurrent_kda op (and of the training forward with tapes,
+//                            which is that op with checkpoints): read by every backend of the op, the
+//                            token-serial kernel (csrc/kda/decode), the chunked kernel (csrc/kda/chunked) and
+//                            the CPU loop (csrc/cpu). Named after the op; every field means what it says here.
+//   BackwardChainParams      the backward chain (csrc/kda/chunked/chunked_launch.h); the chunked kernel reads it
+//                            through RecurrentParams fields in BWD mode, mapped in one place
+//                            (chain_as_recurrent, chunked_launch.cu).
+//   TrainingBackwardParams   the CUDA training backward's sweep and finishing kernels
+//                            (csrc/kda/backward/backward_params.h).
 #pragma once
 #include <cstdint>
 
@@ -29,7 +41,8 @@ struct TokenTensor {
   }
 };
 
-// recurrent_kda: decode, speculative decode and prefill (docs/contract.md, API).
+// recurrent_kda: decode, speculative decode and prefill (docs/contract.md, API), and the training forward
+// with tapes (checkpoints every kTapeChunk tokens, checkpoint_first = 1).
 struct RecurrentParams {
   // Problem size. Fixed layout: N = B sequences of T tokens each. Packed: B = 1, N = len(cu_seqlens)-1,
   // T = total tokens.
