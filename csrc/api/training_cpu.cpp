@@ -32,9 +32,7 @@ bool is_float_or_double(const at::Tensor& t) {
 
 // Shapes, dtypes and host-side values shared by the three ops; everything is checked before any
 // output is allocated or written.
-struct TrainingProblem {
-  int64_t B, T, N;
-  int64_t H, HV, K, V;
+struct TrainingProblem : TrainingShape {
   std::vector<int64_t> bos, len;  // per sequence
 };
 
@@ -50,13 +48,7 @@ TrainingProblem check_training_inputs(const char* op, const at::Tensor& q, const
                  ": A_log and dt_bias must be float32 or float64 on CPU, got ", A_log.scalar_type(), " and ",
                  dt_bias.scalar_type());
   TrainingProblem pb;
-  pb.B = s.B;
-  pb.T = s.T;
-  pb.N = s.N;
-  pb.H = s.H;
-  pb.K = s.K;
-  pb.HV = s.HV;
-  pb.V = s.V;
+  static_cast<TrainingShape&>(pb) = s;
   if (cu_seqlens.has_value()) {
     // The values, read on the host (the CUDA ops cannot: no host synchronisation there).
     const at::Tensor c = cu_seqlens->to(at::kLong).contiguous();

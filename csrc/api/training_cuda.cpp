@@ -36,12 +36,9 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-struct TrainDims {
-  int64_t B, T, N;
+struct TrainDims : TrainingShape {
   int64_t rows;   // tape rows: an upper bound from shapes (kda_ops/_fake.py)
-  int64_t slots;  // 64-token chunks of all sequences: an upper bound from shapes (the chunked sweep's tasks)
-  int H, HV;
-  bool packed;
+  int64_t slots;  // 64-token chunks of all sequences: an upper bound from shapes (the sweep's tasks)
 };
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
@@ -80,12 +77,7 @@ TrainDims check_training_inputs(const char* op, const Tensor& q, const Tensor& k
     KDA_CHECK(cu_seqlens->is_contiguous(), op, ": cu_seqlens must be a contiguous [N+1] tensor, got strides ",
               cu_seqlens->strides());
   TrainDims d;
-  d.B = s.B;
-  d.T = s.T;
-  d.N = s.N;
-  d.H = static_cast<int>(s.H);
-  d.HV = static_cast<int>(s.HV);
-  d.packed = s.packed;
+  static_cast<TrainingShape&>(d) = s;
   // Row bounds from shapes (kda/tape_rows.h): the sweep's 64-token slots and the tape rows.
   d.slots = chunk_rows_bound(d.packed, d.B, d.T, d.N, kTapeChunk);
   d.rows = tape_rows_bound(d.packed, d.B, d.T);
@@ -149,6 +141,35 @@ RecurrentParams training_recurrent_params(const Tensor& q, const Tensor& k, cons
   }
   p.initial_state_indices = nullptr;
   return p;
+}
+
+// The backward chain's arguments: the inputs of the training backward `p` (dout, dfinal_state and the
+// token tensors the sweep reads too) and the chain's outputs, dstates (rows p.dstate_cu_starts) and
+// dinitial_state.
+BackwardChainParams backward_chain_params(const TrainingBackwardParams& p, float* dstates, float* dinitial_state) {
+  BackwardChainParams c;
+  c.B = p.B;
+  c.T = p.T;
+  c.N = p.N;
+  c.H = p.H;
+  c.HV = p.HV;
+  c.q = p.q;
+  c.k = p.k;
+  c.g = p.g;
+  c.beta = p.beta;
+  c.dout = p.dout;
+  c.A_log = p.A_log;
+  c.dt_bias = p.dt_bias;
+  c.cu_seqlens = p.cu_seqlens;
+  c.cu_seqlens_int64 = p.cu_seqlens_int64;
+  c.scale = p.scale;
+  c.lower_bound = p.lower_bound;
+  c.dfinal_state = p.dfinal_state;
+  c.dinitial_state = dinitial_state;
+  c.dstates = dstates;
+  c.dstate_cu_starts = p.dstate_cu_starts;
+  c.n_dstate_rows = p.n_dstate_rows;
+  return c;
 }
 
 // Forward with tapes. Returns (out bf16, final_state fp32, tapes fp32, tape_cu_starts int64).
@@ -285,8 +306,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), vc = kernel_tokens(v), gc = kernel_tokens(g),
                dO = kernel_tokens(dout);
   {
-    // The backward chain (the chunked kernel in reverse): dS at the end of every 16-token chunk and
-    // dinitial_state. Rows: a 16-token prefix like tape_cu_starts (fixed: B ceil(T/16); packed: <= T/16 + N).
+    // Rows of the backward chain's dS (at the end of every 16-token chunk): a 16-token prefix like
+    // tape_cu_starts (fixed: B ceil(T/16); packed: <= T/16 + N).
     dstate_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
     check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
                                      cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
@@ -299,31 +320,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
                                      cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
                                      slot_cu_starts.data_ptr<int64_t>(), stream, kTapeChunk, /*first=*/0),
                "kda slot starts kernel");
-    BackwardChainParams pc;
-    pc.B = d.B;
-    pc.T = d.T;
-    pc.N = d.N;
-    pc.H = d.H;
-    pc.HV = d.HV;
-    pc.q = token_view(qc);
-    pc.k = token_view(kc);
-    pc.g = token_view(gc);
-    pc.beta = token_view(beta);
-    pc.dout = token_view(dO);
-    pc.A_log = A.data_ptr<float>();
-    pc.dt_bias = dtb.data_ptr<float>();
-    if (cu_seqlens.has_value()) {
-      pc.cu_seqlens = cu_seqlens->data_ptr();
-      pc.cu_seqlens_int64 = cu_seqlens->scalar_type() == at::kLong;
-    }
-    pc.scale = static_cast<float>(scale);
-    pc.lower_bound = static_cast<float>(lower_bound);
-    pc.dfinal_state = dfinal.defined() ? dfinal.data_ptr<float>() : nullptr;
-    pc.dinitial_state = dinit.data_ptr<float>();
-    pc.dstates = dstates.data_ptr<float>();  // dS of every 16-token chunk: row dstate_cu_starts[n] + chunk
-    pc.dstate_cu_starts = dstate_cu_starts.data_ptr<int64_t>();
-    pc.n_dstate_rows = dstates.size(0);
-    check_cuda(launch_chunked_backward_chain(pc, stream), "kda backward chain kernel");
   }
 
   TrainingBackwardParams p;
@@ -371,6 +367,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.dk = dk.data_ptr();
   p.dA_log = dA_log.data_ptr<float>();
   p.ddt_bias = ddt_bias.data_ptr<float>();
+  // The backward chain first (the chunked kernel in reverse, on the same stream): dS at the end of every
+  // 16-token chunk into dstates, and dinitial_state. Then the sweep and the finishing kernels.
+  check_cuda(launch_chunked_backward_chain(backward_chain_params(p, dstates.data_ptr<float>(),
+                                                                 dinit.data_ptr<float>()),
+                                           stream),
+             "kda backward chain kernel");
   check_cuda(launch_training_backward(p, stream), "kda training backward kernels");
   // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
   return {dq, dk, dv, dg, dbeta, dA_log.view(A_log.sizes()), ddt_bias.view(dt_bias.sizes()), dinit};
