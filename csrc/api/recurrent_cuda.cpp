@@ -1,5 +1,5 @@
-// CUDA implementation of kda::recurrent_kda (SPEC §3.1): checks -> RecurrentParams -> the token-serial
-// kernel (csrc/kda/decode) or the chunked tensor-core prefill (csrc/kda/prefill) on the current stream.
+// CUDA implementation of kda::recurrent_kda (docs/contract.md, API): checks -> RecurrentParams -> the token-serial
+// kernel (csrc/kda/decode) or the chunked tensor-core prefill (csrc/kda/chunked) on the current stream.
 // backend: 2 recurrent runs the token-serial kernel for every mode; 1 chunked the chunked kernel (prefill,
 // K == V == 128, no speculative decode); 0 auto the chunked kernel when it is supported and the sequences
 // average at least 16 tokens (chunked_preferred), else the token-serial one.
@@ -69,12 +69,6 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   for (const Tensor* t : {&q_in, &k_in, &v_in, &g_in, &beta, &output})
     KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, "CUDA recurrent_kda token tensors (q, k, v, g, beta, output) "
                    "must be ", at::kBFloat16, ", got ", t->scalar_type());
-  KDA_CHECK(gate_mode >= 0 && gate_mode <= 2,
-            "gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ", gate_mode);
-  KDA_CHECK(num_spec_tokens >= 0, "num_spec_tokens must be >= 0, got ", num_spec_tokens);
-  KDA_CHECK(checkpoint_every_n_tokens >= 0, "checkpoint_every_n_tokens must be >= 0, got ",
-            checkpoint_every_n_tokens);
-  KDA_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite number > 0, got ", scale);
   KDA_CHECK(q_in.dim() == 4 && v_in.dim() == 4, "q and v must be rank 4, got ", q_in.dim(), " and ", v_in.dim());
   const int64_t K = q_in.size(3), Vd = v_in.size(3);
   KDA_CHECK(K == Vd && (K == 64 || K == 128), "CUDA recurrent_kda needs K == V in {64, 128}, got K=", K, ", V=", Vd);

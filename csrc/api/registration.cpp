@@ -1,6 +1,6 @@
 // Every schema of the kda library, declared once. Implementations register per dispatch key in
-// csrc/cpu/*.cpp (CPU) and csrc/api/*_cuda.cpp (CUDA); fake kernels live in kda_ops/_fake.py and
-// autograd in kda_ops/_autograd.py. Argument meaning, shapes and dtypes: SPEC.md §3-§4 and the
+// csrc/api/*_cpu.cpp (CPU) and csrc/api/*_cuda.cpp (CUDA); fake kernels live in kda_ops/_fake.py and
+// autograd in kda_ops/_autograd.py. Argument meaning, shapes and dtypes: docs/contract.md (API, Slots) and the
 // docstrings of kda_ops/interface.py.
 #include <Python.h>
 #include <torch/library.h>
@@ -39,8 +39,8 @@ TORCH_LIBRARY(kda, m) {
       "Tensor dt_bias, Tensor initial_state, Tensor? cu_seqlens, float scale, float lower_bound) -> "
       "(Tensor out, Tensor final_state, Tensor tapes, Tensor tape_cu_starts)");
 
-  // Training backward from the tapes and the initial state (None: zeros): the eight gradients of SPEC §2.1 in
-  // SPEC order.
+  // Training backward from the tapes and the initial state (None: zeros): the eight gradients of docs/contract.md,
+  // Recurrence (the backward), in that order.
   m.def(
       "recurrent_kda_training_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
       "Tensor dt_bias, Tensor tapes, Tensor tape_cu_starts, Tensor? initial_state, Tensor? cu_seqlens, "
