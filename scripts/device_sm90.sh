@@ -22,7 +22,36 @@ smoke_py() {
   cat <<'EOF'
 import os, sys, torch, kda_ops
 from kda_ops.reference import make_inputs, recurrent_kda_reference, rel_rms
-torch.manual_seed(0)
+ok = True
+def gate(x, mode):
+    if mode == "lower_bound": return dict(A_log=x["A_log"], dt_bias=x["dt_bias"], use_gate_in_kernel=True, lower_bound=-5.0)
+    if mode == "softplus": return dict(A_log=x["A_log"], dt_bias=x["dt_bias"], use_gate_in_kernel=True)
+    return dict(use_gate_in_kernel=False)
+# single sequences first (a failure at T=16 but not T=1: in-chunk math; at T=17/64 only: the carried state)
+for T, gmode, pool_dtype in [(1, "lower_bound", None), (16, "lower_bound", None), (17, "lower_bound", None),
+                             (64, "lower_bound", torch.float32), (64, "softplus", torch.bfloat16),
+                             (300, "precomputed", torch.float32)]:
+    x = make_inputs(B=1, T=T, H=1, HV=2, K=128, V=128, device="cuda", seed=T,
+                    state_dtype=pool_dtype or torch.float32)
+    g = x["g"] if gmode != "precomputed" else -torch.nn.functional.softplus(x["g"].float()).bfloat16()
+    kw = dict(q=x["q"], k=x["k"], v=x["v"], g=g, beta=x["beta"], beta_is_logit=True, **gate(x, gmode))
+    st0 = x["initial_state"] if pool_dtype is not None else None
+    r = recurrent_kda_reference(**{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()},
+                                initial_state=None if st0 is None else st0.cpu())
+    line = f"T={T:4d} {gmode:11s} pool={str(pool_dtype):14s}"
+    for kern in ("sm90", "mma"):
+        os.environ["KDA_CHUNKED_KERNEL"] = kern
+        pool = None if st0 is None else st0.clone()
+        o, fs = kda_ops.recurrent_kda(**kw, initial_state=pool, output_final_state=True, backend="chunked")
+        torch.cuda.synchronize()
+        fs = fs if fs is not None else pool
+        e_o = rel_rms(o.float().cpu(), r.output.float())
+        e_s = rel_rms(fs.float().cpu(), r.final_state.float())
+        line += f" | {kern}: out {e_o:.2e} state {e_s:.2e}"
+        if kern == "sm90":
+            ok &= bool(e_o < 5e-3 and e_s < 1e-2)
+    print(line, flush=True)
+# a packed mix: zero-length row, 1-token rows, an inactive slot, a bf16 pool
 lengths = [40, 3, 0, 17, 16, 1]
 cu = [0]
 for n in lengths: cu.append(cu[-1] + n)
@@ -41,7 +70,6 @@ for kern in ("sm90", "mma"):
     print(kern, "output finite:", bool(torch.isfinite(o.float()).all()), "pool finite:", bool(torch.isfinite(pool.float()).all()))
 start = x["initial_state"][slots.long().clamp(0, len(lengths))]
 r = recurrent_kda_reference(**{k: v.cpu() for k, v in kw.items()}, initial_state=start.cpu())
-ok = True
 active_rows = torch.zeros(cu[-1], dtype=torch.bool)
 for n in (0, 1, 3, 5):
     active_rows[cu[n]:cu[n + 1]] = True
