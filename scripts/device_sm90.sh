@@ -6,7 +6,8 @@
 #   OUT=/tmp/out bash scripts/device_sm90.sh          # everything (< 7 min)
 #   STAGES="smoke tests" bash scripts/device_sm90.sh  # a subset (after a build)
 #
-# Success: smoke.log ends with "smoke: OK", tests.log with "N passed" (no failures), bench.log has the table.
+# Success: smoke.log ends with "smoke: OK", tests.log and tests_shared.log with "N passed" and no failures,
+# bench.log has the table (sm90 vs mma ms per call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -15,6 +16,11 @@ export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 [ -d .golden ] && export KDA_GOLDEN_DIR=${KDA_GOLDEN_DIR:-$PWD/.golden}
 STAGES=${STAGES:-build smoke tests bench}
+# No package registry there: the carried wheels in .whl/ (the pinned nvidia-cutlass headers) as device_check.sh
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
 SAN=${CUDA_HOME}/bin/compute-sanitizer
 command -v compute-sanitizer >/dev/null && SAN=compute-sanitizer
 
@@ -143,13 +149,16 @@ for s in $STAGES; do
   case $s in
     build)
       KDA_PTXAS_VERBOSE=1 run build 400 python3 setup.py -q build_ext --inplace || exit 1
-      grep -A3 "kda_chunked_sm90" "$OUT/build.log" | grep -E "registers|spill|stack" | head -5 ;;
+      grep -A4 "kda_chunked_sm90" "$OUT/build.log" | grep -E "registers|spill|stack" | head -5 ;;
     smoke)
       smoke_py >/tmp/sm90_smoke.py
       if ! KDA_CHUNKED_KERNEL=sm90 run smoke 60 python3 /tmp/sm90_smoke.py; then
         KDA_CHUNKED_KERNEL=sm90 run smoke_memcheck 120 "$SAN" --tool memcheck python3 /tmp/sm90_smoke.py
       fi ;;
-    tests) run tests 180 python3 -m pytest -q -rf --maxfail=15 -p no:cacheprovider tests/gpu/test_chunked_sm90.py ;;
+    tests)  # this path's own tests first, then the shared chunked tests re-run on it
+      run tests 120 python3 -m pytest -q -rf --maxfail=15 -p no:cacheprovider -k hopper tests/gpu/test_chunked_sm90.py
+      run tests_shared 150 python3 -m pytest -q -rf --maxfail=15 -p no:cacheprovider -k "not hopper" \
+        tests/gpu/test_chunked_sm90.py ;;
     bench) bench_py >/tmp/sm90_bench.py; run bench 120 python3 /tmp/sm90_bench.py ;;
     *) echo "unknown stage $s" ;;
   esac
