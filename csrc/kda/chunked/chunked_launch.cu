@@ -6,6 +6,7 @@
 #include "kda/chunked/chunked_instantiations.h"
 #include "kda/chunked/chunked_kernel.cuh"  // (sizeof the shared-memory layouts only)
 #include "kda/chunked/chunked_launch.h"
+#include "kda/chunked/sm90/chunked_sm90.h"
 
 namespace kda {
 namespace {
@@ -68,6 +69,8 @@ bool chunked_preferred(const RecurrentParams& p) {
 
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  // KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the cases it covers (inference prefill), else this one.
+  if (chunked_sm90_requested() && chunked_sm90_supported(p)) return launch_chunked_sm90(p, stream);
   const ChunkedKnobs& knobs = chunked_knobs();
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
   // One CTA per SM fits (registers). When the (sequence, head) tasks fill at most half of the SMs, split
