@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kda_ops import _split
 from kda_ops import _validate as V
 from kda_ops.workspace import (
     RecurrentKDABackwardWorkspace,
@@ -102,6 +103,7 @@ def recurrent_kda(
     checkpoint_every_n_tokens: int = 0,
     *,
     backend: str = "auto",
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """KDA inference: decode (T=1), speculative decode (1+S tokens) and prefill (any T), fixed or packed,
     with an in-place state pool (docs/contract.md "API"; the signature of FlashInfer's ``recurrent_kda``).
@@ -174,6 +176,9 @@ def recurrent_kda(
         checkpoint_every_n_tokens: n > 0, a multiple of 16, turns checkpointing on (0: off).
         backend: "auto", "chunked" (tensor-core chunked prefill) or "recurrent" (token-serial kernel). The
             CPU implementation is one token loop whatever the backend.
+        cu_seqlens_cpu: optional host mirror (CPU int64 [N+1], values checked) of a packed call's
+            ``cu_seqlens``: lets the exact sequence split (``KDA_SEQUENCE_SPLIT``, kda_ops/_split.py) plan
+            segments without a device sync. Caller contract: equal to ``cu_seqlens``.
 
     Returns:
         ``(output, final_state)``, or ``(output, final_state, state_checkpoints)`` when
@@ -215,6 +220,7 @@ def recurrent_kda(
     n_ck, ck, ck_starts, ck_dtype = V.check_checkpoints(
         checkpoint_every_n_tokens, state_checkpoints, checkpoint_cu_starts, pool, S, d
     )
+    cu_host = None if cu_seqlens_cpu is None else _split.check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, d)
     ws_obj = prefill_workspace
     if ws_obj is not None:
         V.check_instance(ws_obj, RecurrentKDAPrefillWorkspace, "prefill_workspace")
@@ -285,6 +291,12 @@ def recurrent_kda(
     if pool is None and out_final:
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
+    # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, off by default)
+    if _split.MODE != "0" and S == 0 and n_ck == 0 and source is None and _split.try_run(
+        d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2, logit,
+        backend_code,
+    ):  # fmt: skip
+        return out, ((pool if pool is not None else final) if out_final else None)
     _recurrent_kda_op(
         q,
         k,

@@ -1,0 +1,313 @@
+"""Exact sequence split of ``recurrent_kda`` prefill: long sequences over many SMs, no truncation.
+
+The chunked prefill runs each (sequence, value head) as one chain on one SM, so a few heads of a long
+sequence leave most SMs idle. Per value head the state map of a run of tokens is affine (S [V, K]):
+
+    S_end = S_start · P + Q,   P = Π_t diag(exp(a_t)) (I - β_t k_t k_tᵀ)  [K, K]
+
+so a sequence cut into segments 0..P_n-1 has exact segment start states from a short scan:
+
+    S_0 = the sequence's start state,  S_1 = Q_0 (segment 0 run from S_0),
+    S_{j+1} = S_j · P_j + Q_j           (j >= 1; Q_j from a zero start, P_j from the identity with v = 0)
+
+Three calls of the same op on the same token tensors, segments as separate packed sequences (the
+tokens of a sequence's segments are contiguous, so only cu_seqlens changes; the pool rows the segments
+use are picked with ssm_state_indices, and segments a pass does not need are inactive there):
+  1. Q: segments 0..P_n-2 of every split sequence, segment 0 from the real start state, others from 0;
+  2. P: segments 1..P_n-2, from the identity ([K, K] states) with v = 0 (head dim K);
+  3. outputs and final states of every segment from the exact start states (scan in between: one
+     batched ``baddbmm`` per segment index, in fp32, over all split sequences and heads at once).
+Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens, on N·HV·P_n chains
+instead of N·HV, so the split pays when N·HV is small against the SM count and the sequences are long.
+
+Scope (everything else takes the unsplit path, results identical up to floating point):
+  - prefill without speculative decode, checkpoints or ``initial_state_source``;
+  - host-known lengths: fixed layout (T from the shapes), or packed with ``cu_seqlens`` on the host (the
+    CPU path) or its host mirror ``cu_seqlens_cpu`` (never a device sync);
+  - not under torch.compile tracing, CUDA graph capture (the passes allocate scratch), FakeTensor/meta;
+  - fixed layout with B > 1 only when the token tensors view as one packed row.
+Supported: every gate mode, β logits or not, L2 norm or not, GQA, a pool (bf16/fp32, any slot stride)
+with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouched), ``output=``, the
+returned fp32 final state without a pool. The pool is read once (before any write) and written once.
+
+Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``0`` (default: off), ``1`` (split whenever the
+scope allows and a sequence is longer than one segment), ``auto`` (split when the shapes say it pays:
+the unsplit grid fills at most half of the SMs and the longest sequence spans at least 4 segments).
+``KDA_SEQUENCE_SPLIT_TOKENS`` (a multiple of 64) forces the segment length (benchmarks, tests).
+Default off: the gain is measured by benchmarks/bench_split.py, not yet argued to never lose.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from kda_ops import _validate as V
+
+__all__ = ["MODE", "SEGMENT_TOKENS", "try_run", "check_cu_seqlens_cpu", "plan_segments"]
+
+
+def _read_mode() -> str:
+    m = os.environ.get("KDA_SEQUENCE_SPLIT", "0").strip().lower()
+    if m not in ("0", "1", "auto"):
+        raise ValueError(f"KDA_SEQUENCE_SPLIT must be 0, 1 or auto, got {m!r}")
+    return m
+
+
+def _read_tokens() -> int:
+    s = os.environ.get("KDA_SEQUENCE_SPLIT_TOKENS", "0").strip()
+    n = int(s) if s else 0
+    if n < 0 or n % SEGMENT_MULTIPLE != 0:
+        raise ValueError(f"KDA_SEQUENCE_SPLIT_TOKENS must be 0 or a positive multiple of 64, got {s!r}")
+    return n
+
+
+SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
+MODE = _read_mode()
+SEGMENT_TOKENS = _read_tokens()
+_NOMINAL_SMS = 132  # CPU (tests) and meta: plan as for an H200
+
+_sms_cache: dict[Any, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _NOMINAL_SMS
+    key = device.index
+    if key not in _sms_cache:
+        _sms_cache[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sms_cache[key]
+
+
+def check_cu_seqlens_cpu(cu_seqlens_cpu: Any, cu_seqlens: torch.Tensor | None, d: V.Dims) -> torch.Tensor | None:
+    """The host mirror of a packed call's cu_seqlens (CPU int64 [N+1], values checked, and equal to
+    cu_seqlens when that is on the host too); None passes."""
+    if cu_seqlens_cpu is None:
+        return None
+    if not d.packed:
+        raise ValueError("cu_seqlens_cpu must be None for fixed-length input (no cu_seqlens), got a tensor")
+    host = V._tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
+    if host.device.type != "cpu":
+        raise RuntimeError(f"cu_seqlens_cpu must be on cpu, got {host.device}")
+    V._dtype(host, "cu_seqlens_cpu", (torch.int64,))
+    V._exact_shape(host, "cu_seqlens_cpu", (d.N + 1,), "[N+1]")
+    V._cu_values(host, d.T, "cu_seqlens_cpu")
+    if (
+        cu_seqlens is not None
+        and V.host_values_available(cu_seqlens)
+        and not torch.equal(cu_seqlens.to(torch.int64), host)
+    ):
+        raise ValueError(f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}")
+    return host
+
+
+def plan_segments(lens: list[int], HV: int, sms: int, tokens: int = 0) -> int:
+    """Segment length (a multiple of 64): the shortest whose chains Σ_n ceil(L_n / Ls) · HV fit the SMs.
+
+    ``tokens`` > 0 forces it. A sequence no longer than one segment stays whole."""
+    if tokens > 0:
+        return tokens
+    m = SEGMENT_MULTIPLE
+    hi = max(1, -(-max(lens) // m))  # one segment per sequence
+    lo = 1
+    while lo < hi:  # chains decrease with the segment length: binary search on Ls / 64
+        mid = (lo + hi) // 2
+        chains = sum(-(-L // (mid * m)) for L in lens if L > 0) * HV
+        if chains <= sms:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * m
+
+
+class _Plan:
+    """Host plan of one split call: segments in token order and their pool rows per pass."""
+
+    def __init__(self, lens: list[int], Ls: int) -> None:
+        self.lens, self.Ls = lens, Ls
+        self.nseg = [max(1, -(-L // Ls)) for L in lens]  # zero-length: one empty segment
+        self.split_ids = [n for n, p in enumerate(self.nseg) if p >= 2]
+        self.M = len(self.split_ids)
+        self.maxP = max((self.nseg[n] for n in self.split_ids), default=1)
+        M, mp = self.M, self.maxP
+        m_of = {n: i for i, n in enumerate(self.split_ids)}
+        cu = [0]
+        q_rows, p_rows, o_rows, seq_of_seg = [], [], [], []
+        final_rows = []
+        for n, (L, P) in enumerate(zip(lens, self.nseg, strict=True)):
+            for j in range(P):
+                cu.append(cu[-1] + min(Ls, L - j * Ls) if P > 1 else cu[-1] + L)
+                seq_of_seg.append(n)
+                if P > 1:
+                    row = j * M + m_of[n]
+                    q_rows.append(row if j <= P - 2 else -1)
+                    p_rows.append(row if 1 <= j <= P - 2 else -1)
+                    o_rows.append(row)
+                else:
+                    q_rows.append(-1)
+                    p_rows.append(-1)
+                    o_rows.append(M * mp + n)
+            final_rows.append((P - 1) * M + m_of[n] if P > 1 else M * mp + n)
+        self.cu, self.q_rows, self.p_rows, self.o_rows = cu, q_rows, p_rows, o_rows
+        self.seq_of_seg, self.final_rows = seq_of_seg, final_rows
+        self.needs_p = any(r >= 0 for r in p_rows)
+
+
+def _host_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None) -> list[int] | None:
+    if not d.packed:
+        return [int(d.T)] * int(d.B)
+    if cu_host is None and cu_seqlens is not None and V.host_values_available(cu_seqlens):
+        cu_host = cu_seqlens
+    if cu_host is None:
+        return None  # lengths live on the device only: no sync here, no split
+    c = [int(x) for x in cu_host.tolist()]
+    return [c[i + 1] - c[i] for i in range(len(c) - 1)]
+
+
+def _device_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":  # pinned + non_blocking: a copy queued on the stream, no host wait
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _packed_view(x: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
+    if B == 1:
+        return x
+    try:
+        return x.view(1, B * T, *x.shape[2:])
+    except RuntimeError:
+        return None
+
+
+def try_run(
+    d: V.Dims,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_hv: torch.Tensor | None,
+    dtb_hv: torch.Tensor | None,
+    pool: torch.Tensor | None,
+    ssm_idx: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    cu_host: torch.Tensor | None,
+    out: torch.Tensor,
+    final: torch.Tensor | None,
+    sc: float,
+    gate_mode: int,
+    lb: float,
+    l2: bool,
+    logit: bool,
+    backend_code: int,
+) -> bool:
+    """Runs a validated prefill call split into segments, writing ``out``, ``final`` (fp32 [N, HV, V, K]
+    or None) and the pool exactly as the unsplit op would. Returns False (nothing done) when the call is
+    out of scope or the split would not pay; the caller then runs the unsplit op."""
+    if MODE == "0" or d.N == 0 or d.B * d.T == 0:
+        return False
+    if d.dev_type == "meta" or type(q) is not torch.Tensor or torch.compiler.is_compiling():
+        return False
+    if d.on_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    lens = _host_lengths(d, cu_seqlens, cu_host)
+    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
+        return False
+    sms = _sms(d.device)
+    Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
+    if max(lens) <= Ls:
+        return False
+    if MODE == "auto":
+        unsplit_ctas = d.N * d.HV * 2
+        if unsplit_ctas > sms or max(lens) < 4 * Ls:
+            return False
+    views = [_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta, out)]
+    if any(x is None for x in views):
+        return False
+    q1, k1, v1, g1, b1, o1 = views
+    pl = _Plan(lens, Ls)
+    _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code)
+    return True
+
+
+def _run(pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend):  # type: ignore[no-untyped-def]
+    op = torch.ops.kda.recurrent_kda.default
+    dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+    sdt = torch.float64 if pool is not None and pool.dtype == torch.float64 else torch.float32
+    M, mp = pl.M, pl.maxP
+    cu = _device_tensor(pl.cu, torch.int64, dev)
+
+    # start states, read before anything is written (inactive sequences: zeros, never written back)
+    valid = None
+    if pool is None:
+        start0 = torch.zeros((N, HV, Vd, K), dtype=sdt, device=dev)
+    elif ssm_idx is None:
+        start0 = pool[:N].to(sdt)
+        slot = None
+    else:
+        idx = ssm_idx.to(torch.int64)
+        valid = (idx >= 0) & (idx < pool.shape[0])
+        slot = torch.where(valid, idx, torch.zeros_like(idx))
+        start0 = torch.where(valid.view(-1, 1, 1, 1), pool.index_select(0, slot).to(sdt), 0.0)
+
+    # pass 3's pool: row j*M + m for segment j of split sequence m (segment-major, so that one segment
+    # index of all split sequences is one contiguous batch for the scan), then one row per sequence
+    states = torch.zeros((M * mp + N, HV, Vd, K), dtype=sdt, device=dev)
+    states[M * mp :] = start0
+    S = states[: M * mp].view(mp, M * HV, Vd, K)
+    if M > 0:
+        split_ids = _device_tensor(pl.split_ids, torch.int64, dev)
+        # pass 1: Q_j (segment 0 from the real start state)
+        Qp = torch.zeros((M * mp, HV, Vd, K), dtype=sdt, device=dev)
+        Qv = Qp.view(mp, M * HV, Vd, K)
+        Qv[0] = start0.index_select(0, split_ids).view(M * HV, Vd, K)
+        S[0] = Qv[0]
+        rows = _device_tensor(pl.q_rows, torch.int32, dev)
+        op(q, k, v, g, beta, A, dtb, Qp, None, None, cu, rows, None, None, out, None, None, None, None,
+           sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+        Pv = None
+        if pl.needs_p:
+            # pass 2: P_j, the [K, K] state from the identity with v = 0
+            Pp = torch.eye(K, dtype=sdt, device=dev).expand(M * mp, HV, K, K).contiguous()
+            v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
+            o0 = out if Vd == K else torch.empty((1, v.shape[1], HV, K), dtype=out.dtype, device=dev)
+            rows = _device_tensor(pl.p_rows, torch.int32, dev)
+            op(q, k, v0, g, beta, A, dtb, Pp, None, None, cu, rows, None, None, o0, None, None, None, None,
+               sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+            Pv = Pp.view(mp, M * HV, K, K)
+        # scan, in segment order, all split sequences and heads batched (rows past a sequence's last
+        # segment compute unused values from zeros)
+        if mp >= 2:
+            S[1] = Qv[0]
+        for j in range(2, mp):
+            assert Pv is not None
+            torch.baddbmm(Qv[j - 1], S[j - 1], Pv[j - 1], out=S[j])
+
+    # pass 3: outputs and final states from the exact start states
+    rows = _device_tensor(pl.o_rows, torch.int32, dev)
+    if valid is not None:
+        seg_seq = _device_tensor(pl.seq_of_seg, torch.int64, dev)
+        rows = torch.where(valid.index_select(0, seg_seq), rows, torch.full_like(rows, -1))
+    op(q, k, v, g, beta, A, dtb, states, None, None, cu, rows, None, None, out, None, None, None,
+       None, sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+
+    fin = states.index_select(0, _device_tensor(pl.final_rows, torch.int64, dev))
+    if final is not None:
+        final.copy_(fin)
+    if pool is not None:
+        if valid is None:
+            pool[:N] = fin.to(pool.dtype)
+        else:
+            # Every row writes its slot; an inactive row whose (clamped) slot is also written by an active
+            # one writes that one's value, else the slot's own: identical values per slot, so the result
+            # does not depend on the order of the writes.
+            owner = torch.full((pool.shape[0],), -1, dtype=torch.int64, device=dev)
+            ar = torch.arange(N, device=dev)
+            owner.scatter_reduce_(0, slot, torch.where(valid, ar, torch.full_like(ar, -1)), "amax")
+            m = owner.index_select(0, slot)
+            keep = pool.index_select(0, slot)
+            vals = torch.where((m >= 0).view(-1, 1, 1, 1), fin.index_select(0, m.clamp_min(0)).to(pool.dtype), keep)
+            pool.index_copy_(0, slot, vals)
