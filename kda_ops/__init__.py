@@ -16,6 +16,7 @@ from kda_ops import _C  # type: ignore[attr-defined]  # noqa: F401  (the torch.o
 from kda_ops import _autograd, _fake  # noqa: F401  (register_autograd / register_fake need the schemas)
 
 # isort: on
+from kda_ops import fla  # noqa: F401  (fla-shaped entry points; fla itself is imported only by fla.install())
 from kda_ops._validate import validate_cu_seqlens, validate_state_indices
 from kda_ops.interface import (
     kda,
