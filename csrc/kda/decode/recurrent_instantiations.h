@@ -37,4 +37,11 @@ struct RecurrentLaunch {
 template <int K, typename StateT, int NR>
 void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
 
+// The warp-specialised variant (recurrent_ring_kernel.cuh, sm_90+): a producer warp streams each item's
+// state tile and first-token inputs into per-warp mbarrier rings by bulk copies, math warps consume them
+// and store the tile back by bulk copy. Same bits as run_recurrent_. Instantiated for bf16 tiles: K=128
+// NR 4 and 8, K=64 NR 4 (csrc/instantiations/recurrent_ring_k<K>_bf16_nr<NR>.cu).
+template <int K, typename StateT, int NR>
+void run_recurrent_ring_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
+
 }  // namespace kda::decode

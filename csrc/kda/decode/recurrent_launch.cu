@@ -20,13 +20,16 @@ int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMult
 // KDA_RECURRENT_DIAG (benchmarks only):
 //   KDA_RECURRENT_ROWS_PER_LANE=1|2|4|8 (the tile), KDA_RECURRENT_BLOCKS_PER_SM=n (cap),
 //   KDA_RECURRENT_CARVEOUT=min|default|max, KDA_RECURRENT_L1_PREFETCH=1 (prefetch the next items' token
-//   inputs into L1), KDA_RECURRENT_WARPS_PER_BLOCK=1|2|4 (cap), KDA_RECURRENT_DIAG=1|2|3.
+//   inputs into L1), KDA_RECURRENT_WARPS_PER_BLOCK=1|2|4 (cap), KDA_RECURRENT_DIAG=1|2|3;
+//   KDA_DECODE_KERNEL=serial|ring: the kernel for bf16 tiles on sm_90+ (default serial until the ring kernel
+//   is measured on the device; same bits either way).
 struct Knobs {
   int rows_per_lane = 0;  // 0: the heuristic
   int max_blocks_per_sm = 0;
   int carveout_percent = decode::kCarveoutMin;
   int flags = decode::kFlagNoL1Prefetch;
   int max_warps_per_block = 4;
+  bool ring = false;  // KDA_DECODE_KERNEL=ring
 };
 
 const Knobs& knobs() {
@@ -48,9 +51,22 @@ const Knobs& knobs() {
       const int v = std::atoi(env);
       if (v == 1 || v == 2 || v == 4) r.max_warps_per_block = v;
     }
+    if (const char* env = std::getenv("KDA_DECODE_KERNEL")) r.ring = std::string(env) == "ring";
     return r;
   }();
   return k;
+}
+
+// The ring kernel bulk-copies the first token's q, k, g rows and v values: they must start 16-byte aligned
+// (the recurrent_kda path guarantees it, vector_readable; other callers are checked here), and it needs
+// sm_90+ (cp.async.bulk, mbarrier transaction counts).
+bool ring_supported(const RecurrentParams& p) {
+  if (cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(0) < 9) return false;
+  auto ok = [&](const TokenTensor& t, int heads) {
+    return reinterpret_cast<uintptr_t>(t.ptr) % 16 == 0 && (p.B <= 1 || t.batch_stride % 8 == 0) &&
+           (p.T <= 1 || t.token_stride % 8 == 0) && (heads <= 1 || t.head_stride % 8 == 0);
+  };
+  return ok(p.q, p.H) && ok(p.k, p.H) && ok(p.g, p.HV) && ok(p.v, p.HV);
 }
 
 }  // namespace
@@ -82,6 +98,16 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream, bool
   if ((warps + cfg.warps_per_block - 1) / cfg.warps_per_block > INT_MAX) return cudaErrorInvalidConfiguration;
   const DType tile_dtype =
       p.state != nullptr ? p.state_dtype : (p.state_source != nullptr ? p.state_source_dtype : DType::kFloat32);
+  if (kn.ring && tile_dtype == DType::kBFloat16 && (nr == 4 || nr == 8) && ring_supported(p)) {
+    // Tiles: K=128 NR 4 or 8 as chosen; K=64 always NR=4 (its NR=8 tile spills under the ring's register cap).
+    if (p.K == 128 && nr == 8)
+      decode::run_recurrent_ring_<128, __nv_bfloat16, 8>(p, cfg, stream);
+    else if (p.K == 128)
+      decode::run_recurrent_ring_<128, __nv_bfloat16, 4>(p, cfg, stream);
+    else
+      decode::run_recurrent_ring_<64, __nv_bfloat16, 4>(p, cfg, stream);
+    return cudaGetLastError();
+  }
   KDA_HEADDIM_SWITCH(p.K, kK, [&] {
     KDA_STATE_DTYPE_SWITCH(tile_dtype, StateT, [&] {
       KDA_ROWS_PER_LANE_SWITCH(nr, kNR, [&] { decode::run_recurrent_<kK, StateT, kNR>(p, cfg, stream); });
