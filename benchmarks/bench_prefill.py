@@ -1,15 +1,28 @@
-"""Prefill forward benchmark (SPEC §7, issue 4): kda_ops.recurrent_kda vs fla chunk_kda / flash_kda.
+"""Prefill forward benchmark: kda_ops.recurrent_kda beside cuDNN Frontend and FlashKDA, in one process.
 
-H200, K=V=128, lower-bound gate λ=-5, logit beta, L2 norm, bf16 inputs, bf16 state pool.
-Ours: the "chunked" backend (the tensor-core kernel, the path of backend="auto" for prefill) and the
-token-serial "recurrent" backend for comparison. TFLOP/s uses the chunked-form count of KERNEL_NOTES F0:
-flops = tokens * HV * 106e3 (C=16 chain + prep; an estimate of useful work, not of instructions issued).
+K = V = 128, lower-bound gate λ = -5, logit beta, L2 norm, bf16 token tensors, bf16 state pool,
+preallocated output. Every call is timed eagerly and as a CUDA-graph replay (capture after warm-up).
+
+Peers, when importable (neither peer's code is part of this repository):
+- cuDNN Frontend (`cudnn.linear_attention.kimi_delta_attention`, packed [T, H, K] tensors, `cu_seqlens`,
+  `safe_gate=True`): timed with its native fp32 g / beta / state ("cudnn fp32") and with our bf16
+  inputs and bf16 state ("cudnn bf16").
+- FlashKDA (`flash_kda.fwd`): bf16 inputs, bf16 state.
+- fla `chunk_kda` (`--fla`; its Triton autotune takes minutes per shape in a fresh process).
+
+TFLOP/s counts the useful work of the 16-token chunked form: tokens * HV * 106e3 flops
+(3 state GEMMs of 2*16*128^2 and 2 of 2*16^2*128 per 16-token chunk, plus the intra-chunk products and
+the inverse), divided by our best time. It is a measure of work done, not of instructions issued.
+
+    python benchmarks/bench_prefill.py [--quick] [--cases 0,4] [--no-graph] [--fla]
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +40,7 @@ from benchmarks.common import (  # noqa: E402
 )
 
 FLOPS_PER_TOKEN_HEAD = 106e3
+LOWER_BOUND = -5.0
 
 CASES = [
     ("H=96 T=8192", 96, [8192]),
@@ -39,132 +53,180 @@ CASES = [
 ]
 
 
-def make(H: int, lens: list[int], dev: str = "cuda"):
+def make(H: int, lens: list[int], dev: str = "cuda") -> dict[str, Any]:
     T = sum(lens)
     K = V = 128
     gen = torch.Generator(device=dev).manual_seed(0)
     r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16)  # noqa: E731
-    d = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H))
+    d: dict[str, Any] = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H))
     d["A_log"] = torch.rand(H, device=dev, generator=gen) * 0.5
     d["dt_bias"] = torch.randn(H, K, device=dev, generator=gen) * 0.1
     d["cu"] = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), device=dev, dtype=torch.int64)
     d["state"] = torch.zeros(len(lens), H, V, K, device=dev, dtype=torch.bfloat16)
+    d["out"] = torch.empty_like(d["v"])
     return d
 
 
+def graph_time_ms(fn: Callable[[], Any], rep: int = 10) -> float:
+    """Median time of one replay of a CUDA graph holding one fn() call (captured after warm-up)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time_ms(graph.replay, warmup=2, rep=rep)
+
+
+def ours_call(kda_ops: Any, d: dict[str, Any], backend: str) -> Callable[[], Any]:
+    def run() -> Any:
+        return kda_ops.recurrent_kda(
+            d["q"], d["k"], d["v"], d["g"], d["beta"],
+            A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=d["state"], cu_seqlens=d["cu"],
+            use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True, output=d["out"],
+            prefill_workspace=d.get("workspace"), backend=backend,
+        )  # fmt: skip
+
+    return run
+
+
+def cudnn_call(cudnn_kda: Any, d: dict[str, Any], native: bool) -> Callable[[], Any]:
+    """cuDNN's KDA on the same data: packed [T, H, K]; fp32 g/beta/state when `native`, else ours (bf16)."""
+    q, k, v = d["q"][0], d["k"][0], d["v"][0]
+    g = d["g"][0].float() if native else d["g"][0]
+    beta = d["beta"][0].float() if native else d["beta"][0]
+    state = d["state"].float() if native else d["state"]
+    cu = d["cu"].to(torch.int32)
+
+    def run() -> Any:
+        return cudnn_kda(
+            q, k, v, g, beta, cu, initial_state=state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+            gate_lower_bound=LOWER_BOUND, a_log=d["A_log"], dt_bias=d["dt_bias"],
+        )  # fmt: skip
+
+    return run
+
+
+def flash_kda_call(fkda: Any, d: dict[str, Any]) -> Callable[[], Any]:
+    final = torch.empty_like(d["state"])
+    scale = d["q"].shape[-1] ** -0.5
+
+    def run() -> Any:
+        return fkda.fwd(
+            d["q"], d["k"], d["v"], d["g"], d["beta"], scale, d["out"], d["A_log"], d["dt_bias"], LOWER_BOUND,
+            initial_state=d["state"], final_state=final, cu_seqlens=d["cu"],
+        )  # fmt: skip
+
+    return run
+
+
+def fla_call(fla: Any, d: dict[str, Any]) -> Callable[[], Any]:
+    single = d["cu"].numel() == 2  # one sequence: fla's fixed-length path (much faster than its varlen path)
+    state = d["state"].float()
+
+    def run() -> Any:
+        return fla.chunk_kda(
+            d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"].flatten(),
+            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND, state_v_first=True,
+            cu_seqlens=None if single else d["cu"], cu_seqlens_cpu=None if single else d["cu"].cpu(),
+        )  # fmt: skip
+
+    return run
+
+
+def import_cudnn_kda() -> Any:
+    try:
+        from cudnn.linear_attention import kimi_delta_attention  # type: ignore
+
+        return kimi_delta_attention
+    except Exception as e:  # noqa: BLE001
+        print(f"[peers] cuDNN Frontend not importable: {type(e).__name__}: {e}")
+        return None
+
+
 def main() -> None:
-    args = parse_args("prefill")
+    def extra(ap: Any) -> None:
+        ap.add_argument("--cases", default="", help="comma list of case indices (default: all)")
+        ap.add_argument("--no-graph", action="store_true", help="eager timings only")
+        ap.add_argument("--fla", action="store_true", help="also time fla chunk_kda (slow autotune)")
+        ap.add_argument("--backends", default="chunked,recurrent", help="our backends to time")
+
+    args = parse_args("prefill", extra)
     import kda_ops
 
-    fla = None if args.no_peers else import_fla_kda()
+    cudnn_kda = None if args.no_peers else import_cudnn_kda()
     fkda = None if args.no_peers else import_flash_kda()
+    fla = import_fla_kda() if args.fla and not args.no_peers else None
     cases = CASES[:3] if args.quick else CASES
+    if args.cases:
+        cases = [CASES[int(i)] for i in args.cases.split(",")]
+    backends = [b for b in args.backends.split(",") if b]
+    modes = ["eager"] if args.no_graph else ["eager", "graph"]
     rows, records = [], []
     for name, H, lens in cases:
         d = make(H, lens)
+        d["workspace"] = kda_ops.RecurrentKDAPrefillWorkspace(device=d["q"].device)
         T = sum(lens)
-        ours = {}
-        for backend in ("chunked", "recurrent"):
-
-            def run(backend=backend):
-                return kda_ops.recurrent_kda(
-                    d["q"],
-                    d["k"],
-                    d["v"],
-                    d["g"],
-                    d["beta"],
-                    A_log=d["A_log"],
-                    dt_bias=d["dt_bias"],
-                    initial_state=d["state"],
-                    cu_seqlens=d["cu"],
-                    use_gate_in_kernel=True,
-                    lower_bound=-5.0,
-                    beta_is_logit=True,
-                    backend=backend,
-                )
-
-            ours[backend], err = try_call(lambda: cuda_time_ms(run, warmup=2, rep=5))
-            if err:
-                print(f"[ours/{backend}] {name}: {err}")
-        t_fla = None
+        calls: dict[str, Callable[[], Any]] = {f"ours {b}": ours_call(kda_ops, d, b) for b in backends}
+        if cudnn_kda is not None:
+            calls["cudnn fp32"] = cudnn_call(cudnn_kda, d, native=True)
+            calls["cudnn bf16"] = cudnn_call(cudnn_kda, d, native=False)
+        if fkda is not None:
+            calls["flash_kda"] = flash_kda_call(fkda, d)
         if fla is not None:
-
-            def run_fla():
-                return fla.chunk_kda(
-                    d["q"],
-                    d["k"],
-                    d["v"],
-                    d["g"],
-                    d["beta"],
-                    A_log=d["A_log"],
-                    dt_bias=d["dt_bias"].flatten(),
-                    initial_state=d["state"].float(),
-                    output_final_state=True,
-                    use_qk_l2norm_in_kernel=True,
-                    use_gate_in_kernel=True,
-                    use_beta_sigmoid_in_kernel=True,
-                    safe_gate=True,
-                    lower_bound=-5.0,
-                    state_v_first=True,
-                    cu_seqlens=d["cu"],
-                    cu_seqlens_cpu=d["cu"].cpu(),
+            calls["fla"] = fla_call(fla, d)
+        rec: dict[str, Any] = dict(case=name, H=H, lens=lens)
+        for who, fn in calls.items():
+            for mode in modes:
+                timer = (
+                    (lambda fn=fn: cuda_time_ms(fn, warmup=3, rep=10))
+                    if mode == "eager"
+                    else (lambda fn=fn: graph_time_ms(fn))
                 )
-
-            with torch.inference_mode():
-                t_fla, err = try_call(lambda: cuda_time_ms(run_fla, warmup=3, rep=10))
-            if err:
-                print(f"[fla] {name}: {err}")
-        t_fk = None  # flash_kda: measured when importable (not shipped on the device image)
-        best = ours["chunked"] if ours["chunked"] is not None else ours["recurrent"]
-        tflops = None if best is None else T * H * FLOPS_PER_TOKEN_HEAD / (best * 1e-3) / 1e12
+                with torch.inference_mode():
+                    t, err = try_call(timer)
+                if err:
+                    print(f"[{who} {mode}] {name}: {err}", flush=True)
+                rec[f"{who} {mode}"] = t
+        ours_best = min(
+            (rec[f"ours {b} {m}"] for b in backends for m in modes if rec.get(f"ours {b} {m}") is not None),
+            default=None,
+        )
+        rec["tflops"] = None if ours_best is None else T * H * FLOPS_PER_TOKEN_HEAD / (ours_best * 1e-3) / 1e12
+        peer_best = min(
+            (v for key, v in rec.items() if v is not None and key.split(" ")[0] in ("cudnn", "flash_kda", "fla")),
+            default=None,
+        )
+        records.append(rec)
         rows.append(
-            [
-                name,
-                fmt(ours["chunked"]),
-                fmt(ours["recurrent"]),
-                fmt(t_fla),
-                fmt(t_fk),
-                ratio(t_fla, best),
-                fmt(tflops, 1),
-            ]
+            [name]
+            + [fmt(rec.get(f"{who} {m}")) for who in calls for m in modes]
+            + [ratio(peer_best, ours_best), fmt(rec["tflops"], 1)]
         )
-        records.append(
-            dict(
-                case=name,
-                H=H,
-                lens=lens,
-                ours_chunked_ms=ours["chunked"],
-                ours_recurrent_ms=ours["recurrent"],
-                fla_ms=t_fla,
-                flash_kda_ms=t_fk,
-                tflops=tflops,
-            )
-        )
-        d = {}
+        print(f"[case] {name}: " + ", ".join(f"{key}={fmt(v)}" for key, v in rec.items() if key.endswith(tuple(modes))),
+              flush=True)  # fmt: skip
+        del d
         torch.cuda.empty_cache()
+    header = ["case"] + [f"{who} {m} ms" for who in calls for m in modes] + ["best peer / ours", "TFLOP/s"]
     notes = [
-        f"# prefill forward, {torch.cuda.get_device_name()}",
-        "times in ms (median of CUDA-event timings); ratio = fla / ours (best of our backends)",
-        "TFLOP/s = tokens * H * 106e3 / time (chunked-form useful work, KERNEL_NOTES F0)",
-        f"flash_kda importable: {fkda is not None}",
+        f"# prefill forward, {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        "K=V=128, lower-bound gate -5, logit beta, L2 norm, bf16 tokens, bf16 pool, preallocated output",
+        "ms = median of 10 CUDA-event timings (eager) or of 10 graph replays (graph)",
+        "best peer / ours > 1: ours is faster; TFLOP/s = tokens * H * 106e3 / our best time",
+        f"cudnn importable: {cudnn_kda is not None}; flash_kda importable: {fkda is not None}; "
+        f"fla timed: {fla is not None}; KDA_CHUNKED_KERNEL={os.environ.get('KDA_CHUNKED_KERNEL', '(default)')}",
     ]
-    write_results(
-        args.out,
-        "bench_prefill",
-        ["case", "ours chunked ms", "ours recurrent ms", "fla ms", "flash_kda ms", "fla/ours", "TFLOP/s"],
-        rows,
-        records,
-        notes,
-    )
+    write_results(args.out, "bench_prefill", header, rows, records, notes)
     bar_plot(
         args.out,
         "bench_prefill",
         [r["case"] for r in records],
-        {
-            "ours chunked": [r["ours_chunked_ms"] for r in records],
-            "ours recurrent": [r["ours_recurrent_ms"] for r in records],
-            "fla": [r["fla_ms"] for r in records],
-        },
+        {key: [r.get(key) for r in records] for key in [f"{who} {modes[-1]}" for who in calls]},
         "ms (lower is better)",
     )
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-TAPE_CHUNK = 64  # kda::kTapeChunk
+from kda_ops._validate import tape_rows
 
 
 def _check_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
@@ -180,7 +180,7 @@ def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_s
     N = _num_seqs(q, cu_seqlens)
     _check_state(initial_state, "initial_state", N, HV, V, K)
     acc = _acc_dtype(q)
-    rows = T // TAPE_CHUNK if cu_seqlens is not None else B * max((T + TAPE_CHUNK - 1) // TAPE_CHUNK - 1, 0)
+    rows = tape_rows(B, T, cu_seqlens is not None)
     out = q.new_empty((B, T, HV, V))
     final_state = q.new_empty((N, HV, V, K), dtype=initial_state.dtype)
     tapes = q.new_empty((rows, HV, V, K), dtype=acc)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -696,6 +697,410 @@ def check_writes_no_overlap(
             for oname, blo, bhi in others:
                 if lo < bhi and blo < hi:
                     raise ValueError(f"{name} must not overlap {oname} in memory, got overlapping storage")
+
+
+# ---------------------------------------------------------------------------------------------------
+# recurrent_kda: flags, slots, source pool, scheduling hint, output, checkpoints
+#
+# Each check_* below is a function of the argument types, shapes, dtypes and devices only (plus the
+# already-validated Dims); the few reads of VALUES (host cu_seqlens, seq_order, checkpoint starts) are
+# the separate *_values helpers, called only where those values live on the host.
+
+
+def check_flags(output_final_state: Any, use_qk_l2norm_in_kernel: Any, beta_is_logit: Any) -> None:
+    """The three bool flags of recurrent_kda (one combined test on the common path)."""
+    if not (
+        isinstance(output_final_state, bool)
+        and isinstance(use_qk_l2norm_in_kernel, bool)
+        and isinstance(beta_is_logit, bool)
+    ):
+        _bool(output_final_state, "output_final_state")
+        _bool(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel")
+        _bool(beta_is_logit, "beta_is_logit")
+
+
+def _spec_cu_values(cu_seqlens: torch.Tensor, S: int, d: Dims) -> None:
+    """Host cu_seqlens of a packed speculative-decode call: steps of exactly 1+S tokens."""
+    exp = torch.arange(d.N + 1, dtype=torch.int64) * (1 + S)
+    if not torch.equal(cu_seqlens.to(torch.int64), exp):
+        raise ValueError(f"cu_seqlens must step by 1+S={1 + S} in speculative decode, got {cu_seqlens.tolist()}")
+
+
+def check_slots(
+    num_spec_tokens: Any,
+    ssm_state_indices: Any,
+    num_accepted_tokens: Any,
+    pool: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    d: Dims,
+) -> tuple[int, torch.Tensor | None, int, torch.Tensor | None]:
+    """Speculative decode and slot arguments -> (S, ssm_state_indices, its numel, num_accepted_tokens).
+
+    Slot rules (docs/contract.md, "Slots and checkpoints"): speculative decode (S >= 1) needs a pool, an
+    int32 [N, 1+S] ``ssm_state_indices`` and exactly 1+S tokens per sequence; otherwise
+    ``ssm_state_indices`` is int32 [N] and needs a pool, ``num_accepted_tokens`` must be None, and
+    implicit slots (sequence n -> slot n) need at least N slots.
+    """
+    S = 0 if num_spec_tokens is None else _int(num_spec_tokens, "num_spec_tokens")
+    ssm_idx_numel = 0
+    if S < 0:
+        raise ValueError(f"num_spec_tokens must be >= 1 (or None/0 for no speculative decode), got {S}")
+    if S > 0:
+        if pool is None:
+            raise ValueError(
+                f"initial_state must be a state pool in speculative decode (num_spec_tokens={S}), got None"
+            )
+        if ssm_state_indices is None:
+            raise ValueError(
+                f"ssm_state_indices must be an int32 [N, 1+S] = [{d.N}, {1 + S}] tensor in speculative decode, got None"
+            )
+        if d.packed:
+            if d.T != d.N * (1 + S):
+                raise ValueError(
+                    f"q must hold exactly 1+S={1 + S} tokens per sequence in speculative decode (T == N*(1+S) = "
+                    f"{d.N * (1 + S)}), got T={d.T}"
+                )
+            if cu_seqlens is not None and host_values_available(cu_seqlens):
+                _spec_cu_values(cu_seqlens, S, d)
+        elif d.T != 1 + S:
+            raise ValueError(f"q must have T == 1+S = {1 + S} tokens per row in speculative decode, got T={d.T}")
+        ssm_idx = check_index(ssm_state_indices, "ssm_state_indices", (d.N, 1 + S), "[N, 1+S]", d)
+        ssm_idx_numel = d.N * (1 + S)
+    else:
+        if num_accepted_tokens is not None:
+            raise ValueError(
+                "num_accepted_tokens must be None without speculative decode (num_spec_tokens), got a tensor"
+            )
+        ssm_idx = None
+        if ssm_state_indices is not None:
+            if pool is None:
+                raise ValueError(
+                    "ssm_state_indices must be None without a state pool (initial_state=None), got a tensor"
+                )
+            ssm_idx = check_index(ssm_state_indices, "ssm_state_indices", (d.N,), "[N]", d)
+            ssm_idx_numel = d.N
+        elif pool is not None and pool.shape[0] < d.N:
+            # Implicit slots (sequence n -> slot n) past the pool would silently make those sequences
+            # inactive: with implicit slots that is a sizing mistake, not a request.
+            raise ValueError(
+                f"initial_state must have at least N={d.N} slots when ssm_state_indices is None (sequence n uses "
+                f"slot n), got N_pool={pool.shape[0]}; pass ssm_state_indices to map sequences to slots"
+            )
+    n_acc = None
+    if num_accepted_tokens is not None:
+        n_acc = check_index(num_accepted_tokens, "num_accepted_tokens", (d.N,), "[N]", d)
+    return S, ssm_idx, ssm_idx_numel, n_acc
+
+
+def check_source(
+    initial_state_source: Any, initial_state_indices: Any, d: Dims
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
+    """The read-only source pool and its indices, given together -> (source, indices, source span bytes)."""
+    if (initial_state_source is None) != (initial_state_indices is None):
+        given, missing = (
+            ("initial_state_source", "initial_state_indices")
+            if initial_state_indices is None
+            else ("initial_state_indices", "initial_state_source")
+        )
+        raise ValueError(f"{missing} must be given together with {given}, got None")
+    if initial_state_source is None:
+        return None, None, None
+    source, source_nbytes = check_pool_span(initial_state_source, "initial_state_source", d)
+    src_idx = check_index(initial_state_indices, "initial_state_indices", (d.N,), "[N]", d)
+    return source, src_idx, source_nbytes
+
+
+def check_seq_order(seq_order: Any, d: Dims) -> torch.Tensor | None:
+    """The scheduling hint: packed input only, an int32 [N] permutation (values checked on the host)."""
+    if seq_order is None:
+        return None
+    if not d.packed:
+        raise ValueError("seq_order must be None for fixed-length input (no cu_seqlens), got a tensor")
+    order = check_index(seq_order, "seq_order", (d.N,), "[N]", d)
+    check_permutation(order, d.N)
+    return order
+
+
+def check_output(output: Any, d: Dims) -> tuple[torch.Tensor, int | None]:
+    """recurrent_kda's caller ``output`` -> (output, its byte count when known contiguous and non-empty)."""
+    out = output if isinstance(output, torch.Tensor) else _tensor(output, "output")
+    if out.device != d.device:
+        _device(out, "output", d.device)
+    if out.dtype != d.dtype:
+        raise TypeError(f"output must be {d.dtype} (the dtype of q), got {out.dtype}")
+    if out.shape != (d.B, d.T, d.HV, d.V):
+        _exact_shape(out, "output", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]")
+    out_nbytes = None
+    if d.B * d.T == 0 or not out.is_contiguous():  # (an empty tensor is "contiguous" whatever its strides)
+        _lastdim_contiguous(out, "output")
+    elif d.token_nbytes is not None:
+        out_nbytes = d.token_nbytes[2]  # v's: same shape and dtype
+    return out, out_nbytes
+
+
+def check_checkpoints(
+    checkpoint_every_n_tokens: Any,
+    state_checkpoints: Any,
+    checkpoint_cu_starts: Any,
+    pool: torch.Tensor | None,
+    S: int,
+    d: Dims,
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None, torch.dtype]:
+    """Checkpoint arguments -> (n, state_checkpoints, checkpoint_cu_starts, checkpoint dtype).
+
+    n = 0 (off) or a positive multiple of 16; not in speculative decode; the buffers only with n > 0:
+    state_checkpoints [C, HV, V, K] contiguous in the state dtype (the pool's, fp32 without one),
+    checkpoint_cu_starts int64 [N+1] contiguous (values: :func:`checkpoint_starts_values`).
+    """
+    n_ck = checkpoint_every_n_tokens
+    if type(n_ck) is not int:
+        n_ck = _int(n_ck, "checkpoint_every_n_tokens")
+    ck_dtype = torch.float32 if pool is None else pool.dtype
+    ck = ck_starts = None
+    if n_ck < 0 or n_ck % CHECKPOINT_MULTIPLE != 0:
+        raise ValueError(f"checkpoint_every_n_tokens must be 0 or a positive multiple of 16, got {n_ck}")
+    if n_ck == 0:
+        if state_checkpoints is not None or checkpoint_cu_starts is not None:
+            for t, name in ((state_checkpoints, "state_checkpoints"), (checkpoint_cu_starts, "checkpoint_cu_starts")):
+                if t is not None:
+                    raise ValueError(f"{name} must be None without checkpoint_every_n_tokens > 0, got a tensor")
+        return n_ck, None, None, ck_dtype
+    if S > 0:
+        raise ValueError(f"checkpoint_every_n_tokens must be 0 in speculative decode (num_spec_tokens={S}), got {n_ck}")
+    if state_checkpoints is not None:
+        ck = _tensor(state_checkpoints, "state_checkpoints")
+        _device(ck, "state_checkpoints", d.device)
+        if ck.dtype != ck_dtype:
+            raise TypeError(
+                f"state_checkpoints must be {ck_dtype} (the state dtype: the pool's, fp32 without one), got {ck.dtype}"
+            )
+        _rank(ck, "state_checkpoints", 4, "[C, HV, V, K]")
+        if tuple(ck.shape[1:]) != (d.HV, d.V, d.K):
+            raise ValueError(
+                f"state_checkpoints must have shape [C, HV, V, K] = [*, {d.HV}, {d.V}, {d.K}], got {_shape(ck)}"
+            )
+        _contiguous(ck, "state_checkpoints")
+        check_aligned(ck, "state_checkpoints", d)
+    if checkpoint_cu_starts is not None:
+        ck_starts = _tensor(checkpoint_cu_starts, "checkpoint_cu_starts")
+        _device(ck_starts, "checkpoint_cu_starts", d.device)
+        _dtype(ck_starts, "checkpoint_cu_starts", (torch.int64,))
+        _exact_shape(ck_starts, "checkpoint_cu_starts", (d.N + 1,), "[N+1]")
+        _contiguous(ck_starts, "checkpoint_cu_starts")
+    return n_ck, ck, ck_starts, ck_dtype
+
+
+def checkpoint_starts(d: Dims, n: int, cu_seqlens: torch.Tensor | None, exact: bool) -> tuple[torch.Tensor, Any]:
+    """(checkpoint_cu_starts int64 [N+1] on the device of q, C rows).
+
+    Row counts are ceil(L_i / n) per sequence (docs/contract.md, "Slots and checkpoints"). Fixed layout:
+    pure shape math. Packed and ``exact``: lengths read on the host (a device sync when cu_seqlens is on a
+    GPU), C exact. Packed and not ``exact`` (torch.compile, CUDA graph capture): starts by a device
+    cumsum, C = T//n + N, an upper bound from shapes (spare rows are never written).
+    """
+    if cu_seqlens is None:
+        per = (d.T + n - 1) // n
+        starts = torch.arange(d.B + 1, dtype=torch.int64, device=d.device) * per
+        return starts, d.B * per
+    if exact:
+        cu = cu_seqlens.to("cpu", torch.int64)
+        lens = (cu[1:] - cu[:-1]).clamp_min(0)
+        starts = torch.zeros(d.N + 1, dtype=torch.int64)
+        starts[1:] = torch.cumsum((lens + n - 1) // n, 0)
+        return starts.to(d.device), int(starts[-1])
+    cu = cu_seqlens.to(torch.int64)
+    lens = (cu[1:] - cu[:-1]).clamp_min(0)
+    starts = torch.cat([cu.new_zeros(1), torch.cumsum((lens + n - 1) // n, 0)])
+    return starts, d.T // n + d.N
+
+
+def checkpoint_rows(d: Dims, n: int, ck_starts: torch.Tensor, exact: bool) -> Any:
+    """Rows C of the checkpoints for given starts: fixed B*ceil(T/n); packed the last start when it can be
+    read (``exact``), else the shape bound T//n + N."""
+    if not d.packed:
+        return d.B * ((d.T + n - 1) // n)
+    if exact:
+        return int(ck_starts[-1])
+    return d.T // n + d.N
+
+
+def checkpoint_starts_values(ck_starts: torch.Tensor, n: int, cu_seqlens: torch.Tensor | None, d: Dims) -> None:
+    """Host values of a caller's checkpoint_cu_starts: the cumsum of ceil(L_i / n) (when both it and
+    cu_seqlens can be read without a sync)."""
+    if host_values_available(ck_starts) and (not d.packed or host_values_available(cu_seqlens)):
+        expected, _ = checkpoint_starts(d, n, cu_seqlens, True)
+        if not torch.equal(expected.cpu(), ck_starts):
+            raise ValueError(
+                f"checkpoint_cu_starts must be the cumsum of ceil(L_i / {n}) = {expected.tolist()}, "
+                f"got {ck_starts.tolist()}"
+            )
+
+
+def check_instance(x: Any, cls: type, name: str) -> None:
+    """``x`` is a kda_ops object of class ``cls`` (a workspace or a training context)."""
+    if not isinstance(x, cls):
+        raise TypeError(f"{name} must be a kda_ops.{cls.__name__}, got {_type_name(x)}")
+
+
+def check_capture_allocation(capturing: bool) -> None:
+    """A captured recurrent_kda call must not allocate its scratch: the workspace must be planned."""
+    if capturing:
+        raise RuntimeError(
+            "prefill_workspace must be given (planned by an eager call of the same shapes) under CUDA graph "
+            "capture, got None"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# training family: host mirror, output buffers, context, gradients
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
+
+
+def tape_rows(B: Any, T: Any, packed: bool) -> Any:
+    """Rows of the training tapes, an upper bound from shapes (no row for the state before token 0: fixed
+    B*(ceil(T/64) - 1), packed T//64; docs/design.md "Tapes")."""
+    if packed:
+        return T // TAPE_CHUNK
+    return B * max((T + TAPE_CHUNK - 1) // TAPE_CHUNK - 1, 0)
+
+
+def check_training_cu(
+    d: Dims, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: Any, mirror: str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """cu_seqlens as int64 on the device of q, and the validated host mirror.
+
+    mirror: "required-on-cuda" (training forward: packed CUDA calls need ``cu_seqlens_cpu``; CPU calls may
+    give it, and then it must equal ``cu_seqlens``) or "none" (no mirror argument).
+    """
+    if cu_seqlens is None:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu must be None for fixed-length input (no cu_seqlens), got a tensor")
+        return None, None
+    cu64 = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
+    if mirror == "none":
+        return cu64, None
+    host = None
+    if cu_seqlens_cpu is None:
+        if d.on_cuda:
+            raise ValueError(
+                "cu_seqlens_cpu must be a CPU int64 copy of cu_seqlens for packed input on CUDA (used for host-side "
+                "planning without a sync), got None"
+            )
+    else:
+        host = _tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
+        if host.device.type != "cpu":
+            raise RuntimeError(f"cu_seqlens_cpu must be on cpu, got {host.device}")
+        _dtype(host, "cu_seqlens_cpu", (torch.int64,))
+        _exact_shape(host, "cu_seqlens_cpu", (d.N + 1,), "[N+1]")
+        if host_values_available(host):
+            _cu_values(host, d.T, "cu_seqlens_cpu")
+            if host_values_available(cu_seqlens) and not torch.equal(cu64, host):
+                raise ValueError(f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}")
+    return cu64, host
+
+
+def check_out_tensor(
+    t: Any, name: str, shape: tuple[Any, ...], layout: str, dtype: torch.dtype, d: Dims
+) -> torch.Tensor:
+    """A caller buffer of exactly ``shape`` and ``dtype`` on the device of q."""
+    x = _tensor(t, name)
+    _device(x, name, d.device)
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
+    _exact_shape(x, name, shape, layout)
+    return x
+
+
+def training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, *extra: tuple[str, Any]) -> list[tuple[str, Any]]:
+    """(name, tensor) of everything a training call reads, for the output-overlap checks."""
+    reads = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A), ("dt_bias", dtb)]
+    return reads + [("initial_state", h0), *extra, ("cu_seqlens", cu_seqlens)]
+
+
+def check_forward_outs(
+    out: Any, final_state_out: Any, reads: list[tuple[str, Any]], d: Dims
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The training forward's ``out`` [B, T, HV, V] and ``final_state_out`` [N, HV, V, K] buffers: types
+    and shapes of both first, so that the overlap test only ever sees checked tensors."""
+    pdt = param_dtype(d)
+    if out is not None:
+        out = check_out_tensor(out, "out", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype, d)
+    if final_state_out is not None:
+        final_state_out = check_out_tensor(
+            final_state_out, "final_state_out", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]", pdt, d
+        )
+    if out is not None:
+        check_no_overlap("out", out, reads + [("final_state_out", final_state_out)])
+    if final_state_out is not None:
+        check_no_overlap("final_state_out", final_state_out, reads)
+    return out, final_state_out
+
+
+def check_context_out(context_out: Any, cls: type, shapes: tuple[tuple[Any, ...], ...], d: Dims) -> None:
+    """A training context to refill: of class ``cls``, holding tensors of ``shapes`` (q, k, v, g, beta,
+    A_log, dt_bias, the tapes [tape_rows, HV, V, K], the tape starts [N+1]) and tapes of the state dtype
+    on the device of q."""
+    check_instance(context_out, cls, "context_out")
+    expected = (*shapes, (tape_rows(d.B, d.T, d.packed), d.HV, d.V, d.K), (d.N + 1,))
+    if context_out.shapes() != expected:
+        raise ValueError(f"context_out must hold tensors of shapes {expected}, got {context_out.shapes()}")
+    pdt = param_dtype(d)
+    if context_out.tapes.device != d.device or context_out.tapes.dtype != pdt:
+        raise ValueError(
+            f"context_out must hold {pdt} tapes on {d.device}, got {context_out.tapes.dtype} on "
+            f"{context_out.tapes.device}"
+        )
+
+
+def _grad_specs(d: Dims) -> list[tuple[str, tuple[Any, ...], str, torch.dtype]]:
+    pdt = param_dtype(d)
+    return [
+        ("dq", (d.B, d.T, d.H, d.K), "[B, T, H, K]", d.dtype),
+        ("dk", (d.B, d.T, d.H, d.K), "[B, T, H, K]", d.dtype),
+        ("dv", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype),
+        ("dg", (d.B, d.T, d.HV, d.K), "[B, T, HV, K]", d.dtype),
+        ("dbeta", (d.B, d.T, d.HV), "[B, T, HV]", d.dtype),
+        ("dA_log", (d.HV,), "[HV]", pdt),
+        ("ddt_bias", (d.HV, d.K), "[HV, K]", pdt),
+        ("dinitial_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]", pdt),
+    ]
+
+
+def check_grad_outs(out: Any, d: Dims, reads: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor] | None:
+    """Eight caller gradient buffers (shapes and dtypes as returned), overlapping nothing read or each other."""
+    if out is None:
+        return None
+    if not isinstance(out, Sequence) or isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a sequence of 8 tensors ({', '.join(GRAD_NAMES)}), got {_type_name(out)}")
+    if len(out) != 8:
+        raise ValueError(f"out must hold 8 tensors ({', '.join(GRAD_NAMES)}), got {len(out)}")
+    res = [
+        check_out_tensor(t, f"out[{i}] ({name})", shape, layout, dtype, d)
+        for i, (t, (name, shape, layout, dtype)) in enumerate(zip(out, _grad_specs(d), strict=True))
+    ]
+    for i, t in enumerate(res):
+        others: list[tuple[str, torch.Tensor | None]] = [(f"out[{j}]", o) for j, o in enumerate(res) if j != i]
+        check_no_overlap(f"out[{i}] ({GRAD_NAMES[i]})", t, reads + others)
+    return res
+
+
+def check_do(do: Any, dfinal_state: Any, d: Dims) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``do`` [B, T, HV, V] in q's dtype and ``dfinal_state`` [N, HV, V, K] in the state dtype (or None),
+    returned contiguous."""
+    dO = _tensor(do, "do")
+    _device(dO, "do", d.device)
+    if dO.dtype != d.dtype:
+        raise TypeError(f"do must be {d.dtype} (the dtype of q), got {dO.dtype}")
+    _exact_shape(dO, "do", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]")
+    dS = _opt_tensor(dfinal_state, "dfinal_state")
+    if dS is not None:
+        _device(dS, "dfinal_state", d.device)
+        pdt = param_dtype(d)
+        if dS.dtype != pdt:
+            raise TypeError(f"dfinal_state must be {pdt} (the state dtype), got {dS.dtype}")
+        _exact_shape(dS, "dfinal_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]")
+    return dO.contiguous(), None if dS is None else dS.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ Packed input: B == 1 and cu_seqlens [N+1] (sequence n owns tokens cu[n]:cu[n+1])
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -43,7 +42,7 @@ __all__ = [
     "kda",
 ]
 
-GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
+GRAD_NAMES = V.GRAD_NAMES
 
 # The op handle, resolved once (torch.ops.kda.recurrent_kda.default is three attribute lookups, ~1 µs).
 # kda_ops/__init__.py loads the op library (_C) before importing this module.
@@ -71,30 +70,6 @@ _READ_NAMES = (
 
 # ---------------------------------------------------------------------------------------------------
 # recurrent_kda
-
-
-def _checkpoint_starts(d: V.Dims, n: int, cu_seqlens: torch.Tensor | None, exact: bool) -> tuple[torch.Tensor, Any]:
-    """(checkpoint_cu_starts int64 [N+1] on the device of q, C rows).
-
-    Row counts are ceil(L_i / n) per sequence (SPEC §3.1). Fixed layout: pure shape math. Packed and
-    ``exact``: lengths read on the host (a device sync when cu_seqlens is on a GPU), C exact. Packed and
-    not ``exact`` (torch.compile, CUDA graph capture): starts by a device cumsum, C = T//n + N, an upper
-    bound from shapes (spare rows are never written).
-    """
-    if cu_seqlens is None:
-        per = (d.T + n - 1) // n
-        starts = torch.arange(d.B + 1, dtype=torch.int64, device=d.device) * per
-        return starts, d.B * per
-    if exact:
-        cu = cu_seqlens.to("cpu", torch.int64)
-        lens = (cu[1:] - cu[:-1]).clamp_min(0)
-        starts = torch.zeros(d.N + 1, dtype=torch.int64)
-        starts[1:] = torch.cumsum((lens + n - 1) // n, 0)
-        return starts.to(d.device), int(starts[-1])
-    cu = cu_seqlens.to(torch.int64)
-    lens = (cu[1:] - cu[:-1]).clamp_min(0)
-    starts = torch.cat([cu.new_zeros(1), torch.cumsum((lens + n - 1) // n, 0)])
-    return starts, d.T // n + d.N
 
 
 def recurrent_kda(
@@ -221,150 +196,27 @@ def recurrent_kda(
     # only to raise the error that names the argument (benchmarks/bench_api_overhead.py times this).
     backend_code = V.check_backend(backend)
     d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule=backend)
+    V.check_flags(output_final_state, use_qk_l2norm_in_kernel, beta_is_logit)
     out_final, l2, logit = output_final_state, use_qk_l2norm_in_kernel, beta_is_logit
-    if not (isinstance(out_final, bool) and isinstance(l2, bool) and isinstance(logit, bool)):
-        V._bool(output_final_state, "output_final_state")
-        V._bool(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel")
-        V._bool(beta_is_logit, "beta_is_logit")
     gate_mode, lb, A_hv, dtb_hv = V.check_gate(use_gate_in_kernel, lower_bound, A_log, dt_bias, d)
     sc = V.check_scale(scale, d.K)
-
     pool = pool_nbytes = None
     if initial_state is not None:
         pool, pool_nbytes = V.check_pool_span(initial_state, "initial_state", d)
-
-    # speculative decode
-    S = 0 if num_spec_tokens is None else V._int(num_spec_tokens, "num_spec_tokens")
-    if S < 0:
-        raise ValueError(f"num_spec_tokens must be >= 1 (or None/0 for no speculative decode), got {S}")
-    if S > 0:
-        if pool is None:
-            raise ValueError(
-                f"initial_state must be a state pool in speculative decode (num_spec_tokens={S}), got None"
-            )
-        if ssm_state_indices is None:
-            raise ValueError(
-                f"ssm_state_indices must be an int32 [N, 1+S] = [{d.N}, {1 + S}] tensor in speculative decode, got None"
-            )
-        if d.packed:
-            if d.T != d.N * (1 + S):
-                raise ValueError(
-                    f"q must hold exactly 1+S={1 + S} tokens per sequence in speculative decode (T == N*(1+S) = "
-                    f"{d.N * (1 + S)}), got T={d.T}"
-                )
-            if cu_seqlens is not None and V.host_values_available(cu_seqlens):
-                exp = torch.arange(d.N + 1, dtype=torch.int64) * (1 + S)
-                if not torch.equal(cu_seqlens.to(torch.int64), exp):
-                    raise ValueError(
-                        f"cu_seqlens must step by 1+S={1 + S} in speculative decode, got {cu_seqlens.tolist()}"
-                    )
-        elif d.T != 1 + S:
-            raise ValueError(f"q must have T == 1+S = {1 + S} tokens per row in speculative decode, got T={d.T}")
-        ssm_idx = V.check_index(ssm_state_indices, "ssm_state_indices", (d.N, 1 + S), "[N, 1+S]", d)
-        ssm_idx_numel = d.N * (1 + S)
-    else:
-        if num_accepted_tokens is not None:
-            raise ValueError(
-                "num_accepted_tokens must be None without speculative decode (num_spec_tokens), got a tensor"
-            )
-        ssm_idx = None
-        if ssm_state_indices is not None:
-            if pool is None:
-                raise ValueError(
-                    "ssm_state_indices must be None without a state pool (initial_state=None), got a tensor"
-                )
-            ssm_idx = V.check_index(ssm_state_indices, "ssm_state_indices", (d.N,), "[N]", d)
-            ssm_idx_numel = d.N
-        elif pool is not None and pool.shape[0] < d.N:
-            # Implicit slots (sequence n -> slot n) past the pool would silently make those sequences
-            # inactive: with implicit slots that is a sizing mistake, not a request.
-            raise ValueError(
-                f"initial_state must have at least N={d.N} slots when ssm_state_indices is None (sequence n uses "
-                f"slot n), got N_pool={pool.shape[0]}; pass ssm_state_indices to map sequences to slots"
-            )
-    n_acc = None
-    if num_accepted_tokens is not None:
-        n_acc = V.check_index(num_accepted_tokens, "num_accepted_tokens", (d.N,), "[N]", d)
-
-    # read-only source pool
-    if (initial_state_source is None) != (initial_state_indices is None):
-        given, missing = (
-            ("initial_state_source", "initial_state_indices")
-            if initial_state_indices is None
-            else ("initial_state_indices", "initial_state_source")
-        )
-        raise ValueError(f"{missing} must be given together with {given}, got None")
-    source = src_idx = source_nbytes = None
-    if initial_state_source is not None:
-        source, source_nbytes = V.check_pool_span(initial_state_source, "initial_state_source", d)
-        src_idx = V.check_index(initial_state_indices, "initial_state_indices", (d.N,), "[N]", d)
-
-    # scheduling hint
-    order = None
-    if seq_order is not None:
-        if not d.packed:
-            raise ValueError("seq_order must be None for fixed-length input (no cu_seqlens), got a tensor")
-        order = V.check_index(seq_order, "seq_order", (d.N,), "[N]", d)
-        V.check_permutation(order, d.N)
-
-    # output buffer
+    S, ssm_idx, ssm_idx_numel, n_acc = V.check_slots(
+        num_spec_tokens, ssm_state_indices, num_accepted_tokens, pool, cu_seqlens, d
+    )
+    source, src_idx, source_nbytes = V.check_source(initial_state_source, initial_state_indices, d)
+    order = V.check_seq_order(seq_order, d)
     out_nbytes = None  # its byte count when known to be contiguous and non-empty
     if output is not None:
-        out = output if isinstance(output, torch.Tensor) else V._tensor(output, "output")
-        if out.device != d.device:
-            V._device(out, "output", d.device)
-        if out.dtype != d.dtype:
-            raise TypeError(f"output must be {d.dtype} (the dtype of q), got {out.dtype}")
-        if out.shape != (d.B, d.T, d.HV, d.V):
-            V._exact_shape(out, "output", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]")
-        if d.B * d.T == 0 or not out.is_contiguous():  # (an empty tensor is "contiguous" whatever its strides)
-            V._lastdim_contiguous(out, "output")
-        elif d.token_nbytes is not None:
-            out_nbytes = d.token_nbytes[2]  # v's: same shape and dtype
-
-    # checkpoints
-    n_ck = checkpoint_every_n_tokens
-    if type(n_ck) is not int:
-        n_ck = V._int(n_ck, "checkpoint_every_n_tokens")
-    ck = ck_starts = None
-    if n_ck < 0 or n_ck % V.CHECKPOINT_MULTIPLE != 0:
-        raise ValueError(f"checkpoint_every_n_tokens must be 0 or a positive multiple of 16, got {n_ck}")
-    if n_ck == 0:
-        if state_checkpoints is not None or checkpoint_cu_starts is not None:
-            for t, name in ((state_checkpoints, "state_checkpoints"), (checkpoint_cu_starts, "checkpoint_cu_starts")):
-                if t is not None:
-                    raise ValueError(f"{name} must be None without checkpoint_every_n_tokens > 0, got a tensor")
-    else:
-        ck_dtype = torch.float32 if pool is None else pool.dtype
-        if S > 0:
-            raise ValueError(
-                f"checkpoint_every_n_tokens must be 0 in speculative decode (num_spec_tokens={S}), got {n_ck}"
-            )
-        if state_checkpoints is not None:
-            ck = V._tensor(state_checkpoints, "state_checkpoints")
-            V._device(ck, "state_checkpoints", d.device)
-            if ck.dtype != ck_dtype:
-                raise TypeError(
-                    f"state_checkpoints must be {ck_dtype} (the state dtype: the pool's, fp32 without one), "
-                    f"got {ck.dtype}"
-                )
-            V._rank(ck, "state_checkpoints", 4, "[C, HV, V, K]")
-            if tuple(ck.shape[1:]) != (d.HV, d.V, d.K):
-                raise ValueError(
-                    f"state_checkpoints must have shape [C, HV, V, K] = [*, {d.HV}, {d.V}, {d.K}], got {V._shape(ck)}"
-                )
-            V._contiguous(ck, "state_checkpoints")
-            V.check_aligned(ck, "state_checkpoints", d)
-        if checkpoint_cu_starts is not None:
-            ck_starts = V._tensor(checkpoint_cu_starts, "checkpoint_cu_starts")
-            V._device(ck_starts, "checkpoint_cu_starts", d.device)
-            V._dtype(ck_starts, "checkpoint_cu_starts", (torch.int64,))
-            V._exact_shape(ck_starts, "checkpoint_cu_starts", (d.N + 1,), "[N+1]")
-            V._contiguous(ck_starts, "checkpoint_cu_starts")
-
+        out, out_nbytes = V.check_output(output, d)
+    n_ck, ck, ck_starts, ck_dtype = V.check_checkpoints(
+        checkpoint_every_n_tokens, state_checkpoints, checkpoint_cu_starts, pool, S, d
+    )
     ws_obj = prefill_workspace
-    if ws_obj is not None and not isinstance(ws_obj, RecurrentKDAPrefillWorkspace):
-        raise TypeError(f"prefill_workspace must be a kda_ops.RecurrentKDAPrefillWorkspace, got {V._type_name(ws_obj)}")
+    if ws_obj is not None:
+        V.check_instance(ws_obj, RecurrentKDAPrefillWorkspace, "prefill_workspace")
 
     # memory overlap of everything the op writes with everything it reads (all validated on d.device):
     # output against the reads, the pool and the checkpoints; the pool against the reads and the
@@ -401,21 +253,10 @@ def recurrent_kda(
     if n_ck > 0:
         exact = not (torch.compiler.is_compiling() or capturing or d.dev_type == "meta" or type(q) is not torch.Tensor)
         if ck_starts is None:
-            ck_starts, n_rows = _checkpoint_starts(d, n_ck, cu_seqlens, exact)
+            ck_starts, n_rows = V.checkpoint_starts(d, n_ck, cu_seqlens, exact)
         else:
-            if V.host_values_available(ck_starts) and (not d.packed or V.host_values_available(cu_seqlens)):
-                expected, _ = _checkpoint_starts(d, n_ck, cu_seqlens, True)
-                if not torch.equal(expected.cpu(), ck_starts):
-                    raise ValueError(
-                        f"checkpoint_cu_starts must be the cumsum of ceil(L_i / {n_ck}) = {expected.tolist()}, "
-                        f"got {ck_starts.tolist()}"
-                    )
-            if not d.packed:
-                n_rows = d.B * ((d.T + n_ck - 1) // n_ck)
-            elif exact:
-                n_rows = int(ck_starts[-1])
-            else:
-                n_rows = d.T // n_ck + d.N
+            V.checkpoint_starts_values(ck_starts, n_ck, cu_seqlens, d)
+            n_rows = V.checkpoint_rows(d, n_ck, ck_starts, exact)
         if ck is None:
             ck = torch.zeros((n_rows, d.HV, d.V, d.K), dtype=ck_dtype, device=d.device)
 
@@ -425,11 +266,7 @@ def recurrent_kda(
         key = (d.B, d.T, d.N, d.H, d.HV, d.K, d.V, d.packed, backend_code)
         ws = ws_obj.plan(key, d.device, nbytes, "prefill_workspace")
     elif nbytes > 0:
-        if capturing:
-            raise RuntimeError(
-                "prefill_workspace must be given (planned by an eager call of the same shapes) under CUDA graph "
-                "capture, got None"
-            )
+        V.check_capture_allocation(capturing)
         ws = torch.empty(nbytes, dtype=torch.uint8, device=d.device)
 
     if order is None and cu_seqlens is not None and d.on_cuda and S == 0 and d.N > 1 and d.T != d.N:
@@ -486,113 +323,6 @@ def recurrent_kda(
 
 # ---------------------------------------------------------------------------------------------------
 # training family
-
-
-def _training_cu(
-    d: V.Dims, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: Any, mirror: str
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """cu_seqlens as int64 on the device of q, and the validated host mirror.
-
-    mirror: "required-on-cuda" (training forward: packed CUDA calls need ``cu_seqlens_cpu``; CPU calls may
-    give it, and then it must equal ``cu_seqlens``) or "none" (no mirror argument).
-    """
-    if cu_seqlens is None:
-        if cu_seqlens_cpu is not None:
-            raise ValueError("cu_seqlens_cpu must be None for fixed-length input (no cu_seqlens), got a tensor")
-        return None, None
-    cu64 = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
-    if mirror == "none":
-        return cu64, None
-    host = None
-    if cu_seqlens_cpu is None:
-        if d.on_cuda:
-            raise ValueError(
-                "cu_seqlens_cpu must be a CPU int64 copy of cu_seqlens for packed input on CUDA (used for host-side "
-                "planning without a sync), got None"
-            )
-    else:
-        host = V._tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
-        if host.device.type != "cpu":
-            raise RuntimeError(f"cu_seqlens_cpu must be on cpu, got {host.device}")
-        V._dtype(host, "cu_seqlens_cpu", (torch.int64,))
-        V._exact_shape(host, "cu_seqlens_cpu", (d.N + 1,), "[N+1]")
-        if V.host_values_available(host):
-            V._cu_values(host, d.T, "cu_seqlens_cpu")
-            if V.host_values_available(cu_seqlens) and not torch.equal(cu64, host):
-                raise ValueError(f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}")
-    return cu64, host
-
-
-def _check_out_tensor(
-    t: Any, name: str, shape: tuple[Any, ...], layout: str, dtype: torch.dtype, d: V.Dims
-) -> torch.Tensor:
-    x = V._tensor(t, name)
-    V._device(x, name, d.device)
-    if x.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
-    V._exact_shape(x, name, shape, layout)
-    return x
-
-
-def _tape_rows(d: V.Dims) -> Any:
-    """Rows of the training tapes, an upper bound from shapes (no row for the state before token 0: fixed
-    B*(ceil(T/64) - 1), packed T//64; docs/design.md "Tapes")."""
-    if d.packed:
-        return d.T // V.TAPE_CHUNK
-    return d.B * max((d.T + V.TAPE_CHUNK - 1) // V.TAPE_CHUNK - 1, 0)
-
-
-def _grad_specs(d: V.Dims) -> list[tuple[str, tuple[Any, ...], str, torch.dtype]]:
-    pdt = V.param_dtype(d)
-    return [
-        ("dq", (d.B, d.T, d.H, d.K), "[B, T, H, K]", d.dtype),
-        ("dk", (d.B, d.T, d.H, d.K), "[B, T, H, K]", d.dtype),
-        ("dv", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype),
-        ("dg", (d.B, d.T, d.HV, d.K), "[B, T, HV, K]", d.dtype),
-        ("dbeta", (d.B, d.T, d.HV), "[B, T, HV]", d.dtype),
-        ("dA_log", (d.HV,), "[HV]", pdt),
-        ("ddt_bias", (d.HV, d.K), "[HV, K]", pdt),
-        ("dinitial_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]", pdt),
-    ]
-
-
-def _check_grad_outs(out: Any, d: V.Dims, reads: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor] | None:
-    if out is None:
-        return None
-    if not isinstance(out, Sequence) or isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a sequence of 8 tensors ({', '.join(GRAD_NAMES)}), got {V._type_name(out)}")
-    if len(out) != 8:
-        raise ValueError(f"out must hold 8 tensors ({', '.join(GRAD_NAMES)}), got {len(out)}")
-    res = [
-        _check_out_tensor(t, f"out[{i}] ({name})", shape, layout, dtype, d)
-        for i, (t, (name, shape, layout, dtype)) in enumerate(zip(out, _grad_specs(d), strict=True))
-    ]
-    for i, t in enumerate(res):
-        others: list[tuple[str, torch.Tensor | None]] = [(f"out[{j}]", o) for j, o in enumerate(res) if j != i]
-        V.check_no_overlap(f"out[{i}] ({GRAD_NAMES[i]})", t, reads + others)
-    return res
-
-
-def _check_do(do: Any, dfinal_state: Any, d: V.Dims) -> tuple[torch.Tensor, torch.Tensor | None]:
-    dO = V._tensor(do, "do")
-    V._device(dO, "do", d.device)
-    if dO.dtype != d.dtype:
-        raise TypeError(f"do must be {d.dtype} (the dtype of q), got {dO.dtype}")
-    V._exact_shape(dO, "do", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]")
-    dS = V._opt_tensor(dfinal_state, "dfinal_state")
-    if dS is not None:
-        V._device(dS, "dfinal_state", d.device)
-        pdt = V.param_dtype(d)
-        if dS.dtype != pdt:
-            raise TypeError(f"dfinal_state must be {pdt} (the state dtype), got {dS.dtype}")
-        V._exact_shape(dS, "dfinal_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]")
-    return dO.contiguous(), None if dS is None else dS.contiguous()
-
-
-def _training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, *extra: tuple[str, Any]) -> list[tuple[str, Any]]:
-    """(name, tensor) of everything a training call reads, for the output-overlap checks."""
-    reads = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A), ("dt_bias", dtb)]
-    return reads + [("initial_state", h0), *extra, ("cu_seqlens", cu_seqlens)]
 
 
 def recurrent_kda_training_forward(
@@ -652,43 +382,12 @@ def recurrent_kda_training_forward(
     A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d)
     assert h0 is not None
     sc = V.check_scale(scale, d.K)
-    cu64, host = _training_cu(d, cu_seqlens, cu_seqlens_cpu, "required-on-cuda")
-    pdt = V.param_dtype(d)
-    reads = _training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens)
-    # Type/shape checks of both buffers first, so the overlap test only ever sees checked tensors.
-    if out is not None:
-        out = _check_out_tensor(out, "out", (d.B, d.T, d.HV, d.V), "[B, T, HV, V]", d.dtype, d)
-    if final_state_out is not None:
-        final_state_out = _check_out_tensor(
-            final_state_out, "final_state_out", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]", pdt, d
-        )
-    if out is not None:
-        V.check_no_overlap("out", out, reads + [("final_state_out", final_state_out)])
-    if final_state_out is not None:
-        V.check_no_overlap("final_state_out", final_state_out, reads)
+    cu64, host = V.check_training_cu(d, cu_seqlens, cu_seqlens_cpu, "required-on-cuda")
+    reads = V.training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens)
+    out, final_state_out = V.check_forward_outs(out, final_state_out, reads, d)
     if context_out is not None:
-        if not isinstance(context_out, RecurrentKDATrainingContext):
-            raise TypeError(
-                f"context_out must be a kda_ops.RecurrentKDATrainingContext, got {V._type_name(context_out)}"
-            )
-        expected = (
-            tuple(q.shape),
-            tuple(k.shape),
-            tuple(v.shape),
-            tuple(g.shape),
-            tuple(beta.shape),
-            tuple(A.shape),
-            tuple(dtb.shape),
-            (_tape_rows(d), d.HV, d.V, d.K),
-            (d.N + 1,),
-        )
-        if context_out.shapes() != expected:
-            raise ValueError(f"context_out must hold tensors of shapes {expected}, got {context_out.shapes()}")
-        if context_out.tapes.device != d.device or context_out.tapes.dtype != pdt:
-            raise ValueError(
-                f"context_out must hold {pdt} tapes on {d.device}, got {context_out.tapes.dtype} on "
-                f"{context_out.tapes.device}"
-            )
+        shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape, A.shape, dtb.shape)
+        V.check_context_out(context_out, RecurrentKDATrainingContext, tuple(tuple(x) for x in shapes), d)
 
     o, fs, tapes, starts = torch.ops.kda.recurrent_kda_training_forward.default(
         q, k, v, g, beta, A, dtb, h0, cu64, sc, lb
@@ -758,8 +457,7 @@ def recurrent_kda_training_backward(
         TypeError: ctx of the wrong type, wrong dtypes. ValueError: wrong shapes, overlapping ``out``.
         RuntimeError: tensors on another device.
     """
-    if not isinstance(ctx, RecurrentKDATrainingContext):
-        raise TypeError(f"ctx must be a kda_ops.RecurrentKDATrainingContext, got {V._type_name(ctx)}")
+    V.check_instance(ctx, RecurrentKDATrainingContext, "ctx")
     d = V.check_tokens(ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.cu_seqlens, kv_rule="training")
     V.check_unmodified(
         ctx.initial_state,
@@ -768,7 +466,7 @@ def recurrent_kda_training_backward(
         "the context keeps the forward's initial_state by reference: the tapes do not repeat the state before "
         "token 0; pass the forward a copy if the state buffer is reused, e.g. carried to the next segment",
     )
-    dO, dS = _check_do(do, dfinal_state, d)
+    dO, dS = V.check_do(do, dfinal_state, d)
     reads = [
         ("ctx.q", ctx.q),
         ("ctx.k", ctx.k),
@@ -782,7 +480,7 @@ def recurrent_kda_training_backward(
         ("do", do),
         ("dfinal_state", dfinal_state),
     ]
-    outs = _check_grad_outs(out, d, reads)
+    outs = V.check_grad_outs(out, d, reads)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
         ctx.q,
         ctx.k,
@@ -852,12 +550,12 @@ def recurrent_kda_backward(
     A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d)
     assert h0 is not None
     sc = V.check_scale(scale, d.K)
-    dO, dS = _check_do(do, dfinal_state, d)
-    if workspace is not None and not isinstance(workspace, RecurrentKDABackwardWorkspace):
-        raise TypeError(f"workspace must be a kda_ops.RecurrentKDABackwardWorkspace, got {V._type_name(workspace)}")
-    reads = _training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, ("do", do), ("dfinal_state", dfinal_state))
-    outs = _check_grad_outs(out, d, reads)
-    cu64, _ = _training_cu(d, cu_seqlens, None, "none")
+    dO, dS = V.check_do(do, dfinal_state, d)
+    if workspace is not None:
+        V.check_instance(workspace, RecurrentKDABackwardWorkspace, "workspace")
+    reads = V.training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, ("do", do), ("dfinal_state", dfinal_state))
+    outs = V.check_grad_outs(out, d, reads)
+    cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
     if workspace is not None:
         key = (d.B, d.T, d.N, d.H, d.HV, d.K, d.V, d.packed)
         workspace.plan(key, d.device, 0, "workspace")
@@ -921,6 +619,6 @@ def kda(
     ofs = V._bool(output_final_state, "output_final_state")
     if h0 is None:  # zeros as a stride-0 view: autograd saves one element, not [N, HV, V, K]
         h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
-    cu64, _ = _training_cu(d, cu_seqlens, None, "none")
+    cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
     o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     return o, (fs if ofs else None)
