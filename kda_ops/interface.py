@@ -101,6 +101,7 @@ def recurrent_kda(
     checkpoint_every_n_tokens: int = 0,
     *,
     backend: str = "auto",
+    disable_state_update: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """KDA inference: decode (T=1), speculative decode (1+S tokens) and prefill (any T), fixed or packed,
     with an in-place state pool (SPEC §3.1; the signature of FlashInfer's ``recurrent_kda``).
@@ -173,6 +174,14 @@ def recurrent_kda(
         checkpoint_every_n_tokens: n > 0, a multiple of 16, turns checkpointing on (0: off).
         backend: "auto", "chunked" (tensor-core chunked prefill) or "recurrent" (token-serial kernel). The
             CPU implementation is one token loop whatever the backend.
+        disable_state_update: speculative verify (FlashInfer's name): the outputs of every token are
+            computed by the same slot and activity rules (start slot, num_accepted_tokens, inactive
+            sequences and tokens), but no slot of ``initial_state`` is written: neither the state after the
+            last token nor the per-token columns of speculative decode. ``final_state`` is then the pool as
+            it was (or, without a pool, the new fp32 final state, as usual); ``state_checkpoints`` (a
+            separate buffer, not pool slots) are written as usual. Engines verify drafts with it and commit
+            the accepted prefix afterwards. Runs the token-serial kernel (``backend="chunked"`` refuses it);
+            CUDA-graph capturable.
 
     Returns:
         ``(output, final_state)``, or ``(output, final_state, state_checkpoints)`` when
@@ -194,7 +203,7 @@ def recurrent_kda(
     # Hot path: an eager decode step's kernel takes a few µs, so the Python layer must stay in the same
     # range. Every check below is a cheap combined test on the common path; the one-by-one helpers run
     # only to raise the error that names the argument (benchmarks/bench_api_overhead.py times this).
-    backend_code = V.check_backend(backend)
+    backend_code = V.check_verify(disable_state_update, V.check_backend(backend))
     d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule=backend)
     V.check_flags(output_final_state, use_qk_l2norm_in_kernel, beta_is_logit)
     out_final, l2, logit = output_final_state, use_qk_l2norm_in_kernel, beta_is_logit
@@ -313,6 +322,7 @@ def recurrent_kda(
         n_ck,
         backend_code,
         zero_uncovered,
+        disable_state_update,
     )
     final_ret = (pool if pool is not None else final) if out_final else None
     if n_ck > 0:

@@ -162,3 +162,46 @@ def test_opcheck_verify():
     args = (q, k, v, g, beta, inp["A_log"], inp["dt_bias"], inp["initial_state"], None, None, None, ssm, None,
             None, torch.empty_like(v), None, None, None, None, 0.125, 2, -5.0, True, True, 3, 0, 0, False, True)
     torch.library.opcheck(OPS.recurrent_kda.default, args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the public API
+
+
+def _api(inp, pool, verify, **kw):
+    return kda_ops.recurrent_kda(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+        initial_state=pool, use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True,
+        disable_state_update=verify, **kw,
+    )
+
+
+@pytest.mark.parametrize("S", [0, 2])
+def test_api_verify_then_commit(S):
+    B = 3
+    inp = make_inputs(B=B, T=1 + S, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=9, N_pool=B * (1 + S) + 1)
+    pool = inp["initial_state"]
+    before = pool.clone()
+    kw = {}
+    if S:
+        kw = dict(num_spec_tokens=S, num_accepted_tokens=torch.tensor([1, 3, 2], dtype=torch.int32),
+                  ssm_state_indices=torch.arange(B * (1 + S), dtype=torch.int32).reshape(B, 1 + S))
+    o_v, fs = _api(inp, pool, True, output_final_state=True, **kw)
+    assert fs is pool
+    assert_bits(pool, before, "pool after a verify call")
+    o_c, _ = _api(inp, pool, False, **kw)
+    assert_bits(o_v, o_c, "verify output vs commit output")
+    assert not torch.equal(pool, before)
+
+
+def test_api_verify_rejects_chunked_and_non_bool():
+    inp = make_inputs(B=1, T=1, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=10)
+    pool = inp["initial_state"]
+    before = pool.clone()
+    with pytest.raises(ValueError, match="disable_state_update"):
+        kda_ops.recurrent_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                              dt_bias=inp["dt_bias"], initial_state=pool, use_gate_in_kernel=True, lower_bound=-5.0,
+                              backend="chunked", disable_state_update=True)
+    with pytest.raises(TypeError, match="disable_state_update"):
+        _api(inp, pool, 1)
+    assert_bits(pool, before, "nothing written on an error")
