@@ -205,3 +205,65 @@ def test_api_verify_rejects_chunked_and_non_bool():
     with pytest.raises(TypeError, match="disable_state_update"):
         _api(inp, pool, 1)
     assert_bits(pool, before, "nothing written on an error")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the validation cache of decode-like calls (kda_ops/interface.py): a repeated key skips the checks, but the
+# addresses and the Python types of the scalars are checked on every call
+
+
+def _decode_args(seed=11):
+    inp = make_inputs(B=2, T=1, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=seed, N_pool=4)
+    return inp, dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], use_gate_in_kernel=True, lower_bound=-5.0,
+                     beta_is_logit=True, ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32))
+
+
+def test_cache_repeated_call_same_results():
+    inp, kw = _decode_args()
+    t = [inp[n] for n in ("q", "k", "v", "g", "beta")]
+    pools = [inp["initial_state"].clone() for _ in range(3)]
+    outs = [kda_ops.recurrent_kda(*t, initial_state=p, **kw)[0] for p in pools]  # the 2nd and 3rd are cached
+    for o, p in zip(outs[1:], pools[1:], strict=True):
+        assert_bits(o, outs[0], "cached call output")
+        assert_bits(p, pools[0], "cached call pool")
+    assert not torch.equal(pools[0], inp["initial_state"])
+
+
+def test_cache_rechecks_overlap_and_scalar_types():
+    inp, kw = _decode_args(12)
+    t = [inp[n] for n in ("q", "k", "v", "g", "beta")]
+    pool = inp["initial_state"]
+    out = torch.empty_like(inp["v"])
+    kda_ops.recurrent_kda(*t, initial_state=pool.clone(), output=out, **kw)
+    kda_ops.recurrent_kda(*t, initial_state=pool.clone(), output=out, **kw)  # cached
+    # same key (shape, strides, dtype, device), but the output now aliases v: refused, nothing written
+    v_alias = inp["v"].clone()
+    before = pool.clone()
+    with pytest.raises(ValueError, match="overlap"):
+        kda_ops.recurrent_kda(t[0], t[1], v_alias, t[3], t[4], initial_state=pool, output=v_alias, **kw)
+    assert_bits(pool, before, "pool after a refused call")
+    # an int where a bool belongs (1 == True, same hash) is still a TypeError after a cached bool call
+    kw_int = dict(kw, beta_is_logit=1)
+    with pytest.raises(TypeError, match="beta_is_logit"):
+        kda_ops.recurrent_kda(*t, initial_state=pool, output=out, **kw_int)
+    # a pool that aliases the output under a cached key
+    with pytest.raises(ValueError, match="overlap"):
+        pb, ob = pool.numel() * pool.element_size(), out.numel() * out.element_size()
+        flat = torch.zeros(pb + ob, dtype=torch.uint8)
+        p2 = flat[:pb].view(pool.dtype).view_as(pool)
+        o2 = flat[pb - ob : pb].view(out.dtype).view_as(out)  # the pool's last bytes
+        kda_ops.recurrent_kda(*t, initial_state=p2, output=o2, **kw)
+    assert_bits(pool, before, "pool untouched")
+
+
+def test_cache_keys_verify_flag():
+    # the verify flag is part of the key: a committing call after verify calls still writes
+    inp, kw = _decode_args(13)
+    t = [inp[n] for n in ("q", "k", "v", "g", "beta")]
+    pool = inp["initial_state"]
+    before = pool.clone()
+    for _ in range(2):
+        kda_ops.recurrent_kda(*t, initial_state=pool, disable_state_update=True, **kw)
+        assert_bits(pool, before, "verify")
+    kda_ops.recurrent_kda(*t, initial_state=pool, **kw)
+    assert not torch.equal(pool, before)
