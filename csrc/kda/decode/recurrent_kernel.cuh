@@ -588,8 +588,21 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
 // Persistent warps: warp w of the grid handles items w, w + W, w + 2W, ... (W = warps in the grid); an item
 // is (sequence, value head, row tile). Per item: wait for its ring slot, read the start state into
 // registers, refill the slot with the item kStages ahead, then run the item's tokens.
+// Register budget (__launch_bounds__ min blocks of 128 threads). sm_90a compiles every tile at <= 168
+// registers unforced (3 blocks = 12 warps per SM). sm_100a/103a ptxas takes 255 for bf16 NR=8 unforced
+// (2 blocks per SM), so there the cap of 3 blocks (168 registers) is set explicitly.
 template <class Tile>
-__global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParams p, const int flags) {
+constexpr int recurrent_min_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  return 3;
+#else
+  return 1;
+#endif
+}
+
+template <class Tile>
+__global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
+    kda_recurrent_kernel(const RecurrentParams p, const int flags) {
   using StateT = typename Tile::StateT;
   using Ring = RingLayout<Tile>;
   constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP, kStages = Ring::kStages;
