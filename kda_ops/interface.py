@@ -497,7 +497,11 @@ def _remember(
     output,
     pool,
 ) -> None:
-    """Store what the full path decided for `key` (a validated call of the decode-like family)."""
+    """Store what the full path decided for `key` (a validated call of the decode-like family). Only plain
+    tensors (real memory: data_ptr) are cached."""
+    for t in (*reads, output, pool):
+        if t is not None and type(t) is not _Tensor and type(t) is not torch.nn.Parameter:
+            return
     e = _FastEntry(
         d=d,
         gate_mode=gate_mode,
