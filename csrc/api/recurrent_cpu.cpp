@@ -53,7 +53,8 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const std::optional<at::Tensor>& checkpoint_cu_starts,
                        const std::optional<at::Tensor>& /*workspace*/, double scale, int64_t gate_mode,
                        double lower_bound, bool use_qk_l2norm, bool beta_is_logit, int64_t num_spec_tokens,
-                       int64_t checkpoint_every_n_tokens, int64_t /*backend*/, bool zero_uncovered) {
+                       int64_t checkpoint_every_n_tokens, int64_t /*backend*/, bool zero_uncovered,
+                       bool disable_state_update) {
   const RecurrentArgs args{q, k, v, g, beta, A_log, dt_bias, state, state_source, initial_state_indices,
                            cu_seqlens, ssm_state_indices, num_accepted_tokens, seq_order, output,
                            final_state, state_checkpoints, checkpoint_cu_starts, scale, gate_mode,
@@ -79,6 +80,7 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   if (p.dt_bias != nullptr) x.dt_bias = p.dt_bias;
   x.final_state = p.final_state;
   x.final_dtype = DType::kFloat32;
+  x.no_state_update = disable_state_update;
 
   // Inactive sequences/tokens are zeroed by the loop; tokens outside every packed sequence (a broken
   // cu_seqlens contract) keep their values, as on CUDA, unless zero_uncovered asks for zeros.

@@ -6,6 +6,8 @@
 // zero_uncovered (set by the Python layer when it allocated `output`): packed tokens outside every
 // sequence are zeroed first by a small kernel (csrc/kda/common/zero_uncovered.cu); a caller's `output`
 // keeps them as they were.
+// disable_state_update (speculative verify): the token-serial kernel with pool writes off (backend auto
+// picks it; chunked refuses the flag).
 // No host sync and no allocation on the normal path, so calls can be captured in a CUDA graph.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -58,7 +60,7 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
                         const OptTensor& checkpoint_cu_starts, const OptTensor& /*workspace*/, double scale,
                         int64_t gate_mode, double lower_bound, bool use_qk_l2norm, bool beta_is_logit,
                         int64_t num_spec_tokens, int64_t checkpoint_every_n_tokens, int64_t backend,
-                        bool zero_uncovered) {
+                        bool zero_uncovered, bool disable_state_update) {
   KDA_CHECK(backend >= 0 && backend <= 2, "backend must be 0 (auto), 1 (chunked) or 2 (recurrent), got ", backend);
   KDA_CHECK(q_in.is_cuda(), "q must be a CUDA tensor, got ", q_in.device());
   for (const Tensor* t : {&k_in, &v_in, &g_in, &beta, &output}) KDA_CHECK_SAME_DEVICE(*t, q_in, "every token tensor");
@@ -96,9 +98,12 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     const char* why = nullptr;
     KDA_CHECK(chunked_supported(p, &why), "recurrent_kda backend='chunked': ", why,
               "; use backend='auto' or 'recurrent'");
+    KDA_CHECK(!disable_state_update, "recurrent_kda backend='chunked' does not support disable_state_update=True; "
+              "use backend='auto' or 'recurrent'");
     chunked = true;
   } else if (backend == static_cast<int64_t>(Backend::kAuto)) {
-    chunked = chunked_preferred(p);
+    // A verify pass writes no pool slot: only the token-serial kernel has that mode.
+    chunked = !disable_state_update && chunked_preferred(p);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (zero_uncovered && p.cu_seqlens != nullptr) {
@@ -107,7 +112,7 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     const cudaError_t zerr = launch_zero_uncovered_tokens(p, stream);
     TORCH_CHECK(zerr == cudaSuccess, "kda zero_uncovered_tokens kernel launch failed: ", cudaGetErrorString(zerr));
   }
-  const cudaError_t err = chunked ? launch_chunked(p, stream) : launch_recurrent(p, stream);
+  const cudaError_t err = chunked ? launch_chunked(p, stream) : launch_recurrent(p, stream, disable_state_update);
   TORCH_CHECK(err == cudaSuccess, "kda ", chunked ? "chunked" : "recurrent", " kernel launch failed: ",
               cudaGetErrorString(err));
 }

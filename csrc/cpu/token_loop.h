@@ -116,6 +116,9 @@ struct CpuExtras {
   // End state of every active sequence.
   void* final_state = nullptr;  // [N, HV, V, K] compact
   DType final_dtype = DType::kFloat32;
+  // Speculative verify (disable_state_update): write no pool slot of p.state (the rules that decide which
+  // sequences and tokens are active still read the slots).
+  bool no_state_update = false;
 };
 
 // One value head of one sequence: its parameters, and the inputs of the current token in Acc.
@@ -262,12 +265,12 @@ void run_sequence_head(HeadContext<TokT>& c, acc_t<TokT>* S, acc_t<TokT>* o) {
     c.step(S, o);
     TokT* out = c.out_ptr(t);
     for (int vi = 0; vi < p.V; ++vi) out[vi] = static_cast<TokT>(o[vi]);
-    if (spec) {
+    if (spec && !x.no_state_update) {
       const int64_t slot = write_slot(p, n, t);  // in the pool: the token is active
       store_vec(elem_ptr(p.state, p.state_dtype, slot * p.state_slot_stride + head_off), p.state_dtype, S, blk);
     }
   }
-  if (!spec && p.state != nullptr && len > 0) {
+  if (!spec && p.state != nullptr && len > 0 && !x.no_state_update) {
     const int64_t slot = write_slot(p, n, 0);
     if (slot_in_pool(slot, p.n_pool))
       store_vec(elem_ptr(p.state, p.state_dtype, slot * p.state_slot_stride + head_off), p.state_dtype, S, blk);
