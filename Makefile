@@ -10,14 +10,19 @@ export CUDA_HOME ?= /usr/local/cuda
 export KDA_CUDA_ARCHS MAX_JOBS
 TORCH_PIN ?= torch==2.14.1
 BUILD_LOCK ?= /tmp/kda_ops_build.lock
+# BUILD_BASE=build/wheel makes `make build` reuse the objects of `make wheel` (same sources and flags:
+# ninja finds them up to date, so CI compiles every kernel once for both)
+BUILD_BASE ?=
 
-.PHONY: venv build test test-gpu demo bench device-check lint clean
+.PHONY: venv build test test-gpu demo bench device-check lint clean wheel wheel-smoke
 
 $(VENV)/.ready:
 	@echo "== creating $(VENV): $(TORCH_PIN), nvidia-cutlass==4.2.0.0 headers, ninja, pytest, hypothesis (a few minutes)"
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip setuptools wheel
-	$(VENV)/bin/pip install -q $(TORCH_PIN) ninja numpy pytest hypothesis
+	$(VENV)/bin/pip install -q $(TORCH_PIN) ninja numpy pytest hypothesis einops
+	@# fla's KDA reference and entry points, for tests/test_fla*.py (its own deps: einops; triton comes with torch)
+	$(VENV)/bin/pip install -q --no-deps fla-core==0.6.0
 	$(VENV)/bin/pip install -q --no-deps nvidia-cutlass==4.2.0.0
 	touch $@
 
@@ -26,11 +31,32 @@ venv: $(if $(VENV),$(VENV)/.ready,)
 build: venv
 	@echo "== building kda_ops._C (KDA_CUDA_ARCHS=$(KDA_CUDA_ARCHS), MAX_JOBS=$(MAX_JOBS))"
 	@flock -n $(BUILD_LOCK) true || echo "== waiting for the build lock $(BUILD_LOCK): another checkout on this machine is building"
-	flock $(BUILD_LOCK) $(PY) setup.py -q build_ext --inplace
+	flock $(BUILD_LOCK) $(PY) setup.py -q $(if $(BUILD_BASE),build --build-base $(BUILD_BASE)) build_ext --inplace
 ifneq ($(VENV),)
 	@# make the checkout importable from anywhere with the venv's python (an in-place "develop" install)
 	@$(PY) -c "import os, sysconfig; open(os.path.join(sysconfig.get_paths()['purelib'], 'kda_ops_checkout.pth'), 'w').write(os.getcwd() + '\n')"
 endif
+
+# A wheel with prebuilt kernels for every supported GPU (sm_90a, sm_100a, sm_103a, sm_120a) and the CPU
+# path, requiring exactly the torch it was built against (docs/install.md). Built in its own build
+# directory, so the in-place development build is left as it is.
+WHEEL_ARCHS ?= all
+wheel: venv
+	@echo "== building dist/kda_ops-*.whl (KDA_CUDA_ARCHS=$(WHEEL_ARCHS), MAX_JOBS=$(MAX_JOBS))"
+	@flock -n $(BUILD_LOCK) true || echo "== waiting for the build lock $(BUILD_LOCK): another checkout on this machine is building"
+	rm -rf build/wheel/bdist*
+	flock $(BUILD_LOCK) env KDA_WHEEL=1 KDA_CUDA_ARCHS=$(WHEEL_ARCHS) $(PY) setup.py -q \
+	    build --build-base build/wheel bdist_wheel --bdist-dir build/wheel/bdist --dist-dir dist
+	@# exactly one extension in the wheel: the one just built (never the in-place development copy)
+	$(PY) -c "import glob, zipfile; w = sorted(glob.glob('dist/kda_ops-*.whl'))[-1]; so = [n for n in zipfile.ZipFile(w).namelist() if n.endswith('.so')]; assert len(so) == 1, so; print(w, so)"
+	@ls -l dist/*.whl
+
+# Installs dist/*.whl into a fresh venv (.venv-wheel) and runs scripts/wheel_smoke.py there, from outside
+# the source tree. torch comes from $(VENV) through a path entry (no download, no second copy); with
+# WHEEL_SMOKE_TORCH=pip pip installs the pinned torch into .venv-wheel instead (from its cache or the index).
+WHEEL_SMOKE_TORCH ?= reuse
+wheel-smoke:
+	PY=$(PY) TORCH_MODE=$(WHEEL_SMOKE_TORCH) bash scripts/wheel_smoke.sh
 
 test: build
 	$(PY) -m pytest -q tests

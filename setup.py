@@ -7,6 +7,7 @@ Environment:
   NVCC_THREADS    ``--threads`` for nvcc (default 1)
   KDA_PTXAS_VERBOSE=1  adds ``--ptxas-options=-v``
   CUTLASS_HOME    a CUTLASS checkout, instead of the pinned nvidia-cutlass wheel's headers
+  KDA_WHEEL=1     a wheel for distribution (``make wheel``): torch pinned to the build's torch
 """
 
 from __future__ import annotations
@@ -56,6 +57,24 @@ def resolve_archs() -> list[str]:
             f"KDA_CUDA_ARCHS: unsupported arch {bad}; expected auto, all, none or a list of {SUPPORTED_ARCHS}"
         )
     return archs
+
+
+def wheel_metadata(archs: list[str]) -> list[str]:
+    """install_requires, and kda_ops/_build_info.py (what this build contains, read by the wheel's smoke test).
+
+    The extension links against libtorch's C++ ABI, which changes between torch releases: a wheel
+    (KDA_WHEEL=1) pins the torch it was built against; a source build only needs a floor.
+    """
+    torch_release = torch.__version__.split("+")[0]
+    with open(os.path.join(ROOT, "kda_ops", "_build_info.py"), "w") as f:
+        f.write(
+            "# Written by setup.py at build time (not in git).\n"
+            f"CUDA_ARCHS = {tuple(archs)!r}\nTORCH_VERSION = {torch.__version__!r}\n"
+            f"CUDA_VERSION = {torch.version.cuda if archs else None!r}\n"
+        )
+    if os.environ.get("KDA_WHEEL") == "1":
+        return [f"torch=={torch_release}"]
+    return ["torch>=2.11"]
 
 
 def main() -> None:
@@ -109,6 +128,7 @@ def main() -> None:
         print("kda_ops: building the CPU-only extension (KDA_CUDA_ARCHS=none)", flush=True)
         ext = CppExtension("kda_ops._C", cpp_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
     setup(
+        install_requires=wheel_metadata(archs),
         ext_modules=[ext],
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     )

@@ -102,6 +102,22 @@ def _exact_shape(t: torch.Tensor, name: str, expected: tuple[Any, ...], layout: 
         raise ValueError(f"{name} must have shape {layout} = {_dims(*expected)}, got {_shape(t)}")
 
 
+def _resolved_index(dev: torch.device) -> int:
+    # "cuda" means the current CUDA device (where torch allocates it); CPU-like devices have one index.
+    if dev.index is not None:
+        return dev.index
+    return torch.cuda.current_device() if dev.type == "cuda" else 0
+
+
+def _same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether two device specs name the same device: ``"cuda"`` resolves to the current CUDA device's
+    index (so it equals ``"cuda:0"`` when device 0 is current), ``"cpu"`` equals ``"cpu:0"``."""
+    a, b = torch.device(a), torch.device(b)
+    if a == b:
+        return True
+    return a.type == b.type and _resolved_index(a) == _resolved_index(b)
+
+
 def _device(t: torch.Tensor, name: str, device: torch.device) -> None:
     if t.device != device:
         raise RuntimeError(f"{name} must be on {device} (the device of q), got {t.device}")
@@ -574,7 +590,14 @@ def check_aligned(t: torch.Tensor, name: str, d: Dims) -> None:
 
 
 def check_index(t: Any, name: str, shape: tuple[Any, ...], layout: str, d: Dims) -> torch.Tensor:
-    """An int32 contiguous index tensor of the given shape on the device of q."""
+    """An int32 index tensor of the given shape on the device of q, returned contiguous.
+
+    A strided view (``idx[::2]``, a column of a 2-D tensor) is accepted and copied into a contiguous
+    tensor here: index tensors are tiny (N or N*(1+S) int32), the copy is one small kernel, and the ops
+    read plain arrays. Under CUDA graph capture the copy is captured with the call (it reads the view's
+    current values at every replay into a buffer of the graph's pool, so the op sees a stable pointer);
+    contiguous inputs pass through untouched.
+    """
     if (
         isinstance(t, torch.Tensor)
         and t.dtype == torch.int32
@@ -583,14 +606,13 @@ def check_index(t: Any, name: str, shape: tuple[Any, ...], layout: str, d: Dims)
         and t.is_contiguous()
     ):
         return t
-    # Something is wrong: redo the checks one by one, in order, for the error that names it.
+    # Something is wrong (or strided): redo the checks one by one, in order, for the error that names it.
     x = _tensor(t, name)
     _device(x, name, d.device)
     _dtype(x, name, (torch.int32,))
     _rank(x, name, len(shape), layout)
     _exact_shape(x, name, shape, layout)
-    _contiguous(x, name)
-    return x
+    return x.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -754,27 +776,25 @@ def check_slots(
     pool: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     d: Dims,
-) -> tuple[int, torch.Tensor | None, int, torch.Tensor | None]:
-    """Speculative decode and slot arguments -> (S, ssm_state_indices, its numel, num_accepted_tokens).
+) -> tuple[int, torch.Tensor | None, int, torch.Tensor | None, int]:
+    """Speculative decode and slot arguments -> (S, ssm_state_indices, its numel, num_accepted_tokens,
+    slots to allocate).
 
-    Slot rules (docs/contract.md, "Slots and checkpoints"): speculative decode (S >= 1) needs a pool, an
-    int32 [N, 1+S] ``ssm_state_indices`` and exactly 1+S tokens per sequence; otherwise
-    ``ssm_state_indices`` is int32 [N] and needs a pool, ``num_accepted_tokens`` must be None, and
-    implicit slots (sequence n -> slot n) need at least N slots.
+    Slot rules (docs/contract.md, "Slots and checkpoints"): speculative decode (S >= 1) needs exactly 1+S
+    tokens per sequence and an int32 [N, 1+S] ``ssm_state_indices``; without one, sequence n uses slots
+    ``n*(1+S) ... n*(1+S)+S`` (FlashInfer's ``arange(N*(1+S)).reshape(N, 1+S)``), which a given pool
+    must hold. Otherwise ``ssm_state_indices`` is int32 [N], ``num_accepted_tokens`` must be None, and
+    implicit slots (sequence n -> slot n) need at least N slots. Slot indices without a pool (given, or
+    the speculative default) mean a pool of zeros up to ``max(index) + 1`` slots (as FlashInfer does):
+    the last value returned is that count (0: nothing to allocate). For given indices it is read on the
+    host (a device sync on a GPU), so that case cannot be traced or captured.
     """
     S = 0 if num_spec_tokens is None else _int(num_spec_tokens, "num_spec_tokens")
     ssm_idx_numel = 0
+    alloc = 0
     if S < 0:
         raise ValueError(f"num_spec_tokens must be >= 1 (or None/0 for no speculative decode), got {S}")
     if S > 0:
-        if pool is None:
-            raise ValueError(
-                f"initial_state must be a state pool in speculative decode (num_spec_tokens={S}), got None"
-            )
-        if ssm_state_indices is None:
-            raise ValueError(
-                f"ssm_state_indices must be an int32 [N, 1+S] = [{d.N}, {1 + S}] tensor in speculative decode, got None"
-            )
         if d.packed:
             if d.T != d.N * (1 + S):
                 raise ValueError(
@@ -785,8 +805,19 @@ def check_slots(
                 _spec_cu_values(cu_seqlens, S, d)
         elif d.T != 1 + S:
             raise ValueError(f"q must have T == 1+S = {1 + S} tokens per row in speculative decode, got T={d.T}")
-        ssm_idx = check_index(ssm_state_indices, "ssm_state_indices", (d.N, 1 + S), "[N, 1+S]", d)
         ssm_idx_numel = d.N * (1 + S)
+        if ssm_state_indices is None:
+            if pool is not None and pool.shape[0] < ssm_idx_numel:
+                raise ValueError(
+                    f"initial_state must have at least N*(1+S)={ssm_idx_numel} slots in speculative decode without "
+                    f"ssm_state_indices (sequence n uses slots n*(1+S) ... n*(1+S)+S), got N_pool={pool.shape[0]}; "
+                    f"pass ssm_state_indices to map sequences to slots"
+                )
+            ssm_idx = torch.arange(ssm_idx_numel, dtype=torch.int32, device=d.device).view(d.N, 1 + S)
+            alloc = ssm_idx_numel if pool is None else 0
+        else:
+            ssm_idx = check_index(ssm_state_indices, "ssm_state_indices", (d.N, 1 + S), "[N, 1+S]", d)
+            alloc = _slots_without_pool(ssm_idx) if pool is None else 0
     else:
         if num_accepted_tokens is not None:
             raise ValueError(
@@ -794,12 +825,9 @@ def check_slots(
             )
         ssm_idx = None
         if ssm_state_indices is not None:
-            if pool is None:
-                raise ValueError(
-                    "ssm_state_indices must be None without a state pool (initial_state=None), got a tensor"
-                )
             ssm_idx = check_index(ssm_state_indices, "ssm_state_indices", (d.N,), "[N]", d)
             ssm_idx_numel = d.N
+            alloc = _slots_without_pool(ssm_idx) if pool is None else 0
         elif pool is not None and pool.shape[0] < d.N:
             # Implicit slots (sequence n -> slot n) past the pool would silently make those sequences
             # inactive: with implicit slots that is a sizing mistake, not a request.
@@ -810,7 +838,19 @@ def check_slots(
     n_acc = None
     if num_accepted_tokens is not None:
         n_acc = check_index(num_accepted_tokens, "num_accepted_tokens", (d.N,), "[N]", d)
-    return S, ssm_idx, ssm_idx_numel, n_acc
+    return S, ssm_idx, ssm_idx_numel, n_acc, alloc
+
+
+def _slots_without_pool(idx: torch.Tensor) -> int:
+    """max(index) + 1 (at least 1): the zero pool that ``ssm_state_indices`` without ``initial_state`` means."""
+    if torch.compiler.is_compiling() or idx.device.type == "meta" or capturing(idx.device):
+        raise ValueError(
+            "ssm_state_indices without a state pool (initial_state=None) sizes a pool of zeros from max(index) + 1, "
+            "a host read that cannot run under torch.compile or CUDA graph capture; pass initial_state"
+        )
+    if idx.numel() == 0:
+        return 1
+    return max(int(idx.max()) + 1, 1)
 
 
 def check_source(
@@ -891,9 +931,11 @@ def check_checkpoints(
     if state_checkpoints is not None:
         ck = _tensor(state_checkpoints, "state_checkpoints")
         _device(ck, "state_checkpoints", d.device)
-        if ck.dtype != ck_dtype:
+        # Without a pool a bf16 buffer is accepted too (FlashInfer writes it in bf16): the caller converts.
+        if ck.dtype != ck_dtype and not (pool is None and ck.dtype == torch.bfloat16):
             raise TypeError(
-                f"state_checkpoints must be {ck_dtype} (the state dtype: the pool's, fp32 without one), got {ck.dtype}"
+                f"state_checkpoints must be {ck_dtype} (the state dtype: the pool's; fp32 or bf16 without one), "
+                f"got {ck.dtype}"
             )
         _rank(ck, "state_checkpoints", 4, "[C, HV, V, K]")
         if tuple(ck.shape[1:]) != (d.HV, d.V, d.K):

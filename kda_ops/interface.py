@@ -196,11 +196,15 @@ def recurrent_kda(
             Zero-length sequences leave their slot bit-identical.
         ssm_state_indices: int32 [N] pool slot per sequence (default: slot n); in speculative decode
             int32 [N, 1+S]: the state after token t goes to slot [n, t]. A slot outside [0, N_pool) makes
-            the sequence (spec decode: the token) inactive: zero output, no state read or write. Requires
-            ``initial_state``.
-        num_spec_tokens: S >= 1 for speculative decode (None or 0: off). Every sequence has exactly 1+S
-            tokens (fixed [B, 1+S, ...] or packed with T == N*(1+S)); needs a pool and
-            ``ssm_state_indices`` [N, 1+S]; no checkpoints.
+            the sequence (spec decode: the token) inactive: zero output, no state read or write. Without
+            ``initial_state`` (as FlashInfer): a pool of zeros with max(index) + 1 slots is allocated and
+            returned as ``final_state`` (max read on the host: a sync on a GPU; not under torch.compile or
+            graph capture). Any strides (index tensors are copied contiguous when strided).
+        num_spec_tokens: S >= 1 for speculative decode (None or 0: off, deliberately: 0 is not an error).
+            Every sequence has exactly 1+S tokens (fixed [B, 1+S, ...] or packed with T == N*(1+S)); no
+            checkpoints. Without ``ssm_state_indices`` sequence n uses slots n*(1+S) ... n*(1+S)+S
+            (FlashInfer's ``arange(N*(1+S)).reshape(N, 1+S)``), which a pool must hold; without a pool,
+            N*(1+S) zero slots are allocated.
         num_accepted_tokens: int32 [N]: the start state is read from slot
             ``ssm_state_indices[n, clamp(num_accepted_tokens[n]-1, 0, S)]``. Spec decode only (None = 1).
         output: caller buffer of exactly v's shape and q's dtype, last dim contiguous, overlapping no input,
@@ -219,7 +223,8 @@ def recurrent_kda(
         prefill_workspace: a :class:`kda_ops.RecurrentKDAPrefillWorkspace` (caller-owned scratch).
             Optional in eager mode; needed, planned by an eager call of the same shapes, for an
             allocation-free CUDA-graph-captured call.
-        state_checkpoints: [C, HV, V, K] contiguous, in the pool's dtype (fp32 without a pool): row
+        state_checkpoints: [C, HV, V, K] contiguous, in the pool's dtype (fp32 or bf16 without a pool; a
+            bf16 buffer is filled through an fp32 copy, rounded on write): row
             ``checkpoint_cu_starts[i] + j`` receives the state of sequence i BEFORE its token j*n. Allocated
             (zero-filled) when None.
         checkpoint_cu_starts: int64 [N+1] with ``starts[i+1] - starts[i] = ceil(L_i / n)``. Computed when
@@ -336,7 +341,7 @@ def recurrent_kda(
     pool = pool_nbytes = None
     if initial_state is not None:
         pool, pool_nbytes = V.check_pool_span(initial_state, "initial_state", d)
-    S, ssm_idx, ssm_idx_numel, n_acc = V.check_slots(
+    S, ssm_idx, ssm_idx_numel, n_acc, new_slots = V.check_slots(
         num_spec_tokens, ssm_state_indices, num_accepted_tokens, pool, cu_seqlens, d
     )
     source, src_idx, source_nbytes = V.check_source(initial_state_source, initial_state_indices, d)
@@ -393,6 +398,11 @@ def recurrent_kda(
             n_rows = V.checkpoint_rows(d, n_ck, ck_starts, exact)
         if ck is None:
             ck = torch.zeros((n_rows, d.HV, d.V, d.K), dtype=ck_dtype, device=d.device)
+    ck_caller = None
+    if ck is not None and ck.dtype != ck_dtype:
+        # A bf16 buffer without a pool: the op writes fp32 checkpoints; round into the caller's buffer
+        # after it (rows the op leaves alone round-trip exactly: bf16 -> fp32 -> bf16).
+        ck_caller, ck = ck, ck.to(ck_dtype)
 
     # all checks done: allocate, plan the workspace, run
     ws = None
@@ -414,6 +424,10 @@ def recurrent_kda(
     zero_uncovered = output is None and d.packed
     if output is None:
         out = q.new_empty((d.B, d.T, d.HV, d.V))
+    if new_slots:
+        # Slot indices without a pool: a pool of zeros up to max(index) + 1 (FlashInfer's behaviour); it is
+        # the returned final state.
+        pool = torch.zeros((new_slots, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
     final = None
     if pool is None and out_final:
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
@@ -489,6 +503,9 @@ def recurrent_kda(
     final_ret = (pool if pool is not None else final) if out_final else None
     if n_ck > 0:
         assert ck is not None
+        if ck_caller is not None:
+            ck_caller.copy_(ck)
+            ck = ck_caller
         return out, final_ret, ck
     return out, final_ret
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kda_ops._validate import _same_device
+
 __all__ = [
     "RecurrentKDAPrefillWorkspace",
     "RecurrentKDABackwardWorkspace",
@@ -81,10 +83,14 @@ class _Scratch:
         be allocated: a call whose shapes were not planned eagerly, or that needs more bytes than held,
         raises RuntimeError. Returns the buffer (None when no scratch is needed and none is held).
         """
-        if self.device is None:
-            self.device = torch.device(device)
-        if self.device != torch.device(device):
-            raise RuntimeError(f"{what} must be on {device} (the device of q), got a workspace on {self.device}")
+        dev = torch.device(device)
+        if self.device != dev:
+            # Compare by the index a device spec resolves to: a workspace made with device="cuda" serves
+            # tensors on cuda:0 when device 0 was current (a held buffer says where it really is).
+            held = self.buffer.device if self.buffer is not None else self.device
+            if held is not None and not _same_device(held, dev):
+                raise RuntimeError(f"{what} must be on {device} (the device of q), got a workspace on {self.device}")
+            self.device = dev
         if self._capturing():
             if self.planned != key or self.nbytes < nbytes:
                 raise RuntimeError(
