@@ -292,22 +292,16 @@ def recurrent_kda(
             disable_state_update,
         )
         try:
+            # the five token tensors inline (always given), the optional ones through _tkey
             key = (
-                _tkey(q),
-                _tkey(k),
-                _tkey(v),
-                _tkey(g),
-                _tkey(beta),
-                _tkey(A_log),
-                _tkey(dt_bias),
-                _tkey(initial_state),
-                _tkey(cu_seqlens),
-                _tkey(ssm_state_indices),
-                _tkey(num_accepted_tokens),
-                _tkey(output),
-                scalars,
-                tuple(map(type, scalars)),
-            )
+                type(q), q.shape, q.stride(), q.dtype, q.device,
+                type(k), k.shape, k.stride(), k.dtype, k.device,
+                type(v), v.shape, v.stride(), v.dtype, v.device,
+                type(g), g.shape, g.stride(), g.dtype, g.device,
+                type(beta), beta.shape, beta.stride(), beta.dtype, beta.device,
+                _tkey(A_log), _tkey(dt_bias), _tkey(initial_state), _tkey(cu_seqlens), _tkey(ssm_state_indices),
+                _tkey(num_accepted_tokens), _tkey(output), scalars, tuple(map(type, scalars)),
+            )  # fmt: skip
             e = _FAST_CACHE.get(key)
         except (AttributeError, TypeError):  # not a tensor, or an unhashable scalar: the full path explains
             key = e = None

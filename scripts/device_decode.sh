@@ -10,11 +10,13 @@
 #   STAGES="build tests tests_ring bench overhead" (default) or a subset; BENCH_CASES overrides the cases.
 #
 # Success: build rc=0 with no spill in the ptxas lines; tests.log and tests_ring.log end in "passed" with
-# no "failed"; bench_serial.md / bench_ring.md carry the TB/s of each case (targets: bf16 B=256/1024
+# no "failed"; bench_decode_serial.md / bench_decode_ring.md carry the TB/s of each case (targets: bf16 B=256/1024
 # >= 3.6 TB/s, spec S=3 B=64 >= 3.0 TB/s, fp32 B=256 >= 3.7 TB/s, b1 <= 3 us per step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
+FINAL_OUT=$OUT
+OUT=$FINAL_OUT/work  # everything lands here; the key files are copied up at the end (few files come back)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a}
 export MAX_JOBS=${MAX_JOBS:-16} KDA_GOLDEN_DIR=${KDA_GOLDEN_DIR:-$PWD/.golden}
@@ -70,7 +72,7 @@ PY
       ;;
     bench)
       for kern in serial ring; do
-        KDA_DECODE_KERNEL=$kern timeout 75 python3 benchmarks/bench_decode.py --out "$OUT" --cases "$CASES" \
+        KDA_DECODE_KERNEL=$kern timeout $([ $kern = ring ] && echo 75 || echo 120) python3 benchmarks/bench_decode.py --out "$OUT" --cases "$CASES" \
           --tag "_$kern" $([ $kern = ring ] && echo --no-peers) ${BENCH_ARGS:-} 2>&1 \
           | tee "$OUT/bench_$kern.log" | grep -v "^\[" | tail -25
       done
@@ -84,4 +86,9 @@ PY
   esac
 done
 echo "== total $(( $(date +%s) - T_ALL )) s"
+# Back: the ptxas lines, both test logs, both benchmark tables, the overhead log; the rest in a tarball.
+for f in ptxas_decode.txt tests.log tests_ring.log bench_decode_serial.md bench_decode_ring.md overhead.log; do
+  [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL_OUT/"
+done
+tar -czf "$FINAL_OUT/results.tar.gz" -C "$OUT" . 2>/dev/null && rm -rf "$OUT"
 exit $rc

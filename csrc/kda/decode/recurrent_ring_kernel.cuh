@@ -10,8 +10,9 @@
 //    recurrent_rules.h) two items ahead in registers, loads the per-item scalars (beta, A_log) one item
 //    ahead, and for each item issues 1-D bulk copies (cp.async.bulk ... mbarrier::complete_tx, the TMA
 //    unit) of the start-state tile, the first token's q, k, g rows, the tile's v values and dt_bias[hv]
-//    into one stage of the warp's ring, writes the item's metadata into the stage and arrives on the
-//    stage's "full" mbarrier with the byte count;
+//    into one stage of the warp's ring (the token copies first: their addresses do not wait for the slot
+//    lookup), announcing each group's bytes on the stage's "full" mbarrier, then writes the item's metadata
+//    into the stage and arrives;
 //  * a math warp waits on "full", reads everything from shared memory (no global load between the wait and
 //    the math for a decode item), runs the tokens with the same code as kda_recurrent_kernel
 //    (run_item_tokens: same tile, lane layout, reduction order, so the results are bit-identical), writes
@@ -117,18 +118,25 @@ __device__ __forceinline__ void ring_resolve(const RecurrentParams& p, int64_t i
   }
 }
 
-// Producer lane: the item's first-token scalars (loaded one item ahead of their use).
+// Producer lane: the item's first-token scalars (loaded one item ahead of their use). Their addresses do not
+// depend on the slot lookup, so they are loaded for every decoded item with tokens, active or not: the loads
+// then overlap the slot lookup instead of waiting for it.
 template <class Tile>
 __device__ __forceinline__ void ring_scalars(const RecurrentParams& p, RingItemMeta& r) {
   r.beta = 0.f;
   r.A = 0.f;
-  if (r.m.kind >= 0 && r.m.len > 0) {
+  if (r.m.kind != kNoItem && r.m.len > 0) {
     r.beta = bf16_bits_to_float(__ldg(p.beta.row<uint16_t>(r.m.batch, r.m.bos, r.m.hv)));
     if (p.gate_mode != GateMode::kPrecomputed) r.A = __expf(__ldg(p.A_log + r.m.hv));
   }
 }
 
-// Producer lane: issue the stage's bulk copies for item r and arrive on `full` with their byte count.
+// Producer lane: issue the stage's bulk copies for item r, then write its metadata and arrive on `full`.
+// The token rows and dt_bias (addresses known without the slot lookup) go first, then the state tile (its
+// slot came from a global load); each group's bytes are announced (expect_tx) before its copies, and the
+// single arrive comes last, after the metadata store, so the math warp sees both. Tokens of an inactive
+// sequence are copied too (valid addresses, never read): it keeps the token copies independent of the
+// slot lookup.
 template <class Tile>
 __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingItemMeta& r, const int flags,
                                            unsigned char* stage, uint64_t* full) {
@@ -137,20 +145,12 @@ __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingI
   using StateT = typename Tile::StateT;
   constexpr int K = Tile::K;
   const ItemMeta& m = r.m;
-  *reinterpret_cast<RingItemMeta*>(stage + Stage::kMeta) = r;  // visible to the math warp by the arrive
-  const bool load = m.kind >= 0 && m.len > 0;
-  const bool pool = load && m.kind == 1;
-  const bool dtb = load && p.dt_bias != nullptr && p.gate_mode != GateMode::kPrecomputed &&
+  const bool tokens = m.kind != kNoItem && m.len > 0;
+  const bool dtb = tokens && p.dt_bias != nullptr && p.gate_mode != GateMode::kPrecomputed &&
                    !(flags & kFlagRingDtBiasGlobal);
-  const uint32_t bytes = (pool ? Stage::kStateBytes : 0) + (load ? 3 * Stage::kTokenBytes + Stage::kVBytes : 0) +
-                         (dtb ? K * 4 : 0);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, bytes);
-  if (pool) {
-    const StateT* src = static_cast<const StateT*>(p.state) + m.slot * p.state_slot_stride + int64_t(m.hv) * K * K +
-                        int64_t(m.tile) * Tile::kRowsPerWarp * K;
-    cute::SM90_BULK_COPY_G2S::copy(src, full, stage, Stage::kStateBytes);
-  }
-  if (load) {
+  if (tokens) {
+    cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, 3 * Stage::kTokenBytes + Stage::kVBytes +
+                                                                           (dtb ? K * 4 : 0));
     const int h = m.hv / (p.HV / p.H);
     const int64_t b = m.batch, t = m.bos;
     cute::SM90_BULK_COPY_G2S::copy(p.q.row<__nv_bfloat16>(b, t, h), full, stage + Stage::kQ, Stage::kTokenBytes);
@@ -159,8 +159,16 @@ __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingI
                                    Stage::kTokenBytes);
     cute::SM90_BULK_COPY_G2S::copy(p.v.row<__nv_bfloat16>(b, t, m.hv) + m.tile * Tile::kRowsPerWarp, full,
                                    stage + Stage::kV, Stage::kVBytes);
+    if (dtb) cute::SM90_BULK_COPY_G2S::copy(p.dt_bias + int64_t(m.hv) * K, full, stage + Stage::kDtBias, K * 4);
   }
-  if (dtb) cute::SM90_BULK_COPY_G2S::copy(p.dt_bias + int64_t(m.hv) * K, full, stage + Stage::kDtBias, K * 4);
+  if (tokens && m.kind == 1) {  // a pool start state (a zero-length or inactive sequence's is never needed)
+    cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, Stage::kStateBytes);
+    const StateT* src = static_cast<const StateT*>(p.state) + m.slot * p.state_slot_stride + int64_t(m.hv) * K * K +
+                        int64_t(m.tile) * Tile::kRowsPerWarp * K;
+    cute::SM90_BULK_COPY_G2S::copy(src, full, stage, Stage::kStateBytes);
+  }
+  *reinterpret_cast<RingItemMeta*>(stage + Stage::kMeta) = r;
+  cutlass::arch::ClusterBarrier::arrive(full);  // release: the metadata store is visible after the wait
 #endif
 }
 
