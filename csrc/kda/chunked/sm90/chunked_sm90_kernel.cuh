@@ -22,6 +22,18 @@
 //   * setmaxnreg: the producer WG gives its registers to the chain WGs.
 // Numerics: fp32 state and accumulators, bf16 operands for S and the unbounded factors, fp16 for the bounded
 // R path (as the mma.sync kernel).
+// Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): inference prefill, bf16 tokens,
+// fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32 pool slots with
+// inactive slots, zero or pool start state, final state to the pool or to final_state. Everything else
+// (checkpoints, tapes, the backward chain, initial_state_source, seq_order) runs on the mma.sync kernel.
+// Known limits of this first version, in the order they are expected to matter for speed:
+//   * prep is one warpgroup doing G (gate, norms, operands) and then W (L, Mqk, inverse) for each chunk in
+//     sequence; the mma.sync kernel overlaps them on separate warps (needs double-buffered prep scratch);
+//   * operand tiles are written element by element through the swizzled CuTe tensors (16-byte stores of
+//     8 consecutive channels are possible in both swizzles);
+//   * X and O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile), and the output goes
+//     registers -> global as 2-byte stores (TMA store from a staging tile planned);
+//   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
