@@ -309,8 +309,18 @@ def chunk_kda(
         return o, _to_fla(fs, v_first)
 
     beta_k, logit = _beta_for_inference(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    pool = None if initial_state is None else _to_ours(initial_state, v_first)
-    ck_kwargs: dict[str, Any] = {}
+    # fla never writes initial_state. Ours updates a pool in place, so: state_v_first (our layout) reads
+    # the caller's tensor as a read-only source pool, no copy; fla's layout runs on a transposed copy,
+    # which then is the final state.
+    pool = src_kw = None
+    if initial_state is not None:
+        if v_first:
+            N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            ids = torch.arange(N, dtype=torch.int32, device=q.device)
+            src_kw = dict(initial_state_source=initial_state, initial_state_indices=ids)
+        else:
+            pool = _to_ours(initial_state, v_first)
+    ck_kwargs: dict[str, Any] = dict(src_kw or {})
     n = p["chunk_size"]
     if return_intermediate_states:
         ck_kwargs["checkpoint_every_n_tokens"] = n

@@ -202,7 +202,8 @@ class TArg:
     rank: bool = True  # an extra unit dim (at rank_dim) is a ValueError
     rank_dim: int = 0
     drop_rank: bool = True  # t[0] (rank - 1) is a ValueError
-    stride: str | None = None  # "last" | "flat" | "pool": a non-contiguous view is a ValueError
+    stride: str | None = None  # "last" | "flat" | "pool": a non-contiguous view is a ValueError (not for index
+    # tensors: a strided index view is read by stride, tests/test_flashinfer_compat.py)
     device: bool = True  # moving it to meta is a RuntimeError
     names: tuple = ()  # names accepted in the message (default: the argument)
 
@@ -354,13 +355,14 @@ R_TARGS: dict[str, TArg] = {
     ),
     "cu_seqlens": TArg(frozenset({"packed"}), CU_BAD, (), drop_rank=False, stride="flat"),
     "initial_state": TArg(frozenset({"pool"}), (torch.float16, torch.int32, torch.uint8), (1, 2, 3), stride="pool"),
-    "ssm_state_indices": TArg(frozenset({"indices"}), IDX_BAD, (0,), drop_rank=False, stride="flat"),
-    "num_accepted_tokens": TArg(frozenset({"spec"}), IDX_BAD, (0,), drop_rank=False, stride="flat"),
+    "ssm_state_indices": TArg(frozenset({"indices"}), IDX_BAD, (0,), drop_rank=False),
+    "num_accepted_tokens": TArg(frozenset({"spec"}), IDX_BAD, (0,), drop_rank=False),
     "initial_state_source": TArg(frozenset({"source"}), (torch.float16, torch.int32), (1, 2, 3), stride="pool"),
-    "initial_state_indices": TArg(frozenset({"source"}), IDX_BAD, (0,), drop_rank=False, stride="flat"),
-    "seq_order": TArg(frozenset({"seq_order"}), IDX_BAD, (0,), drop_rank=False, stride="flat"),
+    "initial_state_indices": TArg(frozenset({"source"}), IDX_BAD, (0,), drop_rank=False),
+    "seq_order": TArg(frozenset({"seq_order"}), IDX_BAD, (0,), drop_rank=False),
     "output": TArg(frozenset({"output"}), FLOATS, (0, 1, 2, 3), stride="last"),
-    "state_checkpoints": TArg(frozenset({"ckpt"}), FLOATS, (1, 2, 3), stride="pool"),
+    # (bf16 is accepted without a pool, so only dtypes no state may have)
+    "state_checkpoints": TArg(frozenset({"ckpt"}), (torch.float16, torch.int32, torch.uint8), (1, 2, 3), stride="pool"),
     "checkpoint_cu_starts": TArg(
         frozenset({"ckpt"}), (torch.int32, torch.float32, torch.float64), (0,), drop_rank=False, stride="flat"
     ),
@@ -458,23 +460,8 @@ def _r_flag_muts() -> list[Mut]:
 
     add("flag:num_accepted_tokens-without-spec", {"nospec"}, accepted_without_spec)
 
-    def indices_without_pool(kw, c, p):
-        kw["ssm_state_indices"] = torch.arange(c.N, dtype=torch.int32)
-        return kw, ValueError, ("ssm_state_indices",)
-
-    add("flag:ssm_state_indices-without-pool", {"nopool", "nospec"}, indices_without_pool)
-
-    def spec_without_pool(kw, c, p):
-        kw["initial_state"] = None
-        return kw, ValueError, ("initial_state",)
-
-    add("flag:spec-without-pool", {"spec"}, spec_without_pool)
-
-    def spec_without_indices(kw, c, p):
-        kw["ssm_state_indices"] = None
-        return kw, ValueError, ("ssm_state_indices",)
-
-    add("flag:spec-without-indices", {"spec"}, spec_without_indices)
+    # ssm_state_indices without a pool, and speculative decode without a pool or without indices, are
+    # accepted (FlashInfer's defaults: tests/test_flashinfer_compat.py), so they are no rejection cases.
 
     def spec_indices_1d(kw, c, p):
         kw["ssm_state_indices"] = kw["ssm_state_indices"][:, 0].contiguous()

@@ -4,7 +4,9 @@ fused_recurrent_kda, fused_recurrent_kda_fwd decode / speculative decode on a po
 chunk_kda routed to kda_ops by kda_ops.fla.install().
 
 Tolerances (relative RMS): outputs 5e-3 and states 1e-3 against the fp32 naive reference (outputs are
-bf16), gradients 1e-2; against fla's Triton kernels, which round differently, 1e-2 for everything.
+bf16), gradients 1e-2; against fla's Triton kernels, which round differently (bf16 intermediates), 1e-2
+for outputs and states and 5e-2 for gradients: the naive comparison is the check, fla's kernels the
+neighbour.
 Skipped without CUDA or without fla-core. Run: python -m pytest -q -m gpu tests/gpu/test_fla_cuda.py
 
 KDA_FLA_TEST_DEVICE=cpu runs the file on CPU as a check of the harness itself: fla's Triton kernels do not
@@ -36,7 +38,7 @@ if DEV == "cuda" and not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 BF = torch.bfloat16
-TOL_OUT, TOL_STATE, TOL_GRAD, TOL_FLA = 5e-3, 1e-3, 1e-2, 1e-2
+TOL_OUT, TOL_STATE, TOL_GRAD, TOL_FLA, TOL_FLA_GRAD = 5e-3, 1e-3, 1e-2, 1e-2, 5e-2
 TOKENS = ("q", "k", "v", "g", "beta")
 
 
@@ -128,7 +130,7 @@ def test_chunk_kda_gradients(cu) -> None:
     close(ht, h_ref.detach(), TOL_STATE, "final_state vs naive")
     for n in names:
         close(g[n], ref_leaves[n].grad, TOL_GRAD, f"d{n} vs naive")
-        close(g[n], g_f[n], TOL_FLA, f"d{n} vs fla Triton")
+        close(g[n], g_f[n], TOL_FLA_GRAD, f"d{n} vs fla Triton")
 
 
 @pytest.mark.parametrize("D", [64, 128])

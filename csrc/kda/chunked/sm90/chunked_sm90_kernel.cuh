@@ -22,6 +22,18 @@
 //   * setmaxnreg: the producer WG gives its registers to the chain WGs.
 // Numerics: fp32 state and accumulators, bf16 operands for S and the unbounded factors, fp16 for the bounded
 // R path (as the mma.sync kernel).
+// Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): inference prefill, bf16 tokens,
+// fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32 pool slots with
+// inactive slots, zero or pool start state, final state to the pool or to final_state. Everything else
+// (checkpoints, tapes, the backward chain, initial_state_source, seq_order) runs on the mma.sync kernel.
+// Known limits of this first version, in the order they are expected to matter for speed:
+//   * prep is one warpgroup doing G (gate, norms, operands) and then W (L, Mqk, inverse) for each chunk in
+//     sequence; the mma.sync kernel overlaps them on separate warps (needs double-buffered prep scratch);
+//   * operand tiles are written element by element through the swizzled CuTe tensors (16-byte stores of
+//     8 consecutive channels are possible in both swizzles);
+//   * X and O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile), and the output goes
+//     registers -> global as 2-byte stores (TMA store from a staging tile planned);
+//   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -435,37 +447,37 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       ++st_raw;
       named_sync(kBarPrep, 128);  // Km/Qm/Kn (or A', Mqk) complete
 
-      if (pwarp == 0) {
-        if (!pairwise) {
-          // L = Km Knᵀ, Mqk = Qm Knᵀ (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
-          const int gq = lane >> 2, cq = lane & 3;
-          const TileOffsets toff_a(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);
-          const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);
-          float al[2][4] = {}, aq[2][4] = {}, al2[2][4] = {}, aq2[2][4] = {};
+      if (pwarp <= 1 && !pairwise) {
+        // warp 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); warp 1 at the same time: Mqk = tril(Qm Knᵀ).
+        // (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
+        const __nv_bfloat16* asrc = pwarp == 0 ? ss.km : ss.qm;
+        const int gq = lane >> 2, cq = lane & 3;
+        const TileOffsets toff_a(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);
+        const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);
+        float al[2][4] = {}, al2[2][4] = {};
 #pragma unroll
-          for (int ks = 0; ks < kD / 16; ++ks) {
-            uint32_t fk[4], fq[4], fn[4];
-            ldsm_x4(ss.km + toff_a.at(ks), fk);
-            ldsm_x4(ss.qm + toff_a.at(ks), fq);
-            ldsm_x4(ss.kn + toff_b.at(ks), fn);
-            float(&x)[2][4] = (ks & 1) ? al2 : al;
-            float(&y)[2][4] = (ks & 1) ? aq2 : aq;
-            mma_bf16_16816(x[0], fk, fn[0], fn[1]);
-            mma_bf16_16816(x[1], fk, fn[2], fn[3]);
-            mma_bf16_16816(y[0], fq, fn[0], fn[1]);
-            mma_bf16_16816(y[1], fq, fn[2], fn[3]);
-          }
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
-              const float l = al[nt][e] + al2[nt][e], mq = aq[nt][e] + aq2[nt][e];
-              ss.ap[i * kC + jj] = jj < i ? ss.beta[i] * l : 0.f;
-              sMqk(i, jj, os) = f16_t(jj <= i ? sat_f16(mq) : 0.f);
-            }
-          __syncwarp();
+        for (int ks = 0; ks < kD / 16; ++ks) {
+          uint32_t fa[4], fn[4];
+          ldsm_x4(asrc + toff_a.at(ks), fa);
+          ldsm_x4(ss.kn + toff_b.at(ks), fn);
+          float(&x)[2][4] = (ks & 1) ? al2 : al;
+          mma_bf16_16816(x[0], fa, fn[0], fn[1]);
+          mma_bf16_16816(x[1], fa, fn[2], fn[3]);
         }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
+            const float x = al[nt][e] + al2[nt][e];
+            if (pwarp == 0)
+              ss.ap[i * kC + jj] = jj < i ? ss.beta[i] * x : 0.f;
+            else
+              sMqk(i, jj, os) = f16_t(jj <= i ? sat_f16(x) : 0.f);
+          }
+        __syncwarp();
+      }
+      if (pwarp == 0) {
         // INV = (I + A')^{-1}: 8x8 diagonal blocks by forward substitution (lane c of each half-warp owns
         // column c of its block), then X = -I2 A'21 I1. INVb = INV diag(β).
         const float* ap = ss.ap;
