@@ -31,8 +31,8 @@ with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouch
 returned fp32 final state without a pool. The pool is read once (before any write) and written once.
 
 Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``0`` (default: off), ``1`` (split whenever the
-scope allows and a sequence is longer than one segment), ``auto`` (split when the shapes say it pays:
-the unsplit grid fills at most half of the SMs and the longest sequence spans at least 4 segments).
+scope allows and a sequence is longer than one segment), ``auto`` (split when a cost model of the
+shapes says it pays, :func:`split_pays`: the unsplit critical path against 3 passes over one segment).
 ``KDA_SEQUENCE_SPLIT_TOKENS`` (a multiple of 64) forces the segment length (benchmarks, tests).
 Default off: the gain is measured by benchmarks/bench_split.py, not yet argued to never lose.
 """
@@ -46,7 +46,7 @@ import torch
 
 from kda_ops import _validate as V
 
-__all__ = ["MODE", "SEGMENT_TOKENS", "try_run", "check_cu_seqlens_cpu", "plan_segments"]
+__all__ = ["MODE", "SEGMENT_TOKENS", "try_run", "check_cu_seqlens_cpu", "plan_segments", "split_pays"]
 
 
 def _read_mode() -> str:
@@ -120,6 +120,28 @@ def plan_segments(lens: list[int], HV: int, sms: int, tokens: int = 0) -> int:
         else:
             lo = mid + 1
     return lo * m
+
+
+# Time per token of one chain when the chunked kernel runs 128 value rows per CTA, relative to 64 rows
+# (it takes 64 when the chains fill at most half of the SMs; csrc/kda/chunked/chunked_launch.cu). An
+# estimate: benchmarks/bench_split.py measures the real ratio ("one pass" against the unsplit call).
+_ROWS128_COST = 1.5
+_MARGIN = 1.25  # the split must win by this factor in the model (launches, scan, pool traffic)
+
+
+def split_pays(lens: list[int], HV: int, sms: int, Ls: int) -> bool:
+    """The ``auto`` rule: the critical path of the unsplit call (its longest sequence, at the cost of its
+    grid's rows per CTA) against the split's 3 passes (2 when no segment needs P) over Ls tokens."""
+    L = max(lens)
+    if L <= Ls:
+        return False
+    N = len(lens)
+    unsplit = L * (1.0 if N * HV * 2 <= sms else _ROWS128_COST)
+    nseg = [max(1, -(-x // Ls)) for x in lens]
+    chains = sum(nseg) * HV
+    passes = 3 if max(nseg) >= 3 else 2
+    split = passes * Ls * (1.0 if chains * 2 <= sms else _ROWS128_COST)
+    return split * _MARGIN < unsplit
 
 
 class _Plan:
@@ -220,10 +242,8 @@ def try_run(
     Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
     if max(lens) <= Ls:
         return False
-    if MODE == "auto":
-        unsplit_ctas = d.N * d.HV * 2
-        if unsplit_ctas > sms or max(lens) < 4 * Ls:
-            return False
+    if MODE == "auto" and not split_pays(lens, d.HV, sms, Ls):
+        return False
     views = [_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta, out)]
     if any(x is None for x in views):
         return False

@@ -214,3 +214,17 @@ def test_cu_seqlens_cpu_checked():
         _call(x, kw, cu_seqlens_cpu=torch.tensor([0, 100, 130], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens_cpu must end"):
         _call(x, kw, cu_seqlens_cpu=torch.tensor([0, 100, 129]))
+
+
+def test_auto_rule_on_the_benchmark_shapes():
+    """The auto cost model (132 SMs): few heads of a long sequence split, wide or short batches do not."""
+    for lens, HV, expect in (
+        ([65536], 8, True),
+        ([65536], 4, True),
+        ([8192], 32, False),
+        ([2048] * 8, 16, False),
+        ([128] * 64, 32, False),
+        ([300, 40000, 17], 2, True),
+    ):
+        Ls = _split.plan_segments(lens, HV, 132)
+        assert _split.split_pays(lens, HV, 132, Ls) == expect, (lens, HV, Ls)
