@@ -331,3 +331,127 @@ def _run(pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mo
             keep = pool.index_select(0, slot)
             vals = torch.where((m >= 0).view(-1, 1, 1, 1), fin.index_select(0, m.clamp_min(0)).to(pool.dtype), keep)
             pool.index_copy_(0, slot, vals)
+
+
+# ---------------------------------------------------------------------------------------------------
+# training: kda_ops.kda (forward and backward split the same way)
+
+
+class _SegmentIndex:
+    """Segments in token order, grouped by segment index over the split sequences (host lists)."""
+
+    def __init__(self, pl: _Plan) -> None:
+        self.first, self.last = [], []  # per sequence: its first and last segment (token order)
+        s = 0
+        for P in pl.nseg:
+            self.first.append(s)
+            self.last.append(s + P - 1)
+            s += P
+        self.nseg_total = s
+        # by_j[j]: the segments j of the split sequences that have more than j segments
+        self.by_j = [[self.first[n] + j for n in pl.split_ids if pl.nseg[n] > j] for j in range(pl.maxP)]
+
+
+def _train_fwd(q, k, v, g, beta, A, dtb, h0, cu, sc, lb):  # type: ignore[no-untyped-def]
+    return torch.ops.kda.recurrent_kda_training_forward.default(q, k, v, g, beta, A, dtb, h0, cu, sc, lb)
+
+
+class _TrainingSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: ignore[no-untyped-def]
+        dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+        views = [_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta)]
+        q1, k1, v1, g1, b1 = views
+        si = _SegmentIndex(pl)
+        S_tot = si.nseg_total
+        pdt = h0.dtype
+        cu = _device_tensor(pl.cu, torch.int64, dev)
+        first = _device_tensor(si.first, torch.int64, dev)
+        h0c = h0.contiguous() if h0.stride(0) != 0 else torch.zeros((N, HV, Vd, K), dtype=pdt, device=dev)
+        # Q pass: every segment, the first of each sequence from its real start state, the others from 0
+        start_q = torch.zeros((S_tot, HV, Vd, K), dtype=pdt, device=dev)
+        start_q.index_copy_(0, first, h0c)
+        _, Qs, _, _ = _train_fwd(q1, k1, v1, g1, b1, A, dtb, start_q, cu, sc, lb)
+        Ps = None
+        if pl.M > 0:  # P pass (the backward needs the P of every segment but the first)
+            v0 = torch.zeros((1, v1.shape[1], HV, K), dtype=v1.dtype, device=dev)
+            eye = torch.eye(K, dtype=pdt, device=dev).expand(S_tot, HV, K, K).contiguous()
+            _, Ps, _, _ = _train_fwd(q1, k1, v0, g1, b1, A, dtb, eye, cu, sc, lb)
+        # scan over segment indices, batched over the split sequences
+        S = start_q.clone()
+        for j in range(1, pl.maxP):
+            cur = _device_tensor(si.by_j[j], torch.int64, dev)
+            prev = _device_tensor([x - 1 for x in si.by_j[j]], torch.int64, dev)  # segment j - 1: the one before
+            if j == 1:
+                nxt = Qs.index_select(0, prev)
+            else:
+                assert Ps is not None
+                nxt = torch.baddbmm(
+                    Qs.index_select(0, prev).view(-1, Vd, K),
+                    S.index_select(0, prev).view(-1, Vd, K),
+                    Ps.index_select(0, prev).view(-1, K, K),
+                ).view(-1, HV, Vd, K)
+            S.index_copy_(0, cur, nxt)
+        # output pass from the exact start states (tapes per segment, for the backward)
+        o, fs_seg, tapes, starts = _train_fwd(q1, k1, v1, g1, b1, A, dtb, S, cu, sc, lb)
+        fs = fs_seg.index_select(0, _device_tensor(si.last, torch.int64, dev))
+        ctx.save_for_backward(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, Ps)
+        ctx.pl, ctx.si, ctx.d, ctx.sc, ctx.lb = pl, si, d, sc, lb
+        ctx.shapes = [tuple(x.shape) for x in (q, k, v, g, beta)]
+        return o.view(v.shape), fs
+
+    @staticmethod
+    def backward(ctx, do, dfs):  # type: ignore[no-untyped-def]
+        q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, Ps = ctx.saved_tensors
+        pl, si, d = ctx.pl, ctx.si, ctx.d
+        dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+        pdt = S.dtype
+        do1 = (torch.zeros(v1.shape, dtype=v1.dtype, device=dev) if do is None else do).reshape(v1.shape).contiguous()
+        if dfs is None:
+            dfs = torch.zeros((N, HV, Vd, K), dtype=pdt, device=dev)
+        S_tot = si.nseg_total
+        last = _device_tensor(si.last, torch.int64, dev)
+        dS_end = torch.zeros((S_tot, HV, Vd, K), dtype=pdt, device=dev)
+        dS_end.index_copy_(0, last, dfs.contiguous())
+        bwd = torch.ops.kda.recurrent_kda_training_backward.default
+        if pl.M > 0:
+            # G pass: every segment's start-state gradient with a zero end-state gradient
+            zero = torch.zeros_like(dS_end)
+            G = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, zero, ctx.sc, ctx.lb)[7]
+            # reverse scan: dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)
+            for j in range(pl.maxP - 2, -1, -1):
+                nxt = _device_tensor(si.by_j[j + 1], torch.int64, dev)
+                cur = _device_tensor([x - 1 for x in si.by_j[j + 1]], torch.int64, dev)
+                val = torch.baddbmm(
+                    G.index_select(0, nxt).view(-1, Vd, K),
+                    dS_end.index_select(0, nxt).view(-1, Vd, K),
+                    Ps.index_select(0, nxt).view(-1, K, K).transpose(-1, -2),
+                ).view(-1, HV, Vd, K)
+                dS_end.index_copy_(0, cur, val)
+        grads = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, dS_end, ctx.sc, ctx.lb)
+        dq, dk, dv, dg, dbeta, dA, ddtb, dinit = grads
+        dh0 = dinit.index_select(0, _device_tensor(si.first, torch.int64, dev))
+        toks = [t.view(shape) for t, shape in zip((dq, dk, dv, dg, dbeta), ctx.shapes, strict=True)]
+        return (*toks, dA, ddtb.view(-1, K), dh0, None, None, None, None)
+
+
+def try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb):  # type: ignore[no-untyped-def]
+    """The split of :func:`kda_ops.kda` (eager autograd): (o, final_state) or None (out of scope: the
+    caller runs the unsplit op). Same scope rules as :func:`try_run`; packed input only with cu_seqlens
+    on the host (kda has no host mirror argument)."""
+    if MODE == "0" or d.N == 0 or d.B * d.T == 0:
+        return None
+    if torch.compiler.is_compiling() or d.dev_type == "meta" or type(q) is not torch.Tensor:
+        return None
+    if d.on_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    lens = _host_lengths(d, cu_seqlens, None)
+    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
+        return None
+    sms = _sms(d.device)
+    Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
+    if max(lens) <= Ls or (MODE == "auto" and not split_pays(lens, d.HV, sms, Ls)):
+        return None
+    if any(_packed_view(x, d.B, d.T) is None for x in (q, k, v, g, beta)):
+        return None
+    return _TrainingSplit.apply(q, k, v, g, beta, A, dtb, h0, _Plan(lens, Ls), d, sc, lb)

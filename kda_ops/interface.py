@@ -632,5 +632,7 @@ def kda(
     if h0 is None:  # zeros as a stride-0 view: autograd saves one element, not [N, HV, V, K]
         h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
+    if _split.MODE != "0" and (res := _split.try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb)) is not None:
+        return res[0], (res[1] if ofs else None)  # the exact segment split (kda_ops/_split.py)
     o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     return o, (fs if ofs else None)

@@ -228,3 +228,59 @@ def test_auto_rule_on_the_benchmark_shapes():
     ):
         Ls = _split.plan_segments(lens, HV, 132)
         assert _split.split_pays(lens, HV, 132, Ls) == expect, (lens, HV, Ls)
+
+
+# ---------------------------------------------------------------------------------------------------
+# training (kda_ops.kda): forward and every gradient, split vs unsplit
+
+
+def _training_case(lens, B=1, T=200, HV=2, dtype=torch.float32, seed=0):  # type: ignore[no-untyped-def]
+    x, kw = _inputs(lens, B=B, HV=HV, gate="lower_bound", slow=True, dtype=dtype, seed=seed)
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    N = len(lens) if lens is not None else B
+    gen = torch.Generator().manual_seed(seed + 50)
+    extra = dict(
+        A_log=kw["A_log"].to(pdt),
+        dt_bias=kw["dt_bias"].to(pdt),
+        h0=(torch.randn(N, HV, V, K, generator=gen) * 0.3).to(pdt),
+        do=torch.randn(x["v"].shape, generator=gen).to(dtype),
+        dfinal=torch.randn(N, HV, V, K, generator=gen).to(pdt),
+    )
+    return x, kw.get("cu_seqlens"), extra
+
+
+def _training_run(x, cu, e):  # type: ignore[no-untyped-def]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    A = e["A_log"].clone().requires_grad_(True)
+    dtb = e["dt_bias"].clone().requires_grad_(True)
+    h0 = e["h0"].clone().requires_grad_(True)
+    o, fs = kda_ops.kda(*leaves.values(), A, dtb, h0, cu_seqlens=cu, lower_bound=-5.0, output_final_state=True)
+    ((o * e["do"]).sum() + (fs * e["dfinal"]).sum()).backward()
+    res = {"o": o.detach(), "fs": fs.detach(), "dA": A.grad, "ddtb": dtb.grad, "dh0": h0.grad}
+    res.update({"d" + n: t.grad for n, t in leaves.items()})
+    return res
+
+
+@pytest.mark.parametrize(
+    "lens,B,dtype",
+    [(LONG_AMONG_SHORT, 1, torch.float32), (None, 2, torch.float32), ([130, 257, 3], 1, torch.float64)],
+)
+def test_training_split_matches_unsplit(split_on, monkeypatch, lens, B, dtype):  # type: ignore[no-untyped-def]
+    x, cu, e = _training_case(lens, B=B, dtype=dtype, seed=11)
+    got = _training_run(x, cu, e)
+    assert len(split_on) == 0  # the prefill counter: the training split has its own path
+    monkeypatch.setattr(_split, "MODE", "0")
+    ref = _training_run(x, cu, e)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for key in ref:
+        assert got[key].shape == ref[key].shape, key
+        assert rel_rms(got[key], ref[key]) <= tol, (key, rel_rms(got[key], ref[key]))
+
+
+def test_training_split_runs(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    calls = []
+    real = _split._TrainingSplit.apply
+    monkeypatch.setattr(_split._TrainingSplit, "apply", lambda *a: (calls.append(a[8]), real(*a))[1])
+    x, cu, e = _training_case([300, 20], seed=12)
+    _training_run(x, cu, e)
+    assert len(calls) == 1 and calls[0].nseg == [5, 1]
