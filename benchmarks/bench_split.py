@@ -237,11 +237,55 @@ def cp_table(args: Any, kda_ops: Any) -> None:
     write_results(args.out, "bench_split_cp", header, rows, records, notes)
 
 
+def training_table(args: Any, kda_ops: Any) -> None:
+    """kda_ops.kda forward + backward, split vs unsplit (eager autograd), one sequence, K = V = 128."""
+    from kda_ops import _split
+
+    rows, records = [], []
+    for name, H, T in (
+        ("train H=8 T=65536", 8, 65536),
+        ("train H=4 T=65536", 4, 65536),
+        ("train H=32 T=8192", 32, 8192),
+    ):
+        if args.quick and T > 16384:
+            T = 16384
+        d = make_prefill(H, [T])
+        leaves = [d[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+        A = d["A_log"].clone().requires_grad_(True)
+        dtb = d["dt_bias"].clone().requires_grad_(True)
+        do = torch.randn_like(d["v"])
+
+        def step() -> Any:
+            o, _ = kda_ops.kda(*leaves, A, dtb, None, lower_bound=LOWER_BOUND)
+            o.backward(do)
+
+        rec: dict[str, Any] = dict(case=name, H=H, T=T)
+        for label, mode, tokens in (("unsplit", "0", 0), ("split auto-plan", "1", 0)):
+            rec[label], err = try_call(lambda mode=mode, tokens=tokens: cuda_time_ms(with_split(mode, tokens, step)))
+            if err:
+                print(f"[{label}] {name}: {err}", flush=True)
+        rec["auto Ls"] = _split.plan_segments([T], H, torch.cuda.get_device_properties(0).multi_processor_count)
+        records.append(rec)
+        rows.append([name, fmt(rec["unsplit"]), f"{fmt(rec['split auto-plan'])} (Ls={rec['auto Ls']})",
+                     ratio(rec["unsplit"], rec["split auto-plan"])])  # fmt: skip
+        print(f"[case] {name}: {rec}", flush=True)
+        d.clear()
+        torch.cuda.empty_cache()
+    header = ["case", "unsplit fwd+bwd ms", "split fwd+bwd ms", "unsplit / split"]
+    notes = [
+        f"# training forward + backward (kda_ops.kda, eager autograd), {torch.cuda.get_device_name()}",
+        "K=V=128, lower-bound gate -5, logit beta, L2 norm, bf16 tokens, no initial state",
+        "split: 3 forward passes (Q, P, outputs with tapes) + 2 backward passes (G, gradients) over segments",
+    ]
+    write_results(args.out, "bench_split_train", header, rows, records, notes)
+
+
 def main() -> None:
     def extra(ap: Any) -> None:
         ap.add_argument("--cases", default="", help="comma list of case indices (default: all)")
         ap.add_argument("--no-cp", action="store_true", help="skip the context-parallel table")
         ap.add_argument("--no-prefill", action="store_true", help="skip the prefill table")
+        ap.add_argument("--no-train", action="store_true", help="skip the training split table")
         ap.add_argument("--link-gbps", type=float, default=150.0, help="assumed all_gather bandwidth per GPU")
         ap.add_argument("--link-latency-us", type=float, default=20.0, help="assumed latency per collective")
 
@@ -250,6 +294,8 @@ def main() -> None:
 
     if not args.no_prefill:
         prefill_table(args, kda_ops)
+    if not args.no_train:
+        training_table(args, kda_ops)
     if not args.no_cp:
         cp_table(args, kda_ops)
 

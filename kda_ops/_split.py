@@ -30,6 +30,11 @@ Supported: every gate mode, β logits or not, L2 norm or not, GQA, a pool (bf16/
 with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouched), ``output=``, the
 returned fp32 final state without a pool. The pool is read once (before any write) and written once.
 
+Training (:func:`kda_ops.kda`, eager autograd; :class:`_TrainingSplit`): the same three passes with the
+training forward op (the output pass keeps its per-segment tapes), and a backward of two training
+backward passes over the segments: G (zero end-state gradients), a reverse scan
+``dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)``, then the gradients from the exact end-state gradients.
+
 Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``0`` (default: off), ``1`` (split whenever the
 scope allows and a sequence is longer than one segment), ``auto`` (split when a cost model of the
 shapes says it pays, :func:`split_pays`: the unsplit critical path against 3 passes over one segment).

@@ -200,3 +200,32 @@ def test_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def
     torch.cuda.synchronize()
     assert len(split_on) == 1
     assert_close_rms(out, eager, TOL_OUT, "captured (unsplit) vs eager (split)")
+
+
+def _kda_run(x, kw, h0, do, dfinal):  # type: ignore[no-untyped-def]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    A = kw["A_log"].clone().requires_grad_(True)
+    dtb = kw["dt_bias"].clone().requires_grad_(True)
+    h = h0.clone().requires_grad_(True)
+    o, fs = kda_ops.kda(*leaves.values(), A, dtb, h, lower_bound=-5.0, output_final_state=True)
+    ((o.float() * do.float()).sum() + (fs * dfinal).sum()).backward()
+    res = {"o": o.detach(), "fs": fs.detach(), "dA_log": A.grad, "ddt_bias": dtb.grad, "dh0": h.grad}
+    res.update({"d" + n: t.grad for n, t in leaves.items()})
+    return res
+
+
+def test_training_split_vs_unsplit(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """kda_ops.kda (training forward + backward) split into 512-token segments, fixed layout B=2."""
+    x, kw = make(None, B=2, T=2048, gate="lower_bound", slow=True, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    h0 = (torch.randn(2, 2, K, K, generator=gen) * 0.3).to(DEV)
+    do = torch.randn(x["v"].shape, generator=gen).to(torch.bfloat16).to(DEV)
+    dfinal = torch.randn(2, 2, K, K, generator=gen).to(DEV)
+    got = _kda_run(x, kw, h0, do, dfinal)
+    again = _kda_run(x, kw, h0, do, dfinal)
+    monkeypatch.setattr(_split, "MODE", "0")
+    ref = _kda_run(x, kw, h0, do, dfinal)
+    for key in ref:
+        tol = TOL_OUT if key == "o" else (TOL_STATE_FP32 if key == "fs" else 1e-2)
+        assert_close_rms(got[key], ref[key], tol, key)
+        assert torch.equal(got[key], again[key]), key  # deterministic
