@@ -21,7 +21,8 @@ Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens
 instead of N·HV, so the split pays when N·HV is small against the SM count and the sequences are long.
 
 Scope (everything else takes the unsplit path, results identical up to floating point):
-  - prefill without speculative decode, checkpoints or ``initial_state_source``;
+  - prefill without speculative decode or ``initial_state_source``; checkpoints every n tokens when the
+    segments can be a multiple of n (the output pass writes them, each segment at its own rows);
   - host-known lengths: fixed layout (T from the shapes), or packed with ``cu_seqlens`` on the host (the
     CPU path) or its host mirror ``cu_seqlens_cpu`` (never a device sync);
   - not under torch.compile tracing, CUDA graph capture (the passes allocate scratch), FakeTensor/meta;
@@ -44,6 +45,7 @@ Default off: the gain is measured by benchmarks/bench_split.py, not yet argued t
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -108,13 +110,14 @@ def check_cu_seqlens_cpu(cu_seqlens_cpu: Any, cu_seqlens: torch.Tensor | None, d
     return host
 
 
-def plan_segments(lens: list[int], HV: int, sms: int, tokens: int = 0) -> int:
-    """Segment length (a multiple of 64): the shortest whose chains Σ_n ceil(L_n / Ls) · HV fit the SMs.
+def plan_segments(lens: list[int], HV: int, sms: int, tokens: int = 0, multiple: int = SEGMENT_MULTIPLE) -> int:
+    """Segment length (a multiple of ``multiple``, itself a multiple of 64): the shortest whose chains
+    Σ_n ceil(L_n / Ls) · HV fit the SMs.
 
     ``tokens`` > 0 forces it. A sequence no longer than one segment stays whole."""
     if tokens > 0:
         return tokens
-    m = SEGMENT_MULTIPLE
+    m = multiple
     hi = max(1, -(-max(lens) // m))  # one segment per sequence
     lo = 1
     while lo < hi:  # chains decrease with the segment length: binary search on Ls / 64
@@ -230,6 +233,8 @@ def try_run(
     l2: bool,
     logit: bool,
     backend_code: int,
+    n_ck: int = 0,
+    ck: torch.Tensor | None = None,
 ) -> bool:
     """Runs a validated prefill call split into segments, writing ``out``, ``final`` (fp32 [N, HV, V, K]
     or None) and the pool exactly as the unsplit op would. Returns False (nothing done) when the call is
@@ -244,8 +249,11 @@ def try_run(
     if lens is None or max(lens) <= SEGMENT_MULTIPLE:
         return False
     sms = _sms(d.device)
-    Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
-    if max(lens) <= Ls:
+    # checkpoints every n tokens: segments of a multiple of n tokens keep every checkpoint inside one
+    # segment, at a row the segment's own checkpoint_cu_starts entry points to
+    multiple = SEGMENT_MULTIPLE * n_ck // math.gcd(SEGMENT_MULTIPLE, n_ck) if n_ck > 0 else SEGMENT_MULTIPLE
+    Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS, multiple)
+    if max(lens) <= Ls or Ls % multiple != 0:
         return False
     if MODE == "auto" and not split_pays(lens, d.HV, sms, Ls):
         return False
@@ -254,11 +262,14 @@ def try_run(
         return False
     q1, k1, v1, g1, b1, o1 = views
     pl = _Plan(lens, Ls)
-    _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code)
+    _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code,
+         n_ck, ck)  # fmt: skip
     return True
 
 
-def _run(pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend):  # type: ignore[no-untyped-def]
+def _run(
+    pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend, n_ck=0, ck=None
+):  # type: ignore[no-untyped-def]
     op = torch.ops.kda.recurrent_kda.default
     dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
     sdt = torch.float64 if pool is not None and pool.dtype == torch.float64 else torch.float32
@@ -316,8 +327,18 @@ def _run(pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mo
     if valid is not None:
         seg_seq = _device_tensor(pl.seq_of_seg, torch.int64, dev)
         rows = torch.where(valid.index_select(0, seg_seq), rows, torch.full_like(rows, -1))
-    op(q, k, v, g, beta, A, dtb, states, None, None, cu, rows, None, None, out, None, None, None,
-       None, sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+    ck_starts = None
+    if n_ck > 0:
+        # segment j of sequence n writes the rows of its checkpoints: the sequence's first row + j Ls / n
+        per = pl.Ls // n_ck
+        seq_rows, starts = [0], []
+        for L in pl.lens:
+            seq_rows.append(seq_rows[-1] + -(-L // n_ck))
+        for n, P in enumerate(pl.nseg):
+            starts += [seq_rows[n] + j * per for j in range(P)]
+        ck_starts = _device_tensor(starts + [seq_rows[-1]], torch.int64, dev)
+    op(q, k, v, g, beta, A, dtb, states, None, None, cu, rows, None, None, out, None, ck, ck_starts,
+       None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, False)  # fmt: skip
 
     fin = states.index_select(0, _device_tensor(pl.final_rows, torch.int64, dev))
     if final is not None:

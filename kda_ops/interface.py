@@ -291,11 +291,12 @@ def recurrent_kda(
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
     # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, off by default)
-    if _split.MODE != "0" and S == 0 and n_ck == 0 and source is None and _split.try_run(
+    if _split.MODE != "0" and S == 0 and source is None and _split.try_run(
         d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2, logit,
-        backend_code,
+        backend_code, n_ck, ck,
     ):  # fmt: skip
-        return out, ((pool if pool is not None else final) if out_final else None)
+        final_ret = (pool if pool is not None else final) if out_final else None
+        return (out, final_ret, ck) if n_ck > 0 else (out, final_ret)
     _recurrent_kda_op(
         q,
         k,

@@ -160,9 +160,10 @@ def test_split_deterministic(split_on):  # type: ignore[no-untyped-def]
 
 
 def test_split_falls_back(split_on):  # type: ignore[no-untyped-def]
-    """Checkpoints and a read-only source pool take the unsplit path; short sequences are not split."""
+    """Checkpoints at a period the segments are not a multiple of (48 vs 64-token segments) and a read-only
+    source pool take the unsplit path; short sequences are not split."""
     x, kw = _inputs([300, 20], gate="lower_bound", seed=6)
-    _call(x, kw, checkpoint_every_n_tokens=64)
+    _call(x, kw, checkpoint_every_n_tokens=48)
     src = torch.zeros(2, 2, V, K)
     _call(
         x, kw, initial_state=torch.zeros(2, 2, V, K), initial_state_source=src,
@@ -284,3 +285,22 @@ def test_training_split_runs(split_on, monkeypatch):  # type: ignore[no-untyped-
     x, cu, e = _training_case([300, 20], seed=12)
     _training_run(x, cu, e)
     assert len(calls) == 1 and calls[0].nseg == [5, 1]
+
+
+@pytest.mark.parametrize("n_ck,tokens", [(32, 64), (64, 64), (48, 0)])
+def test_split_checkpoints(split_on, monkeypatch, n_ck, tokens):  # type: ignore[no-untyped-def]
+    """Checkpoints every n tokens from the output pass: each segment writes its own rows (n = 48 with the
+    automatic plan: segments of a multiple of lcm(64, 48) = 192 tokens)."""
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", tokens)
+    x, kw = _inputs([5, 300, 17, 0, 450], gate="softplus", slow=True, seed=13)
+    h0 = torch.randn(5, 2, V, K, generator=torch.Generator().manual_seed(14)) * 0.3
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        pool = h0.clone()
+        res.append(_call(x, kw, initial_state=pool, output_final_state=True, checkpoint_every_n_tokens=n_ck))
+    assert len(split_on) == 1
+    (o_s, f_s, ck_s), (o_u, f_u, ck_u) = res
+    assert ck_s.shape == ck_u.shape
+    for a, b in ((o_s, o_u), (f_s, f_u), (ck_s, ck_u)):
+        assert rel_rms(a, b) <= 1e-5, rel_rms(a, b)

@@ -229,3 +229,21 @@ def test_training_split_vs_unsplit(split_on, monkeypatch):  # type: ignore[no-un
         tol = TOL_OUT if key == "o" else (TOL_STATE_FP32 if key == "fs" else 1e-2)
         assert_close_rms(got[key], ref[key], tol, key)
         assert torch.equal(got[key], again[key]), key  # deterministic
+
+
+@pytest.mark.parametrize("n_ck", [64, 256])
+def test_split_checkpoints_across_segments(split_on, monkeypatch, n_ck):  # type: ignore[no-untyped-def]
+    """Checkpoints every n tokens written by the output pass, each segment at its own rows."""
+    x, kw = make(LONG_AMONG_SHORT, gate="lower_bound", slow=True, seed=12)
+    N = len(LONG_AMONG_SHORT)
+    h0 = (torch.randn(N, 2, K, K, generator=torch.Generator().manual_seed(13)) * 0.3).to(DEV)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        pool = h0.clone()
+        res.append(call(x, kw, initial_state=pool, output_final_state=True, checkpoint_every_n_tokens=n_ck))
+    assert len(split_on) == 1
+    (o_s, f_s, ck_s), (o_u, f_u, ck_u) = res
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
+    assert_close_rms(ck_s, ck_u, TOL_STATE_FP32, "checkpoints")
