@@ -21,15 +21,16 @@ Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens
 instead of N·HV, so the split pays when N·HV is small against the SM count and the sequences are long.
 
 Scope (everything else takes the unsplit path, results identical up to floating point):
-  - prefill without speculative decode or ``initial_state_source``; checkpoints every n tokens when the
+  - prefill without speculative decode; checkpoints every n tokens when the
     segments can be a multiple of n (the output pass writes them, each segment at its own rows);
   - host-known lengths: fixed layout (T from the shapes), or packed with ``cu_seqlens`` on the host (the
     CPU path) or its host mirror ``cu_seqlens_cpu`` (never a device sync);
   - not under torch.compile tracing, CUDA graph capture (the passes allocate scratch), FakeTensor/meta;
   - fixed layout with B > 1 only when the token tensors view as one packed row.
 Supported: every gate mode, β logits or not, L2 norm or not, GQA, a pool (bf16/fp32, any slot stride)
-with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouched), ``output=``, the
-returned fp32 final state without a pool. The pool is read once (before any write) and written once.
+with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouched), a read-only
+``initial_state_source`` (read once, never written), ``output=``, the returned fp32 final state without a
+pool. The pool is read once (before any write) and written once.
 
 Training (:func:`kda_ops.kda`, eager autograd; :class:`_TrainingSplit`): the same three passes with the
 training forward op (the output pass keeps its per-segment tapes), and a backward of two training
@@ -235,6 +236,8 @@ def try_run(
     backend_code: int,
     n_ck: int = 0,
     ck: torch.Tensor | None = None,
+    source: torch.Tensor | None = None,
+    src_idx: torch.Tensor | None = None,
 ) -> bool:
     """Runs a validated prefill call split into segments, writing ``out``, ``final`` (fp32 [N, HV, V, K]
     or None) and the pool exactly as the unsplit op would. Returns False (nothing done) when the call is
@@ -263,30 +266,42 @@ def try_run(
     q1, k1, v1, g1, b1, o1 = views
     pl = _Plan(lens, Ls)
     _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code,
-         n_ck, ck)  # fmt: skip
+         n_ck, ck, source, src_idx)  # fmt: skip
     return True
 
 
 def _run(
-    pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend, n_ck=0, ck=None
-):  # type: ignore[no-untyped-def]
+    pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend,
+    n_ck=0, ck=None, source=None, src_idx=None,
+):  # type: ignore[no-untyped-def]  # fmt: skip
     op = torch.ops.kda.recurrent_kda.default
     dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
-    sdt = torch.float64 if pool is not None and pool.dtype == torch.float64 else torch.float32
+    f64 = d.dtype == torch.float64 or any(t is not None and t.dtype == torch.float64 for t in (pool, source))
+    sdt = torch.float64 if f64 else torch.float32  # (fp64 only on the CPU path)
     M, mp = pl.M, pl.maxP
     cu = _device_tensor(pl.cu, torch.int64, dev)
 
     # start states, read before anything is written (inactive sequences: zeros, never written back)
-    valid = None
-    if pool is None:
+    # valid: active sequences (None: all); slot: each sequence's pool slot (clamped into the pool)
+    valid = slot = None
+    if pool is not None:
+        if ssm_idx is None:
+            slot = torch.arange(N, device=dev)
+        else:
+            idx = ssm_idx.to(torch.int64)
+            valid = (idx >= 0) & (idx < pool.shape[0])
+            slot = torch.where(valid, idx, torch.zeros_like(idx))
+    if source is not None:  # start states from the read-only source (out of range: inactive)
+        si = src_idx.to(torch.int64)
+        ok = (si >= 0) & (si < source.shape[0])
+        src_rows = source.index_select(0, torch.where(ok, si, torch.zeros_like(si)))
+        start0 = torch.where(ok.view(-1, 1, 1, 1), src_rows.to(sdt), 0.0)
+        valid = ok if valid is None else valid & ok
+    elif pool is None:
         start0 = torch.zeros((N, HV, Vd, K), dtype=sdt, device=dev)
     elif ssm_idx is None:
         start0 = pool[:N].to(sdt)
-        slot = None
     else:
-        idx = ssm_idx.to(torch.int64)
-        valid = (idx >= 0) & (idx < pool.shape[0])
-        slot = torch.where(valid, idx, torch.zeros_like(idx))
         start0 = torch.where(valid.view(-1, 1, 1, 1), pool.index_select(0, slot).to(sdt), 0.0)
 
     # pass 3's pool: row j*M + m for segment j of split sequence m (segment-major, so that one segment
@@ -341,8 +356,8 @@ def _run(
        None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, False)  # fmt: skip
 
     fin = states.index_select(0, _device_tensor(pl.final_rows, torch.int64, dev))
-    if final is not None:
-        final.copy_(fin)
+    if final is not None:  # (no pool) inactive sequences keep the zeros of the new final state
+        final.copy_(fin if valid is None else torch.where(valid.view(-1, 1, 1, 1), fin, 0.0))
     if pool is not None:
         if valid is None:
             pool[:N] = fin.to(pool.dtype)

@@ -291,9 +291,9 @@ def recurrent_kda(
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
     # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, off by default)
-    if _split.MODE != "0" and S == 0 and source is None and _split.try_run(
+    if _split.MODE != "0" and S == 0 and _split.try_run(
         d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2, logit,
-        backend_code, n_ck, ck,
+        backend_code, n_ck, ck, source, src_idx,
     ):  # fmt: skip
         final_ret = (pool if pool is not None else final) if out_final else None
         return (out, final_ret, ck) if n_ck > 0 else (out, final_ret)

@@ -160,15 +160,10 @@ def test_split_deterministic(split_on):  # type: ignore[no-untyped-def]
 
 
 def test_split_falls_back(split_on):  # type: ignore[no-untyped-def]
-    """Checkpoints at a period the segments are not a multiple of (48 vs 64-token segments) and a read-only
-    source pool take the unsplit path; short sequences are not split."""
+    """Checkpoints at a period the segments are not a multiple of (48 vs 64-token segments) take the
+    unsplit path; short sequences are not split."""
     x, kw = _inputs([300, 20], gate="lower_bound", seed=6)
     _call(x, kw, checkpoint_every_n_tokens=48)
-    src = torch.zeros(2, 2, V, K)
-    _call(
-        x, kw, initial_state=torch.zeros(2, 2, V, K), initial_state_source=src,
-        initial_state_indices=torch.tensor([0, 1], dtype=torch.int32),
-    )  # fmt: skip
     y, kw2 = _inputs([60, 20], gate="lower_bound", seed=6)
     _call(y, kw2)
     assert split_on == []
@@ -304,3 +299,29 @@ def test_split_checkpoints(split_on, monkeypatch, n_ck, tokens):  # type: ignore
     assert ck_s.shape == ck_u.shape
     for a, b in ((o_s, o_u), (f_s, f_u), (ck_s, ck_u)):
         assert rel_rms(a, b) <= 1e-5, rel_rms(a, b)
+
+
+@pytest.mark.parametrize("with_pool", [True, False])
+def test_split_initial_state_source(split_on, monkeypatch, with_pool):  # type: ignore[no-untyped-def]
+    """Start states from a read-only source (an out-of-range index: inactive), results to the pool slots
+    or to the returned final state; the source is never written."""
+    lens = [260, 30, 200]
+    x, kw = _inputs(lens, gate="lower_bound", slow=True, seed=15)
+    gen = torch.Generator().manual_seed(16)
+    source = torch.randn(4, 2, V, K, generator=gen) * 0.3
+    src_idx = torch.tensor([2, 0, 7], dtype=torch.int32)  # sequence 2 inactive (7 >= 4)
+    base = torch.randn(3, 2, V, K, generator=gen)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        src = source.clone()
+        pool = base.clone() if with_pool else None
+        o, fs = _call(x, kw, initial_state=pool, initial_state_source=src, initial_state_indices=src_idx,
+                      output_final_state=True)  # fmt: skip
+        assert torch.equal(src, source)
+        res.append((o, fs.clone()))
+    assert len(split_on) == 1
+    (o_s, f_s), (o_u, f_u) = res
+    assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
+    assert torch.equal(o_s[0, 290:], torch.zeros_like(o_s[0, 290:]))
+    assert torch.equal(f_s[2], base[2] if with_pool else torch.zeros_like(f_s[2]))

@@ -247,3 +247,24 @@ def test_split_checkpoints_across_segments(split_on, monkeypatch, n_ck):  # type
     assert_close_rms(o_s, o_u, TOL_OUT, "output")
     assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
     assert_close_rms(ck_s, ck_u, TOL_STATE_FP32, "checkpoints")
+
+
+def test_split_initial_state_source(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    lens = [3000, 30, 2000]
+    x, kw = make(lens, gate="lower_bound", slow=True, seed=14)
+    gen = torch.Generator().manual_seed(15)
+    source = (torch.randn(4, 2, K, K, generator=gen) * 0.3).to(DEV)
+    src_idx = torch.tensor([2, 0, 7], dtype=torch.int32, device=DEV)  # sequence 2 inactive
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        src = source.clone()
+        o, fs = call(x, kw, initial_state_source=src, initial_state_indices=src_idx, output_final_state=True)
+        assert torch.equal(src, source)
+        res.append((o, fs))
+    assert len(split_on) == 1
+    (o_s, f_s), (o_u, f_u) = res
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
+    assert torch.equal(o_s[0, 3030:], torch.zeros_like(o_s[0, 3030:]))
+    assert torch.equal(f_s[2], torch.zeros_like(f_s[2]))
