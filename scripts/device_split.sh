@@ -32,8 +32,8 @@ stage() {  # stage NAME SECONDS CMD...: run under timeout, log to $OUT/NAME.log
 
 for s in $STAGES; do
   case $s in
-    build) stage build 240 python3 setup.py -q build_ext --inplace || exit 1 ;;
-    tests) stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_split_cuda.py \
+    build) stage build 200 python3 setup.py -q build_ext --inplace || exit 1 ;;
+    tests) stage tests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_split_cuda.py \
              tests/test_split.py tests/test_distributed.py ;;
     bench) stage bench 200 python3 benchmarks/bench_split.py --out "$OUT" ${BENCH_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
