@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check of the exact sequence split and of context parallelism: build for sm_90a, run the GPU split
 # tests (tests/gpu/test_split_cuda.py) and the distributed tests (gloo, 2 and 4 processes; the CUDA case
-# shares the one GPU between 2 processes), then benchmarks/bench_split.py. Logs and tables go to $OUT
-# (at most 8 files). The whole run stays within ~5 minutes on an H200 machine with 16 cores.
+# shares the one GPU between 4 processes), then benchmarks/bench_split.py. Logs and tables go to $OUT
+# (6 files: gpu.txt, build.log, tests.log, bench.log, bench_split.md with every table and
+# bench_split_json.tgz). The whole run stays within ~5 minutes on an H200 machine with 16 cores.
 #
 #   OUT=/some/dir bash scripts/device_split.sh
 #   STAGES="tests bench" bash scripts/device_split.sh     # skip the build (an in-place build exists)
@@ -17,6 +18,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 STAGES=${STAGES:-"build tests bench"}
+RESULTS=${RESULTS:-/tmp/kda_split_results}  # tables of every benchmark; $OUT gets them as one .md + a .tgz
+mkdir -p "$RESULTS"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 
 stage() {  # stage NAME SECONDS CMD...: run under timeout, log to $OUT/NAME.log
@@ -35,9 +38,10 @@ for s in $STAGES; do
     build) stage build 200 python3 setup.py -q build_ext --inplace || exit 1 ;;
     tests) stage tests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_split_cuda.py \
              tests/test_split.py tests/test_distributed.py ;;
-    bench) stage bench 200 python3 benchmarks/bench_split.py --out "$OUT" ${BENCH_ARGS:-} ;;
+    bench) stage bench 200 python3 benchmarks/bench_split.py --out "$RESULTS" ${BENCH_ARGS:-}
+           cat "$RESULTS"/bench_split*.md >"$OUT/bench_split.md" 2>/dev/null
+           tar -czf "$OUT/bench_split_json.tgz" -C "$RESULTS" . 2>/dev/null ;;
     *) echo "unknown stage $s" ;;
   esac
 done
-rm -f "$OUT"/bench_split*.png
 ls -la "$OUT"
