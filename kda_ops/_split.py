@@ -397,46 +397,52 @@ def _train_fwd(q, k, v, g, beta, A, dtb, h0, cu, sc, lb):  # type: ignore[no-unt
     return torch.ops.kda.recurrent_kda_training_forward.default(q, k, v, g, beta, A, dtb, h0, cu, sc, lb)
 
 
+def _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: ignore[no-untyped-def]
+    """The split training forward: (packed token views, o, final [N], segment tapes, their row starts,
+    segment start states S, transitions P (None without split sequences), the segment index, cu)."""
+    dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+    q1, k1, v1, g1, b1 = (_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta))
+    si = _SegmentIndex(pl)
+    S_tot = si.nseg_total
+    pdt = h0.dtype
+    cu = _device_tensor(pl.cu, torch.int64, dev)
+    first = _device_tensor(si.first, torch.int64, dev)
+    h0c = h0.contiguous() if h0.stride(0) != 0 else torch.zeros((N, HV, Vd, K), dtype=pdt, device=dev)
+    # Q pass: every segment, the first of each sequence from its real start state, the others from 0
+    start_q = torch.zeros((S_tot, HV, Vd, K), dtype=pdt, device=dev)
+    start_q.index_copy_(0, first, h0c)
+    _, Qs, _, _ = _train_fwd(q1, k1, v1, g1, b1, A, dtb, start_q, cu, sc, lb)
+    Ps = None
+    if pl.M > 0:  # P pass (the backward needs the P of every segment but the first)
+        v0 = torch.zeros((1, v1.shape[1], HV, K), dtype=v1.dtype, device=dev)
+        eye = torch.eye(K, dtype=pdt, device=dev).expand(S_tot, HV, K, K).contiguous()
+        _, Ps, _, _ = _train_fwd(q1, k1, v0, g1, b1, A, dtb, eye, cu, sc, lb)
+    # scan over segment indices, batched over the split sequences
+    S = start_q.clone()
+    for j in range(1, pl.maxP):
+        cur = _device_tensor(si.by_j[j], torch.int64, dev)
+        prev = _device_tensor([x - 1 for x in si.by_j[j]], torch.int64, dev)  # segment j - 1: the one before
+        if j == 1:
+            nxt = Qs.index_select(0, prev)
+        else:
+            assert Ps is not None
+            nxt = torch.baddbmm(
+                Qs.index_select(0, prev).view(-1, Vd, K),
+                S.index_select(0, prev).view(-1, Vd, K),
+                Ps.index_select(0, prev).view(-1, K, K),
+            ).view(-1, HV, Vd, K)
+        S.index_copy_(0, cur, nxt)
+    # output pass from the exact start states (tapes per segment, for the backward)
+    o, fs_seg, tapes, starts = _train_fwd(q1, k1, v1, g1, b1, A, dtb, S, cu, sc, lb)
+    fs = fs_seg.index_select(0, _device_tensor(si.last, torch.int64, dev))
+    return (q1, k1, v1, g1, b1), o, fs, tapes, starts, S, Ps, si, cu
+
+
 class _TrainingSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: ignore[no-untyped-def]
-        dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
-        views = [_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta)]
-        q1, k1, v1, g1, b1 = views
-        si = _SegmentIndex(pl)
-        S_tot = si.nseg_total
-        pdt = h0.dtype
-        cu = _device_tensor(pl.cu, torch.int64, dev)
-        first = _device_tensor(si.first, torch.int64, dev)
-        h0c = h0.contiguous() if h0.stride(0) != 0 else torch.zeros((N, HV, Vd, K), dtype=pdt, device=dev)
-        # Q pass: every segment, the first of each sequence from its real start state, the others from 0
-        start_q = torch.zeros((S_tot, HV, Vd, K), dtype=pdt, device=dev)
-        start_q.index_copy_(0, first, h0c)
-        _, Qs, _, _ = _train_fwd(q1, k1, v1, g1, b1, A, dtb, start_q, cu, sc, lb)
-        Ps = None
-        if pl.M > 0:  # P pass (the backward needs the P of every segment but the first)
-            v0 = torch.zeros((1, v1.shape[1], HV, K), dtype=v1.dtype, device=dev)
-            eye = torch.eye(K, dtype=pdt, device=dev).expand(S_tot, HV, K, K).contiguous()
-            _, Ps, _, _ = _train_fwd(q1, k1, v0, g1, b1, A, dtb, eye, cu, sc, lb)
-        # scan over segment indices, batched over the split sequences
-        S = start_q.clone()
-        for j in range(1, pl.maxP):
-            cur = _device_tensor(si.by_j[j], torch.int64, dev)
-            prev = _device_tensor([x - 1 for x in si.by_j[j]], torch.int64, dev)  # segment j - 1: the one before
-            if j == 1:
-                nxt = Qs.index_select(0, prev)
-            else:
-                assert Ps is not None
-                nxt = torch.baddbmm(
-                    Qs.index_select(0, prev).view(-1, Vd, K),
-                    S.index_select(0, prev).view(-1, Vd, K),
-                    Ps.index_select(0, prev).view(-1, K, K),
-                ).view(-1, HV, Vd, K)
-            S.index_copy_(0, cur, nxt)
-        # output pass from the exact start states (tapes per segment, for the backward)
-        o, fs_seg, tapes, starts = _train_fwd(q1, k1, v1, g1, b1, A, dtb, S, cu, sc, lb)
-        fs = fs_seg.index_select(0, _device_tensor(si.last, torch.int64, dev))
-        ctx.save_for_backward(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, Ps)
+        toks, o, fs, tapes, starts, S, Ps, si, cu = _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
+        ctx.save_for_backward(*toks, A, dtb, tapes, starts, S, cu, Ps)
         ctx.pl, ctx.si, ctx.d, ctx.sc, ctx.lb = pl, si, d, sc, lb
         ctx.shapes = [tuple(x.shape) for x in (q, k, v, g, beta)]
         return o.view(v.shape), fs
@@ -480,19 +486,61 @@ def try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb):  # type: ignor
     """The split of :func:`kda_ops.kda` (eager autograd): (o, final_state) or None (out of scope: the
     caller runs the unsplit op). Same scope rules as :func:`try_run`; packed input only with cu_seqlens
     on the host (kda has no host mirror argument)."""
+    if type(q) is not torch.Tensor or any(_packed_view(x, d.B, d.T) is None for x in (q, k, v, g, beta)):
+        return None
+    pl = _plan_training(d, cu_seqlens, None)
+    if pl is None:
+        return None
+    return _TrainingSplit.apply(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
+
+
+def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
     if MODE == "0" or d.N == 0 or d.B * d.T == 0:
         return None
-    if torch.compiler.is_compiling() or d.dev_type == "meta" or type(q) is not torch.Tensor:
+    if torch.compiler.is_compiling() or d.dev_type == "meta":
         return None
     if d.on_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    lens = _host_lengths(d, cu_seqlens, None)
+    lens = _host_lengths(d, cu_seqlens, cu_host)
     if lens is None or max(lens) <= SEGMENT_MULTIPLE:
         return None
     sms = _sms(d.device)
     Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
     if max(lens) <= Ls or (MODE == "auto" and not split_pays(lens, d.HV, sms, Ls)):
         return None
-    if any(_packed_view(x, d.B, d.T) is None for x in (q, k, v, g, beta)):
+    return _Plan(lens, Ls)
+
+
+def try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, cu_host, sc, lb):  # type: ignore[no-untyped-def]
+    """The split of :func:`kda_ops.recurrent_kda_training_forward`: ``(o, final_state, tapes,
+    tape_cu_starts)`` exactly as the op returns them (the tapes in the unsplit layout, so the unsplit
+    backward runs from them), or None (out of scope). Segments are whole 64-token chunks, so the state
+    before a chunk is either a tape of its segment or, at a segment start, that segment's start state."""
+    if type(q) is not torch.Tensor or any(_packed_view(x, d.B, d.T) is None for x in (q, k, v, g, beta)):
         return None
-    return _TrainingSplit.apply(q, k, v, g, beta, A, dtb, h0, _Plan(lens, Ls), d, sc, lb)
+    pl = _plan_training(d, cu_seqlens, cu_host)
+    if pl is None:
+        return None
+    _, o, fs, seg_tapes, _, S, _, si, _ = _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
+    C = V.TAPE_CHUNK
+    per = pl.Ls // C  # chunks per segment
+    seg_rows = [0]  # first tape row of each segment in the segment call (ceil(L/64) - 1 rows each)
+    seg_len = [pl.cu[s + 1] - pl.cu[s] for s in range(si.nseg_total)]
+    for L in seg_len:
+        seg_rows.append(seg_rows[-1] + max(-(-L // C) - 1, 0))
+    n_seg_rows = seg_tapes.shape[0]
+    src = []  # per original tape row: a row of seg_tapes, or n_seg_rows + segment (its start state)
+    starts = [0]
+    for n, L in enumerate(pl.lens):
+        for c in range(1, -(-L // C)):
+            j, r = divmod(c, per)
+            seg = si.first[n] + j
+            src.append(n_seg_rows + seg if r == 0 else seg_rows[seg] + r - 1)
+        starts.append(len(src))
+    rows = V.tape_rows(d.B, d.T, d.packed)
+    tapes = torch.zeros((rows, d.HV, d.V, d.K), dtype=h0.dtype, device=d.device)
+    if src:
+        pool = torch.cat([seg_tapes, S])
+        tapes[: len(src)] = pool.index_select(0, _device_tensor(src, torch.int64, d.device))
+    tape_starts = _device_tensor(starts, torch.int64, d.device)
+    return o.view(v.shape), fs, tapes, tape_starts

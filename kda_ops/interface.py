@@ -402,7 +402,10 @@ def recurrent_kda_training_forward(
         shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape, A.shape, dtb.shape)
         V.check_context_out(context_out, RecurrentKDATrainingContext, tuple(tuple(x) for x in shapes), d)
 
-    o, fs, tapes, starts = torch.ops.kda.recurrent_kda_training_forward.default(
+    split = None  # the exact segment split (kda_ops/_split.py): the same four results, unsplit tape layout
+    if _split.MODE != "0":
+        split = _split.try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, host, sc, lb)
+    o, fs, tapes, starts = split or torch.ops.kda.recurrent_kda_training_forward.default(
         q, k, v, g, beta, A, dtb, h0, cu64, sc, lb
     )
     if out is not None:

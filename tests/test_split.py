@@ -325,3 +325,28 @@ def test_split_initial_state_source(split_on, monkeypatch, with_pool):  # type: 
     assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
     assert torch.equal(o_s[0, 290:], torch.zeros_like(o_s[0, 290:]))
     assert torch.equal(f_s[2], base[2] if with_pool else torch.zeros_like(f_s[2]))
+
+
+@pytest.mark.parametrize("lens,B", [([5, 300, 17, 0, 130, 64], 1), (None, 2)])
+def test_training_context_split(split_on, monkeypatch, lens, B):  # type: ignore[no-untyped-def]
+    """recurrent_kda_training_forward split: outputs, final states and the tapes in the unsplit layout (so
+    the unsplit backward runs from them), then recurrent_kda_training_backward from that context."""
+    x, cu, e = _training_case(lens, B=B, seed=17)
+    host = None if cu is None else cu.clone()
+    runs = []
+    passes = _split._training_passes
+    monkeypatch.setattr(_split, "_training_passes", lambda *a: (runs.append(a[8]), passes(*a))[1])
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        o, fs, ctx = kda_ops.recurrent_kda_training_forward(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], e["A_log"], e["dt_bias"], e["h0"], cu_seqlens=cu,
+            lower_bound=-5.0, cu_seqlens_cpu=host,
+        )  # fmt: skip
+        grads = kda_ops.recurrent_kda_training_backward(ctx, e["do"], e["dfinal"])
+        res.append((o, fs, ctx.tapes, ctx.tape_cu_starts, grads))
+    assert len(runs) == 1 and runs[0].maxP >= 4
+    (o_s, f_s, t_s, st_s, g_s), (o_u, f_u, t_u, st_u, g_u) = res
+    assert torch.equal(st_s, st_u) and t_s.shape == t_u.shape
+    for a, b in ((o_s, o_u), (f_s, f_u), (t_s, t_u), *zip(g_s, g_u, strict=True)):
+        assert rel_rms(a, b) <= 2e-5, rel_rms(a, b)

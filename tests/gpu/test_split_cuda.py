@@ -268,3 +268,30 @@ def test_split_initial_state_source(split_on, monkeypatch):  # type: ignore[no-u
     assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
     assert torch.equal(o_s[0, 3030:], torch.zeros_like(o_s[0, 3030:]))
     assert torch.equal(f_s[2], torch.zeros_like(f_s[2]))
+
+
+def test_training_context_split(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """recurrent_kda_training_forward split (packed, cu_seqlens_cpu): tapes in the unsplit layout, and the
+    unsplit backward from them."""
+    lens = [300, 2048, 0, 1000]
+    x, kw = make(lens, gate="lower_bound", slow=True, seed=16)
+    gen = torch.Generator().manual_seed(17)
+    h0 = (torch.randn(4, 2, K, K, generator=gen) * 0.3).to(DEV)
+    do = torch.randn(x["v"].shape, generator=gen).to(torch.bfloat16).to(DEV)
+    dfinal = torch.randn(4, 2, K, K, generator=gen).to(DEV)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        o, fs, ctx = kda_ops.recurrent_kda_training_forward(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], kw["A_log"], kw["dt_bias"], h0, cu_seqlens=kw["cu_seqlens"],
+            lower_bound=-5.0, cu_seqlens_cpu=kw["cu_seqlens_cpu"],
+        )  # fmt: skip
+        grads = kda_ops.recurrent_kda_training_backward(ctx, do, dfinal)
+        res.append((o, fs, ctx.tapes, ctx.tape_cu_starts, grads))
+    (o_s, f_s, t_s, st_s, g_s), (o_u, f_u, t_u, st_u, g_u) = res
+    assert torch.equal(st_s, st_u)
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
+    assert_close_rms(t_s, t_u, TOL_STATE_FP32, "tapes")
+    for name, a, b in zip(kda_ops.interface.GRAD_NAMES, g_s, g_u, strict=True):
+        assert_close_rms(a, b, 1e-2, name)
