@@ -450,36 +450,42 @@ class _TrainingSplit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfs):  # type: ignore[no-untyped-def]
         q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, Ps = ctx.saved_tensors
-        pl, si, d = ctx.pl, ctx.si, ctx.d
-        dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
-        pdt = S.dtype
-        do1 = (torch.zeros(v1.shape, dtype=v1.dtype, device=dev) if do is None else do).reshape(v1.shape).contiguous()
+        d = ctx.d
+        do1 = torch.zeros(v1.shape, dtype=v1.dtype, device=d.device) if do is None else do
         if dfs is None:
-            dfs = torch.zeros((N, HV, Vd, K), dtype=pdt, device=dev)
-        S_tot = si.nseg_total
-        last = _device_tensor(si.last, torch.int64, dev)
-        dS_end = torch.zeros((S_tot, HV, Vd, K), dtype=pdt, device=dev)
-        dS_end.index_copy_(0, last, dfs.contiguous())
-        bwd = torch.ops.kda.recurrent_kda_training_backward.default
-        if pl.M > 0:
-            # G pass: every segment's start-state gradient with a zero end-state gradient
-            zero = torch.zeros_like(dS_end)
-            G = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, zero, ctx.sc, ctx.lb)[7]
-            # reverse scan: dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)
-            for j in range(pl.maxP - 2, -1, -1):
-                nxt = _device_tensor(si.by_j[j + 1], torch.int64, dev)
-                cur = _device_tensor([x - 1 for x in si.by_j[j + 1]], torch.int64, dev)
-                val = torch.baddbmm(
-                    G.index_select(0, nxt).view(-1, Vd, K),
-                    dS_end.index_select(0, nxt).view(-1, Vd, K),
-                    Ps.index_select(0, nxt).view(-1, K, K).transpose(-1, -2),
-                ).view(-1, HV, Vd, K)
-                dS_end.index_copy_(0, cur, val)
-        grads = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, dS_end, ctx.sc, ctx.lb)
-        dq, dk, dv, dg, dbeta, dA, ddtb, dinit = grads
-        dh0 = dinit.index_select(0, _device_tensor(si.first, torch.int64, dev))
-        toks = [t.view(shape) for t, shape in zip((dq, dk, dv, dg, dbeta), ctx.shapes, strict=True)]
-        return (*toks, dA, ddtb.view(-1, K), dh0, None, None, None, None)
+            dfs = torch.zeros((d.N, d.HV, d.V, d.K), dtype=S.dtype, device=d.device)
+        toks = (q1, k1, v1, g1, b1)
+        grads = _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, ctx.pl, ctx.si, d, do1, dfs, ctx.sc, ctx.lb)
+        dq, dk, dv, dg, dbeta, dA, ddtb, dh0 = grads
+        tg = [t.view(shape) for t, shape in zip((dq, dk, dv, dg, dbeta), ctx.shapes, strict=True)]
+        return (*tg, dA, ddtb.view(-1, d.K), dh0, None, None, None, None)
+
+
+def _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, pl, si, d, do, dfs, sc, lb):  # type: ignore[no-untyped-def]
+    """The split backward over the segments (packed views): the 8 gradients, dinitial_state per sequence."""
+    q1, k1, v1, g1, b1 = toks
+    dev, HV, K, Vd = d.device, d.HV, d.K, d.V
+    do1 = do.reshape(v1.shape).contiguous()
+    dS_end = torch.zeros((si.nseg_total, HV, Vd, K), dtype=S.dtype, device=dev)
+    dS_end.index_copy_(0, _device_tensor(si.last, torch.int64, dev), dfs.contiguous())
+    bwd = torch.ops.kda.recurrent_kda_training_backward.default
+    if pl.M > 0:
+        # G pass: every segment's start-state gradient with a zero end-state gradient
+        zero = torch.zeros_like(dS_end)
+        G = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, zero, sc, lb)[7]
+        # reverse scan: dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)
+        for j in range(pl.maxP - 2, -1, -1):
+            nxt = _device_tensor(si.by_j[j + 1], torch.int64, dev)
+            cur = _device_tensor([x - 1 for x in si.by_j[j + 1]], torch.int64, dev)
+            val = torch.baddbmm(
+                G.index_select(0, nxt).view(-1, Vd, K),
+                dS_end.index_select(0, nxt).view(-1, Vd, K),
+                Ps.index_select(0, nxt).view(-1, K, K).transpose(-1, -2),
+            ).view(-1, HV, Vd, K)
+            dS_end.index_copy_(0, cur, val)
+    dq, dk, dv, dg, dbeta, dA, ddtb, dinit = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, dS_end, sc, lb)
+    dh0 = dinit.index_select(0, _device_tensor(si.first, torch.int64, dev))
+    return dq, dk, dv, dg, dbeta, dA, ddtb, dh0
 
 
 def try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb):  # type: ignore[no-untyped-def]
@@ -521,7 +527,7 @@ def try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, cu_host, s
     pl = _plan_training(d, cu_seqlens, cu_host)
     if pl is None:
         return None
-    _, o, fs, seg_tapes, _, S, _, si, _ = _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
+    _, o, fs, seg_tapes, _, S, Ps, si, _ = _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
     C = V.TAPE_CHUNK
     per = pl.Ls // C  # chunks per segment
     seg_rows = [0]  # first tape row of each segment in the segment call (ceil(L/64) - 1 rows each)
@@ -543,4 +549,51 @@ def try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, cu_host, s
         pool = torch.cat([seg_tapes, S])
         tapes[: len(src)] = pool.index_select(0, _device_tensor(src, torch.int64, d.device))
     tape_starts = _device_tensor(starts, torch.int64, d.device)
-    return o.view(v.shape), fs, tapes, tape_starts
+    # what the split backward needs beyond the tapes: the plan and the segments' transitions
+    return o.view(v.shape), fs, tapes, tape_starts, (pl, Ps)
+
+
+def training_backward_from_context(ctx, do, dfinal, saved):  # type: ignore[no-untyped-def]
+    """The split backward of a context from a split :func:`try_training_forward`: the segment tapes and
+    start states are gathered back from the unsplit-layout tapes (a segment start is a chunk boundary),
+    then the passes of the autograd split. Returns the 8 gradients as the backward op does."""
+    pl, Ps = saved
+    q, k, v, g, beta = ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta
+    d = V.check_tokens(q, k, v, g, beta, ctx.cu_seqlens, kv_rule="training")
+    dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+    si = _SegmentIndex(pl)
+    C = V.TAPE_CHUNK
+    per = pl.Ls // C
+    orig = [0]  # first unsplit tape row of each sequence
+    for L in pl.lens:
+        orig.append(orig[-1] + max(-(-L // C) - 1, 0))
+    seg_src, seg_starts, start_src = [], [0], []  # rows of ctx.tapes (start_src: -1 - n = initial state n)
+    for n, P in enumerate(pl.nseg):
+        for j in range(P):
+            s_ = si.first[n] + j
+            L = pl.cu[s_ + 1] - pl.cu[s_]
+            for r in range(1, -(-L // C)):
+                seg_src.append(orig[n] + j * per + r - 1)
+            seg_starts.append(len(seg_src))
+            start_src.append(-1 - n if j == 0 else orig[n] + j * per - 1)
+    rows = V.tape_rows(1, d.B * d.T, True)
+    tapes = torch.zeros((rows, HV, Vd, K), dtype=ctx.tapes.dtype, device=dev)
+    if seg_src:
+        tapes[: len(seg_src)] = ctx.tapes.index_select(0, _device_tensor(seg_src, torch.int64, dev))
+    h0 = ctx.initial_state
+    if h0 is None:
+        h0 = torch.zeros((N, HV, Vd, K), dtype=ctx.state_dtype, device=dev)
+    src = torch.cat([ctx.tapes, h0.reshape(N, HV, Vd, K)])
+    idx = [x if x >= 0 else ctx.tapes.shape[0] + (-1 - x) for x in start_src]
+    S = src.index_select(0, _device_tensor(idx, torch.int64, dev))
+    toks = tuple(_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta))
+    cu = _device_tensor(pl.cu, torch.int64, dev)
+    starts = _device_tensor(seg_starts, torch.int64, dev)
+    if dfinal is None:
+        dfinal = torch.zeros((N, HV, Vd, K), dtype=ctx.state_dtype, device=dev)
+    grads = _backward_passes(
+        toks, ctx.A_log, ctx.dt_bias, tapes, starts, S, cu, Ps, pl, si, d, do, dfinal, ctx.scale, ctx.lower_bound
+    )
+    dq, dk, dv, dg, dbeta, dA, ddtb, dh0 = grads
+    tg = [t.view(x.shape) for t, x in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta), strict=True)]
+    return (*tg, dA, ddtb, dh0)

@@ -405,8 +405,10 @@ def recurrent_kda_training_forward(
     split = None  # the exact segment split (kda_ops/_split.py): the same four results, unsplit tape layout
     if _split.MODE != "0":
         split = _split.try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, host, sc, lb)
-    o, fs, tapes, starts = split or torch.ops.kda.recurrent_kda_training_forward.default(
-        q, k, v, g, beta, A, dtb, h0, cu64, sc, lb
+    o, fs, tapes, starts = (
+        split[:4]
+        if split
+        else torch.ops.kda.recurrent_kda_training_forward.default(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     )
     if out is not None:
         out.copy_(o)
@@ -442,6 +444,7 @@ def recurrent_kda_training_forward(
             state_dtype=h0.dtype,
         )
     ctx.extra["initial_state_version"] = h0._version
+    ctx.extra["segment_split"] = None if split is None else split[4]  # (the split backward's plan and maps)
     return o, fs, ctx
 
 
@@ -497,6 +500,8 @@ def recurrent_kda_training_backward(
         ("dfinal_state", dfinal_state),
     ]
     outs = V.check_grad_outs(out, d, reads)
+    if ctx.extra.get("segment_split") is not None:  # a split forward: the split backward (kda_ops/_split.py)
+        return _into(_split.training_backward_from_context(ctx, dO, dS, ctx.extra["segment_split"]), outs)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
         ctx.q,
         ctx.k,
