@@ -1,4 +1,4 @@
-"""Decode benchmark (SPEC §7, issue "CUDA decode and speculative decode at memory bandwidth").
+"""Decode benchmark (docs/contract.md "Speed targets").
 
 kda_ops.recurrent_kda (token-serial CUDA kernel, backend "recurrent") beside fla's fused_recurrent_kda, in
 one process, on the same inputs: H = HV = 32, K = V = 128, lower-bound gate (λ = -5), logit beta, L2 norm,
@@ -18,7 +18,7 @@ time per step. Effective bandwidth:
 with W = 1 for decode (the state is read and written once) and W = 1 + S for a speculative step of 1 + S
 tokens (one read, one write per token). Token tensors and the output (< 1% of the bytes) are not counted.
 
-Also reported: B = 1 graph replay time of a single step (SPEC target <= 3 us; state L2-resident, as in a
+Also reported: B = 1 graph replay time of a single step (target <= 3 us; state L2-resident, as in a
 graph replay of one layer), the host cost of an eager call from Python (public API and the raw op, and
 fla's), a rows-per-lane (tile) sweep of our kernel, and an output cross-check ours vs fla.
 """

@@ -1,4 +1,4 @@
-"""Training forward+backward benchmark (SPEC §7, issue 5): kda_ops.kda vs fla chunk_kda.
+"""Training forward+backward benchmark (docs/contract.md "Speed targets"): kda_ops.kda vs fla chunk_kda.
 
 H200, K=V=128, bf16, lower-bound gate λ=-5, logit beta, L2 norm, fp32 initial state. Reports the
 forward and backward separately, and the bytes our training context holds per token-head.

@@ -1,6 +1,6 @@
 """kda_ops: Kimi Delta Attention kernels for PyTorch (see README.md).
 
-Public API (SPEC §3):
+Public API (docs/contract.md "API"):
 - :func:`recurrent_kda`: inference decode, speculative decode and prefill with an in-place state pool.
 - :func:`recurrent_kda_training_forward` / :func:`recurrent_kda_training_backward`: training with tapes.
 - :func:`recurrent_kda_backward`: backward from the raw inputs.

@@ -1,9 +1,9 @@
-"""Autograd of the functional training forward op (SPEC §3.4).
+"""Autograd of the functional training forward op (docs/contract.md "API").
 
 ``torch.ops.kda.recurrent_kda_training_forward`` returns ``(out, final_state, tapes, tape_cu_starts)``;
 the tapes (the state before every 64-token chunk but each sequence's first) and the initial state (by
 reference) are saved, and the backward is one call of
-``torch.ops.kda.recurrent_kda_training_backward`` (the reverse sweep of SPEC §2.1 from the tapes).
+``torch.ops.kda.recurrent_kda_training_backward`` (the reverse sweep of docs/contract.md "Gradients" from the tapes).
 Gradients flow to all eight tensor inputs; the tapes and their row offsets are not differentiable.
 Registered through ``torch.library.register_autograd``, so it composes with torch.compile, FakeTensor
 and DDP/FSDP (no global state; everything lives on the autograd ctx).

@@ -1,4 +1,4 @@
-"""Argument checks shared by every public entry point (SPEC §5): one place, one message style.
+"""Argument checks shared by every public entry point (docs/contract.md "Errors"): one place, one message style.
 
 Every message reads ``"<arg> must be <expected>, got <actual>"``. Exception types:
 
@@ -10,8 +10,18 @@ Every message reads ``"<arg> must be <expected>, got <actual>"``. Exception type
 Validation runs before anything is written, so a rejected call leaves every tensor bit-identical.
 Checks read shapes, dtypes and devices only; tensor VALUES are read only where they already live on
 the host (CPU tensors in eager mode), so no check ever syncs with a GPU and every check traces under
-``torch.compile`` (where value checks are skipped). Device-side values are caller contracts (SPEC §5):
-``validate_cu_seqlens`` / ``validate_state_indices`` check them on request, with a host sync.
+``torch.compile`` (where value checks are skipped). Device-side values are caller contracts
+(docs/contract.md "Errors"): ``validate_cu_seqlens`` / ``validate_state_indices`` check them on request,
+with a host sync.
+
+interface.py normalises, calls these checks and routes; it raises nothing itself. The checks are pure
+functions of the arguments' Python types, shapes, dtypes, devices and strides (a cache keyed by those
+can skip them), except for the few that read values or addresses, kept apart: the host-value checks
+(``_cu_values``, ``_spec_cu_values``, ``check_permutation``, ``checkpoint_starts_values``, the host
+mirror in ``check_training_cu``), the 16-byte alignment of CUDA pools (``data_ptr``), the memory-overlap
+checks (``check_writes_no_overlap``, ``check_no_overlap``), ``check_unmodified`` (version counters) and
+the CUDA-capture state (``capturing``). Shape rules live here too: ``checkpoint_starts`` /
+``checkpoint_rows`` (checkpoint rows) and ``tape_rows`` (training tape rows, also used by _fake.py).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ __all__ = ["validate_cu_seqlens", "validate_state_indices"]
 BACKENDS = {"auto": 0, "chunked": 1, "recurrent": 2}
 GATE_PRECOMPUTED, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 TAPE_CHUNK = 64  # kda::kTapeChunk (csrc/kda/params.h)
-TRAINING_MIN_LOWER_BOUND = -5.0  # SPEC §3.2: λ ∈ [-5, 0)
+TRAINING_MIN_LOWER_BOUND = -5.0  # docs/contract.md "API": λ ∈ [-5, 0)
 CHECKPOINT_MULTIPLE = 16
 CPU_TOKEN_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 POOL_DTYPES_CUDA = (torch.bfloat16, torch.float32)
@@ -166,7 +176,7 @@ def _check_cuda_device(device: torch.device) -> None:
 
 
 class Dims:
-    """Problem sizes of one call (SPEC §1). Packed: B == 1, N = len(cu_seqlens) - 1.
+    """Problem sizes of one call (docs/contract.md "Notation"). Packed: B == 1, N = len(cu_seqlens) - 1.
 
     A plain slotted class (not a frozen dataclass): it is built on every call of the public API, and a
     frozen dataclass's ``__init__`` costs several µs of ``object.__setattr__``. Treat it as read-only.
@@ -503,7 +513,7 @@ def check_unmodified(t: torch.Tensor | None, saved_version: int | None, name: st
 
 def check_pool(t: Any, name: str, d: Dims) -> torch.Tensor:
     """A state pool [N_pool, HV, V, K]: compact [HV, V, K] block per slot, slot stride a multiple of 16
-    elements when padded (SPEC §3.1)."""
+    elements when padded (docs/contract.md "API")."""
     return check_pool_span(t, name, d)[0]
 
 
@@ -615,7 +625,7 @@ def check_no_overlap(name: str, t: torch.Tensor, others: list[tuple[str, torch.T
     """ValueError when the memory span of ``t`` intersects the span of any other tensor (same device).
 
     Spans are [first byte, last byte] of each view, so two interleaved views of one buffer count as
-    overlapping: a conservative rule, in line with SPEC §3.1 ("must not overlap any input").
+    overlapping: a conservative rule, in line with docs/contract.md "API" ("must not overlap any input").
     Skipped while tracing (FakeTensors have no memory).
     """
     if torch.compiler.is_compiling() or type(t) not in _PLAIN or t.is_meta:
@@ -1141,7 +1151,7 @@ def validate_state_indices(
     ``initial_state_indices`` [N]); copies it to the host (a device sync for GPU tensors).
 
     For the ops, an index outside ``[0, n_pool)`` is LEGAL: it marks the sequence (or, in speculative
-    decode, the token) inactive — zero output, no state read or write (SPEC §3.1). Pass
+    decode, the token) inactive — zero output, no state read or write (docs/contract.md "Slots and checkpoints"). Pass
     ``allow_inactive=False`` to forbid such indices. Two active entries naming the same slot make two
     writers race for it, so duplicates among in-range entries are an error unless ``allow_duplicates``
     (use it for read-only ``initial_state_indices``).

@@ -4,8 +4,8 @@ HV = H = 32 heads, K = V = 128, lower-bound gate (λ = -5), logit beta, L2 norm,
   1. packed prefill of a request mix into a bf16 state pool (with checkpoints),
   2. decode steps from the pool, then speculative decode (S = 3) with accepted-token counts,
   3. one training step (kda_ops.kda forward + backward).
-Each result is checked against the fp64 reference (kda_ops.reference) on a sample, with the SPEC §6
-tolerances, and a table of timings is printed. Sizes are reduced on CPU and full on a GPU.
+Each result is checked against the fp64 reference (kda_ops.reference) on a sample, with the tolerances of
+docs/contract.md "Tolerances", and a table of timings is printed. Sizes are reduced on CPU and full on a GPU.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def run(dev: str, full: bool) -> bool:
         "spec decode last state (rel RMS)", rel_rms(spec_pool[int(idx[0, S])], ref.final_state[0]), 1e-3, checks
     )
 
-    # 3. one training step through autograd (CPU op on a laptop; CUDA once issue 5 lands).
+    # 3. one training step through autograd (the CPU op on a laptop, the CUDA kernels on a GPU).
     tdev = dev
     try:
         torch.ops.kda.recurrent_kda_training_forward.default  # noqa: B018

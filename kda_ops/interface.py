@@ -1,9 +1,10 @@
-"""Public API of kda_ops (SPEC §3): argument normalisation, validation, routing to ``torch.ops.kda``.
+"""Public API of kda_ops (docs/contract.md "API"): argument normalisation, validation, routing to ``torch.ops.kda``.
 
 Every function validates all of its arguments first (kda_ops/_validate.py) and only then calls an op,
-so a rejected call leaves every tensor bit-identical (SPEC §5).
+so a rejected call leaves every tensor bit-identical (docs/contract.md "Errors").
 
-The recurrence (SPEC §2), per sequence and value head hv (q/k head ``hv // (HV // H)``), all in fp32:
+The recurrence (docs/contract.md "Recurrence"), per sequence and value head hv (q/k head ``hv // (HV // H)``), all in
+fp32:
 
     q_t, k_t = l2norm(q_t), l2norm(k_t)      x * rsqrt(sum(x^2) + 1e-6), when use_qk_l2norm_in_kernel
     q_t      = q_t * scale                    scale defaults to 1/sqrt(K)
@@ -15,7 +16,7 @@ The recurrence (SPEC §2), per sequence and value head hv (q/k head ``hv // (HV 
     S        = S + β_t (v_t - S k_t) k_tᵀ
     o_t      = S q_t
 
-Shapes (SPEC §1): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
+Shapes (docs/contract.md "Notation"): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
 o [B, T, HV, V]; A_log [HV]; dt_bias [HV, K]; states [N, HV, V, K] with K contiguous.
 Packed input: B == 1 and cu_seqlens [N+1] (sequence n owns tokens cu[n]:cu[n+1]).
 """
@@ -48,7 +49,7 @@ GRAD_NAMES = V.GRAD_NAMES
 # The op handle, resolved once (torch.ops.kda.recurrent_kda.default is three attribute lookups, ~1 µs).
 # kda_ops/__init__.py loads the op library (_C) before importing this module.
 _recurrent_kda_op = torch.ops.kda.recurrent_kda.default
-# What recurrent_kda writes and reads, in the order of the overlap checks (SPEC §3.1, §5).
+# What recurrent_kda writes and reads, in the order of the overlap checks (docs/contract.md "API", "Errors").
 _NO_TOKEN_NBYTES = (None,) * 5
 _WRITE_NAMES = ("output", "initial_state", "state_checkpoints")
 _READ_NAMES = (
@@ -105,10 +106,10 @@ def recurrent_kda(
     cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """KDA inference: decode (T=1), speculative decode (1+S tokens) and prefill (any T), fixed or packed,
-    with an in-place state pool (SPEC §3.1; the signature of FlashInfer's ``recurrent_kda``).
+    with an in-place state pool (docs/contract.md "API"; the signature of FlashInfer's ``recurrent_kda``).
 
-    Computes the recurrence of SPEC §2 token by token from each sequence's start state S [V, K] (per
-    value head hv, q/k head hv // (HV // H)), all in fp32:
+    Computes the recurrence of docs/contract.md "Recurrence" token by token from each sequence's start state
+    S [V, K] (per value head hv, q/k head hv // (HV // H)), all in fp32:
 
         q, k = l2norm(q), l2norm(k)     (x * rsqrt(sum x^2 + 1e-6), when use_qk_l2norm_in_kernel)
         q    = q * scale
@@ -356,12 +357,12 @@ def recurrent_kda_training_forward(
     *,
     cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, RecurrentKDATrainingContext]:
-    """Training forward of KDA with saved tapes (SPEC §3.2): L2 norm on, lower-bound gate, logit beta.
+    """Training forward of KDA with saved tapes (docs/contract.md "API"): L2 norm on, lower-bound gate, logit beta.
 
-    Computes SPEC §2 with ``a = λ sigmoid(exp(A_log) (g + dt_bias))`` and ``β = sigmoid(beta)``, and saves
-    the state before every 64-token chunk of every sequence but its first (the tapes; the first is
-    ``initial_state``, kept in the context by reference) so that :func:`recurrent_kda_training_backward`
-    never reruns the whole forward.
+    Computes docs/contract.md "Recurrence" with ``a = λ sigmoid(exp(A_log) (g + dt_bias))`` and
+    ``β = sigmoid(beta)``, and saves the state before every 64-token chunk of every sequence but its first
+    (the tapes; the first is ``initial_state``, kept in the context by reference) so that
+    :func:`recurrent_kda_training_backward` never reruns the whole forward.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] raw gate; beta: [B, T, HV] logits. bf16 with
@@ -454,9 +455,10 @@ def recurrent_kda_training_backward(
     dfinal_state: torch.Tensor | None,
     out: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Training backward from the tapes of :func:`recurrent_kda_training_forward` (SPEC §3.2, §2.1).
+    """Training backward from the tapes of :func:`recurrent_kda_training_forward` (docs/contract.md "API", "Gradients").
 
-    Loss convention: ``L = Σ_t <o_t, do_t> + <S_T, dfinal_state>``; the reverse sweep of SPEC §2.1 runs
+    Loss convention: ``L = Σ_t <o_t, do_t> + <S_T, dfinal_state>``; the reverse sweep of docs/contract.md "Gradients"
+    runs
     from the saved chunk-boundary states, chained through the L2 norm, the lower-bound gate and the logit
     beta. GQA: dq and dk of the value heads of a group are summed into their q/k head. dA_log and ddt_bias
     are summed over all tokens and sequences, in a fixed order (deterministic).
@@ -548,7 +550,8 @@ def recurrent_kda_backward(
     workspace: RecurrentKDABackwardWorkspace | None = None,
     out: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """KDA backward from the raw inputs, no saved context (SPEC §3.3, §2.1): the training contract (L2
+    """KDA backward from the raw inputs, no saved context (docs/contract.md "API", "Gradients"): the training
+    contract (L2
     norm, lower-bound gate λ, logit beta), any T, any packing, GQA.
 
     Args:
@@ -609,7 +612,8 @@ def kda(
     lower_bound: float = -5.0,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Differentiable KDA layer core (SPEC §3.4): the training contract of SPEC §2 (L2 norm on q and k,
+    """Differentiable KDA layer core (docs/contract.md "API"): the training contract of docs/contract.md "Recurrence"
+    (L2 norm on q and k,
     lower-bound gate ``a = λ sigmoid(exp(A_log)(g + dt_bias))``, ``β = sigmoid(beta)``), with autograd
     through ``torch.library.register_autograd`` on ``torch.ops.kda.recurrent_kda_training_forward``.
 

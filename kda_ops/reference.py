@@ -1,8 +1,8 @@
-"""Reference KDA: the token loop of SPEC §2 written with plain torch ops (fp64 by default).
+"""Reference KDA: the token loop of docs/contract.md "Recurrence" written with plain torch ops (fp64 by default).
 
 This is the gold every kernel is tested against. It is deliberately simple: one token at a time,
 all value heads of a sequence at once, no chunking, no slots. Gradients come from torch autograd
-through the same loop (SPEC §2.1 is what autograd computes here).
+through the same loop (docs/contract.md "Gradients" is what autograd computes here).
 
 Shapes (one call, N sequences): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
 A_log [HV]; dt_bias [HV, K]; per-sequence start states [N, HV, V, K] (value-first, S[v, k]).
@@ -21,7 +21,7 @@ L2_EPS = 1e-6
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x * rsqrt(sum(x^2) + 1e-6) over the last dim (SPEC §2 step 1)."""
+    """x * rsqrt(sum(x^2) + 1e-6) over the last dim (docs/contract.md "Recurrence")."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
@@ -32,7 +32,7 @@ def gate_log_decay(
     use_gate_in_kernel: bool,
     lower_bound: float | None,
 ) -> torch.Tensor:
-    """Per-channel log-decay a (SPEC §2 step 2). g: [..., HV, K]; A_log [HV]; dt_bias [HV, K] or None.
+    """Per-channel log-decay a (docs/contract.md "Recurrence"). g: [..., HV, K]; A_log [HV]; dt_bias [HV, K] or None.
 
     precomputed: a = g; softplus: a = -exp(A_log) * softplus(g + dt_bias) (softplus(x) = x for x > 20);
     lower bound: a = λ * sigmoid(exp(A_log) * (g + dt_bias)).
@@ -82,7 +82,8 @@ def recurrent_kda_reference(
     return_all_states: bool = False,
     dtype: torch.dtype = torch.float64,
 ) -> ReferenceResult:
-    """Token-serial KDA (SPEC §2) in `dtype`. `initial_state` is per sequence [N, HV, V, K] (None = 0).
+    """Token-serial KDA (docs/contract.md "Recurrence") in `dtype`. `initial_state` is per sequence [N, HV, V, K]
+    (None = 0).
 
     A_log may be [H] and dt_bias [H, K] / [H*K] when HV != H (each value head uses its q/k head's).
     Differentiable in every floating input (use dtype=float64 for gradcheck-grade gradients).
@@ -184,7 +185,7 @@ def reference_training_grads(
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Relative RMS error ||a - e||_2 / max(||e||_2, tiny), in fp64 (SPEC §6 metric)."""
+    """Relative RMS error ||a - e||_2 / max(||e||_2, tiny), in fp64 (the metric of docs/contract.md "Tolerances")."""
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     den = e.norm().item()
     return (a - e).norm().item() / max(den, 1e-30)

@@ -1,6 +1,7 @@
-r"""Chunked (WY / UT-transform) KDA reference: SPEC §2.2 in plain torch, one step per kernel stage.
+r"""Chunked (WY / UT-transform) KDA reference: docs/contract.md "Chunked form" in plain torch, one step per kernel
+stage.
 
-This computes exactly what `kda_ops.reference.recurrent_kda_reference` (the token loop of SPEC §2)
+This computes exactly what `kda_ops.reference.recurrent_kda_reference` (the token loop of docs/contract.md "Recurrence")
 computes, but chunk by chunk, in the form a tensor-core prefill kernel uses. It is written for a
 kernel engineer to mirror: every intermediate has the shape and the exponent range the kernel will
 see, and `trace=` hands them all back so a kernel's own dumps can be compared stage by stage.
@@ -9,7 +10,8 @@ Notation (one sequence, one value head; the code runs all HV value heads of a se
 -----------------------------------------------------------------------------------------------
 A chunk holds c <= C tokens (C = `chunk_size`; the last chunk of a sequence may be shorter) and is
 split into sub-chunks of s = `sub_chunk` tokens (16: the M of mma.sync m16n8k16). Per token i of the
-chunk: q_i (L2-normalised, times scale), k_i (L2-normalised) [K]; v_i [V]; log-decay a_i [K] (SPEC §2
+chunk: q_i (L2-normalised, times scale), k_i (L2-normalised) [K]; v_i [V]; log-decay a_i [K] (docs/contract.md
+"Recurrence"
 step 2); beta_i scalar. S_0 [V, K] is the state entering the chunk (value-first, S[v, k]).
 
   Γ      [c, K]  Γ_i = Σ_{j<=i} a_j                 cumulative log-decay (fp32 prefix sum in a kernel)
@@ -21,10 +23,10 @@ step 2); beta_i scalar. S_0 [V, K] is the state entering the chunk (value-first,
   Mqk    [c, c]  Mqk_ij = Σ_k q_i k_j e^{Γ_i - Γ_j}, j <= i (lower incl. diagonal)
   A      [c, c]  I + diag(β) L                       (unit lower triangular)
   INV    [c, c]  A^{-1}                              (unit lower triangular; |entries| <= 1 when
-                                                      |k| = 1 and β <= 1, see KERNEL_NOTES E2)
+                                                      |k| = 1 and β <= 1, near-collinear keys)
   X      [c, V]  K⁺ S_0ᵀ                             (prediction from the incoming state)
   Y      [c, V]  diag(β) (V - X)
-  R      [c, V]  INV Y                               (the deltas r_i of SPEC §2 step 5)
+  R      [c, V]  INV Y                               (the deltas r_i of docs/contract.md "Recurrence")
   O      [c, V]  Q⁺ S_0ᵀ + Mqk R                     (outputs)
   S_C    [V, K]  S_0 diag(g_C) + Rᵀ Kr               (state after the chunk)
 
@@ -64,7 +66,7 @@ extra e^{Σ max(a, 0)} that the token loop has as well). Hence Γ is non-increas
   In the GEMM modes the masked (upper) entries of a diagonal block are products of finite factors
   (<= e^{|λ|(s-1)}·|x||k|), zeroed right after the product; no pair exponent is ever taken for them.
 * INV: |entries| stay O(1) (unit lower triangular, β in (0, 1], normalised keys); the solve is done in
-  fp32 (fp64 here by default) by forward substitution, never by a Neumann product (KERNEL_NOTES E2).
+  fp32 (fp64 here by default) by forward substitution, never by a Neumann product (unstable for near-collinear keys).
 
 Order of operations per chunk (what a kernel should follow; ⊗ marks a tensor-core GEMM)
 ----------------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ by name (GEMM_NAMES): "L" (the L and Mqk blocks, step 3), "X" (step 5, K⁺ S_0�
 
 Measured budget (tests/test_reference_chunked.py; K = V = 128, T = 300, bf16 inputs ~N(0,1), vs the fp64
 token loop; output rounded to bf16 as stored; worst over the three gate modes):
-* all bf16: output rel RMS 3.3-4.3e-3 (SPEC 5e-3), fp32 state 2.6-2.9e-3 — ABOVE SPEC's 1e-3. The
+* all bf16: output rel RMS 3.3-4.3e-3 (limit 5e-3), fp32 state 2.6-2.9e-3 — ABOVE the 1e-3 limit. The
   state error comes from the chain GEMMs: R = INV Y and S += Rᵀ Kr each lose ~2^-9 relative.
 * bf16 for L / X / O_inter, fp16 for R / O_intra / S (same tensor-core rate, 3 more mantissa bits):
   output 1.7-3.0e-3, fp32 state 3.2-4.0e-4, bf16-stored state 1.7e-3. fp16 is safe there because those
@@ -116,7 +118,8 @@ multiple of C of the sequence AND at every multiple of `checkpoint_every_n_token
 straddles a checkpoint. When n is a multiple of C this is exactly the C-grid; otherwise some chunks are
 shorter (e.g. C = 64, n = 48: chunks [0,48) [48,64) [64,96) [96,128) ...) — the chunked form is exact for
 any chunk length, so this is a scheduling choice, and a kernel may instead require C | n. Checkpoint row
-j is the state before token j·n (row 0 = initial state), ceil(L / n) rows per sequence, as in SPEC §3.1.
+j is the state before token j·n (row 0 = initial state), ceil(L / n) rows per sequence, as in docs/contract.md "Slots
+and checkpoints".
 GQA: value head hv reads q/k head hv // (HV // H).
 """
 
@@ -342,7 +345,7 @@ def chunked_kda_reference(
     gemm_dtypes: dict[str, OperandPrecision] | None = None,
     trace: list[ChunkTrace] | None = None,
 ) -> ReferenceResult:
-    """Chunked KDA (SPEC §2.2), same arguments and result as `recurrent_kda_reference`.
+    """Chunked KDA (docs/contract.md "Chunked form"), same arguments and result as `recurrent_kda_reference`.
 
     Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; A_log [HV] (or [H]);
     dt_bias [HV, K] (or [H, K] / flat); initial_state per sequence [N, HV, V, K] (None = zeros).

@@ -1,4 +1,5 @@
-r"""Chunked KDA backward (SPEC §2.1 in the WY form of §2.2): plain torch, one step per kernel stage.
+r"""Chunked KDA backward (docs/contract.md "Gradients" in the WY form of "Chunked form"): plain torch, one step per
+kernel stage.
 
 The gradient that `kda_ops.reference.reference_training_grads` gets from autograd through the token loop,
 computed chunk by chunk the way a chunk-parallel tensor-core backward does. It mirrors the forward of
@@ -140,7 +141,8 @@ def chunked_training_grads(
     sub: int = 16,
     dtype=torch.float64,
 ):
-    """The eight training gradients (SPEC §3.2 order) by the chunk-parallel schedule of the module docstring.
+    """The eight training gradients (in the order of docs/contract.md "API") by the chunk-parallel schedule of the
+    module docstring.
 
     Same arguments and gradient order as `reference_training_grads` (L2 norm on, lower-bound gate, logit β).
     Returns [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state] in `dtype`.
@@ -228,7 +230,7 @@ def segment_affine_map(fs: list[dict[str, torch.Tensor]], betas: list[torch.Tens
     fs, betas, dOs: the chunks' `chunk_recompute` dicts, β and dO in time order. Built last chunk first:
     𝔄 <- 𝔄 A_c (the homogeneous chain step: dO = 0), 𝔅 <- 𝔅 A_c + B_c (`chain_step`), from 𝔄 = I, 𝔅 = 0.
     Lets independent workers reverse disjoint segments of one sequence: each segment's dS_end is the
-    composition of the later segments' maps applied to dfinal_state (session 3's CUDA segment split; the
+    composition of the later segments' maps applied to dfinal_state (a CUDA segment split tried earlier; the
     CUDA backward now runs the chain itself first, see docs/design.md, and this stays as tested algebra).
     """
     HV, _, K = fs[0]["Kp"].shape

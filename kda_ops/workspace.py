@@ -3,10 +3,10 @@
 - :class:`RecurrentKDAPrefillWorkspace`: scratch for ``recurrent_kda`` (the ``workspace`` argument of
   ``torch.ops.kda.recurrent_kda``). Optional in eager mode; it is what makes a CUDA-graph-captured call
   allocation-free: the eager warm-up call plans (sizes) it for the shapes of the call, and a captured
-  call with the same shapes finds it ready (SPEC §3.1).
-- :class:`RecurrentKDABackwardWorkspace`: the same role for ``recurrent_kda_backward`` (SPEC §3.3).
+  call with the same shapes finds it ready (docs/contract.md "API").
+- :class:`RecurrentKDABackwardWorkspace`: the same role for ``recurrent_kda_backward`` (docs/contract.md "API").
 - :class:`RecurrentKDATrainingContext`: what ``recurrent_kda_training_forward`` saves for
-  ``recurrent_kda_training_backward`` (SPEC §3.2): the inputs, the tapes and the packing.
+  ``recurrent_kda_training_backward`` (docs/contract.md "API"): the inputs, the tapes and the packing.
 
 No global state lives here (DDP/FSDP safe): every buffer belongs to an object the caller holds.
 """
@@ -41,7 +41,7 @@ def prefill_workspace_bytes(
     shapes only, never from tensor values, so it can be sized before CUDA graph capture).
 
     The CPU token loop and the CUDA token-serial kernels need none. The CUDA chunked prefill sizes its
-    per-chunk factors here when it lands (SPEC §3.1; DESIGN §2, csrc/kda/chunked/).
+    per-chunk factors here when it lands (docs/contract.md "API"; csrc/kda/chunked/).
     """
     del B, T, N, H, HV, K, V, backend
     if device.type != "cuda":
@@ -130,7 +130,7 @@ class RecurrentKDABackwardWorkspace(_Scratch):
 
 @dataclass
 class RecurrentKDATrainingContext:
-    """What :func:`kda_ops.recurrent_kda_training_forward` saves for the backward (SPEC §3.2).
+    """What :func:`kda_ops.recurrent_kda_training_forward` saves for the backward (docs/contract.md "API").
 
     Fields:
         q, k: [B, T, H, K] token dtype (bf16 on CUDA).

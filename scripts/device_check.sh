@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command for the GPU machine (the device tool): build for sm_90a with 16 jobs, run the test
+# The one command for the GPU machine: build for sm_90a with 16 jobs, run the test
 # suite (GPU tier + CPU tier), run the benchmarks, and leave logs + a JSON summary under $OUT.
 #
 #   bash scripts/device_check.sh            # everything
@@ -7,7 +7,7 @@
 #   STAGES="build tests bench_decode" bash scripts/device_check.sh
 #
 # The machine has no package registry: wheels in .whl/ (nvidia-cutlass, fla-core,
-# flash-linear-attention; see README "Development") are installed with --no-index first.
+# flash-linear-attention; see docs/development.md, "Peers on the GPU machine") are installed with --no-index first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -31,8 +31,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 # Triton's compile + autotune cache (fla's chunk_kda kernels compile and autotune for minutes in a fresh
-# process). TRITON_CACHE_OUT=1 returns it compressed, split into parts under the device tool's 16 MiB file
-# limit ($OUT/triton_cache.tgz.part00, part01, ...: ~29 MB after fla's first training case in session 5).
+# process). TRITON_CACHE_OUT=1 returns it compressed, split into parts under the GPU machine's 16 MiB file
+# limit ($OUT/triton_cache.tgz.part00, part01, ...: ~29 MB after fla's first training case).
 # Next time put those parts in .triton_cache_parts/ (git-ignored) and carry it: they are unpacked into
 # $TRITON_CACHE_DIR before the stages. A carried .triton_cache/ (unpacked) is used in place too.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
@@ -90,7 +90,7 @@ for s in $STAGES; do
   [ "$s" = build ] && [ "${RC[build]}" != 0 ] && break
 done
 
-# The device tool returns at most 8 files from $OUT: every stage log also goes into the archive.
+# The GPU machine returns at most 8 files from $OUT: every stage log also goes into the archive.
 mkdir -p "$RESULTS/logs" && cp "$OUT"/*.log "$RESULTS/logs/" 2>/dev/null
 tar -czf "$OUT/results.tar.gz" -C "$RESULTS" . 2>/dev/null
 if [ "${TRITON_CACHE_OUT:-0}" = 1 ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode issue on the GPU machine (device tool): build for sm_90a with ptxas register reports, the GPU tests
+# Decode on the GPU machine: build for sm_90a with ptxas register reports, the GPU tests
 # of the token-serial kernel (tests/gpu/test_recurrent_cuda.py, then the API tests' GPU tier), and the decode
 # benchmark beside fla. Logs and results land in $OUT (at most 8 files come back).
 #

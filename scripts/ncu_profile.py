@@ -1,5 +1,5 @@
 """Workloads for Nsight Compute (scripts/device_check.sh stages `ncu`, `ncu_chunked`, `ncu_train`): the hot
-kernels at the issue shapes (cases decode_bf16 | decode_fp32 | prefill_<H>_<T> | train_<H>_<T>).
+kernels at the benchmark shapes (cases decode_bf16 | decode_fp32 | prefill_<H>_<T> | train_<H>_<T>).
 
   ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 --section SpeedOfLight ... \
       python3 scripts/ncu_profile.py decode_bf16
@@ -14,7 +14,7 @@ import kda_ops
 case = sys.argv[1] if len(sys.argv) > 1 else "decode_bf16"
 dev, H, K = "cuda", 32, 128
 gen = torch.Generator(device=dev).manual_seed(0)
-if case.startswith("prefill"):  # prefill_<H>_<T>: one sequence, bf16 state, the issue-4 settings
+if case.startswith("prefill"):  # prefill_<H>_<T>: one sequence, bf16 state, the prefill benchmark's settings
     _, Hp, Tp = case.split("_") if case.count("_") == 2 else ("prefill", "96", "8192")
     Hp, Tp = int(Hp), int(Tp)
     r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16)  # noqa: E731
@@ -24,7 +24,7 @@ if case.startswith("prefill"):  # prefill_<H>_<T>: one sequence, bf16 state, the
     for _ in range(4):
         kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
                               use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, backend="chunked")
-elif case.startswith("train"):  # train_<H>_<T>: kda_ops.kda forward + backward, one sequence (issue 5)
+elif case.startswith("train"):  # train_<H>_<T>: kda_ops.kda forward + backward, one sequence
     _, Hp, Tp = case.split("_") if case.count("_") == 2 else ("train", "32", "2048")
     Hp, Tp = int(Hp), int(Tp)
     r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()  # noqa: E731

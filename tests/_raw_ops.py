@@ -1,6 +1,6 @@
 """Direct calls of torch.ops.kda.recurrent_kda with every schema argument defaulted, for tests that must
 bypass the public API's host checks (how a CUDA caller's device values reach the kernel). Shared by
-tests/test_reliability.py and tests/sanitize_cases.py."""
+tests/test_device_contracts.py and tests/sanitize_cases.py."""
 
 from __future__ import annotations
 

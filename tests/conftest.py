@@ -23,7 +23,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _inductor_cache_for_these_ops() -> None:
     """Points torch.compile's on-disk cache at a directory keyed by the schemas of the kda ops, unless
     TORCHINDUCTOR_CACHE_DIR is set. Inductor's FX-graph cache does not key on a custom op's schema: a cache
-    written by a checkout with another signature (session 6 added `initial_state` to the training backward)
+    written by a checkout with another signature (e.g. when `initial_state` was added to the training backward)
     replays the old call and fails test_compile."""
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return
@@ -59,7 +59,7 @@ def _golden_dir() -> str:
 
 GOLDEN_DIR = _golden_dir()
 
-# SPEC §6 tolerances (relative RMS unless named otherwise). Outputs are bf16-stored results of fp32
+# docs/contract.md "Tolerances" (relative RMS unless named otherwise). Outputs are bf16-stored results of fp32
 # math against an fp64 reference on the same bf16 inputs: bf16 rounding alone is ~2e-3 relative RMS.
 TOL_OUT = 5e-3
 TOL_OUT_MAXABS = 2e-2
@@ -208,7 +208,7 @@ def capture_graph(fn):
     return graph
 
 
-# The three gate modes as recurrent_kda keyword arguments (SPEC §2 step 2), shared by the GPU test files.
+# The three gate modes as recurrent_kda keyword arguments (docs/contract.md "Recurrence"), shared by the GPU test files.
 GATES = {
     "precomputed": dict(use_gate_in_kernel=False),
     "softplus": dict(use_gate_in_kernel=True, lower_bound=None),

@@ -1,7 +1,8 @@
-"""Every mode of SPEC §3 through the public API, against kda_ops.reference (CPU tier; the same tests run
+"""Every mode of docs/contract.md "API" through the public API, against kda_ops.reference (CPU tier; the same tests run
 on CUDA when a GPU is present, marked ``gpu``).
 
-Tolerances (SPEC §6): outputs 5e-3 relative RMS and 2e-2 max abs; fp32 states 1e-3; bf16 states 1e-2;
+Tolerances (docs/contract.md "Tolerances"): outputs 5e-3 relative RMS and 2e-2 max abs; fp32 states 1e-3; bf16 states
+1e-2;
 gradients 1e-2 — all on the same bf16-rounded inputs, the reference in fp64.
 """
 
@@ -498,7 +499,7 @@ def test_backends_agree(backend):
 
 
 # ---------------------------------------------------------------------------------------------------
-# paths that compute the same thing agree (SPEC §6)
+# paths that compute the same thing agree (docs/contract.md "Tolerances")
 
 
 def test_zero_tokens():
@@ -707,7 +708,7 @@ def test_validate_helpers_accept_valid():
 
 
 # ---------------------------------------------------------------------------------------------------
-# CUDA graph capture (SPEC §3.1, §3.3): eager warm call, capture, replay with new values in the buffers
+# CUDA graph capture (docs/contract.md "API"): eager warm call, capture, replay with new values in the buffers
 
 
 def _capture(fn):

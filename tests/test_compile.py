@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) of a decode step, a prefill and a training step (SPEC §3.4).
+"""torch.compile(fullgraph=True) of a decode step, a prefill and a training step (docs/contract.md "API").
 
 fullgraph=True turns any graph break into an error, so passing means zero graph breaks. Results are
 compared with eager calls on the same inputs. The default backend (inductor) runs for the decode and

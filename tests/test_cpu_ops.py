@@ -118,10 +118,10 @@ def test_fixed_lengths_gqa(group, T):
         assert out.numel() == 0
         assert_bits(pool, inp["initial_state"], "pool (T=0)")
         return
-    # bf16 output: one rounding of ~2^-9 relative per element (SPEC §6 bound 5e-3)
+    # bf16 output: one rounding of ~2^-9 relative per element (bound 5e-3, docs/contract.md "Tolerances")
     assert rel_rms(out, ref.output) < 5e-3
     assert (out.double() - ref.output).abs().max() < 2e-2
-    # fp32 state, fp32 arithmetic: far inside SPEC's 1e-3
+    # fp32 state, fp32 arithmetic: far inside the 1e-3 limit
     assert rel_rms(pool, ref.final_state) < 1e-5
 
 
@@ -254,7 +254,7 @@ def test_checkpoints(ckpt_dtype):
     assert rel_rms(out, ref.output) < 5e-3  # bf16 output rounding
     want = torch.cat(ref.checkpoints)
     # checkpoint rows are exact copies of the running state: fp32 rows within fp32 loop error,
-    # bf16 rows within one bf16 rounding (SPEC §6: bf16 states <= 1e-2)
+    # bf16 rows within one bf16 rounding (docs/contract.md "Tolerances": bf16 states <= 1e-2)
     assert rel_rms(ckpt, want) < (1e-5 if ckpt_dtype == torch.float32 else 1e-2)
     assert_bits(ckpt[0], inp["initial_state"][0].to(ckpt_dtype), "row 0 = initial state")
     # fewer rows than needed: rows past the end are skipped, never written out of bounds
@@ -421,7 +421,8 @@ def test_training_grads_bf16(dfinal):
     for name, a, b, dt in zip(GRAD_NAMES, grads, ref_grads, dtypes, strict=True):
         assert a.dtype == dt and a.shape == b.shape, name
         assert torch.isfinite(a).all(), name
-        # SPEC §6: 1e-2 for every gradient; bf16-stored ones carry one ~2e-3 rounding, fp32 ones only
+        # docs/contract.md "Tolerances": 1e-2 for every gradient; bf16-stored ones carry one ~2e-3 rounding, fp32
+        # ones only
         # the fp32 loop error
         assert rel_rms(a, b) < (5e-3 if dt == torch.bfloat16 else 1e-4), name
 
@@ -481,7 +482,7 @@ def test_training_rejects_bad_tapes():
 
 
 # ----------------------------------------------------------------------------------------------
-# golden files (SPEC §6), through the op arguments the public API passes
+# golden files (docs/contract.md "Tolerances"), through the op arguments the public API passes
 # ----------------------------------------------------------------------------------------------
 
 
@@ -523,11 +524,11 @@ def test_golden_recurrent(name):
         logit=kw.get("beta_is_logit", False), scale=kw.get("scale"), state=pool, cu=cu, ssm=ssm,
         n_acc=inp.get("num_accepted_tokens"), spec=spec, final_state=final, ckpt=ckpt, ckpt_starts=starts,
         ckpt_every=every)
-    # SPEC §6: bf16-input outputs within rel RMS 5e-3 and max abs 2e-2 of the fp64 result
+    # docs/contract.md "Tolerances": bf16-input outputs within rel RMS 5e-3 and max abs 2e-2 of the fp64 result
     assert rel_rms(out, exp["output"]) < 5e-3
     assert (out.double() - exp["output"].double()).abs().max() < 2e-2
     if "state_pool_after" in exp:
-        assert rel_rms(pool, exp["state_pool_after"]) < 1e-3  # SPEC §6: fp32 states
+        assert rel_rms(pool, exp["state_pool_after"]) < 1e-3  # docs/contract.md "Tolerances": fp32 states
         written = set(ssm.flatten().tolist()) if ssm is not None else set(range(N))
         for s in range(pool.shape[0]):
             if s not in written:
@@ -537,13 +538,13 @@ def test_golden_recurrent(name):
         if got is None:  # the API returns the pool slots of the sequences
             idx = ssm.long() if ssm is not None else torch.arange(N)
             got = pool[idx]
-        assert rel_rms(got, exp["final_state"]) < 1e-3  # SPEC §6: fp32 states
+        assert rel_rms(got, exp["final_state"]) < 1e-3  # docs/contract.md "Tolerances": fp32 states
         if cu is not None:
             for n in range(N):
                 if cu[n + 1] == cu[n] and pool is not None:
                     assert_bits(pool[n], pool0[n], f"zero-length row {n}")
     if "state_checkpoints" in exp:
-        assert rel_rms(ckpt, exp["state_checkpoints"]) < 1e-3  # SPEC §6: fp32 states
+        assert rel_rms(ckpt, exp["state_checkpoints"]) < 1e-3  # docs/contract.md "Tolerances": fp32 states
 
 
 def test_golden_training():
@@ -553,11 +554,11 @@ def test_golden_training():
     fwd = training_forward(inp, scale, lb)
     inp = dict(inp, dfinal=inp["dfinal_state"])
     grads = training_backward(inp, fwd, scale, lb)
-    assert rel_rms(fwd[0], exp["output"]) < 5e-3  # SPEC §6: bf16 outputs
-    assert rel_rms(fwd[1], exp["final_state"]) < 1e-3  # SPEC §6: fp32 states
+    assert rel_rms(fwd[0], exp["output"]) < 5e-3  # docs/contract.md "Tolerances": bf16 outputs
+    assert rel_rms(fwd[1], exp["final_state"]) < 1e-3  # docs/contract.md "Tolerances": fp32 states
     for name, a in zip(GRAD_NAMES, grads, strict=True):
         assert torch.isfinite(a).all(), name
-        assert rel_rms(a, exp[name]) < 1e-2, name  # SPEC §6: every gradient
+        assert rel_rms(a, exp[name]) < 1e-2, name  # docs/contract.md "Tolerances": every gradient
     direct = OPS.recurrent_kda_backward.default(
         inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], inp["initial_state"],
         inp["cu_seqlens"], inp["do"], inp["dfinal_state"], scale, lb)

@@ -1,7 +1,7 @@
 """The six golden files (../shared/golden, README there) through the PUBLIC API, on CPU and (marked
 ``gpu``) CUDA, plus kda_ops.reference against the same files (an outside check of the reference).
 
-Tolerances are SPEC §6: outputs relative RMS <= 5e-3 and max abs <= 2e-2; fp32 states <= 1e-3;
+Tolerances: docs/contract.md "Tolerances": outputs relative RMS <= 5e-3 and max abs <= 2e-2; fp32 states <= 1e-3;
 gradients <= 1e-2. Slots the call must not touch are compared bit-exactly against the inputs: a golden
 slot equal to its input (an fp32 -> fp64 -> fp32 round trip is exact) marks an untouched slot.
 """

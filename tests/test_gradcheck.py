@@ -1,4 +1,4 @@
-"""fp64 torch.autograd.gradcheck of kda_ops.kda over all eight inputs (SPEC §3.4, §2.1), CPU.
+"""fp64 torch.autograd.gradcheck of kda_ops.kda over all eight inputs (docs/contract.md "API", "Gradients"), CPU.
 
 The CPU implementation takes fp64 token tensors (fp64 math end to end) and any K, V, so finite
 differences are meaningful; shapes are tiny (T <= 5, K = V = 8) to keep each check around a second.

@@ -1,4 +1,4 @@
-"""torch.library.opcheck of every torch.ops.kda op on CPU (SPEC §3.4, §4): schema (declared mutations),
+"""torch.library.opcheck of every torch.ops.kda op on CPU (docs/contract.md "API"): schema (declared mutations),
 fake kernel vs the real one (shapes, dtypes, strides), autograd registration, and AOT dispatch with
 dynamic shapes. Small shapes keep it within seconds.
 """

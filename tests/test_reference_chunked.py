@@ -1,4 +1,5 @@
-"""The chunked (WY) reference of SPEC §2.2 equals the token loop of SPEC §2 (CPU, fp64), stays finite
+"""The chunked (WY) reference of docs/contract.md "Chunked form" equals the token loop of docs/contract.md
+"Recurrence" (CPU, fp64), stays finite
 where the naive e^{-Γ} factorisation overflows, and measures the bf16 tensor-core operand error budget.
 """
 
@@ -198,7 +199,8 @@ def test_auto_diag_mode():
 
 
 def naive_chunked(q, k, v, g, beta, A_log, dt_bias, initial_state, gate_kw, chunk_size=64, dtype=torch.float32):
-    """SPEC §2.2 as written, with NO reference rows: L = tril(K⁺ (k ⊙ e^{-Γ})ᵀ, -1), masked after the product.
+    """docs/contract.md "Chunked form" as written, with NO reference rows: L = tril(K⁺ (k ⊙ e^{-Γ})ᵀ, -1), masked
+    after the product.
     Fixed layout, B = 1, H == HV, logit beta, L2 norm. Returns (output [T, HV, V], final state [HV, V, K])."""
     K = q.shape[-1]
     qn = l2_normalize(q[0].to(dtype)) / math.sqrt(K)  # [T, HV, K]
@@ -306,7 +308,7 @@ def test_mid_reference_overflows_with_unbounded_gate_in_fp32():
     ],
 )
 def test_near_collinear_keys_high_beta(precision, tol_out, tol_state):
-    """One key repeated (plus 1e-3 noise), β logit 8, almost no decay (KERNEL_NOTES E2 repro): finite
+    """One key repeated (plus 1e-3 noise), β logit 8, almost no decay (the near-collinear case): finite
     everywhere, exact in fp64, and the operand-rounding error of this adversarial case is pinned."""
     inp = _inputs("lower_bound", T=130, H=1, HV=2, seed=4)
     base = torch.randn(1, 1, 1, 128, generator=torch.Generator().manual_seed(1))
@@ -333,7 +335,8 @@ def test_near_collinear_keys_high_beta(precision, tol_out, tol_state):
 
 
 # ---------------------------------------------------------------------------------------------------
-# bf16 tensor-core operand budget (SPEC §6: output rel RMS <= 5e-3 and max abs <= 2e-2 after bf16 storage;
+# bf16 tensor-core operand budget (docs/contract.md "Tolerances": output rel RMS <= 5e-3 and max abs <= 2e-2 after
+# bf16 storage;
 # fp32 state <= 1e-3; bf16 state <= 1e-2)
 
 # Measured (T = 300, K = V = 128, seeds below): see docs/design.md "Chunked form: reference and plan".
@@ -362,7 +365,7 @@ def _budget(gate: str, gemm_dtypes: dict, seed: int):
 
 @pytest.mark.parametrize("gate", list(GATES))
 def test_bf16_operand_budget_all_bf16(gate):
-    """Every GEMM operand bf16: outputs within SPEC, but the fp32 state is NOT (≈2.6-3e-3 > 1e-3): rounding
+    """Every GEMM operand bf16: outputs within the limits, but the fp32 state is NOT (≈2.6-3e-3 > 1e-3): rounding
     R and Kr of the state update (and INV, Y of R = INV Y) to bf16 costs ~2^-9 relative each."""
     out, out_abs, state, state16 = _budget(gate, ALL_BF16, seed=21)
     assert out <= 4.7e-3 and out_abs <= 2e-2, (out, out_abs)  # measured 3.3-4.3e-3
@@ -373,10 +376,10 @@ def test_bf16_operand_budget_all_bf16(gate):
 
 @pytest.mark.parametrize("gate", list(GATES))
 def test_bf16_operand_budget_recommended(gate):
-    """bf16 for L/X/O_inter, fp16 for R/O_intra/S: every SPEC §6 tolerance with margin."""
+    """bf16 for L/X/O_inter, fp16 for R/O_intra/S: every tolerance of docs/contract.md "Tolerances", with margin."""
     out, out_abs, state, state16 = _budget(gate, RECOMMENDED, seed=21)
     assert out <= 4e-3 and out_abs <= 2e-2, (out, out_abs)  # measured 1.7-3.0e-3
-    assert state <= 7e-4, state  # measured 3.2-4.0e-4; SPEC 1e-3
+    assert state <= 7e-4, state  # measured 3.2-4.0e-4; limit 1e-3
     assert state16 <= 1e-2, state16
 
 

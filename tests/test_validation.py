@@ -1,4 +1,4 @@
-"""Every validation error of SPEC §5, through the public API (CPU tier).
+"""Every validation error of docs/contract.md "Errors", through the public API (CPU tier).
 
 Each case asserts the exception type (TypeError: dtype; ValueError: shape/value/combination;
 RuntimeError: device/capture), that the message names the offending argument, and that every tensor

@@ -1,4 +1,5 @@
-"""The cheap common-path checks of ``recurrent_kda`` reject what the one-by-one checks reject (SPEC §5).
+"""The cheap common-path checks of ``recurrent_kda`` reject what the one-by-one checks reject (docs/contract.md
+"Errors").
 
 kda_ops/_validate.py tests several arguments at once on the common path (one ``is_contiguous()`` per
 token tensor, spans of the overlap check taken from validated shapes instead of asking the tensor, one

@@ -1,7 +1,7 @@
-"""GPU tier: the CUDA chunked (tensor-core) prefill, ``recurrent_kda(..., backend="chunked")`` (issue 4),
-against kda_ops.reference (the fp64 token loop of SPEC §2) on the same bf16-rounded inputs.
+"""GPU tier: the CUDA chunked (tensor-core) prefill, ``recurrent_kda(..., backend="chunked")``,
+against kda_ops.reference (the fp64 token loop of docs/contract.md "Recurrence") on the same bf16-rounded inputs.
 
-The chunked path takes K = V = 128 only, so every case here uses it. Tolerances are SPEC §6 (see
+The chunked path takes K = V = 128 only, so every case here uses it. Tolerances: docs/contract.md "Tolerances" (see
 tests/conftest.py): outputs 5e-3 relative RMS and 2e-2 max abs; fp32 states 1e-3, bf16 states 1e-2.
 Inactive rows are compared with exact zeros; untouched slots, padding and read-only sources bit for bit.
 Two documented exceptions: near-collinear keys with β ≈ 1 are checked for finiteness plus the loose bound

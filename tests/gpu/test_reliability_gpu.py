@@ -1,17 +1,18 @@
-"""GPU tier of the reliability suite (issue 6; SPEC §3.1, §5, §6): CUDA graph reuse, a 10 000-call stress
+"""GPU tier of the reliability suite (docs/contract.md "API", "Errors", "Tolerances"): CUDA graph reuse, a 10
+000-call stress
 run with memory accounting, and size limits (64-bit offsets, more than 65535 sequences x heads).
 
-The device-neutral parts (guard bands, broken contracts, determinism, the validation catalogue) are in
-tests/test_reliability.py, parametrized on CUDA there.
+The device-neutral parts are parametrized on CUDA in the CPU tier: tests/test_guard_bands.py,
+test_device_contracts.py (broken contracts), test_determinism.py, test_validation_catalogue.py.
 
 - Graphs: each call is captured once after eager warm-up, then replayed 6 times with new values copied
   into the static buffers (tokens, indices with -1, cu_seqlens with empty rows, accepted counts), with
   other tensors allocated, NaN-filled and freed between replays. Every replay must equal an eager call
   on the same values bit for bit, and padding rows (index -1, NaN tokens) must never change valid rows:
   the valid rows equal an eager call on the valid rows alone, bit for bit (rows are independent and the
-  kernels are deterministic, SPEC §6).
+  kernels are deterministic, docs/contract.md "Tolerances").
 - Stress: ``KDA_STRESS_CALLS`` (default 10 000) mixed calls; every 50th checked against the fp64
-  reference (SPEC §6 tolerances, tests/conftest.py); allocated memory after the run equals the baseline
+  reference (docs/contract.md "Tolerances", tests/conftest.py); allocated memory after the run equals the baseline
   and the peak stays within the warm-up peak (report in the test output and, when the directory exists,
   in ``$KDA_RESULTS_DIR`` or /tmp/kda_results/reliability_stress.json).
 - Size limits: token tensors of more than 2^31 elements; an fp32 pool of more than 2^31 elements written
@@ -31,8 +32,8 @@ import time
 
 import pytest
 import torch
+from _builders import STATS, StressState, raw_bytes, stress_call
 from conftest import assert_close_rms, assert_output, capture_graph, lengths_to_cu, state_tol
-from test_reliability import STATS, StressState, raw_bytes, stress_call
 
 import kda_ops
 from kda_ops.reference import recurrent_kda_reference

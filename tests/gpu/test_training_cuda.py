@@ -1,8 +1,9 @@
-"""CUDA training ops (issue 5): recurrent_kda_training_forward / _backward and recurrent_kda_backward
+"""CUDA training ops: recurrent_kda_training_forward / _backward and recurrent_kda_backward
 against the fp64 reference (kda_ops.reference.reference_training_grads), the golden file, the CPU ops,
 and themselves (determinism, CUDA graph capture).
 
-Tolerances are SPEC §6, on the same bf16-rounded inputs: output relative RMS <= 5e-3 and max abs <= 2e-2
+Tolerances: docs/contract.md "Tolerances", on the same bf16-rounded inputs: output relative RMS <= 5e-3 and max abs
+<= 2e-2
 (bf16 storage alone costs ~2e-3), fp32 final state and tapes <= 1e-3 (fp32 math vs fp64), the eight
 gradients <= 1e-2 each (five of them are stored in bf16, ~2e-3 from rounding alone) and finite.
 
@@ -414,7 +415,7 @@ for label, args, exc in (("K64", a64 + [None, 0.1, -5.0], ValueError), ("lambda"
 def test_rejects_unsupported_direct_op():
     """Direct torch.ops calls (no Python validation) must raise, not crash. Run in a subprocess: on the
     device (torch 2.11, Python 3.12) the first version of this test died with SIGSEGV inside the
-    redispatch beneath the Python autograd kernel, which took the whole session down with it."""
+    redispatch beneath the Python autograd kernel, which took the whole test run down with it."""
     import subprocess
     import sys
 
