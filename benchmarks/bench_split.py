@@ -122,7 +122,7 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
             # one pass: the segments of the automatic plan as independent sequences
             pl = _split._Plan(lens, ls_auto)
             cu_seg = torch.tensor(pl.cu, dtype=torch.int64)
-            one = ours(kda_ops, d, cu_seg.cuda(), cu_seg)
+            one = ours(kda_ops, d, cu_seg.to(d["q"].device), cu_seg)
             rec["one pass"], err = try_call(lambda: cuda_time_ms(with_split("0", 0, one)))
             if err:
                 print(f"[one pass] {name}: {err}", flush=True)
@@ -188,7 +188,7 @@ def cp_table(args: Any, kda_ops: Any) -> None:
         L = T // R
         d = make_prefill(H, [L])
         A, dtb = d["A_log"], d["dt_bias"]
-        h0 = torch.zeros(1, H, K, K, device="cuda")
+        h0 = torch.zeros(1, H, K, K, device=d["q"].device)
         do = torch.randn_like(d["v"])
 
         def fwd() -> Any:
