@@ -427,11 +427,12 @@ def recurrent_kda(
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
     # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, off by default)
-    if _split.MODE != "0" and S == 0 and n_ck == 0 and source is None and not disable_state_update and _split.try_run(
+    if _split.MODE != "0" and S == 0 and not disable_state_update and _split.try_run(
         d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2, logit,
-        backend_code,
+        backend_code, n_ck, ck, source, src_idx,
     ):  # fmt: skip
-        return out, ((pool if pool is not None else final) if out_final else None)
+        final_ret = (pool if pool is not None else final) if out_final else None
+        return (out, final_ret, ck) if n_ck > 0 else (out, final_ret)
     if (
         key is not None
         and n_ck == 0
@@ -682,8 +683,13 @@ def recurrent_kda_training_forward(
         shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape, A.shape, dtb.shape)
         V.check_context_out(context_out, RecurrentKDATrainingContext, tuple(tuple(x) for x in shapes), d)
 
-    o, fs, tapes, starts = torch.ops.kda.recurrent_kda_training_forward.default(
-        q, k, v, g, beta, A, dtb, h0, cu64, sc, lb
+    split = None  # the exact segment split (kda_ops/_split.py): the same four results, unsplit tape layout
+    if _split.MODE != "0":
+        split = _split.try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, host, sc, lb)
+    o, fs, tapes, starts = (
+        split[:4]
+        if split
+        else torch.ops.kda.recurrent_kda_training_forward.default(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     )
     if out is not None:
         out.copy_(o)
@@ -719,6 +725,7 @@ def recurrent_kda_training_forward(
             state_dtype=h0.dtype,
         )
     ctx.extra["initial_state_version"] = h0._version
+    ctx.extra["segment_split"] = None if split is None else split[4]  # (the split backward's plan and maps)
     return o, fs, ctx
 
 
@@ -775,6 +782,8 @@ def recurrent_kda_training_backward(
         ("dfinal_state", dfinal_state),
     ]
     outs = V.check_grad_outs(out, d, reads)
+    if ctx.extra.get("segment_split") is not None:  # a split forward: the split backward (kda_ops/_split.py)
+        return _into(_split.training_backward_from_context(ctx, dO, dS, ctx.extra["segment_split"]), outs)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
         ctx.q,
         ctx.k,
@@ -916,5 +925,7 @@ def kda(
     if h0 is None:  # zeros as a stride-0 view: autograd saves one element, not [N, HV, V, K]
         h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
+    if _split.MODE != "0" and (res := _split.try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb)) is not None:
+        return res[0], (res[1] if ofs else None)  # the exact segment split (kda_ops/_split.py)
     o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     return o, (fs if ofs else None)

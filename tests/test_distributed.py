@@ -212,3 +212,67 @@ def test_plan_owners_and_kinds():
     p = ContextParallelPlan([0, 0, 12, 12, 30, 30], [0, 12, 12, 12, 30], 0)
     assert p.owner == [0, 0, 0, 3, 3]
     assert not p.any_crossing
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU tier: the CUDA training path under context parallelism (4 gloo processes sharing one GPU; the
+# exchanged blocks go through the host). bf16 tokens, K = V = 128: the contract's tolerances.
+
+CUDA_CASE = ([0, 40, 700, 750], [0, 200, 400, 600, 750])  # sequence 1 runs through all 4 ranks
+
+
+def _cuda_inputs():  # type: ignore[no-untyped-def]
+    cu = CUDA_CASE[0]
+    gen = torch.Generator().manual_seed(21)
+    T, N, Kc, HVc = cu[-1], len(cu) - 1, 128, 2
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda()
+
+    dtb = torch.randn(HVc, Kc, generator=gen) * 0.1
+    dtb[:, :4] = -30.0  # slow channels: the start state matters across ranks
+    return dict(
+        q=rnd(1, T, 1, Kc), k=rnd(1, T, 1, Kc), v=rnd(1, T, HVc, Kc), g=rnd(1, T, HVc, Kc), beta=rnd(1, T, HVc),
+        A_log=(torch.rand(HVc, generator=gen) * 0.5 + 0.1).cuda(), dt_bias=dtb.cuda(),
+        h0=(torch.randn(N, HVc, Kc, Kc, generator=gen) * 0.3).cuda(), do=rnd(1, T, HVc, Kc),
+        dfinal=torch.randn(N, HVc, Kc, Kc, generator=gen).cuda(),
+    )  # fmt: skip
+
+
+def _worker_cuda(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    import kda_ops.distributed  # noqa: F401
+
+    x = _cuda_inputs()
+    res = _run_local(x, CUDA_CASE[0], CUDA_CASE[1], rank, lower_bound=-5.0)
+    torch.save({k: (None if v is None else v.cpu()) for k, v in res.items()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_cuda_matches_one_process():
+    world = len(CUDA_CASE[1]) - 1
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker_cuda, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=True)
+        parts = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    x = _cuda_inputs()
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    A = x["A_log"].clone().requires_grad_(True)
+    dtb = x["dt_bias"].clone().requires_grad_(True)
+    h0 = x["h0"].clone().requires_grad_(True)
+    o, fs = kda_ops.kda(
+        *leaves.values(), A, dtb, h0, cu_seqlens=torch.tensor(CUDA_CASE[0]).cuda(), lower_bound=-5.0,
+        output_final_state=True,
+    )  # fmt: skip
+    ((o.float() * x["do"].float()).sum() + (fs * x["dfinal"]).sum()).backward()
+    ref = {"o": o, "final": fs, "dA_log": A.grad, "ddt_bias": dtb.grad, "dh0": h0.grad}
+    ref.update({"d" + n: t.grad for n, t in leaves.items()})
+    for key, tol in (("o", 5e-3), ("dq", 1e-2), ("dk", 1e-2), ("dv", 1e-2), ("dg", 1e-2), ("dbeta", 1e-2)):
+        got = torch.cat([p[key] for p in parts], 1)
+        assert rel_rms(got, ref[key]) <= tol, (key, rel_rms(got, ref[key]))
+    for key, tol in (("final", 1e-3), ("dA_log", 1e-2), ("ddt_bias", 1e-2), ("dh0", 1e-2)):
+        got = sum(p[key].double() for p in parts)
+        assert rel_rms(got, ref[key]) <= tol, (key, rel_rms(got, ref[key]))

@@ -160,14 +160,10 @@ def test_split_deterministic(split_on):  # type: ignore[no-untyped-def]
 
 
 def test_split_falls_back(split_on):  # type: ignore[no-untyped-def]
-    """Checkpoints and a read-only source pool take the unsplit path; short sequences are not split."""
+    """Checkpoints at a period the segments are not a multiple of (48 vs 64-token segments) take the
+    unsplit path; short sequences are not split."""
     x, kw = _inputs([300, 20], gate="lower_bound", seed=6)
-    _call(x, kw, checkpoint_every_n_tokens=64)
-    src = torch.zeros(2, 2, V, K)
-    _call(
-        x, kw, initial_state=torch.zeros(2, 2, V, K), initial_state_source=src,
-        initial_state_indices=torch.tensor([0, 1], dtype=torch.int32),
-    )  # fmt: skip
+    _call(x, kw, checkpoint_every_n_tokens=48)
     y, kw2 = _inputs([60, 20], gate="lower_bound", seed=6)
     _call(y, kw2)
     assert split_on == []
@@ -214,3 +210,143 @@ def test_cu_seqlens_cpu_checked():
         _call(x, kw, cu_seqlens_cpu=torch.tensor([0, 100, 130], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens_cpu must end"):
         _call(x, kw, cu_seqlens_cpu=torch.tensor([0, 100, 129]))
+
+
+def test_auto_rule_on_the_benchmark_shapes():
+    """The auto cost model (132 SMs): few heads of a long sequence split, wide or short batches do not."""
+    for lens, HV, expect in (
+        ([65536], 8, True),
+        ([65536], 4, True),
+        ([8192], 32, False),
+        ([2048] * 8, 16, False),
+        ([128] * 64, 32, False),
+        ([300, 40000, 17], 2, True),
+    ):
+        Ls = _split.plan_segments(lens, HV, 132)
+        assert _split.split_pays(lens, HV, 132, Ls) == expect, (lens, HV, Ls)
+
+
+# ---------------------------------------------------------------------------------------------------
+# training (kda_ops.kda): forward and every gradient, split vs unsplit
+
+
+def _training_case(lens, B=1, T=200, HV=2, dtype=torch.float32, seed=0):  # type: ignore[no-untyped-def]
+    x, kw = _inputs(lens, B=B, HV=HV, gate="lower_bound", slow=True, dtype=dtype, seed=seed)
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    N = len(lens) if lens is not None else B
+    gen = torch.Generator().manual_seed(seed + 50)
+    extra = dict(
+        A_log=kw["A_log"].to(pdt),
+        dt_bias=kw["dt_bias"].to(pdt),
+        h0=(torch.randn(N, HV, V, K, generator=gen) * 0.3).to(pdt),
+        do=torch.randn(x["v"].shape, generator=gen).to(dtype),
+        dfinal=torch.randn(N, HV, V, K, generator=gen).to(pdt),
+    )
+    return x, kw.get("cu_seqlens"), extra
+
+
+def _training_run(x, cu, e):  # type: ignore[no-untyped-def]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    A = e["A_log"].clone().requires_grad_(True)
+    dtb = e["dt_bias"].clone().requires_grad_(True)
+    h0 = e["h0"].clone().requires_grad_(True)
+    o, fs = kda_ops.kda(*leaves.values(), A, dtb, h0, cu_seqlens=cu, lower_bound=-5.0, output_final_state=True)
+    ((o * e["do"]).sum() + (fs * e["dfinal"]).sum()).backward()
+    res = {"o": o.detach(), "fs": fs.detach(), "dA": A.grad, "ddtb": dtb.grad, "dh0": h0.grad}
+    res.update({"d" + n: t.grad for n, t in leaves.items()})
+    return res
+
+
+@pytest.mark.parametrize(
+    "lens,B,dtype",
+    [(LONG_AMONG_SHORT, 1, torch.float32), (None, 2, torch.float32), ([130, 257, 3], 1, torch.float64)],
+)
+def test_training_split_matches_unsplit(split_on, monkeypatch, lens, B, dtype):  # type: ignore[no-untyped-def]
+    x, cu, e = _training_case(lens, B=B, dtype=dtype, seed=11)
+    got = _training_run(x, cu, e)
+    assert len(split_on) == 0  # the prefill counter: the training split has its own path
+    monkeypatch.setattr(_split, "MODE", "0")
+    ref = _training_run(x, cu, e)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for key in ref:
+        assert got[key].shape == ref[key].shape, key
+        assert rel_rms(got[key], ref[key]) <= tol, (key, rel_rms(got[key], ref[key]))
+
+
+def test_training_split_runs(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    calls = []
+    real = _split._TrainingSplit.apply
+    monkeypatch.setattr(_split._TrainingSplit, "apply", lambda *a: (calls.append(a[8]), real(*a))[1])
+    x, cu, e = _training_case([300, 20], seed=12)
+    _training_run(x, cu, e)
+    assert len(calls) == 1 and calls[0].nseg == [5, 1]
+
+
+@pytest.mark.parametrize("n_ck,tokens", [(32, 64), (64, 64), (48, 0)])
+def test_split_checkpoints(split_on, monkeypatch, n_ck, tokens):  # type: ignore[no-untyped-def]
+    """Checkpoints every n tokens from the output pass: each segment writes its own rows (n = 48 with the
+    automatic plan: segments of a multiple of lcm(64, 48) = 192 tokens)."""
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", tokens)
+    x, kw = _inputs([5, 300, 17, 0, 450], gate="softplus", slow=True, seed=13)
+    h0 = torch.randn(5, 2, V, K, generator=torch.Generator().manual_seed(14)) * 0.3
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        pool = h0.clone()
+        res.append(_call(x, kw, initial_state=pool, output_final_state=True, checkpoint_every_n_tokens=n_ck))
+    assert len(split_on) == 1
+    (o_s, f_s, ck_s), (o_u, f_u, ck_u) = res
+    assert ck_s.shape == ck_u.shape
+    for a, b in ((o_s, o_u), (f_s, f_u), (ck_s, ck_u)):
+        assert rel_rms(a, b) <= 1e-5, rel_rms(a, b)
+
+
+@pytest.mark.parametrize("with_pool", [True, False])
+def test_split_initial_state_source(split_on, monkeypatch, with_pool):  # type: ignore[no-untyped-def]
+    """Start states from a read-only source (an out-of-range index: inactive), results to the pool slots
+    or to the returned final state; the source is never written."""
+    lens = [260, 30, 200]
+    x, kw = _inputs(lens, gate="lower_bound", slow=True, seed=15)
+    gen = torch.Generator().manual_seed(16)
+    source = torch.randn(4, 2, V, K, generator=gen) * 0.3
+    src_idx = torch.tensor([2, 0, 7], dtype=torch.int32)  # sequence 2 inactive (7 >= 4)
+    base = torch.randn(3, 2, V, K, generator=gen)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        src = source.clone()
+        pool = base.clone() if with_pool else None
+        o, fs = _call(x, kw, initial_state=pool, initial_state_source=src, initial_state_indices=src_idx,
+                      output_final_state=True)  # fmt: skip
+        assert torch.equal(src, source)
+        res.append((o, fs.clone()))
+    assert len(split_on) == 1
+    (o_s, f_s), (o_u, f_u) = res
+    assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
+    assert torch.equal(o_s[0, 290:], torch.zeros_like(o_s[0, 290:]))
+    assert torch.equal(f_s[2], base[2] if with_pool else torch.zeros_like(f_s[2]))
+
+
+@pytest.mark.parametrize("lens,B", [([5, 300, 17, 0, 130, 64], 1), (None, 2)])
+def test_training_context_split(split_on, monkeypatch, lens, B):  # type: ignore[no-untyped-def]
+    """recurrent_kda_training_forward split: outputs, final states and the tapes in the unsplit layout (so
+    the unsplit backward runs from them), then recurrent_kda_training_backward from that context."""
+    x, cu, e = _training_case(lens, B=B, seed=17)
+    host = None if cu is None else cu.clone()
+    runs = []
+    passes = _split._training_passes
+    monkeypatch.setattr(_split, "_training_passes", lambda *a: (runs.append(a[8]), passes(*a))[1])
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        o, fs, ctx = kda_ops.recurrent_kda_training_forward(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], e["A_log"], e["dt_bias"], e["h0"], cu_seqlens=cu,
+            lower_bound=-5.0, cu_seqlens_cpu=host,
+        )  # fmt: skip
+        grads = kda_ops.recurrent_kda_training_backward(ctx, e["do"], e["dfinal"])
+        res.append((o, fs, ctx.tapes, ctx.tape_cu_starts, grads))
+    assert len(runs) == 1 and runs[0].maxP >= 4
+    (o_s, f_s, t_s, st_s, g_s), (o_u, f_u, t_u, st_u, g_u) = res
+    assert torch.equal(st_s, st_u) and t_s.shape == t_u.shape
+    for a, b in ((o_s, o_u), (f_s, f_u), (t_s, t_u), *zip(g_s, g_u, strict=True)):
+        assert rel_rms(a, b) <= 2e-5, rel_rms(a, b)
