@@ -1,6 +1,9 @@
 // The Hopper chunked prefill kernel (csrc/kda/chunked/sm90/chunked_sm90_kernel.cuh) and its host launch.
 // Built for every CUDA arch of the extension; the kernel body exists only in the sm_90a image, and the host
 // routes to it only on a compute capability 9.0 device.
+#include <cuda.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -23,9 +26,7 @@ bool chunked_sm90_supported(const RecurrentParams& p) {
     return false;
   if (major != 9 || minor != 0) return false;
   if (p.K != chunked_sm90::kD || p.V != chunked_sm90::kD || p.token_dtype != DType::kBFloat16) return false;
-  if (p.num_spec_tokens > 0 || p.checkpoint_every_n_tokens > 0 || p.state_source != nullptr ||
-      p.seq_order != nullptr)
-    return false;
+  if (p.num_spec_tokens > 0 || p.checkpoint_every_n_tokens > 0 || p.state_source != nullptr) return false;
   if (p.state != nullptr && p.state_dtype != DType::kFloat32 && p.state_dtype != DType::kBFloat16) return false;
   if (p.T <= 0 || p.T >= (int64_t(1) << 31) || p.B >= (int64_t(1) << 31) || p.N * p.HV >= (int64_t(1) << 31))
     return false;
@@ -38,6 +39,36 @@ bool chunked_sm90_supported(const RecurrentParams& p) {
 }
 
 namespace {
+// KDA_SM90_VERBOSE=1: one stderr line per call (grid, shared memory, the encode results, the launch error).
+bool verbose() {
+  const char* e = std::getenv("KDA_SM90_VERBOSE");
+  return e != nullptr && e[0] != '\0' && e[0] != '0';
+}
+
+// CuTe's make_tma_copy encodes the tensor map but only asserts on the driver's result (compiled out with
+// NDEBUG). Encode the same geometry once more here (dims innermost first: channel, token, head, batch; box
+// 128 x 16 x 1 x 1, no swizzle, no interleave) and return the driver's CUresult, so a rejected map becomes a
+// launch error instead of a garbage descriptor.
+CUresult check_token_map(const char* name, const RecurrentParams& p, const TokenTensor& t, int heads) {
+  const int64_t bs = p.B == 1 ? t.token_stride * p.T : t.batch_stride;
+  CUtensorMap map;
+  const cuuint64_t dims[4] = {cuuint64_t(chunked_sm90::kD), cuuint64_t(p.T), cuuint64_t(heads), cuuint64_t(p.B)};
+  const cuuint64_t strides[3] = {cuuint64_t(t.token_stride) * 2, cuuint64_t(t.head_stride) * 2, cuuint64_t(bs) * 2};
+  const cuuint32_t box[4] = {cuuint32_t(chunked_sm90::kD), cuuint32_t(chunked_sm90::kC), 1, 1};
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  const CUresult r = cutlass::call_cuTensorMapEncodeTiled(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(t.ptr), dims, strides, box, estr,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS || verbose())
+    std::fprintf(stderr,
+                 "kda_chunked_sm90: tensor map %s: CUresult %d (ptr %p dims 128,%lld,%d,%lld strides(B) %lld,%lld,%lld)\n",
+                 name, static_cast<int>(r), t.ptr, static_cast<long long>(p.T), heads, static_cast<long long>(p.B),
+                 static_cast<long long>(t.token_stride * 2), static_cast<long long>(t.head_stride * 2),
+                 static_cast<long long>(bs * 2));
+  return r;
+}
+
 chunked_sm90::TmaToken token_tma(const RecurrentParams& p, const TokenTensor& t, int heads) {
   // A batch of one row: any stride that is a multiple of 16 bytes (the mode has extent 1).
   const int64_t bs = p.B == 1 ? t.token_stride * p.T : t.batch_stride;
@@ -49,6 +80,11 @@ chunked_sm90::TmaToken token_tma(const RecurrentParams& p, const TokenTensor& t,
 cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   using namespace chunked_sm90;
+  if (check_token_map("q", p, p.q, p.H) != CUDA_SUCCESS ||
+      check_token_map("k", p, p.k, p.H) != CUDA_SUCCESS ||
+      check_token_map("g", p, p.g, p.HV) != CUDA_SUCCESS ||
+      check_token_map("v", p, p.v, p.HV) != CUDA_SUCCESS)
+    return cudaErrorInvalidValue;
   const KernelArgs args{p, token_tma(p, p.q, p.H), token_tma(p, p.k, p.H), token_tma(p, p.g, p.HV),
                         token_tma(p, p.v, p.HV)};
   constexpr int smem = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment of the 1024-byte swizzle
@@ -62,7 +98,13 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream) {
   }
   const int64_t blocks = p.N * p.HV;
   kda_chunked_sm90_kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, smem, stream>>>(args);
-  return cudaGetLastError();
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || verbose())
+    std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s: %s\n",
+                 static_cast<long long>(blocks), kThreads, smem, static_cast<long long>(p.N), static_cast<int>(p.HV),
+                 static_cast<long long>(p.T), static_cast<long long>(p.B), p.seq_order != nullptr ? " seq_order" : "",
+                 cudaGetErrorString(e));
+  return e;
 }
 
 }  // namespace kda

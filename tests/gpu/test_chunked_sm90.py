@@ -1,10 +1,10 @@
 """GPU tier: the Hopper (sm_90a) chunked prefill kernel, selected with KDA_CHUNKED_KERNEL=sm90.
 
 Every test of this module runs with the variable set, so ``backend="chunked"`` takes the Hopper kernel for
-the cases it covers (inference prefill: no checkpoints, start-state source or seq_order) and the mma.sync
+the cases it covers (inference prefill: no checkpoints or start-state source) and the mma.sync
 kernel for the rest. Checked here:
-  * that the Hopper kernel really runs (its name in the profiler's kernel list) and that an uncovered case
-    falls back;
+  * that the Hopper kernel really runs (its name in the profiler's kernel list; and for every covered call of
+    every test here, its launch line on stderr) and that an uncovered case falls back;
   * the shared sweep and feature tests of tests/gpu/test_chunked_cuda.py, re-run on this path (fp64
     reference, tolerances of tests/conftest.py);
   * Hopper vs mma.sync over lengths, packed mixes with zero-length and 1-token rows, GQA, gate and β modes,
@@ -15,11 +15,12 @@ Skipped unless the device is compute capability 9.0.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import test_chunked_cuda as base
 import torch
 from conftest import GATES, TOL_STATE_FP32, assert_close_rms, assert_output, bits, check_pool, state_tol
-
-import test_chunked_cuda as base
 from test_chunked_cuda import (  # noqa: F401  (collected again here, on the Hopper path)
     test_causality,
     test_cuda_graph_packed_prefill,
@@ -38,9 +39,51 @@ pytestmark = [
 K, F32, BF16 = base.K, base.F32, base.BF16
 
 
+def _tma_ok(z: torch.Tensor) -> bool:
+    """A token tensor [B, T, heads, 128] the Hopper kernel's TMA maps take (chunked_sm90_supported)."""
+    st = z.stride()
+    return (z.dtype == torch.bfloat16 and z.data_ptr() % 16 == 0 and st[3] == 1 and st[1] % 8 == 0
+            and st[2] % 8 == 0 and (z.shape[0] == 1 or st[0] % 8 == 0))
+
+
+def hopper_covers(kw) -> bool:
+    """Whether a public call is one the Hopper kernel must run (mirror of chunked_sm90_supported)."""
+    q = kw["q"]
+    if kw.get("backend", "chunked") != "chunked" or q.device.type != "cuda" or q.shape[1] == 0:
+        return False
+    if q.shape[-1] != K or kw["v"].shape[-1] != K:
+        return False
+    if kw.get("checkpoint_every_n_tokens") or kw.get("initial_state_source") is not None:
+        return False
+    if kw.get("num_spec_tokens") or kw.get("num_accepted_tokens") is not None:
+        return False
+    return all(_tma_ok(kw[n]) for n in ("q", "k", "v", "g"))
+
+
+LAUNCH_LINE = "kda_chunked_sm90: launch"
+
+
 @pytest.fixture(autouse=True)
-def _hopper_kernel(monkeypatch):
+def _hopper_kernel(monkeypatch, capfd):
+    """Every test here runs with KDA_CHUNKED_KERNEL=sm90, and every call the Hopper kernel covers must launch
+    it (the host prints one line per launch with KDA_SM90_VERBOSE=1): a silent fallback to the mma.sync kernel
+    fails the test instead of passing on the other kernel."""
     monkeypatch.setenv("KDA_CHUNKED_KERNEL", "sm90")
+    monkeypatch.setenv("KDA_SM90_VERBOSE", "1")
+    real_call = base.call
+
+    def checked_call(t, g, backend="chunked", **kw):
+        args = dict(t, **g, backend=backend, **kw)
+        want = os.environ.get("KDA_CHUNKED_KERNEL") == "sm90" and hopper_covers(args)
+        capfd.readouterr()
+        res = real_call(t, g, backend=backend, **kw)
+        err = capfd.readouterr().err
+        launched = err.count(LAUNCH_LINE)
+        if want:
+            assert launched >= 1, f"the Hopper kernel did not run for a covered call (stderr: {err[-400:]!r})"
+        return res
+
+    monkeypatch.setattr(base, "call", checked_call)
 
 
 def kernel_names(fn) -> list[str]:
@@ -107,8 +150,15 @@ def test_hopper_vs_mma_vs_reference(c, monkeypatch):
     res = {}
     for kernel in ("sm90", "mma"):
         pool = before.clone()
-        o, _ = _run(t, g, m, kernel, monkeypatch, initial_state=pool, ssm_state_indices=idx, cu_seqlens=cu)
-        res[kernel] = (o, pool)
+        out = []
+
+        def one(kernel=kernel, pool=pool, out=out):
+            out.append(_run(t, g, m, kernel, monkeypatch, initial_state=pool, ssm_state_indices=idx, cu_seqlens=cu)[0])
+
+        names = kernel_names(one)
+        res[kernel] = (out[0], pool)
+        ran = any("kda_chunked_sm90" in nm for nm in names)
+        assert ran == (kernel == "sm90"), (kernel, sorted(set(names)))
     n_pool = before.shape[0]
     active = [0 <= s < n_pool for s in slots]
     start = before[idx.long().clamp(0, n_pool - 1)]

@@ -13,7 +13,7 @@ namespace kda {
 bool chunked_sm90_requested();
 
 // Whether the Hopper kernel covers `p` on the current device: compute capability 9.0, an inference prefill
-// (no checkpoints, tapes, start-state source, seq_order or speculative decode), bf16 tokens with 16-byte
+// (no checkpoints, tapes, start-state source or speculative decode; seq_order is followed), bf16 tokens with 16-byte
 // aligned rows and strides that are multiples of 8 elements (TMA), K = V = 128.
 bool chunked_sm90_supported(const RecurrentParams& p);
 

@@ -24,8 +24,9 @@
 // R path (as the mma.sync kernel).
 // Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): inference prefill, bf16 tokens,
 // fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32 pool slots with
-// inactive slots, zero or pool start state, final state to the pool or to final_state. Everything else
-// (checkpoints, tapes, the backward chain, initial_state_source, seq_order) runs on the mma.sync kernel.
+// inactive slots, zero or pool start state, final state to the pool or to final_state, seq_order. Everything else
+// (checkpoints, tapes, the backward chain, initial_state_source) runs on the mma.sync kernel. seq_order (the
+// longest-first task order the Python layer sets for packed calls) maps blockIdx to the sequence.
 // Known limits of this first version, in the order they are expected to matter for speed:
 //   * prep is one warpgroup doing G (gate, norms, operands) and then W (L, Mqk, inverse) for each chunk in
 //     sequence; the mma.sync kernel overlaps them on separate warps (needs double-buffered prep scratch);
@@ -209,7 +210,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
   const int hv = static_cast<int>(blockIdx.x % p.HV);
-  const int64_t n = blockIdx.x / p.HV;
+  int64_t n = blockIdx.x / p.HV;
+  if (p.seq_order != nullptr) {  // scheduling hint: task -> sequence (longest first); CTA-uniform
+    n = p.seq_order[n];
+    if (n < 0 || n >= p.N) return;  // a broken permutation never reads out of bounds
+  }
   const int h = hv / (p.HV / p.H);
   const SeqRange sr = seq_range(p, n);
   const StartState st = start_state(p, n);
