@@ -56,6 +56,26 @@ def _tensors(obj: Any):
                 yield t
 
 
+def lower_bound_call(x: dict, **extra: Any) -> dict:
+    """recurrent_kda keyword arguments from an ``inputs(...)`` dict: its token tensors, gate parameters and
+    pool, with the lower-bound gate (lambda = -5) and logit beta; ``extra`` added on top."""
+    kw = dict(
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=x["initial_state"],
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        beta_is_logit=True,
+    )
+    kw.update(extra)
+    return kw
+
+
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor's elements, on CPU (NaN-safe bitwise comparison). Unlike a ``contiguous()``
     based copy this also works for size-1 dims with odd strides."""
