@@ -56,24 +56,18 @@ def _tensors(obj: Any):
                 yield t
 
 
-def lower_bound_call(x: dict, **extra: Any) -> dict:
-    """recurrent_kda keyword arguments from an ``inputs(...)`` dict: its token tensors, gate parameters and
-    pool, with the lower-bound gate (lambda = -5) and logit beta; ``extra`` added on top."""
-    kw = dict(
-        q=x["q"],
-        k=x["k"],
-        v=x["v"],
-        g=x["g"],
-        beta=x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"],
-        use_gate_in_kernel=True,
-        lower_bound=-5.0,
-        beta_is_logit=True,
-    )
+def token_args(x: dict, **extra: Any) -> dict:
+    """The eight tensor arguments of an ``inputs(...)`` dict (q, k, v, g, beta, A_log, dt_bias,
+    initial_state) as keyword arguments, ``extra`` added on top."""
+    kw = {n: x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")}
     kw.update(extra)
     return kw
+
+
+def lower_bound_call(x: dict, **extra: Any) -> dict:
+    """recurrent_kda keyword arguments from an ``inputs(...)`` dict: token_args with the lower-bound gate
+    (lambda = -5) and logit beta; ``extra`` added on top."""
+    return token_args(x, use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, **extra)
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

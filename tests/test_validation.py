@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from _builders import _tensors, lower_bound_call
+from _builders import _tensors, lower_bound_call, token_args
 from conftest import HAS_CUDA, assert_bit_identical, inputs, needs_cpu_op, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -95,16 +95,7 @@ def train_args(packed=False, dtype=torch.bfloat16, **over):
         )
     if dtype == torch.float64:
         x["A_log"], x["dt_bias"] = x["A_log"].double(), x["dt_bias"].double()
-    kw = dict(
-        q=x["q"],
-        k=x["k"],
-        v=x["v"],
-        g=x["g"],
-        beta=x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"],
-    )
+    kw = token_args(x)
     if packed:
         kw["cu_seqlens"] = x["cu_seqlens"]
     kw.update(over)
