@@ -1,4 +1,4 @@
-"""Decode benchmark (SPEC §7, issue "CUDA decode and speculative decode at memory bandwidth").
+"""Decode benchmark (targets: docs/contract.md, "Speed targets").
 
 kda_ops.recurrent_kda (token-serial CUDA kernel, backend "recurrent") beside fla's fused_recurrent_kda, in
 one process, on the same inputs: H = HV = 32, K = V = 128, lower-bound gate (λ = -5), logit beta, L2 norm,

@@ -197,6 +197,22 @@ def _host_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Ten
     return [c[i + 1] - c[i] for i in range(len(c) - 1)]
 
 
+def _split_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None) -> list[int] | None:
+    """The sequence lengths of a call the split may take, or None when it is out of scope: the switch off,
+    nothing to do, meta / FakeTensor tracing, CUDA graph capture, lengths only on the device, or no
+    sequence longer than one segment."""
+    if MODE == "0" or d.N == 0 or d.B * d.T == 0:
+        return None
+    if d.dev_type == "meta" or torch.compiler.is_compiling():
+        return None
+    if d.on_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    lens = _host_lengths(d, cu_seqlens, cu_host)
+    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
+        return None
+    return lens
+
+
 def _device_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     t = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":  # pinned + non_blocking: a copy queued on the stream, no host wait
@@ -242,14 +258,10 @@ def try_run(
     """Runs a validated prefill call split into segments, writing ``out``, ``final`` (fp32 [N, HV, V, K]
     or None) and the pool exactly as the unsplit op would. Returns False (nothing done) when the call is
     out of scope or the split would not pay; the caller then runs the unsplit op."""
-    if MODE == "0" or d.N == 0 or d.B * d.T == 0:
+    if type(q) is not torch.Tensor:
         return False
-    if d.dev_type == "meta" or type(q) is not torch.Tensor or torch.compiler.is_compiling():
-        return False
-    if d.on_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    lens = _host_lengths(d, cu_seqlens, cu_host)
-    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
+    lens = _split_lengths(d, cu_seqlens, cu_host)
+    if lens is None:
         return False
     sms = _sms(d.device)
     # checkpoints every n tokens: segments of a multiple of n tokens keep every checkpoint inside one
@@ -501,14 +513,8 @@ def try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb):  # type: ignor
 
 
 def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
-    if MODE == "0" or d.N == 0 or d.B * d.T == 0:
-        return None
-    if torch.compiler.is_compiling() or d.dev_type == "meta":
-        return None
-    if d.on_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    lens = _host_lengths(d, cu_seqlens, cu_host)
-    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
+    lens = _split_lengths(d, cu_seqlens, cu_host)
+    if lens is None:
         return None
     sms = _sms(d.device)
     Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)

@@ -14,7 +14,7 @@ OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
-# ../shared/golden does not travel to the device: carry a copy as .golden/ (git-ignored).
+# The golden files (shared/golden beside the checkout) do not travel to the device: carry a copy as .golden/ (git-ignored).
 [ -d .golden ] && export KDA_GOLDEN_DIR=${KDA_GOLDEN_DIR:-$PWD/.golden}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}  # seconds per stage; the device allows 600 per command
 QUICK=0

@@ -5,7 +5,7 @@
 # `timeout`; logs and results in $OUT. Whole run: under 6 minutes on one H200 with MAX_JOBS=16.
 #
 #   run: carry [".whl", ".golden"]; command: bash scripts/device_decode.sh
-#   .whl/ holds the peer wheels (fla), installed into /tmp/site; .golden/ copies of ../shared/golden/*.pt (it
+#   .whl/ holds the peer wheels (fla), installed into /tmp/site; .golden/ copies of the golden files (shared/golden/*.pt; it
 #   does not travel otherwise); KDA_GOLDEN_DIR overrides.
 #   STAGES="build tests tests_ring bench overhead" (default) or a subset; BENCH_CASES overrides the cases.
 #

@@ -56,6 +56,20 @@ def _tensors(obj: Any):
                 yield t
 
 
+def token_args(x: dict, **extra: Any) -> dict:
+    """The eight tensor arguments of an ``inputs(...)`` dict (q, k, v, g, beta, A_log, dt_bias,
+    initial_state) as keyword arguments, ``extra`` added on top."""
+    kw = {n: x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")}
+    kw.update(extra)
+    return kw
+
+
+def lower_bound_call(x: dict, **extra: Any) -> dict:
+    """recurrent_kda keyword arguments from an ``inputs(...)`` dict: token_args with the lower-bound gate
+    (lambda = -5) and logit beta; ``extra`` added on top."""
+    return token_args(x, use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, **extra)
+
+
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor's elements, on CPU (NaN-safe bitwise comparison). Unlike a ``contiguous()``
     based copy this also works for size-1 dims with odd strides."""

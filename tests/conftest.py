@@ -216,6 +216,25 @@ GATES = {
 }
 
 
+def force_split(monkeypatch, segment_tokens: int) -> list:  # type: ignore[no-untyped-def]
+    """Forces the exact sequence split (kda_ops/_split.py) with segments of ``segment_tokens`` tokens for
+    one test; returns the list the plan of every split run is appended to (so a test can assert that the
+    split ran)."""
+    from kda_ops import _split
+
+    calls: list = []
+    run = _split._run
+
+    def counting(pl, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(pl)
+        return run(pl, *a, **kw)
+
+    monkeypatch.setattr(_split, "MODE", "1")
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", segment_tokens)
+    monkeypatch.setattr(_split, "_run", counting)
+    return calls
+
+
 def gate_kwargs(x: dict, gate: str = "lower_bound") -> dict:
     """GATES[gate] plus the gate parameters of the inputs `x` (A_log, dt_bias) when the gate is in-kernel."""
     kw = dict(GATES[gate])

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import force_split
 
 import kda_ops
 from kda_ops import _split
@@ -23,17 +24,7 @@ K, V = 16, 16
 @pytest.fixture
 def split_on(monkeypatch):  # type: ignore[no-untyped-def]
     """Forces the split with 64-token segments and counts the split runs."""
-    calls = []
-    run = _split._run
-
-    def counting(pl, *a, **kw):  # type: ignore[no-untyped-def]
-        calls.append(pl)
-        return run(pl, *a, **kw)
-
-    monkeypatch.setattr(_split, "MODE", "1")
-    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
-    monkeypatch.setattr(_split, "_run", counting)
-    return calls
+    return force_split(monkeypatch, 64)
 
 
 def _inputs(lens, B=1, H=1, HV=2, Vd=V, gate="lower_bound", slow=False, dtype=torch.float32, seed=0):  # type: ignore[no-untyped-def]

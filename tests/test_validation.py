@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from _builders import _tensors, lower_bound_call, token_args
 from conftest import HAS_CUDA, assert_bit_identical, inputs, needs_cpu_op, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,23 +25,6 @@ FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthChe
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-    elif isinstance(obj, RecurrentKDATrainingContext):
-        fields = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "tapes", "tape_cu_starts", "initial_state")
-        for f in (*fields, "cu_seqlens"):
-            t = getattr(obj, f)
-            if t is not None:
-                yield t
 
 
 def rejects(fn, args: tuple, kwargs: dict, exc: type[Exception], name: str) -> str:
@@ -60,21 +44,7 @@ def rejects(fn, args: tuple, kwargs: dict, exc: type[Exception], name: str) -> s
 def decode_call(**over):
     """A valid recurrent_kda call: B=2 rows of T=3, H=1, HV=2, fp32 pool of 4 slots, lower-bound gate."""
     x = inputs(B=2, T=3, H=1, HV=2, K=K, V=V, N_pool=4)
-    kw = dict(
-        q=x["q"],
-        k=x["k"],
-        v=x["v"],
-        g=x["g"],
-        beta=x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"],
-        use_gate_in_kernel=True,
-        lower_bound=-5.0,
-        beta_is_logit=True,
-        ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32),
-        output_final_state=True,
-    )
+    kw = lower_bound_call(x, ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32), output_final_state=True)
     kw.update(over)
     return kw
 
@@ -84,38 +54,15 @@ def packed_call(lengths=(3, 0, 5), **over):
     for n in lengths:
         cu.append(cu[-1] + n)
     x = inputs(H=1, HV=2, K=K, V=V, cu_seqlens=cu, N_pool=len(lengths) + 1)
-    kw = dict(
-        q=x["q"],
-        k=x["k"],
-        v=x["v"],
-        g=x["g"],
-        beta=x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"],
-        use_gate_in_kernel=True,
-        lower_bound=-5.0,
-        beta_is_logit=True,
-        cu_seqlens=x["cu_seqlens"],
-    )
+    kw = lower_bound_call(x, cu_seqlens=x["cu_seqlens"])
     kw.update(over)
     return kw
 
 
 def spec_call(S=2, **over):
     x = inputs(B=2, T=1 + S, H=1, HV=2, K=K, V=V, N_pool=8)
-    kw = dict(
-        q=x["q"],
-        k=x["k"],
-        v=x["v"],
-        g=x["g"],
-        beta=x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"],
-        use_gate_in_kernel=True,
-        lower_bound=-5.0,
-        beta_is_logit=True,
+    kw = lower_bound_call(
+        x,
         num_spec_tokens=S,
         ssm_state_indices=torch.arange(2 * (1 + S), dtype=torch.int32).view(2, 1 + S),
         num_accepted_tokens=torch.tensor([1, 2], dtype=torch.int32),
@@ -148,16 +95,7 @@ def train_args(packed=False, dtype=torch.bfloat16, **over):
         )
     if dtype == torch.float64:
         x["A_log"], x["dt_bias"] = x["A_log"].double(), x["dt_bias"].double()
-    kw = dict(
-        q=x["q"],
-        k=x["k"],
-        v=x["v"],
-        g=x["g"],
-        beta=x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"],
-    )
+    kw = token_args(x)
     if packed:
         kw["cu_seqlens"] = x["cu_seqlens"]
     kw.update(over)

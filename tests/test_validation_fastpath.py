@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from _builders import lower_bound_call
 from conftest import assert_bit_identical, inputs, needs_cpu_op, snapshot
 
 import kda_ops
@@ -24,18 +25,8 @@ K = V = 32
 def _call(**over):
     """A valid call: B=2, T=1, H=1, HV=2, bf16 pool of 4 slots, lower-bound gate, caller output."""
     x = inputs(B=2, T=1, H=1, HV=2, K=K, V=V, N_pool=4, state_dtype=torch.bfloat16)
-    kw = dict(
-        q=x["q"],
-        k=x["k"],
-        v=x["v"],
-        g=x["g"],
-        beta=x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        initial_state=x["initial_state"],
-        use_gate_in_kernel=True,
-        lower_bound=-5.0,
-        beta_is_logit=True,
+    kw = lower_bound_call(
+        x,
         ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32),
         output=torch.zeros(2, 1, 2, V, dtype=torch.bfloat16),
     )

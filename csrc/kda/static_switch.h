@@ -2,7 +2,7 @@
 // Each macro takes the runtime value, the name of the constant (or type) it defines, and a lambda
 // `[&] { ... }` that uses it. An unsupported value throws std::invalid_argument naming the value: the
 // torch-facing layer (csrc/api) validates first, so reaching the default branch is a bug, and it fails
-// loudly instead of silently running a wrong instantiation. No torch headers here (DESIGN §3).
+// loudly instead of silently running a wrong instantiation. No torch headers here (docs/design.md, "Layer map").
 #pragma once
 #include <stdexcept>
 #include <string>

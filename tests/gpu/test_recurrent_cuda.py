@@ -1,10 +1,10 @@
 """GPU tier: the CUDA token-serial recurrent_kda kernel (csrc/kda/decode, backend "recurrent"/"auto")
 against kda_ops.reference in fp64 on the same bf16-rounded inputs.
 
-Tolerances (SPEC §6, justified in tests/conftest.py): outputs 5e-3 relative RMS and 2e-2 max abs; fp32
-states 1e-3, bf16 states 1e-2; fp32-state decode over 4096 steps 1e-4; a speculative step against the
-same tokens as single-token decodes 1e-6 (fp32 state: the same fp32 arithmetic in the same order, so in
-practice bit-identical). Untouched slots, padding and read-only sources are compared bit for bit.
+Tolerances (docs/contract.md, "Tolerances"; justified in tests/conftest.py): outputs 5e-3 relative RMS and
+2e-2 max abs; fp32 states 1e-3, bf16 states 1e-2; fp32-state decode over 4096 steps 1e-4; a speculative step
+against the same tokens as single-token decodes 1e-6 (fp32 state: the same fp32 arithmetic in the same order,
+so in practice bit-identical). Untouched slots, padding and read-only sources are compared bit for bit.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from conftest import TOL_OUT, TOL_STATE_BF16, TOL_STATE_FP32, assert_close_rms, lengths_to_cu
+from conftest import TOL_OUT, TOL_STATE_BF16, TOL_STATE_FP32, assert_close_rms, force_split, lengths_to_cu
 
 import kda_ops
 from kda_ops import _split
@@ -30,17 +30,8 @@ K = 128
 
 @pytest.fixture
 def split_on(monkeypatch):  # type: ignore[no-untyped-def]
-    calls = []
-    run = _split._run
-
-    def counting(pl, *a, **kw):  # type: ignore[no-untyped-def]
-        calls.append(pl)
-        return run(pl, *a, **kw)
-
-    monkeypatch.setattr(_split, "MODE", "1")
-    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 512)
-    monkeypatch.setattr(_split, "_run", counting)
-    return calls
+    """Forces the split with 512-token segments and counts the split runs."""
+    return force_split(monkeypatch, 512)
 
 
 def make(lens, HV=2, H=1, gate="lower_bound", slow=False, seed=0, B=1, T=None):  # type: ignore[no-untyped-def]

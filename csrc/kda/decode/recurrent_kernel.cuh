@@ -1,9 +1,9 @@
 // Token-serial KDA kernel ("recurrent" backend): decode (T=1), speculative decode (1+S tokens with a
 // pool write after every token) and token-serial prefill (any T, checkpoints, final state), one kernel
-// family for the full RecurrentParams contract (SPEC §2, §3.1; slot/activity/gate rules from
-// kda/common/recurrent_rules.h, shared with the CPU loop).
+// family for the full RecurrentParams contract (docs/contract.md, "Recurrence" and "Slots and
+// checkpoints"; slot/activity/gate rules from kda/common/recurrent_rules.h, shared with the CPU loop).
 //
-// Anatomy (KERNEL_NOTES §A). One warp owns a tile of value rows x all K of one (sequence, value head).
+// Anatomy. One warp owns a tile of value rows x all K of one (sequence, value head).
 // Lanes: KL = K/8 lanes share one row, each holding 8 of its K values; the other lane bits (rg) pick one
 // of RP = 32/KL rows; each lane keeps NR such rows, so a warp covers NR*RP rows. The tile's state is fp32
 // in registers for the whole sequence: read once at the start, written once at the end (plus one write per
@@ -26,7 +26,8 @@
 // the current one, and the bytes in flight are bounded by shared memory, not by registers. The slot lookups
 // of an item (cu_seqlens, ssm_state_indices, num_accepted_tokens) are resolved when it is prefetched and
 // kept in the ring's ItemMeta. Prefetching ahead is safe because items of different sequences never
-// share a slot (caller contract, SPEC §3.1) and the items of one sequence touch disjoint rows.
+// share a slot (caller contract, docs/contract.md "Slots and checkpoints") and the items of one sequence
+// touch disjoint rows.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -450,10 +451,11 @@ __device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
 
 // ---------------------------------------------------------------------------------------------------
 
-// The token loop of one item (SPEC §2 per token; checkpoints; speculative per-token slot writes; the output
-// row of each token). On entry `s` holds the item's start state and `cur` its first token's inputs; on exit
-// `s` holds the state after the last token (the caller writes it to the pool / final state). Shared by the
-// cp.async-ring kernel and the warp-specialised kernel (recurrent_ring_kernel.cuh), so both compute the same bits.
+// The token loop of one item (docs/contract.md "Recurrence" per token; checkpoints; speculative per-token
+// slot writes; the output row of each token). On entry `s` holds the item's start state and `cur` its
+// first token's inputs; on exit `s` holds the state after the last token (the caller writes it to the pool
+// / final state). Shared by the cp.async-ring kernel and the warp-specialised kernel
+// (recurrent_ring_kernel.cuh), so both compute the same bits.
 // `dtb`: dt_bias[hv, :] (global or shared memory), null when absent; `A` = exp(A_log[hv]).
 template <class Tile>
 __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const int flags, const ItemMeta& m,
@@ -504,7 +506,7 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
 
     float o = 0.f;
     if (!(flags & kDiagNoMath)) {
-      // ---- token prep: normalised q (with scale) and k, decay, beta (SPEC §2 steps 1-3)
+      // ---- token prep: normalised q (with scale) and k, decay, beta (docs/contract.md "Recurrence", steps 1-3)
       float qf[8], kf[8], dec[8];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -521,7 +523,7 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
         qscale = rsqrtf(sq + kL2NormEps) * p.scale;
         kscale = rsqrtf(sk + kL2NormEps);
       }
-      // Gate (SPEC §2 step 2): one branch per token, not per channel.
+      // Gate (docs/contract.md "Recurrence", step 2): one branch per token, not per channel.
       if (p.gate_mode == GateMode::kLowerBound) {
 #pragma unroll
         for (int e = 0; e < 8; ++e)
@@ -541,7 +543,7 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
       }
       const float beta = p.beta_is_logit ? kda_sigmoid(cur.beta) : cur.beta;
 
-      // ---- decay and prediction p = S k (SPEC §2 steps 4-5)
+      // ---- decay and prediction p = S k ("Recurrence", steps 4-5)
       float acc[NR];
 #pragma unroll
       for (int i = 0; i < NR; ++i) {
