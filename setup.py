@@ -81,7 +81,13 @@ def wheel_metadata(archs: list[str]) -> list[str]:
 def main() -> None:
     archs = resolve_archs()
     cxx_flags = ["-O3"]
-    cpp_sources = sorted(glob.glob("csrc/api/registration.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    # The torch-facing layer (csrc/api: schemas, argument checks, tensor -> params, one file per op family and
+    # backend) and the CPU kernels (csrc/cpu); the CUDA kernels (csrc/kda) follow when archs are asked for.
+    cpp_sources = (
+        sorted(glob.glob("csrc/api/registration.cpp"))
+        + sorted(glob.glob("csrc/api/*_cpu.cpp"))
+        + sorted(glob.glob("csrc/cpu/*.cpp"))
+    )
     include_dirs = [os.path.join(ROOT, "csrc")]
     if archs:
         from torch.utils.cpp_extension import CUDA_HOME

@@ -1,4 +1,4 @@
-"""Decode benchmark (docs/contract.md "Speed targets").
+"""Decode benchmark (SPEC §7, issue "CUDA decode and speculative decode at memory bandwidth").
 
 kda_ops.recurrent_kda (token-serial CUDA kernel, backend "recurrent") beside fla's fused_recurrent_kda, in
 one process, on the same inputs: H = HV = 32, K = V = 128, lower-bound gate (λ = -5), logit beta, L2 norm,
@@ -18,9 +18,12 @@ time per step. Effective bandwidth:
 with W = 1 for decode (the state is read and written once) and W = 1 + S for a speculative step of 1 + S
 tokens (one read, one write per token). Token tensors and the output (< 1% of the bytes) are not counted.
 
-Also reported: B = 1 graph replay time of a single step (target <= 3 us; state L2-resident, as in a
-graph replay of one layer), the host cost of an eager call from Python (public API and the raw op, and
-fla's), a rows-per-lane (tile) sweep of our kernel, and an output cross-check ours vs fla.
+Also reported: B = 1 graph replay time of a single step (case b1; target <= 3 us; state L2-resident, as in
+a graph replay of one layer), the host cost of an eager call from Python (public API and the raw op, and
+fla's), an output cross-check ours vs fla, and a speculative verify step (case verify-bf16:B,
+disable_state_update: state bytes read only).
+
+    KDA_DECODE_KERNEL=ring python3 benchmarks/bench_decode.py --cases bf16:256,bf16:1024,b1 --tag _ring
 """
 
 from __future__ import annotations
@@ -40,62 +43,11 @@ H = HV = 32
 K = V = 128
 LOWER_BOUND = -5.0
 L2_BYTES = 60 * 2**20
-ROWS_ENV = "KDA_RECURRENT_ROWS_PER_LANE"
-# Host-side launch knobs and diagnostic switches of our launcher (csrc/kda/decode/recurrent_launch.cu):
-# each entry sets these environment variables for one measurement. The diagnostics break the results on
-# purpose (they take a stage out to show what it costs) and are only timed here, never checked.
-# Defaults (since the third H200 run): smallest smem carveout (most L1), no L1 prefetch of token inputs.
-KNOBS = [
-    ("blocks/SM<=2", {"KDA_RECURRENT_BLOCKS_PER_SM": "2"}),
-    ("L1 prefetch on", {"KDA_RECURRENT_L1_PREFETCH": "1"}),
-    ("driver carveout", {"KDA_RECURRENT_CARVEOUT": "default"}),
-    ("driver carveout + L1 prefetch (run-3 default)", {"KDA_RECURRENT_CARVEOUT": "default",
-                                                        "KDA_RECURRENT_L1_PREFETCH": "1"}),
-    ("diag: no state store", {"KDA_RECURRENT_DIAG": "1"}),
-    ("diag: no math", {"KDA_RECURRENT_DIAG": "2"}),
-    ("diag: no math, no store (read only)", {"KDA_RECURRENT_DIAG": "3"}),
-    ("warps/block<=2", {"KDA_RECURRENT_WARPS_PER_BLOCK": "2"}),
-    # Bulk-copy kernel (csrc/kda/decode/recurrent_bulk_kernel.cuh): 1 = state + first-token q/k/g + dt_bias by
-    # cp.async.bulk into an mbarrier ring (default 3 stages), pool written from registers; 2 = the same plus
-    # a bulk store of the updated tile from the ring. bf16 NR=8 at 3 stages: 12 warps/SM (3 blocks); at 4
-    # stages shared memory allows 8. fp32 NR=8 stages are 9.5 KB: NR=4 (4 KB of state per stage) is the
-    # fp32 candidate.
-    ("bulk=1", {"KDA_RECURRENT_BULK": "1"}),
-    ("bulk=2", {"KDA_RECURRENT_BULK": "2"}),
-    ("bulk=1 stages=4", {"KDA_RECURRENT_BULK": "1", "KDA_RECURRENT_BULK_STAGES": "4"}),
-    ("bulk=2 stages=4", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_STAGES": "4"}),
-    ("bulk=2 stages=6 warps/block<=2", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_STAGES": "6",
-                                         "KDA_RECURRENT_WARPS_PER_BLOCK": "2"}),
-    ("bulk=2 NR=4", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4"}),
-    ("bulk=2 NR=4 stages=4", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4", "KDA_RECURRENT_BULK_STAGES": "4"}),
-    ("bulk=2 carveout=default", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_CARVEOUT": "default"}),
-    # cp.async.bulk.prefetch.L2 of the state D items past the ring (HBM -> L2 without holding shared memory)
-    ("bulk=2 L2 ahead=2", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_L2_AHEAD": "2"}),
-    ("bulk=2 L2 ahead=4", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_L2_AHEAD": "4"}),
-    ("bulk=2 stages=4 L2 ahead=4", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_BULK_STAGES": "4",
-                                    "KDA_RECURRENT_BULK_L2_AHEAD": "4"}),
-    ("bulk=2 diag: no state store", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "1"}),
-    ("bulk=2 diag: no math", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "2"}),
-    ("bulk=2 diag: read only", {"KDA_RECURRENT_BULK": "2", "KDA_RECURRENT_DIAG": "3"}),
-    ("bulk=2 NR=4 diag: read only", {"KDA_RECURRENT_BULK": "2", ROWS_ENV: "4", "KDA_RECURRENT_DIAG": "3"}),
-    # One-item-per-warp kernel forced at large batch (a plain grid, state loaded straight into registers).
-    ("single=2", {"KDA_RECURRENT_SINGLE": "2"}),
-]
-# B = 1 graph-replay latency under launcher knobs (results identical; state L2-resident).
-B1_KNOBS = [
-    # one-item-per-warp kernel (recurrent_single_kernel.cuh): token loads before the slot lookup, no ring
-    ("single", {"KDA_RECURRENT_SINGLE": "1"}),
-    ("single NR=2", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "2"}),
-    ("single NR=8", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "8"}),
-    ("single warps/block<=1", {"KDA_RECURRENT_SINGLE": "1", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
-    ("single NR=2 warps/block<=2", {"KDA_RECURRENT_SINGLE": "1", ROWS_ENV: "2", "KDA_RECURRENT_WARPS_PER_BLOCK": "2"}),
-    ("bulk=1", {"KDA_RECURRENT_BULK": "1"}),
-    ("bulk=2", {"KDA_RECURRENT_BULK": "2"}),
-    ("bulk=1 NR=8", {"KDA_RECURRENT_BULK": "1", ROWS_ENV: "8"}),
-    ("NR=2", {ROWS_ENV: "2"}),
-    ("warps/block<=1", {"KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
-    ("bulk=1 warps/block<=1", {"KDA_RECURRENT_BULK": "1", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
-]
+# Launch knobs and the kernel switch (KDA_DECODE_KERNEL=serial|ring, KDA_RECURRENT_*) are read once per
+# process by the launcher (csrc/kda/decode/recurrent_launch.cu): compare configurations by running this
+# script once per environment (scripts/device_decode.sh does), with --tag to keep the result files apart.
+KERNEL = os.environ.get("KDA_DECODE_KERNEL", "serial")
+CASES = "bf16:1,bf16:8,bf16:64,bf16:256,bf16:1024,fp32:1,fp32:8,fp32:64,fp32:256,fp32:1024,spec-bf16:64,spec-fp32:64"
 
 
 def make_inputs(B: int, T: int, state_dtype: torch.dtype, slots: int, seed: int = 0) -> dict:
@@ -109,14 +61,14 @@ def make_inputs(B: int, T: int, state_dtype: torch.dtype, slots: int, seed: int 
     return d
 
 
-def ours_step(d: dict, idx: torch.Tensor, S: int = 0, acc: torch.Tensor | None = None):
+def ours_step(d: dict, idx: torch.Tensor, S: int = 0, acc: torch.Tensor | None = None, verify: bool = False):
     import kda_ops
 
     return kda_ops.recurrent_kda(
         d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=d["pool"],
         ssm_state_indices=idx, use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True,
         use_qk_l2norm_in_kernel=True, output=d["out"], num_spec_tokens=S or None, num_accepted_tokens=acc,
-        backend="recurrent",
+        backend="recurrent", disable_state_update=verify,
     )
 
 
@@ -162,7 +114,13 @@ def rotation(B: int, per_seq_bytes: int, W: int) -> int:
 
 
 def main() -> None:
-    args = parse_args("decode", lambda ap: ap.add_argument("--no-sweep", action="store_true"))
+    def extra(ap):
+        ap.add_argument("--cases", default=CASES, help="comma list of bf16:B, fp32:B, spec-bf16:B, spec-fp32:B, "
+                        "verify-bf16:B (speculative verify S=3, disable_state_update) and b1 (graph of one step)")
+        ap.add_argument("--tag", default="", help="suffix of the result files (e.g. the kernel)")
+        ap.add_argument("--no-eager", action="store_true", help="skip the eager host-cost timings")
+
+    args = parse_args("decode", extra)
     import kda_ops  # noqa: F401
 
     fla = None if args.no_peers else import_fla_kda()
@@ -172,21 +130,20 @@ def main() -> None:
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fwd  # type: ignore
         except Exception as e:  # noqa: BLE001
             print(f"[peers] fla fused_recurrent_kda_fwd not importable: {e}")
-    batches = [1, 8, 64, 256] if args.quick else [1, 8, 64, 256, 1024]
-    dtypes = [torch.bfloat16, torch.float32]
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     rows, records = [], []
-    sweep_rows, knob_rows = [], []
     plot: dict[str, dict[str, list]] = {}
     notes = [
+        f"kernel: KDA_DECODE_KERNEL={KERNEL}",
         f"## decode T=1, H=HV={HV}, K=V={K}, lower-bound gate, logit beta, L2 norm ({torch.cuda.get_device_name()})",
         "TB/s = N*HV*V*K*bytes(state)*2 / t (state read + written once); time = CUDA-graph replay of R steps on "
         "distinct pool slots (>= 3x L2), median / R. ratio = fla time / our time (> 1: ours faster). "
         "fla: fused_recurrent_kda_fwd(state_v_first=True, inplace_final_state=True), the same layout and slots.",
     ]
 
-    def measure(label: str, B: int, dt: torch.dtype, S: int = 0):
+    def measure(label: str, B: int, dt: torch.dtype, S: int = 0, verify: bool = False):
         per_seq = HV * V * K * torch.finfo(dt).bits // 8
-        W = 2 + S if S else 2  # reads + writes per sequence, in states
+        W = 1 if verify else (2 + S if S else 2)  # reads + writes per sequence, in states (verify: reads only)
         Rn = rotation(B, per_seq, (1 + S))
         d = make_inputs(B, 1 + S, dt, slots=Rn * B * (1 + S), seed=B)
         if S:
@@ -198,35 +155,19 @@ def main() -> None:
             acc = None
         nbytes = B * per_seq * W
         tb = lambda t: None if t is None else nbytes / (t * 1e-6) / 1e12  # noqa: E731
-        t_ours, err = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i, S, acc) for i in idxs]))
+        t_ours, err = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i, S, acc, verify) for i in idxs]))
         if err:
             print(f"[ours] {label}: {err}")
         t_fla = None
-        if fla_fwd is not None:
+        if fla_fwd is not None and not verify:
             out_fla = torch.empty_like(d["out"])
             t_fla, ferr = try_call(lambda: graph_time_us([lambda i=i: fla_step(fla_fwd, d, i, out_fla, acc)
                                                           for i in idxs]))
             if ferr:
                 print(f"[fla] {label}: {ferr}")
-        sweep = {}
-        if not args.no_sweep and not S:
-            for nr in (1, 2, 4, 8):
-                os.environ[ROWS_ENV] = str(nr)
-                sweep[nr], _ = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i) for i in idxs], 10))
-            os.environ.pop(ROWS_ENV, None)
-        knobs = {}
-        if not args.no_sweep and not S and B in (256, 1024):
-            for kname, env in KNOBS:
-                os.environ.update(env)
-                knobs[kname], _ = try_call(lambda: graph_time_us([lambda i=i: ours_step(d, i) for i in idxs], 10))
-                kt = knobs[kname]
-                print(f"  knob {label} | {kname}: {fmt(kt, 1)} us ({fmt(tb(kt), 2)} TB/s)", flush=True)
-                for e in env:
-                    os.environ.pop(e, None)
-            knob_rows.append([label, fmt(t_ours, 1)] + [fmt(knobs[k], 1) for k, _ in KNOBS])
         # cross-check on one fresh slot set: our output vs fla's from identical pools
         xerr = None
-        if fla_fwd is not None:
+        if fla_fwd is not None and not verify:
             pool0 = d["pool"].clone()
             ours_step(d, idxs[0], S, acc)
             o_ours, p_ours = d["out"].clone(), d["pool"].clone()
@@ -238,59 +179,50 @@ def main() -> None:
             xerr = (xo.item(), xs.item())
             d["pool"].copy_(pool0)
         rec = dict(case=label, B=B, S=S, state_dtype=str(dt).replace("torch.", ""), bytes=nbytes, R=Rn,
-                   ours_us=t_ours, fla_us=t_fla, ours_tbs=tb(t_ours), fla_tbs=tb(t_fla),
-                   sweep_us={str(k): v for k, v in sweep.items()}, knobs_us=knobs, xcheck_out_state_rel=xerr)
+                   kernel=KERNEL, ours_us=t_ours, fla_us=t_fla, ours_tbs=tb(t_ours), fla_tbs=tb(t_fla),
+                   xcheck_out_state_rel=xerr)
         records.append(rec)
         rows.append([label, fmt(t_ours, 1), fmt(tb(t_ours), 2), fmt(t_fla, 1), fmt(tb(t_fla), 2), ratio(t_fla, t_ours),
                      "n/a" if xerr is None else f"{xerr[0]:.1e}/{xerr[1]:.1e}"])
-        if sweep:
-            cands = [(v, k) for k, v in sweep.items() if v is not None]
-            best = f"NR={min(cands)[1]}" if cands else "n/a"
-            sweep_rows.append([label] + [fmt(sweep[n], 1) for n in (1, 2, 4, 8)] + [best])
-        print(f"{label}: ours {fmt(t_ours, 1)} us ({fmt(tb(t_ours), 2)} TB/s), fla {fmt(t_fla, 1)} us, sweep {sweep}",
-              flush=True)
+        print(f"{label}: ours {fmt(t_ours, 1)} us ({fmt(tb(t_ours), 2)} TB/s), fla {fmt(t_fla, 1)} us", flush=True)
         d.clear()
         torch.cuda.empty_cache()
         return t_ours, t_fla, tb
 
-    for dt in dtypes:
-        name = "bf16" if dt == torch.bfloat16 else "fp32"
-        plot[name] = {"B": [], "ours": [], "fla": []}
-        for B in batches:
+    extra = []
+    for case in cases:
+        if case == "b1":
+            # B = 1 single-step graph replay (the state stays in L2, as when one layer's step is replayed)
+            for dt in (torch.bfloat16, torch.float32):
+                name = "bf16" if dt == torch.bfloat16 else "fp32"
+                d = make_inputs(1, 1, dt, slots=1, seed=1)
+                idx = torch.zeros(1, device="cuda", dtype=torch.int32)
+                t1, _ = try_call(lambda d=d, idx=idx: graph_time_us([lambda: ours_step(d, idx)], replays=200))
+                tf = None
+                if fla_fwd is not None:
+                    of = torch.empty_like(d["out"])
+                    tf, _ = try_call(lambda d=d, idx=idx, of=of: graph_time_us([lambda: fla_step(fla_fwd, d, idx, of)],
+                                                                                replays=200))
+                extra.append([f"B=1 {name}: graph of 1 step, per replay", fmt(t1, 2), fmt(tf, 2), ratio(tf, t1)])
+                records.append(dict(case=f"graph1 B=1 {name}", kernel=KERNEL, ours_us=t1, fla_us=tf))
+            continue
+        kind, _, bs = case.partition(":")
+        B = int(bs)
+        name = kind.split("-")[-1]
+        dt = torch.bfloat16 if name == "bf16" else torch.float32
+        if kind.startswith("spec"):
+            measure(f"spec S=3 B={B} {name} state", B, dt, S=3)
+        elif kind.startswith("verify"):
+            measure(f"verify S=3 B={B} {name} state (no pool write)", B, dt, S=3, verify=True)
+        else:
             t_ours, t_fla, tb = measure(f"decode B={B} {name} state", B, dt)
+            plot.setdefault(name, {"B": [], "ours": [], "fla": []})
             plot[name]["B"].append(B)
             plot[name]["ours"].append(tb(t_ours))
             plot[name]["fla"].append(tb(t_fla))
-    for dt in dtypes:
-        name = "bf16" if dt == torch.bfloat16 else "fp32"
-        measure(f"spec S=3 B=64 {name} state", 64, dt, S=3)
-
-    # B = 1 single-step graph replay (the state stays in L2, as when one layer's step is replayed)
-    extra = []
-    for dt in dtypes:
-        name = "bf16" if dt == torch.bfloat16 else "fp32"
-        d = make_inputs(1, 1, dt, slots=1, seed=1)
-        idx = torch.zeros(1, device="cuda", dtype=torch.int32)
-        t1, _ = try_call(lambda d=d, idx=idx: graph_time_us([lambda: ours_step(d, idx)], replays=200))
-        tf = None
-        if fla_fwd is not None:
-            of = torch.empty_like(d["out"])
-            tf, _ = try_call(lambda d=d, idx=idx, of=of: graph_time_us([lambda: fla_step(fla_fwd, d, idx, of)],
-                                                                        replays=200))
-        extra.append([f"B=1 {name}: graph of 1 step, per replay", fmt(t1, 2), fmt(tf, 2), ratio(tf, t1)])
-        b1 = {}
-        for kname, env in B1_KNOBS:
-            os.environ.update(env)
-            b1[kname], _ = try_call(lambda d=d, idx=idx: graph_time_us([lambda: ours_step(d, idx)], replays=200))
-            print(f"  knob B=1 {name} | {kname}: {fmt(b1[kname], 2)} us (default {fmt(t1, 2)})", flush=True)
-            for e in env:
-                os.environ.pop(e, None)
-            extra.append([f"B=1 {name}: graph of 1 step, {kname}", fmt(b1[kname], 2), "",
-                          f"default/knob {ratio(t1, b1[kname])}"])
-        records.append(dict(case=f"graph1 B=1 {name}", ours_us=t1, fla_us=tf, knobs_us=b1))
 
     # eager host cost per call (Python validation + dispatch + launch), B = 1, bf16 state
-    d = make_inputs(1, 1, torch.bfloat16, slots=1, seed=2)
+    d = make_inputs(1, 1, torch.bfloat16, slots=1, seed=2) if not args.no_eager else None
     idx = torch.zeros(1, device="cuda", dtype=torch.int32)
 
     def host_us(fn, n=300):
@@ -308,39 +240,29 @@ def main() -> None:
             d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], None, None, None, idx,
             None, None, d["out"], None, None, None, None, K**-0.5, 2, LOWER_BOUND, True, True, 0, 0, 2)
 
-    e_api = host_us(lambda: ours_step(d, idx))
-    e_raw = host_us(raw_op)
-    e_fla = None
-    if fla_fwd is not None:
-        of = torch.empty_like(d["out"])
-        e_fla = host_us(lambda: fla_step(fla_fwd, d, idx, of))
-    extra.append(["B=1 bf16: eager call from Python (host-bound), public API", fmt(e_api, 1), fmt(e_fla, 1),
-                  ratio(e_fla, e_api)])
-    extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda op", fmt(e_raw, 1), "", ""])
-    records.append(dict(case="eager B=1 bf16", ours_api_us=e_api, ours_raw_op_us=e_raw, fla_us=e_fla))
+    if d is not None:
+        idx = torch.zeros(1, device="cuda", dtype=torch.int32)
+        e_api = host_us(lambda: ours_step(d, idx))
+        e_raw = host_us(raw_op)
+        e_fla = None
+        if fla_fwd is not None:
+            of = torch.empty_like(d["out"])
+            e_fla = host_us(lambda: fla_step(fla_fwd, d, idx, of))
+        extra.append(["B=1 bf16: eager call from Python (host-bound), public API", fmt(e_api, 1), fmt(e_fla, 1),
+                      ratio(e_fla, e_api)])
+        extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda op", fmt(e_raw, 1), "", ""])
+        records.append(dict(case="eager B=1 bf16", kernel=KERNEL, ours_api_us=e_api, ours_raw_op_us=e_raw,
+                            fla_us=e_fla))
 
     header = ["case", "ours us/step", "ours TB/s", "fla us/step", "fla TB/s", "fla/ours", "xcheck out/state rel"]
     text_notes = notes
-    write_results(args.out, "bench_decode", header, rows, records, text_notes)
+    stem = "bench_decode" + args.tag
+    write_results(args.out, stem, header, rows, records, text_notes)
     md = ["| case | ours (us) | fla (us) | fla/ours |", "|---|---|---|---|"] + ["| " + " | ".join(r) + " |"
                                                                                 for r in extra]
     print("\n".join(["## latency and host overhead"] + md), flush=True)
-    if sweep_rows:
-        sw = ["| case | NR=1 | NR=2 | NR=4 | NR=8 | best |", "|---|---|---|---|---|---|"]
-        sw += ["| " + " | ".join(r) + " |" for r in sweep_rows]
-        print("\n".join(["## our tile sweep (rows per lane; us/step; default = launcher heuristic)"] + sw), flush=True)
-    kn = []
-    if knob_rows:
-        kn = ["| case | default | " + " | ".join(k for k, _ in KNOBS) + " |", "|" + "---|" * (len(KNOBS) + 2)]
-        kn += ["| " + " | ".join(r) + " |" for r in knob_rows]
-        print("\n".join(["## launch knobs and diagnostics (us/step; diagnostics skip work on purpose)"] + kn),
-              flush=True)
-    with open(os.path.join(args.out, "bench_decode.md"), "a") as f:
-        if kn:
-            f.write("\n## launch knobs and diagnostics (us/step)\n" + "\n".join(kn) + "\n")
+    with open(os.path.join(args.out, stem + ".md"), "a") as f:
         f.write("\n## latency and host overhead\n" + "\n".join(md) + "\n")
-        if sweep_rows:
-            f.write("\n## our tile sweep (rows per lane, us/step)\n" + "\n".join(sw) + "\n")
 
     try:
         import matplotlib
@@ -348,6 +270,8 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        if not plot:
+            raise RuntimeError("no decode cases")
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for name, series in plot.items():
             ax.plot(series["B"], [v or 0 for v in series["ours"]], "o-", label=f"kda_ops {name} state")
@@ -360,7 +284,7 @@ def main() -> None:
         ax.set_title("KDA decode, T=1")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_decode.png"), dpi=120)
+        fig.savefig(os.path.join(args.out, stem + ".png"), dpi=120)
         plt.close(fig)
     except Exception as e:  # noqa: BLE001
         print(f"[plot] no PNG: {e}")

@@ -94,8 +94,10 @@ def _recurrent_kda_fake(
     checkpoint_every_n_tokens,
     backend,
     zero_uncovered=False,
+    disable_state_update=False,
 ):
-    # zero_uncovered only chooses what is written into `output` (no shape, dtype or aliasing effect).
+    # zero_uncovered only chooses what is written into `output`, disable_state_update whether `state` is
+    # written at all (no shape, dtype or aliasing effect: the schema still marks `state` mutable).
     _check_tokens(q, k, v, g, beta)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

@@ -385,6 +385,17 @@ def check_backend(backend: Any) -> int:
     return BACKENDS[backend]
 
 
+def check_verify(disable_state_update: Any, backend_code: int) -> int:
+    """disable_state_update (a bool) -> the backend code the call runs with. A verify pass writes no pool slot,
+    a mode only the token-serial kernel has: 'auto' resolves to it, 'chunked' refuses the flag."""
+    if disable_state_update is False:
+        return backend_code
+    _bool(disable_state_update, "disable_state_update")
+    if backend_code == BACKENDS["chunked"]:
+        raise ValueError("disable_state_update=True needs backend 'auto' or 'recurrent', got 'chunked'")
+    return BACKENDS["recurrent"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # gate parameters
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kda_ops import _split
 from kda_ops import _validate as V
 from kda_ops.workspace import (
     RecurrentKDABackwardWorkspace,
@@ -72,6 +73,58 @@ _READ_NAMES = (
 # ---------------------------------------------------------------------------------------------------
 # recurrent_kda
 
+# Validation cache of decode-like calls. Every check of recurrent_kda is a function of the arguments' types,
+# shapes, strides, dtypes and devices and of the scalar arguments, except for a few reads of values: host
+# cu_seqlens, seq_order and checkpoint starts (such calls are never cached), and the addresses (overlap of
+# the writes with the reads, 16-byte alignment of the pool), which are re-checked on every call. So a call
+# whose key (those properties, the scalars and their Python types) was validated before skips the checks
+# and goes straight to the op: an eager decode step's Python cost falls to building the key
+# (benchmarks/bench_api_overhead.py). A call that fails a re-check takes the full path, which raises.
+_Tensor = torch.Tensor
+_FAST_CACHE: dict = {}
+_FAST_CACHE_SIZE = 64  # distinct shapes kept (a serving engine has a few batch sizes per layer type)
+
+
+def _tkey(t):
+    """Key part of one optional tensor argument (raises AttributeError for a non-tensor: no fast path)."""
+    if t is None:
+        return None
+    return (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _span_offsets(t):
+    """(0, one past the last byte) of t's memory relative to its data_ptr, or None when empty (as _span)."""
+    if t.numel() == 0:
+        return None
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return 0, (extent + 1) * t.element_size()
+
+
+class _FastEntry:
+    """What the full path decided for one key (read-only)."""
+
+    __slots__ = (
+        "d",
+        "gate_mode",
+        "lb",
+        "sc",
+        "l2",
+        "logit",
+        "S",
+        "backend_code",
+        "zero_uncovered",
+        "need_order",
+        "alloc_final",
+        "out_final",
+        "write_offs",
+        "read_offs",
+        "pool_align",
+    )
+
+    def __init__(self, **kw):
+        for n, v in kw.items():
+            setattr(self, n, v)
+
 
 def recurrent_kda(
     q: torch.Tensor,
@@ -102,6 +155,8 @@ def recurrent_kda(
     checkpoint_every_n_tokens: int = 0,
     *,
     backend: str = "auto",
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    disable_state_update: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """KDA inference: decode (T=1), speculative decode (1+S tokens) and prefill (any T), fixed or packed,
     with an in-place state pool (docs/contract.md "API"; the signature of FlashInfer's ``recurrent_kda``).
@@ -179,6 +234,17 @@ def recurrent_kda(
         checkpoint_every_n_tokens: n > 0, a multiple of 16, turns checkpointing on (0: off).
         backend: "auto", "chunked" (tensor-core chunked prefill) or "recurrent" (token-serial kernel). The
             CPU implementation is one token loop whatever the backend.
+        cu_seqlens_cpu: optional host mirror (CPU int64 [N+1], values checked) of a packed call's
+            ``cu_seqlens``: lets the exact sequence split (``KDA_SEQUENCE_SPLIT``, kda_ops/_split.py) plan
+            segments without a device sync. Caller contract: equal to ``cu_seqlens``.
+        disable_state_update: speculative verify (FlashInfer's name): the outputs of every token are
+            computed by the same slot and activity rules (start slot, num_accepted_tokens, inactive
+            sequences and tokens), but no slot of ``initial_state`` is written: neither the state after the
+            last token nor the per-token columns of speculative decode. ``final_state`` is then the pool as
+            it was (or, without a pool, the new fp32 final state, as usual); ``state_checkpoints`` (a
+            separate buffer, not pool slots) are written as usual. Engines verify drafts with it and commit
+            the accepted prefix afterwards. Runs the token-serial kernel (``backend="chunked"`` refuses it);
+            CUDA-graph capturable.
 
     Returns:
         ``(output, final_state)``, or ``(output, final_state, state_checkpoints)`` when
@@ -200,7 +266,67 @@ def recurrent_kda(
     # Hot path: an eager decode step's kernel takes a few µs, so the Python layer must stay in the same
     # range. Every check below is a cheap combined test on the common path; the one-by-one helpers run
     # only to raise the error that names the argument (benchmarks/bench_api_overhead.py times this).
-    backend_code = V.check_backend(backend)
+    key = None
+    if (
+        initial_state_source is None
+        and initial_state_indices is None
+        and seq_order is None
+        and prefill_workspace is None
+        and state_checkpoints is None
+        and checkpoint_cu_starts is None
+        and cu_seqlens_cpu is None
+        and type(q) is _Tensor
+        and (cu_seqlens is None or (type(cu_seqlens) is _Tensor and cu_seqlens.is_cuda))
+        and not torch.compiler.is_compiling()
+    ):
+        scalars = (
+            scale,
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+            use_gate_in_kernel,
+            lower_bound,
+            num_spec_tokens,
+            beta_is_logit,
+            checkpoint_every_n_tokens,
+            backend,
+            disable_state_update,
+        )
+        try:
+            # the five token tensors inline (always given), the optional ones through _tkey
+            key = (
+                type(q), q.shape, q.stride(), q.dtype, q.device,
+                type(k), k.shape, k.stride(), k.dtype, k.device,
+                type(v), v.shape, v.stride(), v.dtype, v.device,
+                type(g), g.shape, g.stride(), g.dtype, g.device,
+                type(beta), beta.shape, beta.stride(), beta.dtype, beta.device,
+                _tkey(A_log), _tkey(dt_bias), _tkey(initial_state), _tkey(cu_seqlens), _tkey(ssm_state_indices),
+                _tkey(num_accepted_tokens), _tkey(output), scalars, tuple(map(type, scalars)),
+            )  # fmt: skip
+            e = _FAST_CACHE.get(key)
+        except (AttributeError, TypeError):  # not a tensor, or an unhashable scalar: the full path explains
+            key = e = None
+        if e is not None:
+            res = _recurrent_kda_cached(
+                e,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                A_log,
+                dt_bias,
+                initial_state,
+                cu_seqlens,
+                ssm_state_indices,
+                num_accepted_tokens,
+                output,
+                disable_state_update,
+            )
+            if res is not None:
+                return res
+            key = None  # an address re-check failed: the full path raises the error
+
+    backend_code = V.check_verify(disable_state_update, V.check_backend(backend))
     d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule=backend)
     V.check_flags(output_final_state, use_qk_l2norm_in_kernel, beta_is_logit)
     out_final, l2, logit = output_final_state, use_qk_l2norm_in_kernel, beta_is_logit
@@ -220,6 +346,7 @@ def recurrent_kda(
     n_ck, ck, ck_starts, ck_dtype = V.check_checkpoints(
         checkpoint_every_n_tokens, state_checkpoints, checkpoint_cu_starts, pool, S, d
     )
+    cu_host = None if cu_seqlens_cpu is None else _split.check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, d)
     ws_obj = prefill_workspace
     if ws_obj is not None:
         V.check_instance(ws_obj, RecurrentKDAPrefillWorkspace, "prefill_workspace")
@@ -299,6 +426,44 @@ def recurrent_kda(
     if pool is None and out_final:
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
+    # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, off by default)
+    if _split.MODE != "0" and S == 0 and not disable_state_update and _split.try_run(
+        d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2, logit,
+        backend_code, n_ck, ck, source, src_idx,
+    ):  # fmt: skip
+        final_ret = (pool if pool is not None else final) if out_final else None
+        return (out, final_ret, ck) if n_ck > 0 else (out, final_ret)
+    if (
+        key is not None
+        and n_ck == 0
+        and ws is None
+        and d.dev_type != "meta"
+        and A_hv is A_log
+        and dtb_hv is dt_bias
+        and pool is initial_state
+        and ssm_idx is ssm_state_indices
+        and n_acc is num_accepted_tokens
+        and (output is None or out is output)
+    ):
+        _remember(
+            key,
+            d,
+            gate_mode,
+            lb,
+            sc,
+            l2,
+            logit,
+            S,
+            backend_code,
+            zero_uncovered,
+            order is not None,
+            final is not None,
+            out_final,
+            (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ssm_idx, n_acc),
+            output,
+            pool,
+        )
+
     _recurrent_kda_op(
         q,
         k,
@@ -328,6 +493,7 @@ def recurrent_kda(
         n_ck,
         backend_code,
         zero_uncovered,
+        disable_state_update,
     )
     final_ret = (pool if pool is not None else final) if out_final else None
     if n_ck > 0:
@@ -337,6 +503,116 @@ def recurrent_kda(
             ck = ck_caller
         return out, final_ret, ck
     return out, final_ret
+
+
+def _remember(
+    key,
+    d,
+    gate_mode,
+    lb,
+    sc,
+    l2,
+    logit,
+    S,
+    backend_code,
+    zero_uncovered,
+    need_order,
+    alloc_final,
+    out_final,
+    reads,
+    output,
+    pool,
+) -> None:
+    """Store what the full path decided for `key` (a validated call of the decode-like family). Only plain
+    tensors (real memory: data_ptr) are cached."""
+    for t in (*reads, output, pool):
+        if t is not None and type(t) is not _Tensor and type(t) is not torch.nn.Parameter:
+            return
+    e = _FastEntry(
+        d=d,
+        gate_mode=gate_mode,
+        lb=lb,
+        sc=sc,
+        l2=l2,
+        logit=logit,
+        S=S,
+        backend_code=backend_code,
+        zero_uncovered=zero_uncovered,
+        need_order=need_order,
+        alloc_final=alloc_final,
+        out_final=out_final,
+        # per argument slot: byte offsets of its memory span (None: absent or empty)
+        write_offs=tuple(None if t is None else _span_offsets(t) for t in (output, pool)),
+        read_offs=tuple(None if t is None else _span_offsets(t) for t in reads),
+        pool_align=d.on_cuda and pool is not None and pool.numel() > 0,
+    )
+    if len(_FAST_CACHE) >= _FAST_CACHE_SIZE:
+        _FAST_CACHE.pop(next(iter(_FAST_CACHE)))  # oldest first
+    _FAST_CACHE[key] = e
+
+
+def _recurrent_kda_cached(
+    e, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, ssm_idx, n_acc, output, disable_state_update
+):
+    """recurrent_kda for a key validated before: re-check the addresses, allocate, run. None when a
+    re-check fails (the caller then takes the full path, which raises the error)."""
+    d = e.d
+    # memory overlap of the writes (output, pool) with every read and with each other, by address
+    wspans = []
+    for t, off in zip((output, pool), e.write_offs, strict=True):
+        if off is not None:
+            lo = t.data_ptr()
+            wspans.append((lo, lo + off[1]))
+    if wspans:
+        if e.pool_align and pool.data_ptr() % 16 != 0:
+            return None
+        for t, off in zip((q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ssm_idx, n_acc), e.read_offs, strict=True):
+            if off is not None:
+                lo = t.data_ptr()
+                hi = lo + off[1]
+                for a, b in wspans:
+                    if lo < b and a < hi:
+                        return None
+        if len(wspans) == 2 and wspans[0][0] < wspans[1][1] and wspans[1][0] < wspans[0][1]:
+            return None
+    order = None
+    if e.need_order:
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+    out = q.new_empty((d.B, d.T, d.HV, d.V)) if output is None else output
+    final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device) if e.alloc_final else None
+    _recurrent_kda_op(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        pool,
+        None,
+        None,
+        cu_seqlens,
+        ssm_idx,
+        n_acc,
+        order,
+        out,
+        final,
+        None,
+        None,
+        None,
+        e.sc,
+        e.gate_mode,
+        e.lb,
+        e.l2,
+        e.logit,
+        e.S,
+        0,
+        e.backend_code,
+        e.zero_uncovered,
+        disable_state_update,
+    )
+    return out, ((pool if pool is not None else final) if e.out_final else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -407,8 +683,13 @@ def recurrent_kda_training_forward(
         shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape, A.shape, dtb.shape)
         V.check_context_out(context_out, RecurrentKDATrainingContext, tuple(tuple(x) for x in shapes), d)
 
-    o, fs, tapes, starts = torch.ops.kda.recurrent_kda_training_forward.default(
-        q, k, v, g, beta, A, dtb, h0, cu64, sc, lb
+    split = None  # the exact segment split (kda_ops/_split.py): the same four results, unsplit tape layout
+    if _split.MODE != "0":
+        split = _split.try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, host, sc, lb)
+    o, fs, tapes, starts = (
+        split[:4]
+        if split
+        else torch.ops.kda.recurrent_kda_training_forward.default(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     )
     if out is not None:
         out.copy_(o)
@@ -444,6 +725,7 @@ def recurrent_kda_training_forward(
             state_dtype=h0.dtype,
         )
     ctx.extra["initial_state_version"] = h0._version
+    ctx.extra["segment_split"] = None if split is None else split[4]  # (the split backward's plan and maps)
     return o, fs, ctx
 
 
@@ -500,6 +782,8 @@ def recurrent_kda_training_backward(
         ("dfinal_state", dfinal_state),
     ]
     outs = V.check_grad_outs(out, d, reads)
+    if ctx.extra.get("segment_split") is not None:  # a split forward: the split backward (kda_ops/_split.py)
+        return _into(_split.training_backward_from_context(ctx, dO, dS, ctx.extra["segment_split"]), outs)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
         ctx.q,
         ctx.k,
@@ -641,5 +925,7 @@ def kda(
     if h0 is None:  # zeros as a stride-0 view: autograd saves one element, not [N, HV, V, K]
         h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
+    if _split.MODE != "0" and (res := _split.try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb)) is not None:
+        return res[0], (res[1] if ofs else None)  # the exact segment split (kda_ops/_split.py)
     o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
     return o, (fs if ofs else None)

@@ -1,11 +1,13 @@
-// CUDA implementation of kda::recurrent_kda (SPEC §3.1): checks -> RecurrentParams -> the token-serial
-// kernel (csrc/kda/decode) or the chunked tensor-core prefill (csrc/kda/prefill) on the current stream.
+// CUDA implementation of kda::recurrent_kda (docs/contract.md, API): checks -> RecurrentParams -> the token-serial
+// kernel (csrc/kda/decode) or the chunked tensor-core prefill (csrc/kda/chunked) on the current stream.
 // backend: 2 recurrent runs the token-serial kernel for every mode; 1 chunked the chunked kernel (prefill,
 // K == V == 128, no speculative decode); 0 auto the chunked kernel when it is supported and the sequences
 // average at least 16 tokens (chunked_preferred), else the token-serial one.
 // zero_uncovered (set by the Python layer when it allocated `output`): packed tokens outside every
 // sequence are zeroed first by a small kernel (csrc/kda/common/zero_uncovered.cu); a caller's `output`
 // keeps them as they were.
+// disable_state_update (speculative verify): the token-serial kernel with pool writes off (backend auto
+// picks it; chunked refuses the flag).
 // No host sync and no allocation on the normal path, so calls can be captured in a CUDA graph.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
@@ -58,7 +60,7 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
                         const OptTensor& checkpoint_cu_starts, const OptTensor& /*workspace*/, double scale,
                         int64_t gate_mode, double lower_bound, bool use_qk_l2norm, bool beta_is_logit,
                         int64_t num_spec_tokens, int64_t checkpoint_every_n_tokens, int64_t backend,
-                        bool zero_uncovered) {
+                        bool zero_uncovered, bool disable_state_update) {
   KDA_CHECK(backend >= 0 && backend <= 2, "backend must be 0 (auto), 1 (chunked) or 2 (recurrent), got ", backend);
   KDA_CHECK(q_in.is_cuda(), "q must be a CUDA tensor, got ", q_in.device());
   for (const Tensor* t : {&k_in, &v_in, &g_in, &beta, &output}) KDA_CHECK_SAME_DEVICE(*t, q_in, "every token tensor");
@@ -69,12 +71,6 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   for (const Tensor* t : {&q_in, &k_in, &v_in, &g_in, &beta, &output})
     KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, "CUDA recurrent_kda token tensors (q, k, v, g, beta, output) "
                    "must be ", at::kBFloat16, ", got ", t->scalar_type());
-  KDA_CHECK(gate_mode >= 0 && gate_mode <= 2,
-            "gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ", gate_mode);
-  KDA_CHECK(num_spec_tokens >= 0, "num_spec_tokens must be >= 0, got ", num_spec_tokens);
-  KDA_CHECK(checkpoint_every_n_tokens >= 0, "checkpoint_every_n_tokens must be >= 0, got ",
-            checkpoint_every_n_tokens);
-  KDA_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite number > 0, got ", scale);
   KDA_CHECK(q_in.dim() == 4 && v_in.dim() == 4, "q and v must be rank 4, got ", q_in.dim(), " and ", v_in.dim());
   const int64_t K = q_in.size(3), Vd = v_in.size(3);
   KDA_CHECK(K == Vd && (K == 64 || K == 128), "CUDA recurrent_kda needs K == V in {64, 128}, got K=", K, ", V=", Vd);
@@ -102,9 +98,12 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     const char* why = nullptr;
     KDA_CHECK(chunked_supported(p, &why), "recurrent_kda backend='chunked': ", why,
               "; use backend='auto' or 'recurrent'");
+    KDA_CHECK(!disable_state_update, "recurrent_kda backend='chunked' does not support disable_state_update=True; "
+              "use backend='auto' or 'recurrent'");
     chunked = true;
   } else if (backend == static_cast<int64_t>(Backend::kAuto)) {
-    chunked = chunked_preferred(p);
+    // A verify pass writes no pool slot: only the token-serial kernel has that mode.
+    chunked = !disable_state_update && chunked_preferred(p);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (zero_uncovered && p.cu_seqlens != nullptr) {
@@ -113,7 +112,7 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     const cudaError_t zerr = launch_zero_uncovered_tokens(p, stream);
     TORCH_CHECK(zerr == cudaSuccess, "kda zero_uncovered_tokens kernel launch failed: ", cudaGetErrorString(zerr));
   }
-  const cudaError_t err = chunked ? launch_chunked(p, stream) : launch_recurrent(p, stream);
+  const cudaError_t err = chunked ? launch_chunked(p, stream) : launch_recurrent(p, stream, disable_state_update);
   TORCH_CHECK(err == cudaSuccess, "kda ", chunked ? "chunked" : "recurrent", " kernel launch failed: ",
               cudaGetErrorString(err));
 }

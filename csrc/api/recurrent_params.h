@@ -1,5 +1,7 @@
 // Tensors of the kda::recurrent_kda schema -> RecurrentParams (shared by the CPU and CUDA impls).
 #pragma once
+#include <cmath>
+#include <cstdint>
 #include <optional>
 
 #include "api/checks.h"
@@ -44,8 +46,22 @@ struct RecurrentArgs {
 // Fills the POD params; checks only what would otherwise be a memory error (ranks, inner sizes,
 // dtypes of index tensors, compact inner state blocks). Full validation is kda_ops/_validate.py.
 inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
+  KDA_CHECK(a.gate_mode >= 0 && a.gate_mode <= 2,
+            "gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ", a.gate_mode);
+  KDA_CHECK(a.num_spec_tokens >= 0, "num_spec_tokens must be >= 0, got ", a.num_spec_tokens);
+  KDA_CHECK(a.checkpoint_every_n_tokens >= 0, "checkpoint_every_n_tokens must be >= 0, got ",
+            a.checkpoint_every_n_tokens);
+  KDA_CHECK(std::isfinite(a.scale) && a.scale > 0, "scale must be a finite number > 0, got ", a.scale);
   KDA_CHECK(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4 && a.g.dim() == 4 && a.beta.dim() == 3,
             "q, k, v, g must be rank 4 and beta rank 3");
+  // Head and channel counts >= 1 before anything divides by them (B and T may be 0: nothing to compute).
+  KDA_CHECK(a.q.size(2) >= 1 && a.q.size(3) >= 1, "q must be [B, T, H, K] with H >= 1 and K >= 1, got ",
+            a.q.sizes());
+  KDA_CHECK(a.v.size(2) >= 1 && a.v.size(3) >= 1, "v must be [B, T, HV, V] with HV >= 1 and V >= 1, got ",
+            a.v.sizes());
+  KDA_CHECK(a.q.size(2) <= INT32_MAX && a.v.size(2) <= INT32_MAX && a.q.size(3) <= INT32_MAX &&
+                a.v.size(3) <= INT32_MAX,
+            "head and channel counts must fit in int32, got q ", a.q.sizes(), ", v ", a.v.sizes());
   RecurrentParams p;
   p.B = a.q.size(0);
   p.T = a.q.size(1);

@@ -1,6 +1,6 @@
 // Every schema of the kda library, declared once. Implementations register per dispatch key in
-// csrc/cpu/*.cpp (CPU) and csrc/api/*_cuda.cpp (CUDA); fake kernels live in kda_ops/_fake.py and
-// autograd in kda_ops/_autograd.py. Argument meaning, shapes and dtypes: SPEC.md §3-§4 and the
+// csrc/api/*_cpu.cpp (CPU) and csrc/api/*_cuda.cpp (CUDA); fake kernels live in kda_ops/_fake.py and
+// autograd in kda_ops/_autograd.py. Argument meaning, shapes and dtypes: docs/contract.md (API, Slots) and the
 // docstrings of kda_ops/interface.py.
 #include <Python.h>
 #include <torch/library.h>
@@ -21,6 +21,9 @@ TORCH_LIBRARY(kda, m) {
   // Python layer expands per-q/k-head parameters). zero_uncovered: also write zeros to the packed tokens
   // outside every sequence (a broken cu_seqlens contract; by the clamp rule of kda::seq_range), for an
   // `output` the Python layer allocated itself; False leaves those tokens of a caller's buffer as they were.
+  // disable_state_update (speculative verify): the outputs of every token as usual, by the same slot and
+  // activity rules, but no pool slot of `state` is written (no final write, no per-token spec columns);
+  // final_state and state_checkpoints (caller buffers, not pool slots) are written as usual.
   m.def(
       "recurrent_kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor(a!)? state, Tensor? state_source, Tensor? initial_state_indices, Tensor? cu_seqlens, "
@@ -28,7 +31,7 @@ TORCH_LIBRARY(kda, m) {
       "Tensor(c!)? final_state, Tensor(d!)? state_checkpoints, Tensor? checkpoint_cu_starts, "
       "Tensor(e!)? workspace, float scale, int gate_mode, float lower_bound, bool use_qk_l2norm, "
       "bool beta_is_logit, int num_spec_tokens, int checkpoint_every_n_tokens, int backend, "
-      "bool zero_uncovered=False) -> ()");
+      "bool zero_uncovered=False, bool disable_state_update=False) -> ()");
 
   // Training forward (functional): L2 norm on, lower-bound gate, logit beta. Returns the output, the
   // final state per sequence, and the tapes: the state before every kTapeChunk(=64)-token chunk of
@@ -39,8 +42,8 @@ TORCH_LIBRARY(kda, m) {
       "Tensor dt_bias, Tensor initial_state, Tensor? cu_seqlens, float scale, float lower_bound) -> "
       "(Tensor out, Tensor final_state, Tensor tapes, Tensor tape_cu_starts)");
 
-  // Training backward from the tapes and the initial state (None: zeros): the eight gradients of SPEC §2.1 in
-  // SPEC order.
+  // Training backward from the tapes and the initial state (None: zeros): the eight gradients of docs/contract.md,
+  // Recurrence (the backward), in that order.
   m.def(
       "recurrent_kda_training_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
       "Tensor dt_bias, Tensor tapes, Tensor tape_cu_starts, Tensor? initial_state, Tensor? cu_seqlens, "

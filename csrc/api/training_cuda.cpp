@@ -1,5 +1,5 @@
-// CUDA implementations of the three training ops (SPEC §3.2-3.3, issue 5):
-//   recurrent_kda_training_forward  = the chunked kernel (csrc/kda/prefill; token-serial csrc/kda/decode for
+// CUDA implementations of the three training ops (docs/contract.md, API):
+//   recurrent_kda_training_forward  = the chunked kernel (csrc/kda/chunked; token-serial csrc/kda/decode for
 //                                     decode-sized sequences) with fp32
 //                                     tapes every kTapeChunk tokens, lower-bound gate, logit beta, L2 norm;
 //   recurrent_kda_training_backward = csrc/kda/backward from the tapes (default: the backward chain, i.e. the
@@ -22,11 +22,13 @@
 
 #include "api/checks.h"
 #include "api/recurrent_params.h"
+#include "api/training_checks.h"
 #include "kda/backward/backward_params.h"
 #include "kda/common/device_info.h"
 #include "kda/decode/recurrent_launch.h"
 #include "kda/chunked/chunked_launch.h"
 #include "kda/params.h"
+#include "kda/tape_rows.h"
 
 namespace kda {
 namespace {
@@ -34,19 +36,10 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-struct TrainDims {
-  int64_t B, T, N;
+struct TrainDims : TrainingShape {
   int64_t rows;   // tape rows: an upper bound from shapes (kda_ops/_fake.py)
-  int64_t slots;  // 64-token chunks of all sequences: an upper bound from shapes (the chunked sweep's tasks)
-  int H, HV;
-  bool packed;
+  int64_t slots;  // 64-token chunks of all sequences: an upper bound from shapes (the sweep's tasks)
 };
-
-// Rows of a buffer with one row per `chunk` tokens of every sequence (the sweep's slots: 64; the chain's dS:
-// 16), an upper bound from shapes: fixed B ceil(T/chunk), packed T/chunk + N.
-int64_t chunk_rows_bound(const TrainDims& d, int64_t chunk) {
-  return d.packed ? d.T / chunk + d.N : d.B * ((d.T + chunk - 1) / chunk);
-}
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
@@ -69,56 +62,25 @@ TrainDims check_training_inputs(const char* op, const Tensor& q, const Tensor& k
                                 const OptTensor& cu_seqlens, double scale, double lower_bound) {
   KDA_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   for (const Tensor* t : {&k, &v, &g, &beta, &A_log, &dt_bias}) KDA_CHECK_SAME_DEVICE(*t, q, "every input");
-  KDA_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && g.dim() == 4 && beta.dim() == 3, op,
-            ": q, k, v, g must be rank 4 and beta rank 3, got ", q.dim(), ", ", k.dim(), ", ", v.dim(), ", ", g.dim(),
-            ", ", beta.dim());
+  if (cu_seqlens.has_value()) KDA_CHECK_SAME_DEVICE(*cu_seqlens, q, "cu_seqlens");
+  const TrainingShape s =
+      check_training_shapes(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
   for (const Tensor* t : {&q, &k, &v, &g, &beta})
     KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, op, ": CUDA token tensors (q, k, v, g, beta) must be ",
                    at::kBFloat16, ", got ", t->scalar_type());
-  TrainDims d;
-  d.B = q.size(0);
-  d.T = q.size(1);
-  d.H = static_cast<int>(q.size(2));
-  d.HV = static_cast<int>(v.size(2));
-  const int64_t K = q.size(3), V = v.size(3);
-  KDA_CHECK(K == kBwdDim && V == kBwdDim, op, ": the CUDA training ops support K == V == ", kBwdDim, ", got K=", K,
-            ", V=", V);
-  KDA_CHECK(d.H > 0 && d.HV > 0 && d.HV % d.H == 0, op, ": HV % H must be 0, got HV=", d.HV, ", H=", d.H);
-  KDA_CHECK(k.sizes() == q.sizes(), op, ": k must have the shape of q ", q.sizes(), ", got ", k.sizes());
-  KDA_CHECK(v.size(0) == d.B && v.size(1) == d.T, op, ": v must be [B, T, HV, V], got ", v.sizes());
-  KDA_CHECK(g.size(0) == d.B && g.size(1) == d.T && g.size(2) == d.HV && g.size(3) == K, op,
-            ": g must be [B, T, HV, K], got ", g.sizes());
-  KDA_CHECK(beta.size(0) == d.B && beta.size(1) == d.T && beta.size(2) == d.HV, op, ": beta must be [B, T, HV], got ",
-            beta.sizes());
-  for (const Tensor* t : {&q, &k, &v, &g})
-    KDA_CHECK(t->stride(-1) == 1, op, ": token tensors must have a contiguous last dim, got strides ", t->strides());
+  KDA_CHECK(s.K == kBwdDim && s.V == kBwdDim, op, ": the CUDA training ops support K == V == ", kBwdDim, ", got K=",
+            s.K, ", V=", s.V);
   KDA_CHECK_DTYPE(A_log, at::kFloat, "A_log");
   KDA_CHECK_DTYPE(dt_bias, at::kFloat, "dt_bias");
-  KDA_CHECK(A_log.numel() == d.HV, op, ": A_log must be [HV]=[", d.HV, "], got ", A_log.sizes());
-  KDA_CHECK(dt_bias.numel() == int64_t(d.HV) * K, op, ": dt_bias must be [HV, K]=[", d.HV, ", ", K, "], got ",
-            dt_bias.sizes());
-  KDA_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be finite and > 0, got ", scale);
-  KDA_CHECK(std::isfinite(lower_bound) && lower_bound >= -5.0 && lower_bound < 0.0, op,
-            ": lower_bound must be in [-5, 0), got ", lower_bound);
-  if (cu_seqlens.has_value()) {
-    const Tensor& cu = *cu_seqlens;
-    KDA_CHECK_SAME_DEVICE(cu, q, "cu_seqlens");
-    KDA_CHECK(d.B == 1, op, ": cu_seqlens needs B == 1, got B=", d.B);
-    KDA_CHECK(cu.dim() == 1 && cu.numel() >= 2 && cu.is_contiguous(), op,
-              ": cu_seqlens must be a contiguous [N+1] tensor with N >= 1, got ", cu.sizes());
-    KDA_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, op,
-                   ": cu_seqlens must be int32 or int64, got ", cu.scalar_type());
-    d.N = cu.numel() - 1;
-    d.packed = true;
-  } else {
-    d.N = d.B;
-    d.packed = false;
-  }
-  // 64-token slots: the old tape bound. Tape rows: sum over n of max(ceil(L_n/64) - 1, 0), at most T/64 packed
-  // (<= sum of floor(L_n/64)) and B (ceil(T/64) - 1) fixed: no row for the state before token 0 (the initial
-  // state, an input of the backward).
-  d.slots = chunk_rows_bound(d, kTapeChunk);
-  d.rows = d.packed ? d.T / kTapeChunk : d.slots - (d.T > 0 ? d.B : 0);
+  KDA_CHECK(lower_bound >= -5.0, op, ": lower_bound must be in [-5, 0), got ", lower_bound);
+  if (cu_seqlens.has_value())
+    KDA_CHECK(cu_seqlens->is_contiguous(), op, ": cu_seqlens must be a contiguous [N+1] tensor, got strides ",
+              cu_seqlens->strides());
+  TrainDims d;
+  static_cast<TrainingShape&>(d) = s;
+  // Row bounds from shapes (kda/tape_rows.h): the sweep's 64-token slots and the tape rows.
+  d.slots = chunk_rows_bound(d.packed, d.B, d.T, d.N, kTapeChunk);
+  d.rows = tape_rows_bound(d.packed, d.B, d.T);
   return d;
 }
 
@@ -136,9 +98,8 @@ void check_cuda(cudaError_t err, const char* what) {
 }
 
 // RecurrentParams of the training contract (lower-bound gate, L2 norm on, logit beta, checkpoints every
-// kTapeChunk tokens at tape_cu_starts) for the forward with tapes (v, start = initial_state, final_state, the
-// tapes) and for the backward chain (v = dO, start = dfinal_state or undefined = zeros, final = dinitial_state,
-// checkpoints = the chain gradients). Read-only start states from slot n (initial_state_indices = null).
+// kTapeChunk tokens at tape_cu_starts) for the forward with tapes: v, start = initial_state (read-only, slot n),
+// final_state, the tapes as the checkpoints. (The backward chain has its own BackwardChainParams.)
 RecurrentParams training_recurrent_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                           const Tensor& beta, const Tensor& A, const Tensor& dtb,
                                           const OptTensor& cu_seqlens, const Tensor& out, const Tensor& start,
@@ -180,6 +141,35 @@ RecurrentParams training_recurrent_params(const Tensor& q, const Tensor& k, cons
   }
   p.initial_state_indices = nullptr;
   return p;
+}
+
+// The backward chain's arguments: the inputs of the training backward `p` (dout, dfinal_state and the
+// token tensors the sweep reads too) and the chain's outputs, dstates (rows p.dstate_cu_starts) and
+// dinitial_state.
+BackwardChainParams backward_chain_params(const TrainingBackwardParams& p, float* dstates, float* dinitial_state) {
+  BackwardChainParams c;
+  c.B = p.B;
+  c.T = p.T;
+  c.N = p.N;
+  c.H = p.H;
+  c.HV = p.HV;
+  c.q = p.q;
+  c.k = p.k;
+  c.g = p.g;
+  c.beta = p.beta;
+  c.dout = p.dout;
+  c.A_log = p.A_log;
+  c.dt_bias = p.dt_bias;
+  c.cu_seqlens = p.cu_seqlens;
+  c.cu_seqlens_int64 = p.cu_seqlens_int64;
+  c.scale = p.scale;
+  c.lower_bound = p.lower_bound;
+  c.dfinal_state = p.dfinal_state;
+  c.dinitial_state = dinitial_state;
+  c.dstates = dstates;
+  c.dstate_cu_starts = p.dstate_cu_starts;
+  c.n_dstate_rows = p.n_dstate_rows;
+  return c;
 }
 
 // Forward with tapes. Returns (out bf16, final_state fp32, tapes fp32, tape_cu_starts int64).
@@ -287,8 +277,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   // No GQA group (HV == H) on the chunked sweep: it writes dq, dk itself (after the L2-norm backward);
   // otherwise the qk finishing kernel does. Token gradients are not zero-filled: the sweep writes every token
   // of every sequence and launch_training_backward zeroes the packed tokens outside them (covered_tokens).
-  const bool chunked = training_backward_use_chunked();
-  const bool fused_qk = chunked && d.HV == d.H;
+  const bool fused_qk = d.HV == d.H;
   Tensor dq = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
   Tensor dk = at::empty({d.B, d.T, d.H, kBwdDim}, tok);
   Tensor dv = at::empty({d.B, d.T, d.HV, kBwdDim}, tok);
@@ -304,42 +293,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   TORCH_CHECK(smem_needed <= smem_optin, op, ": the CUDA training backward needs ", smem_needed,
             " bytes of shared memory per block, this GPU allows ", smem_optin,
             " (sm_90/sm_100-class GPUs have 227 KB; sm_120 is not supported)");
-  // Tasks of the sweep: (64-token slot, value head) for the chunked one, (sequence, value head) for the
-  // token-serial one; one parameter-gradient partial row per task row.
-  const int64_t partial_rows = chunked ? d.slots : d.N;
+  // Tasks of the sweep: (64-token slot, value head); one parameter-gradient partial row per task row.
+  const int64_t partial_rows = d.slots;
   const int64_t tasks = partial_rows * d.HV;
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
   Tensor head_grads = at::empty({fused_qk ? 0 : 2 * d.B * d.T * d.HV * kBwdDim}, f32);  // covered rows only
   Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
-  // per-CTA state scratch of the token-serial sweep
-  Tensor scratch = at::empty({chunked ? 0 : std::max<int64_t>(grid, 1) * kBwdScratchPerCta}, f32);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Tensor dstates, dstate_cu_starts, slot_cu_starts;
   // Token tensors as the kernels want them (16-byte aligned base, strides multiples of 8 elements): the chain
   // and the chunked sweep read them with vector loads. (Named: the kernels read these copies after this.)
   const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), vc = kernel_tokens(v), gc = kernel_tokens(g),
                dO = kernel_tokens(dout);
-  if (chunked) {
-    // The backward chain (the chunked kernel in reverse): dS at the end of every 16-token chunk and
-    // dinitial_state. Rows: a 16-token prefix like tape_cu_starts (fixed: B ceil(T/16); packed: <= T/16 + N).
+  {
+    // Rows of the backward chain's dS (at the end of every 16-token chunk): a 16-token prefix like
+    // tape_cu_starts (fixed: B ceil(T/16); packed: <= T/16 + N).
     dstate_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
     check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
                                      cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
                                      dstate_cu_starts.data_ptr<int64_t>(), stream, 16, /*first=*/0),
                "kda dS row starts kernel");
-    dstates = at::empty({chunk_rows_bound(d, 16), d.HV, kBwdDim, kBwdDim}, f32);
+    dstates = at::empty({chunk_rows_bound(d.packed, d.B, d.T, d.N, 16), d.HV, kBwdDim, kBwdDim}, f32);
     // the chunked sweep's task slots: one per 64-token chunk, the state before token 0 included
     slot_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
     check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
                                      cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
                                      slot_cu_starts.data_ptr<int64_t>(), stream, kTapeChunk, /*first=*/0),
                "kda slot starts kernel");
-    RecurrentParams pc = training_recurrent_params(qc, kc, dO, gc, beta, A, dtb, cu_seqlens, dO, dfinal, dinit,
-                                                   dstates, tape_cu_starts, scale, lower_bound);
-    pc.out = nullptr;  // the chain writes no output
-    pc.checkpoint_every_n_tokens = 16;  // dS of every 16-token chunk: row dstate_cu_starts[n] + chunk
-    pc.checkpoint_cu_starts = dstate_cu_starts.data_ptr<int64_t>();
-    check_cuda(launch_chunked_backward_chain(pc, stream), "kda backward chain kernel");
   }
 
   TrainingBackwardParams p;
@@ -360,8 +340,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.n_tape_rows = tapes.size(0);
   p.tape_cu_starts = tape_cu_starts.data_ptr<int64_t>();
   p.initial_state = init.defined() ? init.data_ptr<float>() : nullptr;
-  p.slot_cu_starts = chunked ? slot_cu_starts.data_ptr<int64_t>() : nullptr;
-  p.n_slots = chunked ? d.slots : 0;
+  p.slot_cu_starts = slot_cu_starts.data_ptr<int64_t>();
+  p.n_slots = d.slots;
   if (cu_seqlens.has_value()) {
     p.cu_seqlens = cu_seqlens->data_ptr();
     p.cu_seqlens_int64 = cu_seqlens->scalar_type() == at::kLong;
@@ -372,7 +352,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.dv = dv.data_ptr();
   p.dg = dg.data_ptr();
   p.dbeta = dbeta.data_ptr();
-  p.dinitial_state = dinit.data_ptr<float>();
   float* hg = fused_qk ? nullptr : head_grads.data_ptr<float>();
   p.dq_head = hg;
   p.dk_head = fused_qk ? nullptr : hg + d.B * d.T * d.HV * kBwdDim;
@@ -380,15 +359,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.partial_rows = partial_rows;
   p.ddt_partial = partials.data_ptr<float>();
   p.dA_partial = p.ddt_partial + tasks * kBwdDim;
-  p.dstates = chunked ? dstates.data_ptr<float>() : nullptr;
-  p.dstate_cu_starts = chunked ? dstate_cu_starts.data_ptr<int64_t>() : nullptr;
-  p.n_dstate_rows = chunked ? dstates.size(0) : 0;
-  p.scratch = chunked ? nullptr : scratch.data_ptr<float>();
+  p.dstates = dstates.data_ptr<float>();
+  p.dstate_cu_starts = dstate_cu_starts.data_ptr<int64_t>();
+  p.n_dstate_rows = dstates.size(0);
   p.grid = grid;
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dA_log = dA_log.data_ptr<float>();
   p.ddt_bias = ddt_bias.data_ptr<float>();
+  // The backward chain first (the chunked kernel in reverse, on the same stream): dS at the end of every
+  // 16-token chunk into dstates, and dinitial_state. Then the sweep and the finishing kernels.
+  check_cuda(launch_chunked_backward_chain(backward_chain_params(p, dstates.data_ptr<float>(),
+                                                                 dinit.data_ptr<float>()),
+                                           stream),
+             "kda backward chain kernel");
   check_cuda(launch_training_backward(p, stream), "kda training backward kernels");
   // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
   return {dq, dk, dv, dg, dbeta, dA_log.view(A_log.sizes()), ddt_bias.view(dt_bias.sizes()), dinit};

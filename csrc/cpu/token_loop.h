@@ -1,7 +1,7 @@
-// The CPU token loop of SPEC §2 for one (sequence, value head), shared by the inference op
-// (recurrent.cpp), the training forward and the chunk recompute of the training backward
-// (training.cpp). Only csrc/cpu/*.cpp include this header: the CUDA translation units never see
-// these templates.
+// The CPU token loop of docs/contract.md, Recurrence, for one (sequence, value head), shared by the inference op
+// and the training forward (forward.cpp) and the chunk recompute of the training backward (backward_head.h).
+// Included by csrc/cpu and the CPU op files csrc/api/*_cpu.cpp only: the CUDA translation units never see
+// these templates. No tensors (c10's bf16/fp16 scalar types only).
 //
 // Arithmetic is in Acc = float (bf16/fp32 tokens) or double (fp64 tokens, for gradcheck); the state
 // of one value head, [V, K] with K contiguous, lives in a local Acc buffer and is converted to its
@@ -116,6 +116,9 @@ struct CpuExtras {
   // End state of every active sequence.
   void* final_state = nullptr;  // [N, HV, V, K] compact
   DType final_dtype = DType::kFloat32;
+  // Speculative verify (disable_state_update): write no pool slot of p.state (the rules that decide which
+  // sequences and tokens are active still read the slots).
+  bool no_state_update = false;
 };
 
 // One value head of one sequence: its parameters, and the inputs of the current token in Acc.
@@ -172,7 +175,7 @@ struct HeadContext {
            hv * p.out_head_stride;
   }
 
-  // SPEC §2 steps 1-3 for token t of the bound sequence.
+  // Recurrence steps 1-3 for token t of the bound sequence.
   void load(int64_t t) {
     convert_in(q_raw.data(), token_ptr(p.q, h, t), K);
     convert_in(k_raw.data(), token_ptr(p.k, h, t), K);
@@ -198,7 +201,7 @@ struct HeadContext {
     beta = p.beta_is_logit ? kda_sigmoid<Acc>(beta_raw) : beta_raw;
   }
 
-  // SPEC §2 steps 4-7 on the state S [V, K], one fused pass per row v; o [V] gets S_new q.
+  // Recurrence steps 4-7 on the state S [V, K], one fused pass per row v; o [V] gets S_new q.
   void step(Acc* S, Acc* o) const {
     for (int vi = 0; vi < V; ++vi) {
       Acc* row = S + int64_t(vi) * K;
@@ -211,7 +214,7 @@ struct HeadContext {
   }
 };
 
-// Runs the whole bound sequence for the bound value head with every rule of SPEC §3.1 (start state,
+// Runs the whole bound sequence for the bound value head with every rule of docs/contract.md, API and Slots (start state,
 // token activity, pool/spec writes, checkpoints or tapes, final state). S: [V*K] scratch, o: [V].
 // Inactive tokens and sequences get zero output; tokens outside every sequence are never touched.
 template <typename TokT>
@@ -262,12 +265,12 @@ void run_sequence_head(HeadContext<TokT>& c, acc_t<TokT>* S, acc_t<TokT>* o) {
     c.step(S, o);
     TokT* out = c.out_ptr(t);
     for (int vi = 0; vi < p.V; ++vi) out[vi] = static_cast<TokT>(o[vi]);
-    if (spec) {
+    if (spec && !x.no_state_update) {
       const int64_t slot = write_slot(p, n, t);  // in the pool: the token is active
       store_vec(elem_ptr(p.state, p.state_dtype, slot * p.state_slot_stride + head_off), p.state_dtype, S, blk);
     }
   }
-  if (!spec && p.state != nullptr && len > 0) {
+  if (!spec && p.state != nullptr && len > 0 && !x.no_state_update) {
     const int64_t slot = write_slot(p, n, 0);
     if (slot_in_pool(slot, p.n_pool))
       store_vec(elem_ptr(p.state, p.state_dtype, slot * p.state_slot_stride + head_off), p.state_dtype, S, blk);

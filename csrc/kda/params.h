@@ -1,20 +1,29 @@
-// Plain-old-data parameters handed from csrc/api (torch-facing) to the kernels (csrc/kda, csrc/cpu).
-// No torch types here. Strides and offsets are in ELEMENTS and 64-bit (SPEC §5: tensors past 2^31
-// elements work). Token tensors have a contiguous last dim; their batch/token/head strides are free
-// (views of a fused projection work).
+// Plain-old-data parameters handed from csrc/api (torch-facing) to the kernels (csrc/kda, csrc/cpu): the
+// lowest layer with host_device.h and tape_rows.h, included by every other one and including none of them.
+// No torch types here. Strides and offsets are in ELEMENTS and 64-bit (docs/contract.md, Errors: tensors
+// past 2^31 elements work). Token tensors have a contiguous last dim; their batch/token/head strides are
+// free (views of a fused projection work).
+//
+// The structs, one per family of calls:
+//   RecurrentParams          the arguments of the recurrent_kda op (and of the training forward with tapes,
+//                            which is that op with checkpoints): read by every backend of the op, the
+//                            token-serial kernel (csrc/kda/decode), the chunked kernel (csrc/kda/chunked) and
+//                            the CPU loop (csrc/cpu). Named after the op; every field means what it says here.
+//   BackwardChainParams      the backward chain (csrc/kda/chunked/chunked_launch.h); the chunked kernel reads it
+//                            through RecurrentParams fields in BWD mode, mapped in one place
+//                            (chain_as_recurrent, chunked_launch.cu).
+//   TrainingBackwardParams   the CUDA training backward's sweep and finishing kernels
+//                            (csrc/kda/backward/backward_params.h).
 #pragma once
 #include <cstdint>
 
-#include "kda/common/host_device.h"
+#include "kda/host_device.h"
 
 namespace kda {
 
 enum class GateMode : int { kPrecomputed = 0, kSoftplus = 1, kLowerBound = 2 };
 enum class Backend : int { kAuto = 0, kChunked = 1, kRecurrent = 2 };
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat64 = 2, kFloat16 = 3 };
-
-// Rows of the training tape: the state before every kTapeChunk-token chunk of each sequence.
-constexpr int kTapeChunk = 64;
 
 struct TokenTensor {
   const void* ptr = nullptr;  // [B, T, heads, dim] (beta: [B, T, heads]); dtype = Params::token_dtype
@@ -32,7 +41,8 @@ struct TokenTensor {
   }
 };
 
-// recurrent_kda: decode, speculative decode and prefill (SPEC §3.1).
+// recurrent_kda: decode, speculative decode and prefill (docs/contract.md, API), and the training forward
+// with tapes (checkpoints every kTapeChunk tokens, checkpoint_first = 1).
 struct RecurrentParams {
   // Problem size. Fixed layout: N = B sequences of T tokens each. Packed: B = 1, N = len(cu_seqlens)-1,
   // T = total tokens.

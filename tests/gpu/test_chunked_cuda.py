@@ -449,27 +449,48 @@ def test_deterministic():
         assert torch.equal(a, b), "two identical calls differ"
 
 
+_KNOB_CHILD = """
+import sys, torch
+sys.path.insert(0, "tests"); sys.path.insert(0, "tests/gpu")
+import test_chunked_cuda as t
+gate, path = sys.argv[1], sys.argv[2]
+lengths = [300, 3, 1, 130, 0, 64]
+x = t.make(H=2, HV=4, state_dtype=t.BF16, lengths=lengths, seed=52)
+tk, g = t.tok(x, gate), t.gkw(x, gate)
+pool = x["initial_state"].clone()
+o, _, ck = t.call(tk, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=16)
+torch.cuda.synchronize()
+torch.save({"o": o.cpu(), "pool": pool.cpu(), "ck": ck.cpu()}, path)
+"""
+
+
 @cuda_only
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
-def test_pipeline_and_split_do_not_change_bits(gate, monkeypatch):
+def test_pipeline_and_split_do_not_change_bits(gate, tmp_path):
     """The schedule knobs of the launcher (KDA_CHUNKED_VB: value rows per CTA; KDA_CHUNKED_PIPELINE=small:
     the shallow pipeline that GPUs with ~100 KB of shared memory per block get, sm_120) change how the work
-    is spread, never the arithmetic: bit-identical outputs, pool and checkpoints."""
-    lengths = [300, 3, 1, 130, 0, 64]
-    x = make(H=2, HV=4, state_dtype=BF16, lengths=lengths, seed=52)
-    t, g = tok(x, gate), gkw(x, gate)
+    is spread, never the arithmetic: bit-identical outputs, pool and checkpoints. The launcher reads them
+    once per process, so each setting runs in its own child process."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     runs = {}
     for name, env in (("vb128", {"KDA_CHUNKED_VB": "128"}), ("vb64", {"KDA_CHUNKED_VB": "64"}),
                       ("small", {"KDA_CHUNKED_PIPELINE": "small"})):
-        for k_, v_ in env.items():
-            monkeypatch.setenv(k_, v_)
-        pool = x["initial_state"].clone()
-        o, _, ck = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=16)
-        runs[name] = (bits(o), bits(pool), bits(ck))
-        for k_ in env:
-            monkeypatch.delenv(k_)
+        path = str(tmp_path / f"{name}.pt")
+        child_env = {k_: v_ for k_, v_ in os.environ.items() if not k_.startswith("KDA_CHUNKED_")}
+        child_env.update(env)
+        r = subprocess.run([sys.executable, "-c", _KNOB_CHILD, gate, path], capture_output=True, text=True,
+                           timeout=300, cwd=root, env=child_env)
+        assert r.returncode == 0, f"{name}: {r.stderr[-4000:]}"
+        d = torch.load(path)
+        runs[name] = (bits(d["o"]), bits(d["pool"]), bits(d["ck"]))
+    lengths = [300, 3, 1, 130, 0, 64]
+    x = make(H=2, HV=4, state_dtype=BF16, lengths=lengths, seed=52)
+    t, g = tok(x, gate), gkw(x, gate)
     r = ref(t, g, x["initial_state"][: len(lengths)].float(), cu_seqlens=x["cu_seqlens"])
-    assert_output(o, r.output)
+    assert_output(d["o"].to(DEV), r.output)
     for name in ("vb64", "small"):
         for a, b in zip(runs["vb128"], runs[name], strict=True):
             assert torch.equal(a, b), f"{name} differs from vb128"

@@ -1,8 +1,7 @@
 """GPU tier: the CUDA token-serial recurrent_kda kernel (csrc/kda/decode, backend "recurrent"/"auto")
 against kda_ops.reference in fp64 on the same bf16-rounded inputs.
 
-Tolerances (docs/contract.md "Tolerances", justified in tests/conftest.py): outputs 5e-3 relative RMS and 2e-2 max
-abs; fp32
+Tolerances (SPEC §6, justified in tests/conftest.py): outputs 5e-3 relative RMS and 2e-2 max abs; fp32
 states 1e-3, bf16 states 1e-2; fp32-state decode over 4096 steps 1e-4; a speculative step against the
 same tokens as single-token decodes 1e-6 (fp32 state: the same fp32 arithmetic in the same order, so in
 practice bit-identical). Untouched slots, padding and read-only sources are compared bit for bit.
@@ -112,107 +111,12 @@ def test_modes(K, state_dtype, gate, logit, l2):
     check_pool(pool, before, {int(s): r.final_state[i] for i, s in enumerate(slots.tolist())})
 
 
-@pytest.mark.parametrize("K", [64, 128])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_tile_variants_bit_identical(monkeypatch, K, state_dtype):
-    """Every rows-per-lane tile gives the same bits (same reduction order), and matches the reference."""
-    lengths = [3, 0, 5, 1, 2]
-    x = make(H=1, HV=4, K=K, state_dtype=state_dtype, lengths=lengths, seed=7)
-    t, g = tok(x), gkw(x)
-    results = []
-    for nr in (1, 2, 4, 8):
-        monkeypatch.setenv(ROWS_ENV, str(nr))
-        pool = x["initial_state"].clone()
-        o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
-        results.append((bits(o), bits(pool)))
-    monkeypatch.delenv(ROWS_ENV)
-    for r_ in results[1:]:
-        assert torch.equal(r_[0], results[0][0]) and torch.equal(r_[1], results[0][1])
-    r = ref(t, g, x["initial_state"], cu_seqlens=x["cu_seqlens"])
-    pool = x["initial_state"].clone()
-    o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
-    assert_output(o, r.output)
-    written = {i: r.final_state[i] for i, L in enumerate(lengths) if L > 0}
-    check_pool(pool, x["initial_state"], written)
-
-
-@cuda_only
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_persistent_grid_invariance(monkeypatch, state_dtype):
-    """Launch knobs change only the schedule: one block per SM (each warp then walks many items, wrapping
-    its slot-resolution table and state ring many times), the driver's smem carveout and the L1 prefetch of
-    token inputs give the same bits as the defaults."""
-    lengths = [int(x) for x in torch.randint(0, 40, (48,), generator=torch.Generator().manual_seed(1))]
-    x = make(H=2, HV=8, K=128, state_dtype=state_dtype, lengths=lengths, seed=24)
-    t, g = tok(x), gkw(x)
-    runs = []
-    for env in ({}, {"KDA_RECURRENT_BLOCKS_PER_SM": "1"}, {"KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "2"},
-                {"KDA_RECURRENT_CARVEOUT": "default", "KDA_RECURRENT_L1_PREFETCH": "1"}):
-        for n, v in env.items():
-            monkeypatch.setenv(n, v)
-        pool = x["initial_state"].clone()
-        o, _, ck = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=16)
-        runs.append((bits(o), bits(pool), bits(ck)))
-        for n in env:
-            monkeypatch.delenv(n)
-    for r_ in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(r_, runs[0], strict=True))
-    r = ref(t, g, x["initial_state"], cu_seqlens=x["cu_seqlens"])
-    pool = x["initial_state"].clone()
-    o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
-    assert_output(o, r.output)
-    check_pool(pool, x["initial_state"], {i: r.final_state[i] for i, L in enumerate(lengths) if L > 0})
-
-
-# ---------------------------------------------------------------------------------------------------
-# the bulk-copy kernel (KDA_RECURRENT_BULK, csrc/kda/decode/recurrent_bulk_kernel.cuh): a schedule choice,
-# so every result must be bit-identical to the cp.async-ring kernel's (and within the contract's tolerances of the
-# fp64 reference). Running this whole file with KDA_RECURRENT_BULK=2 in the environment also sends every
-# other test of it through the bulk kernel.
-
-BULK_ENV = "KDA_RECURRENT_BULK"
-SINGLE_ENV = "KDA_RECURRENT_SINGLE"  # the one-item-per-warp kernel (recurrent_single_kernel.cuh)
-BULK_KNOBS = ("KDA_RECURRENT_BULK_STAGES", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_BLOCKS_PER_SM", ROWS_ENV,
-              SINGLE_ENV, "KDA_RECURRENT_BULK_L2_AHEAD")
-# Ring depths 3 (the minimum), 5 and 8 (the maximum); one warp per block and one block per SM make each warp
-# walk many items, wrapping its ring and its 16-item slot table many times; NR 4 and 8 are both instantiated.
-BULK_CONFIGS = [
-    {BULK_ENV: "1"},
-    {BULK_ENV: "2"},
-    {BULK_ENV: "2", "KDA_RECURRENT_BULK_STAGES": "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
-    {BULK_ENV: "2", "KDA_RECURRENT_BULK_STAGES": "5", "KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "4"},
-    {BULK_ENV: "1", "KDA_RECURRENT_BULK_STAGES": "3", "KDA_RECURRENT_BLOCKS_PER_SM": "1",
-     "KDA_RECURRENT_WARPS_PER_BLOCK": "1", ROWS_ENV: "8"},
-    # the one-item-per-warp kernel: forced (2) at every size and tile, and by size (1: small scenarios only)
-    {SINGLE_ENV: "2"},
-    {SINGLE_ENV: "2", ROWS_ENV: "2"},
-    {SINGLE_ENV: "2", ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
-    {SINGLE_ENV: "1", BULK_ENV: "2"},
-    # L2 prefetch past the ring: stages + ahead = 16, the widest window the two 16-item slot tables allow
-    {BULK_ENV: "2", "KDA_RECURRENT_BULK_STAGES": "5", "KDA_RECURRENT_BULK_L2_AHEAD": "11",
-     "KDA_RECURRENT_BLOCKS_PER_SM": "1", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
-    {BULK_ENV: "1", "KDA_RECURRENT_BULK_L2_AHEAD": "3"},
-]
-
-
-def _run_with_env(monkeypatch, env: dict, fn):
-    for n in (BULK_ENV, *BULK_KNOBS):
-        monkeypatch.delenv(n, raising=False)
-    for n, v in env.items():
-        monkeypatch.setenv(n, v)
-    try:
-        return fn()
-    finally:
-        for n in env:
-            monkeypatch.delenv(n, raising=False)
-
-
-def _bulk_scenarios(K: int, state_dtype: torch.dtype):
-    """(name, run, check): run() -> tuple of result tensors (compared bit for bit across kernels); check(res)
-    compares one run with the fp64 reference. Every feature the bulk kernel handles differently: pool reads
-    (bulk copy) and writes (bulk store), inactive slots, GQA, zero-length sequences, checkpoints, speculative
-    per-token writes, read-only sources of either dtype, no pool, all gate modes, a misaligned dt_bias (the
-    launcher then runs the ring kernel)."""
+def _scenarios(K: int, state_dtype: torch.dtype):
+    """(name, run, check): run() -> tuple of result tensors (compared bit for bit across configurations);
+    check(res) compares one run with the fp64 reference. Every feature the warp-specialised kernel handles
+    differently: pool reads (bulk copy) and writes (bulk store), inactive slots, GQA, zero-length sequences,
+    checkpoints, speculative per-token writes, read-only sources of either dtype, no pool, all gate modes, a
+    misaligned dt_bias (read from global memory), many items per warp, a verify pass (no pool write)."""
     other = torch.bfloat16 if state_dtype == torch.float32 else torch.float32
     sc = []
 
@@ -322,7 +226,7 @@ def _bulk_scenarios(K: int, state_dtype: torch.dtype):
 
     sc.append(("no pool", run_e, check_e))
 
-    # F. dt_bias 4 bytes past a 16-byte boundary: not bulk-copyable, the launcher falls back (same bits)
+    # F. dt_bias 4 bytes past a 16-byte boundary: not bulk-copyable, read from global memory (same bits)
     xf = make(B=6, T=2, H=1, HV=2, K=K, state_dtype=state_dtype, N_pool=6, seed=36)
     tf, gf = tok(xf), dict(gkw(xf))
     buf = torch.empty(gf["dt_bias"].numel() + 4, device=DEV)
@@ -341,33 +245,125 @@ def _bulk_scenarios(K: int, state_dtype: torch.dtype):
         check_pool(pool, xf["initial_state"], {i: r.final_state[i] for i in range(6)})
 
     sc.append(("misaligned dt_bias", run_f, check_f))
+
+    # G. many packed sequences of random lengths over 8 heads (each warp walks many items, wrapping its ring
+    # and slot tables many times under one block per SM), checkpoints every 16
+    lengths_g = [int(z) for z in torch.randint(0, 40, (48,), generator=torch.Generator().manual_seed(1))]
+    xg = make(H=2, HV=8, K=K, state_dtype=state_dtype, lengths=lengths_g, seed=24)
+    tg, gg = tok(xg), gkw(xg)
+
+    def run_g():
+        pool = xg["initial_state"].clone()
+        o, _, ck = call(tg, gg, initial_state=pool, cu_seqlens=xg["cu_seqlens"], checkpoint_every_n_tokens=16)
+        return o, pool, ck
+
+    def check_g(res):
+        o, pool, _ = res
+        r = ref(tg, gg, xg["initial_state"], cu_seqlens=xg["cu_seqlens"])
+        assert_output(o, r.output)
+        check_pool(pool, xg["initial_state"], {i: r.final_state[i] for i, L in enumerate(lengths_g) if L > 0})
+
+    sc.append(("many items", run_g, check_g))
+
+    # H. speculative verify (disable_state_update): outputs of scenario C, the pool left bit-identical
+    def run_h():
+        pool = xc["initial_state"].clone()
+        o, _ = call(tc, gc, initial_state=pool, ssm_state_indices=idx_c, num_spec_tokens=S, num_accepted_tokens=acc_c,
+                    disable_state_update=True)
+        return o, pool
+
+    def check_h(res):
+        o, pool = res
+        assert torch.equal(bits(pool), bits(xc["initial_state"])), "a verify pass wrote the pool"
+        assert torch.equal(bits(o), bits(run_c()[0])), "verify output differs from the committing call's"
+
+    sc.append(("verify", run_h, check_h))
     return sc
 
 
-@cuda_only
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_bulk_kernel_bit_identical(monkeypatch, K, state_dtype):
-    """Every bulk-kernel and one-item-per-warp configuration gives the ring kernel's bits on every scenario,
-    and (the first bulk and the first single config) matches the fp64 reference."""
-    first_single = next(i for i, e in enumerate(BULK_CONFIGS) if SINGLE_ENV in e)
-    for name, run, check in _bulk_scenarios(K, state_dtype):
-        want = _run_with_env(monkeypatch, {}, run)
-        for ci, env in enumerate(BULK_CONFIGS):
-            got = _run_with_env(monkeypatch, env, run)
-            for a, b in zip(got, want, strict=True):
-                assert torch.equal(bits(a), bits(b)), f"{name}: {env} differs from the ring kernel"
-            if ci in (0, first_single):
-                check(got)
+def test_scenarios_reference(K, state_dtype):
+    """The configuration-comparison scenarios below, under this process's kernel and knobs, against the fp64
+    reference (the cross-configuration test then only compares bits)."""
+    for _name, run, check in _scenarios(K, state_dtype):
+        check(run())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch configurations: the kernel switch (KDA_DECODE_KERNEL=serial|ring) and the schedule knobs (tile,
+# blocks per SM, carveout, L1 prefetch, warps per block) change only the schedule, so every configuration
+# must give the same bits. The launcher reads them once per process (csrc/kda/decode/recurrent_launch.cu),
+# so each configuration runs the scenarios in a child process and saves its results; this process compares
+# them with its own. Running this whole file with KDA_DECODE_KERNEL=ring sends every other test through the
+# warp-specialised kernel where it applies (bf16 tiles on sm_90+).
+
+KNOB_NAMES = ("KDA_DECODE_KERNEL", ROWS_ENV, "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_CARVEOUT",
+              "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_DIAG")
+RING = {"KDA_DECODE_KERNEL": "ring"}
+CONFIGS = [
+    {"KDA_DECODE_KERNEL": "serial"},
+    RING,
+    dict(RING, KDA_RECURRENT_BLOCKS_PER_SM="1"),  # one block per SM: every ring wraps many times
+    dict(RING, **{ROWS_ENV: "4"}),
+    dict(RING, **{ROWS_ENV: "8"}),
+    {ROWS_ENV: "1"},
+    {ROWS_ENV: "2"},
+    {ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
+    {"KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "2"},
+    {"KDA_RECURRENT_CARVEOUT": "default", "KDA_RECURRENT_L1_PREFETCH": "1"},
+]
+
+
+def _scenario_results() -> dict:
+    """Every scenario's result tensors (on the CPU), keyed by K, state dtype and scenario name."""
+    res = {}
+    for K in (64, 128):
+        for dt in (torch.float32, torch.bfloat16):
+            for name, run, _ in _scenarios(K, dt):
+                res[f"{K}/{dt}/{name}"] = [z.cpu() for z in run()]
+    torch.cuda.synchronize()
+    return res
+
+
+def _spawn_child(env: dict, out: str):
+    """A child process that saves _scenario_results() under `env` (the launch knobs of this process removed)."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]; import torch; "
+            f"import test_recurrent_cuda as m; torch.save(m._scenario_results(), {out!r})")
+    child_env = {k: v for k, v in os.environ.items() if k not in KNOB_NAMES}
+    child_env.update(env)
+    return subprocess.Popen([sys.executable, "-c", code], env=child_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 @cuda_only
-@pytest.mark.parametrize("env", [{BULK_ENV: "1"}, {BULK_ENV: "2"}, {SINGLE_ENV: "1"}, {SINGLE_ENV: "1", ROWS_ENV: "2"}],
-                         ids=["bulk1", "bulk2", "single", "single-nr2"])
-def test_bulk_kernel_cuda_graph_b1(monkeypatch, env):
-    """B=1 decode (one item per warp: the latency path) captured in a CUDA graph under the bulk kernel and the
-    one-item-per-warp kernel: replays with new tokens and a new slot give the ring kernel's eager bits."""
-    x = make(B=1, T=1, H=32, HV=32, K=128, state_dtype=torch.bfloat16, N_pool=4, seed=37)
+def test_configs_bit_identical(tmp_path):
+    """Every configuration of CONFIGS (child processes, run side by side) gives this process's bits."""
+    procs = [(env, os.path.join(str(tmp_path), f"c{i}.pt")) for i, env in enumerate(CONFIGS)]
+    procs = [(env, out, _spawn_child(env, out)) for env, out in procs]
+    want = _scenario_results()
+    bad = []
+    for env, out, proc in procs:
+        log, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"child under {env} failed:\n{log[-4000:]}"
+        got = torch.load(out)
+        assert got.keys() == want.keys()
+        for key, ts in want.items():
+            if not all(torch.equal(bits(a), bits(b)) for a, b in zip(got[key], ts, strict=True)):
+                bad.append(f"{key} under {env}")
+    assert not bad, "differs from this process's configuration: " + "; ".join(bad)
+
+
+@cuda_only
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_b1(state_dtype):
+    """B=1 decode (one item per warp: the latency path) captured in a CUDA graph: replays with new tokens and a
+    new slot give the eager bits of the same kernel, within the reference tolerances."""
+    x = make(B=1, T=1, H=32, HV=32, K=128, state_dtype=state_dtype, N_pool=4, seed=37)
 
     def decode(d):
         kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
@@ -377,14 +373,10 @@ def test_bulk_kernel_cuda_graph_b1(monkeypatch, env):
     static = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                   pool=x["initial_state"], idx=torch.zeros(1, dtype=torch.int32, device=DEV),
                   out=torch.empty_like(x["v"]))
-    for n in (BULK_ENV, *BULK_KNOBS):
-        monkeypatch.delenv(n, raising=False)
-    for n, v in env.items():
-        monkeypatch.setenv(n, v)
     decode(static)  # eager warm-up (occupancy queries, smem opt-in) before capture
     graph = capture_graph(lambda: decode(static))
     for i in range(3):
-        y = make(B=1, T=1, H=32, HV=32, K=128, state_dtype=torch.bfloat16, N_pool=4, seed=300 + i)
+        y = make(B=1, T=1, H=32, HV=32, K=128, state_dtype=state_dtype, N_pool=4, seed=300 + i)
         for n in ("q", "k", "v", "g", "beta"):
             static[n].copy_(y[n])
         static["idx"].fill_(i + 1)
@@ -393,14 +385,51 @@ def test_bulk_kernel_cuda_graph_b1(monkeypatch, env):
         torch.cuda.synchronize()
         got_o, got_pool = static["out"].clone(), static["pool"].clone()
         eager = dict(static, pool=pool0.clone(), out=torch.empty_like(static["out"]))
-        _run_with_env(monkeypatch, {}, lambda eager=eager: decode(eager))  # the ring kernel, eagerly
-        for n, v in env.items():
-            monkeypatch.setenv(n, v)
-        assert torch.equal(bits(got_o), bits(eager["out"])), "graph replay output differs from the ring kernel"
-        assert torch.equal(bits(got_pool), bits(eager["pool"])), "graph replay state differs from the ring kernel"
+        decode(eager)
+        assert torch.equal(bits(got_o), bits(eager["out"])), "graph replay output differs from the eager call"
+        assert torch.equal(bits(got_pool), bits(eager["pool"])), "graph replay state differs from the eager call"
         r = ref({n: y[n] for n in ("q", "k", "v", "g", "beta")}, gkw(x), pool0[i + 1 : i + 2])
         assert_output(got_o, r.output)
         check_pool(got_pool, pool0, {i + 1: r.final_state[0]})
+
+
+@cuda_only
+@pytest.mark.parametrize("S", [0, 3])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_verify_then_commit(S, state_dtype):
+    """Speculative verify in a graph: a captured disable_state_update=True call replays with new tokens and
+    leaves the pool bit-identical, with the outputs of the committing call (also captured)."""
+    B = 4
+    x = make(B=B, T=1 + S, H=2, HV=4, K=128, state_dtype=state_dtype, N_pool=B * (S + 1) + 2, seed=41)
+    idx = (torch.arange(B * (S + 1), dtype=torch.int32, device=DEV) + 1).reshape(B, S + 1)
+    if S == 0:
+        idx = idx[:, 0].contiguous()
+    acc = torch.tensor([1, 2, 4, 3], dtype=torch.int32, device=DEV)[:B] if S else None
+    pool = x["initial_state"]
+    out_v, out_c = torch.empty_like(x["v"]), torch.empty_like(x["v"])
+    t, g = tok(x), gkw(x)
+
+    def step(out, verify, p):
+        call(t, g, initial_state=p, ssm_state_indices=idx, num_spec_tokens=S or None, num_accepted_tokens=acc,
+             output=out, disable_state_update=verify)
+
+    commit_pool = pool.clone()
+    step(out_v, True, pool)
+    step(out_c, False, commit_pool)
+    gv = capture_graph(lambda: step(out_v, True, pool))
+    gc_ = capture_graph(lambda: step(out_c, False, commit_pool))
+    for i in range(2):
+        y = make(B=B, T=1 + S, H=2, HV=4, K=128, state_dtype=state_dtype, N_pool=1, seed=400 + i)
+        for n in ("q", "k", "v", "g", "beta"):
+            t[n].copy_(tok(y)[n])
+        before = pool.clone()
+        commit_pool.copy_(pool)
+        gv.replay()
+        gc_.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(pool), bits(before)), "a verify replay wrote the pool"
+        assert torch.equal(bits(out_v), bits(out_c)), "verify output differs from the committing call's"
+        assert not torch.equal(bits(commit_pool), bits(before))
 
 
 @pytest.mark.parametrize("T", [1, 2, 17, 65, 1000])

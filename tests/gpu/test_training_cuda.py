@@ -474,39 +474,6 @@ def test_backward_chain_and_tape_rows(lam):
         assert torch.equal(a, b), f"{n_} rerun is not bit-identical"
 
 
-_SERIAL_SWEEP = """
-import math, torch, kda_ops
-from kda_ops.reference import reference_training_grads, rel_rms
-import sys
-sys.path.insert(0, "tests/gpu")
-import test_training_cuda as t
-x = t._case_inputs(1, 0, 2, 4, [70, 0, 33], False, seed=3, with_dfinal=True)
-sc = 1.0 / math.sqrt(128)
-_, _, ref = t._reference(x, cu_seqlens=x["cu_seqlens"], scale=sc, lower_bound=-1.0)
-c = t._cuda(x)
-got = t._raw_backward(c, c["cu_seqlens"], sc, -1.0)
-for n, a, r in zip(t.GRADS, got, ref):
-    print(n, f"{rel_rms(a, r):.2e}")
-"""
-
-
-def test_serial_sweep_subprocess():
-    """KDA_TRAINING_BACKWARD=serial (read once per process, so in a subprocess): the token-serial sweep
-    against the fp64 reference on a packed GQA case with an empty sequence."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, KDA_TRAINING_BACKWARD="serial")
-    r = subprocess.run(
-        [sys.executable, "-c", _SERIAL_SWEEP], capture_output=True, text=True, timeout=300, cwd=root, env=env
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    errs = {line.split()[0]: float(line.split()[1]) for line in r.stdout.strip().splitlines()}
-    _report("serial_sweep: " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
-    assert len(errs) == len(GRADS) and all(v <= TOL_GRAD for v in errs.values()), errs
-
-
 def _with_uncovered_tail(x, pad, seed):
     """Appends `pad` random tokens after the last packed sequence (cu_seqlens unchanged): tokens no sequence
     covers."""

@@ -1,5 +1,5 @@
-// Device helpers shared by the CUDA training backward kernels (training_backward.cu: the token-serial
-// reverse sweep and the finishing kernels; training_backward_chunked.cu: the chunked backward).
+// Device helpers shared by the CUDA training backward kernels (finish.cu: the uncovered-token zeroing and
+// the finishing kernels; sweep.cu: the reverse sweep).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

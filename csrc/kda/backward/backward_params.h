@@ -1,4 +1,5 @@
-// Plain-old-data parameters of the CUDA training backward (SPEC §2.1, §3.2-3.3) and its launchers.
+// Plain-old-data parameters of the CUDA training backward (docs/contract.md, Recurrence and API) and its
+// launchers.
 // No torch types: csrc/api/training_cuda.cpp fills these from tensors. Offsets and strides are in
 // ELEMENTS and 64-bit. Fast path only: K == V == 128 (kBwdDim), bf16 token tensors, L2 norm on,
 // lower-bound gate, logit beta (the training contract).
@@ -7,17 +8,13 @@
 
 #include <cstdint>
 
+#include "kda/common/token_coverage.h"
 #include "kda/params.h"
+#include "kda/tape_rows.h"
 
 namespace kda {
 
-constexpr int kBwdDim = 128;        // K == V this backward handles
-constexpr int kBwdSubBlock = 8;     // token-serial sweep: tokens between the in-chunk recompute checkpoints
-constexpr int kBwdSubBlocksPerChunk = kTapeChunk / kBwdSubBlock;
-constexpr int kBwdThreads = 256;    // one CTA per (sequence, value head) task
-// fp32 elements of per-CTA scratch of the token-serial sweep: the state at every sub-block start of the chunk
-// being reversed (the chunked sweep needs none).
-constexpr int64_t kBwdScratchPerCta = int64_t(kBwdSubBlocksPerChunk) * kBwdDim * kBwdDim;
+constexpr int kBwdDim = 128;  // K == V this backward handles
 
 struct TrainingBackwardParams {
   // Problem size (as RecurrentParams): fixed N = B sequences of T tokens; packed B = 1, N = len(cu)-1.
@@ -32,14 +29,14 @@ struct TrainingBackwardParams {
   const float* A_log = nullptr;    // [HV]
   const float* dt_bias = nullptr;  // [HV, 128], may be null (0)
 
-  // Tapes: fp32 [n_tape_rows, HV, 128, 128], compact; row tape_cu_starts[n] + c - 1 holds the state of
-  // sequence n before its token 64*c, for c >= 1 (the checkpoint rule with every = kTapeChunk and
-  // checkpoint_first = 1); the state before token 0 is initial_state.
+  // Tapes: fp32 [n_tape_rows, HV, 128, 128], compact; row tape_row(tape_cu_starts, n, c) holds the state of
+  // sequence n before its token 64*c, for c >= 1 (kda/tape_rows.h; the checkpoint rule with every =
+  // kTapeChunk and checkpoint_first = 1); the state before token 0 is initial_state.
   const float* tapes = nullptr;
   int64_t n_tape_rows = 0;
   const int64_t* tape_cu_starts = nullptr;  // [N+1]
   const float* initial_state = nullptr;     // [N, HV, 128, 128] compact fp32; null = zeros
-  // Chunked sweep: its tasks are (slot, value head), one slot per 64-token chunk of every sequence, slot
+  // The sweep's tasks are (slot, value head), one slot per 64-token chunk of every sequence, slot
   // slot_cu_starts[n] + c for chunk c of sequence n (launch_tape_cu_starts with first = 0); n_slots rows
   // (an upper bound from shapes: B ceil(T/64) fixed, T/64 + N packed; unused slots write zero partials).
   const int64_t* slot_cu_starts = nullptr;  // [N+1]
@@ -57,28 +54,25 @@ struct TrainingBackwardParams {
   void* dv = nullptr;               // [B, T, HV, 128] bf16
   void* dg = nullptr;               // [B, T, HV, 128] bf16
   void* dbeta = nullptr;            // [B, T, HV] bf16
-  float* dinitial_state = nullptr;  // [N, HV, 128, 128] (token-serial sweep; the backward chain otherwise)
+  // (dinitial_state is written by the backward chain, launch_chunked_backward_chain, not by these kernels.)
 
   // Workspace (caller-allocated, fp32).
   float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head (covered tokens only)
   float* dk_head = nullptr;      // [B*T, HV, 128] dL/d(normalised k) per value head (covered tokens only)
-  // Parameter-gradient partials, one row per task (fully written): the token-serial sweep's tasks are the
-  // (sequence, value head) pairs (partial_rows = N), the chunked one's the (slot, value head) pairs
-  // (partial_rows = n_slots).
+  // Parameter-gradient partials, one row per task slot (fully written): partial_rows = n_slots.
   int64_t partial_rows = 0;
   float* ddt_partial = nullptr;  // [partial_rows, HV, 128] ddt_bias sums
   float* dA_partial = nullptr;   // [partial_rows, HV] dA_log sums
-  // Chunked sweep only: the chain gradient dL/dS at the END of every 16-token chunk, [n_dstate_rows, HV, 128,
+  // The chain gradient dL/dS at the END of every 16-token chunk, [n_dstate_rows, HV, 128,
   // 128] fp32, row dstate_cu_starts[n] + j for the j-th 16-token chunk of sequence n (launch_tape_cu_starts
   // with chunk 16); written by the backward chain, launch_chunked_backward_chain, which also writes
   // dinitial_state.
   const float* dstates = nullptr;
   const int64_t* dstate_cu_starts = nullptr;  // [N+1]
   int64_t n_dstate_rows = 0;
-  float* scratch = nullptr;      // token-serial sweep only: [grid, kBwdScratchPerCta]
-  int grid = 0;                  // CTAs of the reverse kernel (persistent over its tasks)
+  int grid = 0;                  // CTAs of the sweep (persistent over its tasks)
 
-  // Chunked sweep with HV == H (no GQA group to sum): the sweep does the L2-norm backward itself and writes
+  // HV == H (no GQA group to sum): the sweep does the L2-norm backward itself and writes
   // dq, dk (zeroed by the launcher outside covered_tokens); dq_head, dk_head unused, no qk finishing kernel.
   bool fused_qk = false;
 
@@ -95,52 +89,36 @@ struct TrainingBackwardParams {
 KDA_HD const float* tape_state(const TrainingBackwardParams& p, int64_t n, int64_t c, int hv) {
   constexpr int64_t kState = int64_t(kBwdDim) * kBwdDim;
   if (c == 0) return p.initial_state != nullptr ? p.initial_state + (n * p.HV + hv) * kState : nullptr;
-  const int64_t row = p.tape_cu_starts[n] + c - 1;
+  const int64_t row = tape_row(p.tape_cu_starts, n, c);
   return row >= 0 && row < p.n_tape_rows ? p.tapes + (row * p.HV + hv) * kState : nullptr;
 }
 
-// The packed tokens some sweep task certainly writes the gradients of: [lo, hi). Every token of the fixed
-// layout. Packed: [c_0, c_N) with c_i = cu_seqlens[i] clamped to [0, T] (seq_range's rule): sequence n covers
-// [c_n, c_{n+1}) when c_{n+1} > c_n, so every token between c_0 and c_N is crossed by some sequence, even for
-// a non-monotone cu_seqlens (which may cover tokens outside it too). Empty when c_N < c_0 or the chunked sweep's
-// slots exceed their bound (broken contracts: some slots would not run). The launcher zeroes the gradients of
-// the tokens outside it before the sweep.
-struct CoveredTokens {
-  int64_t lo, hi;
-  KDA_HD bool contains(int64_t t) const { return t >= lo && t < hi; }
-};
+// The packed tokens some sweep task certainly writes the gradients of: the covered span of
+// kda/common/token_coverage.h (every token of the fixed layout), empty when the sweep's slots exceed their
+// bound (a broken contract: some slots would not run). The launcher zeroes the gradients of the tokens
+// outside it before the sweep.
 KDA_HD CoveredTokens covered_tokens(const TrainingBackwardParams& p) {
-  if (p.cu_seqlens == nullptr) return {0, p.T};
-  const auto clamped = [&](int64_t i) {
-    const int64_t x = p.cu_seqlens_int64 ? static_cast<const int64_t*>(p.cu_seqlens)[i]
-                                         : static_cast<const int32_t*>(p.cu_seqlens)[i];
-    return x < 0 ? int64_t(0) : (x > p.T ? p.T : x);
-  };
-  if (p.slot_cu_starts != nullptr && p.slot_cu_starts[p.N] > p.n_slots) return {0, 0};
-  const int64_t lo = clamped(0), hi = clamped(p.N);
-  return hi >= lo ? CoveredTokens{lo, hi} : CoveredTokens{0, 0};
+  if (p.cu_seqlens != nullptr && p.slot_cu_starts != nullptr && p.slot_cu_starts[p.N] > p.n_slots) return {0, 0};
+  return covered_span(p.cu_seqlens, p.cu_seqlens_int64, p.T, p.N);
 }
 
-// Dynamic shared memory of the reverse sweep launch_training_backward will run (chunked or token-serial),
-// bytes (the caller needs no opt-in: the launcher does it; the device must allow that much per block).
+// Dynamic shared memory of the reverse sweep launch_training_backward runs, bytes (the caller needs no
+// opt-in: the launcher does it; the device must allow that much per block).
 int64_t training_backward_smem_bytes();
 int64_t training_backward_chunked_smem_bytes();
 
-// Which reverse sweep launch_training_backward runs: the chunked one (default) or, with the environment
-// variable KDA_TRAINING_BACKWARD=serial (read once), the token-serial one.
-bool training_backward_use_chunked();
-
-// The chunked reverse sweep alone (training_backward_chunked.cu), after the backward chain has written
+// The reverse sweep alone (sweep.cu), after the backward chain has written
 // dstates: writes dv, dg, dbeta, dq_head, dk_head, ddt_partial, dA_partial (one partial row per task slot).
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream);
 
-// Reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient reduction, on `stream` (the chunked
-// sweep needs the backward chain to have run first on the same stream).
+// Zeroing of the uncovered tokens + reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient
+// reduction (finish.cu), on `stream` (the sweep needs the backward chain to have run first on the same
+// stream).
 // No host synchronisation, no allocation (CUDA-graph capturable).
 cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream_t stream);
 
-// tape_cu_starts[0] = 0, tape_cu_starts[n+1] = tape_cu_starts[n] + max(ceil(L_n / chunk) - first, 0), with
-// L_n the sequence lengths of RecurrentParams' rule (seq_range: cu_seqlens clamped to [0, T]; fixed: T).
+// tape_cu_starts[0] = 0, tape_cu_starts[n+1] = tape_cu_starts[n] + chunk_rows(L_n, chunk, first) (rows.cu;
+// kda/tape_rows.h), with L_n the sequence lengths of seq_range (cu_seqlens clamped to [0, T]; fixed: T).
 // chunk = kTapeChunk, first = 1: the tape rows (no row for the state before token 0); chunk = kTapeChunk,
 // first = 0: the chunked sweep's task slots (one per 64-token chunk); chunk = 16: the backward chain's dS rows.
 cudaError_t launch_tape_cu_starts(const void* cu_seqlens, bool cu_seqlens_int64, int64_t N, int64_t T,

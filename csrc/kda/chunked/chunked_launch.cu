@@ -6,6 +6,7 @@
 #include "kda/chunked/chunked_instantiations.h"
 #include "kda/chunked/chunked_kernel.cuh"  // (sizeof the shared-memory layouts only)
 #include "kda/chunked/chunked_launch.h"
+#include "kda/chunked/sm90/chunked_sm90.h"
 
 namespace kda {
 namespace {
@@ -16,6 +17,33 @@ int max_smem_optin() { return cached_device_attribute<cudaDevAttrMaxSharedMemory
 constexpr int kSmem64 = static_cast<int>(sizeof(prefill::ChunkedSmem<64, 3, 4>));
 constexpr int kSmem128 = static_cast<int>(sizeof(prefill::ChunkedSmem<128, 3, 4>));
 constexpr int kSmemSmall = static_cast<int>(sizeof(prefill::ChunkedSmem<64, 2, 2>));
+
+// The launcher's schedule knobs, read from the environment once per process (a function-local static:
+// thread-safe initialisation). They change how the work is spread, never the arithmetic, except diag.
+//   KDA_CHUNKED_VB=64|128       value rows per CTA (benchmarks; 0 = chosen from the grid size)
+//   KDA_CHUNKED_PIPELINE=small  the shallow pipeline of GPUs with ~100 KB of shared memory per block (tests)
+//   KDA_CHUNKED_DIAG=mask       benchmarks only: skips one role's math on purpose (kDiagNo* in
+//                               chunked_config.cuh); results are wrong while it is set
+struct ChunkedKnobs {
+  int vb = 0;
+  bool small_pipeline = false;
+  int diag = 0;
+};
+
+const ChunkedKnobs& chunked_knobs() {
+  static const ChunkedKnobs knobs = [] {
+    ChunkedKnobs k;
+    if (const char* env = std::getenv("KDA_CHUNKED_VB")) {
+      const int v = std::atoi(env);
+      if (v == 64 || v == 128) k.vb = v;
+    }
+    const char* pipe = std::getenv("KDA_CHUNKED_PIPELINE");
+    k.small_pipeline = pipe != nullptr && pipe[0] == 's';
+    if (const char* dg = std::getenv("KDA_CHUNKED_DIAG")) k.diag = std::atoi(dg);
+    return k;
+  }();
+  return knobs;
+}
 
 }  // namespace
 
@@ -41,33 +69,75 @@ bool chunked_preferred(const RecurrentParams& p) {
 
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  // KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the cases it covers (inference prefill), else this one.
+  if (chunked_sm90_requested() && chunked_sm90_supported(p)) return launch_chunked_sm90(p, stream);
+  const ChunkedKnobs& knobs = chunked_knobs();
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
   // One CTA per SM fits (registers). When the (sequence, head) tasks fill at most half of the SMs, split
   // the value rows over two CTAs: the chain is latency-bound, so two CTAs per head halve its per-chunk
   // work at the cost of repeating the per-chunk prep.
   int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
-  if (const char* env = std::getenv("KDA_CHUNKED_VB")) {
-    const int v = std::atoi(env);
-    if (v == 64 || v == 128) vb = v;
-  }
+  if (knobs.vb != 0) vb = knobs.vb;
   const int optin = max_smem_optin();
   if (vb == 128 && kSmem128 > optin) vb = 64;
-  if (const char* pipe = std::getenv("KDA_CHUNKED_PIPELINE"); pipe != nullptr && pipe[0] == 's') vb = 64;
+  if (knobs.small_pipeline) vb = 64;
   auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool out_vec16 = al(p.out) && p.out_token_stride % 8 == 0 && p.out_head_stride % 8 == 0 &&
                          (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
-  const char* dg = std::getenv("KDA_CHUNKED_DIAG");  // benchmarks only: skips work on purpose
-  const int diag = dg != nullptr ? std::atoi(dg) : 0;
+  const int diag = knobs.diag;
   if (vb == 128) return prefill::run_chunked_<128, 3, 4, false>(p, out_vec16, diag, stream);
   // Less shared memory per block than the default pipeline needs (sm_120: 99 KB): shallower pipeline.
   // KDA_CHUNKED_PIPELINE=small forces it anywhere (tests: the same arithmetic, bit-identical results).
-  const char* pipe = std::getenv("KDA_CHUNKED_PIPELINE");
-  const bool small = kSmem64 > optin || (pipe != nullptr && pipe[0] == 's');
+  const bool small = kSmem64 > optin || knobs.small_pipeline;
   if (small) return prefill::run_chunked_<64, 2, 2, false>(p, out_vec16, diag, stream);
   return prefill::run_chunked_<64, 3, 4, false>(p, out_vec16, diag, stream);
 }
 
-cudaError_t launch_chunked_backward_chain(const RecurrentParams& p, cudaStream_t stream) {
+// BackwardChainParams -> the RecurrentParams fields the chunked kernel reads in BWD mode: v carries dO, the
+// read-only start state (state_source, slot n) dfinal_state, final_state receives dinitial_state, and the
+// checkpoints (every 16 tokens, at dstate_cu_starts) receive dS at the end of every chunk; no output, no pool.
+RecurrentParams chain_as_recurrent(const BackwardChainParams& c) {
+  constexpr int kDim = prefill::kHeadDim;
+  RecurrentParams p;
+  p.B = c.B;
+  p.T = c.T;
+  p.N = c.N;
+  p.H = c.H;
+  p.HV = c.HV;
+  p.K = kDim;
+  p.V = kDim;
+  p.token_dtype = DType::kBFloat16;
+  p.q = c.q;
+  p.k = c.k;
+  p.v = c.dout;
+  p.g = c.g;
+  p.beta = c.beta;
+  p.A_log = c.A_log;
+  p.dt_bias = c.dt_bias;
+  if (c.dfinal_state != nullptr) {
+    p.state_source = c.dfinal_state;
+    p.state_source_dtype = DType::kFloat32;
+    p.source_slot_stride = int64_t(c.HV) * kDim * kDim;
+    p.n_source = c.N;
+  }
+  p.cu_seqlens = c.cu_seqlens;
+  p.cu_seqlens_int64 = c.cu_seqlens_int64;
+  p.final_state = c.dinitial_state;
+  p.state_checkpoints = c.dstates;
+  p.checkpoint_dtype = DType::kFloat32;
+  p.checkpoint_cu_starts = c.dstate_cu_starts;
+  p.n_checkpoint_rows = c.n_dstate_rows;
+  p.checkpoint_every_n_tokens = prefill::kChunk;
+  p.scale = c.scale;
+  p.gate_mode = GateMode::kLowerBound;
+  p.lower_bound = c.lower_bound;
+  p.use_qk_l2norm = true;
+  p.beta_is_logit = true;
+  return p;
+}
+
+cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStream_t stream) {
+  const RecurrentParams p = chain_as_recurrent(c);
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
   // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs.

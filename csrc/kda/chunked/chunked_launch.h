@@ -1,4 +1,4 @@
-// Host entry of the chunked tensor-core prefill (csrc/kda/chunked/chunked_kernel.cuh): multi-token
+// Host entry of the chunked tensor-core kernel (csrc/kda/chunked/chunked_kernel.cuh): multi-token
 // prefill of recurrent_kda in 16-token chunks. Included by csrc/api/recurrent_cuda.cpp; no torch types.
 #pragma once
 #include <cuda_runtime_api.h>
@@ -8,7 +8,7 @@
 namespace kda {
 
 // Whether the chunked kernel covers `p`: K == V == 128, no speculative decode, checkpoint interval a
-// multiple of 16 (SPEC guarantees it through the Python API). `why` names the first unmet condition.
+// multiple of 16 (the Python API guarantees it). `why` names the first unmet condition.
 bool chunked_supported(const RecurrentParams& p, const char** why);
 
 // The automatic backend choice for a call the chunked kernel supports: chunked when the sequences are
@@ -20,15 +20,38 @@ bool chunked_preferred(const RecurrentParams& p);
 // 16-byte aligned q/k/g/v rows with strides that are multiples of 8 elements, aligned state buffers).
 // KDA_CHUNKED_VB=64|128 (benchmarks) forces the value rows per CTA; KDA_CHUNKED_PIPELINE=small the
 // shallow pipeline that GPUs with ~100 KB of shared memory per block get (sm_120); results do not depend
-// on either.
+// on either. Both are read once per process, at the first call (chunked_launch.cu).
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream);
 
-// The backward chain of the CUDA training backward on the same kernel (BWD mode): walks each sequence's
-// chunks last to first carrying the chain gradient dS (kda_ops/reference_chunked_backward.py, chain_step).
-// `p` as for a training forward with tapes, except: p.v = dO, p.state_source = dfinal_state (fp32; null =
-// zeros), p.final_state = dinitial_state, and p.state_checkpoints receives dS at the END of every 16-token
-// chunk: row (every / 16) checkpoint_cu_starts[n] + j for chunk j (the training backward: every = 16 with a
-// 16-token row prefix). Needs the default pipeline's ~150-160 KB of shared memory per block.
-cudaError_t launch_chunked_backward_chain(const RecurrentParams& p, cudaStream_t stream);
+// The arguments of the backward chain of the CUDA training backward, named for what they carry
+// (lower-bound gate, L2 norm, logit beta, K == V == 128, bf16 token tensors with 16-byte aligned rows and
+// strides that are multiples of 8 elements; the training contract). The chunked kernel reads them through
+// RecurrentParams' fields in BWD mode; chain_as_recurrent (chunked_launch.cu) is the one place that maps them.
+struct BackwardChainParams {
+  int64_t B = 0, T = 0, N = 0;  // as RecurrentParams: fixed N = B; packed B = 1, N = len(cu_seqlens) - 1
+  int H = 0, HV = 0;            // K = V = 128
+  TokenTensor q, k;             // [B, T, H, 128]
+  TokenTensor g;                // [B, T, HV, 128] raw gate input
+  TokenTensor beta;             // [B, T, HV] logits
+  TokenTensor dout;             // [B, T, HV, 128] dL/do
+  const float* A_log = nullptr;    // [HV]
+  const float* dt_bias = nullptr;  // [HV, 128], may be null (0)
+  const void* cu_seqlens = nullptr;  // [N+1] int32 / int64; null for the fixed layout
+  bool cu_seqlens_int64 = false;
+  float scale = 0.f, lower_bound = 0.f;
+  const float* dfinal_state = nullptr;  // [N, HV, 128, 128] compact fp32, 16-byte aligned; null = zeros
+  float* dinitial_state = nullptr;      // out: [N, HV, 128, 128] compact fp32
+  // out: the chain gradient dS at the END of every 16-token chunk, fp32 [n_dstate_rows, HV, 128, 128], row
+  // dstate_cu_starts[n] + j for chunk j of sequence n (launch_tape_cu_starts with chunk 16, first 0); rows at or
+  // past n_dstate_rows are never written.
+  float* dstates = nullptr;
+  const int64_t* dstate_cu_starts = nullptr;  // [N+1]
+  int64_t n_dstate_rows = 0;
+};
+
+// The backward chain on the chunked kernel (BWD mode): walks each sequence's chunks last to first carrying
+// the chain gradient dS (kda_ops/reference_chunked_backward.py, chain_step), writing dstates and
+// dinitial_state. Needs the default pipeline's ~150-160 KB of shared memory per block.
+cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStream_t stream);
 
 }  // namespace kda

@@ -1,10 +1,10 @@
-// The slot, activity and gate rules of recurrent_kda (SPEC §2, §3.1), shared by the CPU loop and the
+// The slot, activity and gate rules of recurrent_kda (docs/contract.md, Recurrence and Slots), shared by the CPU loop and the
 // CUDA kernels so both read the same contract. Host/device, no torch.
 #pragma once
 #include <cmath>
 #include <cstdint>
 
-#include "kda/common/host_device.h"
+#include "kda/host_device.h"
 #include "kda/params.h"
 
 namespace kda {
@@ -26,7 +26,7 @@ KDA_HD SeqRange seq_range(const void* cu_seqlens, bool cu_seqlens_int64, int64_t
     a = static_cast<const int32_t*>(cu_seqlens)[n];
     b = static_cast<const int32_t*>(cu_seqlens)[n + 1];
   }
-  // Caller contract (SPEC §5): 0 <= a <= b <= T. Clamp so a broken contract never reads out of bounds.
+  // Caller contract (docs/contract.md, Errors): 0 <= a <= b <= T. Clamp so a broken contract never reads out of bounds.
   a = a < 0 ? 0 : (a > T ? T : a);
   b = b < a ? a : (b > T ? T : b);
   return {0, a, b - a};
@@ -85,14 +85,14 @@ KDA_HD bool token_active(const RecurrentParams& p, int64_t n, int64_t t) {
   return slot_in_pool(write_slot(p, n, t), p.n_pool);
 }
 
-constexpr float kL2NormEps = 1e-6f;  // q, k L2 norm: x * rsqrt(|x|^2 + eps) (SPEC §2 step 1)
+constexpr float kL2NormEps = 1e-6f;  // q, k L2 norm: x * rsqrt(|x|^2 + eps) (docs/contract.md, Recurrence, step 1)
 
 template <typename T>
 KDA_HD T kda_sigmoid(T x) {
   return T(1) / (T(1) + exp(-x));
 }
 
-// Log-decay a for one channel (SPEC §2 step 2). A = exp(A_log[hv]); dtb = dt_bias[hv, k] (0 if none).
+// Log-decay a for one channel (docs/contract.md, Recurrence, step 2). A = exp(A_log[hv]); dtb = dt_bias[hv, k] (0 if none).
 template <typename T>
 KDA_HD T gate_log_decay(GateMode mode, T g, T A, T dtb, T lower_bound) {
   if (mode == GateMode::kPrecomputed) return g;

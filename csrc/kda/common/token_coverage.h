@@ -1,6 +1,8 @@
-// Which output tokens of a packed recurrent_kda call some sequence covers, by the kernels' own clamp rule
-// (seq_range in recurrent_rules.h: sequence n covers [bos_n, bos_n + len_n)). Shared by the CPU op and
-// the CUDA zeroing kernel (zero_uncovered.cu) so both zero exactly the same tokens. Host/device, no torch.
+// The covered-token rule: which tokens of a packed call some sequence covers, by the kernels' own clamp
+// rule (seq_range in recurrent_rules.h: sequence n covers [bos_n, bos_n + len_n)). Shared by the CPU ops,
+// the CUDA zeroing kernel of recurrent_kda (zero_uncovered.cu) and the CUDA training backward
+// (covered_tokens in kda/backward/backward_params.h), so every path zeroes the same tokens for a valid
+// cu_seqlens. Host/device, no torch.
 //
 // With the caller contract (cu[0] = 0, non-decreasing, cu[N] = T) every token is covered. A broken
 // contract can leave tokens uncovered: cu[0] > 0 or cu[N] < T (a prefix / suffix), or a non-monotone cu,
@@ -8,7 +10,7 @@
 #pragma once
 #include <cstdint>
 
-#include "kda/common/host_device.h"
+#include "kda/host_device.h"
 #include "kda/common/recurrent_rules.h"
 #include "kda/params.h"
 
@@ -27,6 +29,27 @@ KDA_HD bool ranges_adjoin(const RecurrentParams& p, int64_t n) {
 KDA_HD bool seq_covers(const RecurrentParams& p, int64_t n, int64_t t) {
   const SeqRange r = seq_range(p, n);
   return t >= r.bos && t < seq_end(r);
+}
+
+// A span [lo, hi) of tokens that sequences certainly cover, for kernels that handle the uncovered tokens as
+// a prefix and a suffix (the training backward): every token of the fixed layout; packed, [c_0, c_N) with
+// c_i = cu_seqlens[i] clamped to [0, T] (seq_range's clamp). Sequence n covers [c_n, c_{n+1}) when
+// c_{n+1} > c_n, so every token between c_0 and c_N is crossed by some sequence, even for a non-monotone
+// cu_seqlens (which may cover tokens outside the span too). Empty when c_N < c_0. For a non-decreasing
+// cu_seqlens the span is exactly the union of the sequences' ranges (ranges_adjoin holds for every n).
+struct CoveredTokens {
+  int64_t lo, hi;
+  KDA_HD bool contains(int64_t t) const { return t >= lo && t < hi; }
+};
+KDA_HD CoveredTokens covered_span(const void* cu_seqlens, bool cu_seqlens_int64, int64_t T, int64_t N) {
+  if (cu_seqlens == nullptr) return {0, T};
+  const auto clamped = [&](int64_t i) {
+    const int64_t x = cu_seqlens_int64 ? static_cast<const int64_t*>(cu_seqlens)[i]
+                                       : static_cast<const int32_t*>(cu_seqlens)[i];
+    return x < 0 ? int64_t(0) : (x > T ? T : x);
+  };
+  const int64_t lo = clamped(0), hi = clamped(N);
+  return hi >= lo ? CoveredTokens{lo, hi} : CoveredTokens{0, 0};
 }
 
 }  // namespace kda

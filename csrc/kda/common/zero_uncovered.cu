@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kda/common/device_info.h"
+#include "kda/common/cuda_check.h"
 #include "kda/common/token_coverage.h"
 #include "kda/common/zero_uncovered.h"
 
@@ -66,7 +67,8 @@ cudaError_t launch_typed(const RecurrentParams& p, cudaStream_t stream) {
   const int64_t cap = 2 * int64_t(cached_device_attribute<cudaDevAttrMultiProcessorCount>(132));
   const int blocks = static_cast<int>(want < 1 ? 1 : (want > cap ? cap : want));
   kda_zero_uncovered_tokens_kernel<Word><<<blocks, kZeroThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  KDA_CHECK_LAUNCH();
+  return cudaSuccess;
 }
 
 }  // namespace

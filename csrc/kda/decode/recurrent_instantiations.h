@@ -10,10 +10,17 @@ namespace kda::decode {
 constexpr int kCarveoutUntouched = -2;  // leave the function's shared-memory carveout preference alone
 constexpr int kCarveoutMin = -3;        // the smallest carveout that holds the chosen blocks per SM
 
-// Kernel flag of the bulk-copy kernel (KDA_RECURRENT_BULK=2): write the pool slot back with a bulk store from
-// the ring stage instead of from registers. (The other flags, kDiag* and kFlagNoL1Prefetch, are in
-// recurrent_kernel.cuh.)
-constexpr int kFlagBulkStore = 8;
+// Kernel flags (the kernel's second argument, RecurrentLaunch::flags). kFlagNoL1Prefetch is a schedule
+// choice that leaves the results unchanged (a prefetch is only a hint); it is set by default because on
+// H200 the prefetches cost more than they saved at large batch (bench_decode, B=256/1024: 5-8% faster
+// without). The kDiag* switches (KDA_RECURRENT_DIAG) are for benchmarks that take one stage out to see
+// what it costs: they break the results on purpose and are never set in normal use.
+constexpr int kDiagNoStateStore = 1;  // skip writing states back to the pool
+constexpr int kDiagNoMath = 2;        // skip the token math (the state passes through unchanged)
+constexpr int kFlagNoL1Prefetch = 4;  // skip the L1 prefetch of the next items' token inputs
+// Speculative verify (disable_state_update): the outputs of every token are computed as usual but no pool
+// slot is written (neither the final write of decode nor the per-token columns of speculative decode).
+constexpr int kFlagNoStateUpdate = 8;
 
 // How to launch: chosen by csrc/kda/decode/recurrent_launch.cu (benchmark knobs come from the environment).
 struct RecurrentLaunch {
@@ -22,8 +29,6 @@ struct RecurrentLaunch {
   int max_blocks_per_sm = 0;                    // 0: as many as fit
   int carveout_percent = kCarveoutMin;          // or kCarveoutUntouched, -1 (driver default), 0..100
   int flags = 4;  // kernel flags: kFlagNoL1Prefetch (the default), kDiag* (benchmarks only)
-  int bulk_stages = 3;  // ring depth of the bulk-copy kernel (run_recurrent_bulk_), 3..8
-  int bulk_l2_ahead = 0;  // bulk-copy kernel: items past the ring whose state is prefetched into L2 (0: none)
 };
 
 // K: head dim (K == V, 64 or 128). StateT: pool storage type (float or __nv_bfloat16). NR: state rows
@@ -32,16 +37,11 @@ struct RecurrentLaunch {
 template <int K, typename StateT, int NR>
 void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
 
-// The bulk-copy variant (recurrent_bulk_kernel.cuh, sm_90+): same results bit for bit, start state and
-// first-token inputs fetched with 1-D bulk copies into a per-warp mbarrier ring of cfg.bulk_stages stages.
-// Instantiated for NR = 4 and 8 (the launcher routes other tiles to run_recurrent_).
+// The warp-specialised variant (recurrent_ring_kernel.cuh, sm_90+): a producer warp streams each item's
+// state tile and first-token inputs into per-warp mbarrier rings by bulk copies, math warps consume them
+// and store the tile back by bulk copy. Same bits as run_recurrent_. Instantiated for bf16 tiles: K=128
+// NR 4 and 8, K=64 NR 4 (csrc/instantiations/recurrent_ring_k<K>_bf16_nr<NR>.cu).
 template <int K, typename StateT, int NR>
-void run_recurrent_bulk_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
-
-// The one-item-per-warp variant (recurrent_single_kernel.cuh): a plain grid of one warp per item, no ring;
-// token loads, slot lookup and state loads issued back to back (the small-batch latency path). Same bits.
-// Instantiated for NR = 2, 4 and 8.
-template <int K, typename StateT, int NR>
-void run_recurrent_single_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
+void run_recurrent_ring_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
 
 }  // namespace kda::decode

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 
 #include "kda/common/bf16_bits.cuh"
 #include "kda/common/recurrent_rules.h"
@@ -377,14 +378,7 @@ __device__ __forceinline__ void resolve_items(const RecurrentParams& p, int64_t 
   __syncwarp();
 }
 
-// Kernel flags (the kernel's second argument, RecurrentLaunch::flags). kFlagNoL1Prefetch is a schedule
-// choice that leaves the results unchanged (a prefetch is only a hint); it is set by default because on
-// H200 the prefetches cost more than they saved at large batch (bench_decode, B=256/1024: 5-8% faster
-// without). The kDiag* switches (KDA_RECURRENT_DIAG) are for benchmarks that take one stage out to see
-// what it costs: they break the results on purpose and are never set in normal use.
-constexpr int kDiagNoStateStore = 1;  // skip writing states back to the pool
-constexpr int kDiagNoMath = 2;        // skip the token math (the state passes through unchanged)
-constexpr int kFlagNoL1Prefetch = 4;  // skip the L1 prefetch of the next items' token inputs
+// Kernel flags (kDiag*, kFlagNoL1Prefetch, kFlagNoStateUpdate): recurrent_instantiations.h.
 
 // Issue the start-state copy of item m into `ring` (one cp.async group, empty or not, so the wait_group
 // counts stay uniform) and prefetch its first token's inputs into L1.
@@ -459,7 +453,7 @@ __device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
 // The token loop of one item (SPEC §2 per token; checkpoints; speculative per-token slot writes; the output
 // row of each token). On entry `s` holds the item's start state and `cur` its first token's inputs; on exit
 // `s` holds the state after the last token (the caller writes it to the pool / final state). Shared by the
-// cp.async-ring kernel and the bulk-copy kernel (recurrent_bulk_kernel.cuh), so both compute the same bits.
+// cp.async-ring kernel and the warp-specialised kernel (recurrent_ring_kernel.cuh), so both compute the same bits.
 // `dtb`: dt_bias[hv, :] (global or shared memory), null when absent; `A` = exp(A_log[hv]).
 template <class Tile>
 __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const int flags, const ItemMeta& m,
@@ -584,7 +578,8 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
       const __nv_bfloat16 ob = __float2bfloat16_rn(o);
       out[(m.bos + t) * p.out_token_stride] = *reinterpret_cast<const uint16_t*>(&ob);
     }
-    if (S > 0 && !(flags & kDiagNoStateStore))  // spec decode: the state after token t goes to its own slot
+    // spec decode: the state after token t goes to its own slot (not in a verify pass, kFlagNoStateUpdate)
+    if (S > 0 && !(flags & (kDiagNoStateStore | kFlagNoStateUpdate)))
       store_tile<Tile>(static_cast<StateT*>(p.state) + wslot * p.state_slot_stride + head_off, row0, rg, kl, s);
     cur = nxt;
   }
@@ -593,8 +588,21 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
 // Persistent warps: warp w of the grid handles items w, w + W, w + 2W, ... (W = warps in the grid); an item
 // is (sequence, value head, row tile). Per item: wait for its ring slot, read the start state into
 // registers, refill the slot with the item kStages ahead, then run the item's tokens.
+// Register budget (__launch_bounds__ min blocks of 128 threads). sm_90a compiles every tile at <= 168
+// registers unforced (3 blocks = 12 warps per SM). sm_100a/103a ptxas takes 255 for bf16 NR=8 unforced
+// (2 blocks per SM), so there the cap of 3 blocks (168 registers) is set explicitly.
 template <class Tile>
-__global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParams p, const int flags) {
+constexpr int recurrent_min_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  return 3;
+#else
+  return 1;
+#endif
+}
+
+template <class Tile>
+__global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
+    kda_recurrent_kernel(const RecurrentParams p, const int flags) {
   using StateT = typename Tile::StateT;
   using Ring = RingLayout<Tile>;
   constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP, kStages = Ring::kStages;
@@ -678,7 +686,7 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
     run_item_tokens<Tile>(p, flags, m, lane, cur, spec_slot, A, dtb, s);
 
     // A zero-length sequence leaves its slot bit-identical.
-    if (S == 0 && p.state != nullptr && m.len > 0 && !(flags & kDiagNoStateStore))
+    if (S == 0 && p.state != nullptr && m.len > 0 && !(flags & (kDiagNoStateStore | kFlagNoStateUpdate)))
       store_tile<Tile>(static_cast<StateT*>(p.state) + write_slot(p, n, 0) * p.state_slot_stride + head_off, row0,
                        rg, kl, s);
     if (p.final_state != nullptr) store_tile<Tile>(p.final_state + n * inner + head_off, row0, rg, kl, s);
@@ -686,23 +694,16 @@ __global__ void __launch_bounds__(128) kda_recurrent_kernel(const RecurrentParam
   cp_async_wait<0>();  // no copy outlives the block (the tail prefetches are empty groups, but be exact)
 }
 
-// Launch helpers shared by the decode launchers (this file's ring kernel, recurrent_bulk_kernel.cuh).
+// Launch helpers shared by the decode launchers (this file's kernel, recurrent_ring_kernel.cuh).
 // Shared memory `blocks` resident blocks of `block_bytes` occupy (the system reserves 1 KB per block).
 inline int resident_smem_bytes(int blocks, int block_bytes) { return blocks * (block_bytes + 1024); }
 
-// Applies a launch's carveout choice to `kernel`, once per device: kCarveoutUntouched leaves the driver's,
-// kCarveoutMin takes the smallest percent of the SM's 228 KB that holds `need` bytes, any other value is a
-// percent (-1: the driver default). carveout_set[dev] caches percent + 2 (0: never set).
-template <typename Kernel>
-inline void apply_carveout(Kernel kernel, int* carveout_set, int dev, int setting, int need) {
-  if (setting == kCarveoutUntouched) return;
-  int pct = setting;
-  if (pct == kCarveoutMin) pct = std::min(100, (need * 100 + 228 * 1024 - 1) / (228 * 1024));
-  if (carveout_set[dev] != pct + 2) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
-    (void)cudaGetLastError();
-    carveout_set[dev] = pct + 2;
-  }
+// The carveout percent a launch asks for: kCarveoutUntouched (-2) leaves the driver's, kCarveoutMin takes
+// the smallest percent of the SM's 228 KB that holds `need` bytes, any other value is a percent (-1: the
+// driver default).
+inline int carveout_percent_for(int setting, int need) {
+  if (setting == kCarveoutMin) return std::min(100, (need * 100 + 228 * 1024 - 1) / (228 * 1024));
+  return setting;
 }
 
 // Persistent grid: enough blocks for `warps` work items, at most what stays resident on the device.
@@ -710,6 +711,43 @@ inline int64_t persistent_blocks(int64_t warps, int warps_per_block, int blocks_
   const int64_t needed = (warps + warps_per_block - 1) / warps_per_block;
   const int64_t resident = int64_t(blocks_per_sm) * num_sms;
   return needed < resident ? needed : resident;
+}
+
+// What a kernel instantiation needs set up once per device before its first launch: the dynamic-smem
+// opt-in, the occupancy of each block shape (1, 2, 4 warps) and the shared-memory carveout. Filled under a
+// per-device std::call_once, so concurrent first calls from several host threads neither race on the
+// tables nor launch before the attributes are set; later calls (and graph capture) only read it.
+struct KernelSetup {
+  int max_blocks[5] = {};  // resident blocks per SM, indexed by warps per block (1, 2, 4)
+};
+constexpr int kMaxDevices = 64;
+
+template <typename Kernel>
+const KernelSetup& kernel_setup(Kernel kernel, std::once_flag (&once)[kMaxDevices], KernelSetup (&setup)[kMaxDevices],
+                                int warp_bytes, const RecurrentLaunch& cfg) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) dev = 0;
+  std::call_once(once[dev], [&] {
+    KernelSetup& s = setup[dev];
+    if (warp_bytes * 4 > 48 * 1024)
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, warp_bytes * 4);
+    int need = 0;  // shared memory of the most resident blocks of any block shape
+    for (int w : {1, 2, 4}) {
+      int v = 0;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, w * 32, w * warp_bytes) != cudaSuccess || v <= 0)
+        v = 1;
+      s.max_blocks[w] = v;
+      const int b = cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < v ? cfg.max_blocks_per_sm : v;
+      need = std::max(need, resident_smem_bytes(b, w * warp_bytes));
+    }
+    // The carveout setting is read once per process (RecurrentLaunch comes from the launcher's knobs), so
+    // one attribute call per device is enough.
+    if (cfg.carveout_percent != kCarveoutUntouched)
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           carveout_percent_for(cfg.carveout_percent, need));
+    (void)cudaGetLastError();  // a refused attribute is not a launch error
+  });
+  return setup[dev];
 }
 
 template <int K, typename StateT, int NR>
@@ -724,35 +762,12 @@ void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaSt
   // the shared-memory carveout. The carveout defaults to the smallest one that holds the resident blocks of
   // any block shape, leaving the rest of the SM's 256 KB to L1 (token inputs, gate parameters): on H200
   // that was up to 22% faster at large batch than the driver's choice (bench_decode, B=1024 bf16) and never
-  // slower. Graph capture sees no attribute call after the first call (KDA_RECURRENT_CARVEOUT overrides
-  // it per call, for benchmarks only).
-  static int max_blocks[64][5] = {};
-  static int carveout_set[64] = {};  // percent + 1 set by us (0: never)
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
-  if (max_blocks[dev][cfg.warps_per_block] == 0) {
-    if (Ring::kWarpBytes * 4 > 48 * 1024)
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Ring::kWarpBytes * 4);
-    for (int w : {1, 2, 4}) {
-      int v = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, w * 32, w * Ring::kWarpBytes) != cudaSuccess ||
-          v <= 0) {
-        (void)cudaGetLastError();
-        v = 1;
-      }
-      max_blocks[dev][w] = v;
-    }
-  }
-  const int mb = max_blocks[dev][cfg.warps_per_block];
-  int blocks_per_sm = mb;
+  // slower. Graph capture sees no attribute call after the first call.
+  static std::once_flag once[kMaxDevices];
+  static KernelSetup setup[kMaxDevices];
+  const KernelSetup& ks = kernel_setup(kernel, once, setup, Ring::kWarpBytes, cfg);
+  int blocks_per_sm = ks.max_blocks[cfg.warps_per_block];
   if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < blocks_per_sm) blocks_per_sm = cfg.max_blocks_per_sm;
-  int need = 0;  // shared memory of the most resident blocks of any block shape
-  for (int w : {1, 2, 4}) {  // (max_blocks is filled for every shape on the first call)
-    int b = max_blocks[dev][w];
-    if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < b) b = cfg.max_blocks_per_sm;
-    need = std::max(need, resident_smem_bytes(b, w * Ring::kWarpBytes));
-  }
-  apply_carveout(kernel, carveout_set, dev, cfg.carveout_percent, need);
   const int64_t blocks =
       persistent_blocks(p.N * p.HV * Tile::kTilesPerHead, cfg.warps_per_block, blocks_per_sm, cfg.num_sms);
   kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.flags);

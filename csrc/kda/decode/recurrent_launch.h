@@ -14,13 +14,13 @@ namespace kda {
 // strides; q, k, g 16-byte aligned with strides that are multiples of 8 elements.
 // Returns the launch error (cudaSuccess when nothing was launched because N == 0).
 //
-// Environment knobs for benchmarks and tests (see recurrent_launch.cu): KDA_RECURRENT_ROWS_PER_LANE (1, 2, 4
-// or 8: the tile), KDA_RECURRENT_BLOCKS_PER_SM, KDA_RECURRENT_CARVEOUT, KDA_RECURRENT_L1_PREFETCH only change
-// the schedule (results are bit-identical for every choice); KDA_RECURRENT_DIAG skips work on purpose.
-// KDA_RECURRENT_BULK (0 off, 1 bulk-copy loads, 2 bulk-copy loads and stores), KDA_RECURRENT_BULK_STAGES (3..8)
-// and KDA_RECURRENT_WARPS_PER_BLOCK (1, 2, 4: a cap) select the bulk-copy kernel and its shape;
-// KDA_RECURRENT_SINGLE (1: small batches, 2: always) the one-item-per-warp kernel; same bits.
-cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream);
+// Environment knobs for benchmarks and tests, read once per process (see recurrent_launch.cu):
+// KDA_RECURRENT_ROWS_PER_LANE (1, 2, 4 or 8: the tile), KDA_RECURRENT_BLOCKS_PER_SM, KDA_RECURRENT_CARVEOUT,
+// KDA_RECURRENT_L1_PREFETCH, KDA_RECURRENT_WARPS_PER_BLOCK only change the schedule (results are
+// bit-identical for every choice); KDA_RECURRENT_DIAG skips work on purpose.
+// disable_state_update: a verify pass: every token's output is computed by the same rules (slots, inactive
+// sequences and tokens, checkpoints, final_state) but no pool slot is written.
+cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream, bool disable_state_update = false);
 
 // The tile the launcher would pick: state rows per lane (1, 2, 4, 8). Exposed for tests and benchmarks.
 int recurrent_rows_per_lane(const RecurrentParams& p, int num_sms);

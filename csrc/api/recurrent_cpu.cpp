@@ -1,8 +1,7 @@
-// kda::recurrent_kda on CPU (SPEC §3.1): the token loop of token_loop.h over every (sequence, value
-// head) pair in parallel. Decode, speculative decode and prefill are the same loop; backend and
-// workspace are CUDA scheduling choices and are ignored here, as is seq_order (a hint).
-#include <ATen/Parallel.h>
-
+// kda::recurrent_kda on CPU (docs/contract.md, API): checks -> RecurrentParams -> the token loop
+// (csrc/cpu/forward.cpp). Backend and workspace are CUDA scheduling choices and are ignored here, as is
+// seq_order (a hint).
+#include <cmath>
 #include <vector>
 
 #include "api/recurrent_params.h"
@@ -13,21 +12,6 @@ namespace kda {
 namespace cpu {
 
 namespace {
-
-template <typename TokT>
-void run_forward_typed(const RecurrentParams& p, const CpuExtras& x) {
-  using Acc = acc_t<TokT>;
-  // One item = one (sequence, value head) pair: each owns its output columns and state block, so
-  // the result does not depend on how the items are split between threads.
-  at::parallel_for(0, p.N * p.HV, 1, [&](int64_t begin, int64_t end) {
-    HeadContext<TokT> c(p, x);
-    std::vector<Acc> S(size_t(p.V) * p.K), o(p.V);
-    for (int64_t i = begin; i < end; ++i) {
-      c.bind(i / p.HV, static_cast<int>(i % p.HV));
-      run_sequence_head(c, S.data(), o.data());
-    }
-  });
-}
 
 // The tokens no sequence covers, by the same rule as the CUDA kernel (kda/common/token_coverage.h):
 // adjoining ranges leave a prefix and a suffix; otherwise a coverage count per token (O(T + N)).
@@ -69,13 +53,8 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const std::optional<at::Tensor>& checkpoint_cu_starts,
                        const std::optional<at::Tensor>& /*workspace*/, double scale, int64_t gate_mode,
                        double lower_bound, bool use_qk_l2norm, bool beta_is_logit, int64_t num_spec_tokens,
-                       int64_t checkpoint_every_n_tokens, int64_t /*backend*/, bool zero_uncovered) {
-  KDA_CHECK(gate_mode >= 0 && gate_mode <= 2, "gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ",
-            gate_mode);
-  KDA_CHECK(num_spec_tokens >= 0, "num_spec_tokens must be >= 0, got ", num_spec_tokens);
-  KDA_CHECK(checkpoint_every_n_tokens >= 0, "checkpoint_every_n_tokens must be >= 0, got ",
-            checkpoint_every_n_tokens);
-  KDA_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite number > 0, got ", scale);
+                       int64_t checkpoint_every_n_tokens, int64_t /*backend*/, bool zero_uncovered,
+                       bool disable_state_update) {
   const RecurrentArgs args{q, k, v, g, beta, A_log, dt_bias, state, state_source, initial_state_indices,
                            cu_seqlens, ssm_state_indices, num_accepted_tokens, seq_order, output,
                            final_state, state_checkpoints, checkpoint_cu_starts, scale, gate_mode,
@@ -101,6 +80,7 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   if (p.dt_bias != nullptr) x.dt_bias = p.dt_bias;
   x.final_state = p.final_state;
   x.final_dtype = DType::kFloat32;
+  x.no_state_update = disable_state_update;
 
   // Inactive sequences/tokens are zeroed by the loop; tokens outside every packed sequence (a broken
   // cu_seqlens contract) keep their values, as on CUDA, unless zero_uncovered asks for zeros.
@@ -109,15 +89,6 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }
 
 }  // namespace
-
-void run_forward(const RecurrentParams& p, const CpuExtras& x) {
-  switch (p.token_dtype) {
-    case DType::kBFloat16: run_forward_typed<c10::BFloat16>(p, x); break;
-    case DType::kFloat32: run_forward_typed<float>(p, x); break;
-    case DType::kFloat64: run_forward_typed<double>(p, x); break;
-    default: TORCH_CHECK_TYPE(false, "q must be bfloat16, float32 or float64 on CPU");
-  }
-}
 
 }  // namespace cpu
 }  // namespace kda

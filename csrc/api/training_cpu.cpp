@@ -1,11 +1,10 @@
-// The training ops on CPU (SPEC §2.1, §3.2, §3.3): kda::recurrent_kda_training_forward,
+// The training ops on CPU (docs/contract.md, Recurrence and API): kda::recurrent_kda_training_forward,
 // kda::recurrent_kda_training_backward and kda::recurrent_kda_backward.
 //
 // Forward: the inference token loop (token_loop.h) with per-sequence initial states, a final state per
 // sequence and the tapes written as checkpoints every kTapeChunk tokens.
-// Backward: per (sequence, value head), chunks last to first: the chunk's per-token states are
-// recomputed from its tape row with the same token step as the forward (so they are bit-identical to
-// the forward's), then the reverse sweep of SPEC §2.1 runs over the chunk carrying G = dL/dS.
+// Backward: per (sequence, value head), the backward of csrc/cpu/backward_head.h (chunks last to first,
+// states recomputed from the tape rows, the reverse sweep carrying G = dL/dS).
 // Reductions across value heads (GQA dq/dk) and across sequences (dA_log, ddt_bias) go through
 // per-(sequence, head) partial buffers summed in a fixed order: results are bit-identical whatever
 // the thread count.
@@ -14,7 +13,10 @@
 #include <tuple>
 
 #include "api/recurrent_params.h"
+#include "api/training_checks.h"
+#include "cpu/backward_head.h"
 #include "cpu/token_loop.h"
+#include "kda/tape_rows.h"
 
 namespace kda {
 namespace cpu {
@@ -28,75 +30,45 @@ bool is_float_or_double(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Shapes, dtypes and host-side values shared by the three ops; everything is checked before any
 // output is allocated or written.
-struct TrainingProblem {
-  int64_t B, T, N;
-  int64_t H, HV, K, V;
+struct TrainingProblem : TrainingShape {
   std::vector<int64_t> bos, len;  // per sequence
 };
 
-TrainingProblem check_training_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+TrainingProblem check_training_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log,
                                       const at::Tensor& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
                                       double scale, double lower_bound) {
-  KDA_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && g.dim() == 4 && beta.dim() == 3,
-            "q, k, v, g must be rank 4 and beta rank 3, got ", q.dim(), ", ", k.dim(), ", ", v.dim(), ", ",
-            g.dim(), ", ", beta.dim());
+  const TrainingShape s = check_training_shapes(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
   const auto qt = q.scalar_type();
-  KDA_CHECK_TYPE(qt == at::kBFloat16 || qt == at::kFloat || qt == at::kDouble,
-                 "q must be bfloat16, float32 or float64 on CPU, got ", qt);
-  KDA_CHECK(std::isfinite(scale) && scale > 0, "scale must be a finite number > 0, got ", scale);
-  KDA_CHECK(std::isfinite(lower_bound) && lower_bound < 0, "lower_bound must be a finite number < 0, got ",
-            lower_bound);
+  KDA_CHECK_TYPE(qt == at::kBFloat16 || qt == at::kFloat || qt == at::kDouble, op,
+                 ": q must be bfloat16, float32 or float64 on CPU, got ", qt);
+  KDA_CHECK_TYPE(is_float_or_double(A_log) && is_float_or_double(dt_bias), op,
+                 ": A_log and dt_bias must be float32 or float64 on CPU, got ", A_log.scalar_type(), " and ",
+                 dt_bias.scalar_type());
   TrainingProblem pb;
-  pb.B = q.size(0);
-  pb.T = q.size(1);
-  pb.H = q.size(2);
-  pb.K = q.size(3);
-  pb.HV = v.size(2);
-  pb.V = v.size(3);
-  KDA_CHECK(pb.H > 0 && pb.HV % pb.H == 0, "HV % H must be 0, got HV=", pb.HV, ", H=", pb.H);
-  KDA_CHECK(is_float_or_double(A_log) && A_log.is_contiguous() && A_log.numel() == pb.HV,
-            "A_log must be a contiguous float32/float64 [HV]=[", pb.HV, "], got ", A_log.scalar_type(), " ",
-            A_log.sizes());
-  KDA_CHECK(is_float_or_double(dt_bias) && dt_bias.is_contiguous() && dt_bias.numel() == pb.HV * pb.K,
-            "dt_bias must be a contiguous float32/float64 [HV, K]=[", pb.HV, ", ", pb.K, "], got ",
-            dt_bias.scalar_type(), " ", dt_bias.sizes());
+  static_cast<TrainingShape&>(pb) = s;
   if (cu_seqlens.has_value()) {
-    const at::Tensor& cu = *cu_seqlens;
-    KDA_CHECK(pb.B == 1, "cu_seqlens needs B == 1, got B=", pb.B);
-    KDA_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong,
-                   "cu_seqlens must be int32 or int64, got ", cu.scalar_type());
-    KDA_CHECK(cu.dim() == 1 && cu.numel() >= 2, "cu_seqlens must be [N+1] with N >= 1, got ", cu.sizes());
-    const at::Tensor c = cu.to(at::kLong).contiguous();
+    // The values, read on the host (the CUDA ops cannot: no host synchronisation there).
+    const at::Tensor c = cu_seqlens->to(at::kLong).contiguous();
     const int64_t* cp = c.data_ptr<int64_t>();
-    pb.N = cu.numel() - 1;
-    KDA_CHECK(cp[0] == 0, "cu_seqlens[0] must be 0, got ", cp[0]);
+    KDA_CHECK(cp[0] == 0, op, ": cu_seqlens[0] must be 0, got ", cp[0]);
     for (int64_t n = 0; n < pb.N; ++n) {
-      KDA_CHECK(cp[n] <= cp[n + 1] && cp[n + 1] <= pb.T, "cu_seqlens must be non-decreasing within [0, T=", pb.T,
-                "], got cu_seqlens[", n, ":", n + 2, "] = ", cp[n], ", ", cp[n + 1]);
+      KDA_CHECK(cp[n] <= cp[n + 1] && cp[n + 1] <= pb.T, op, ": cu_seqlens must be non-decreasing within [0, T=",
+                pb.T, "], got cu_seqlens[", n, ":", n + 2, "] = ", cp[n], ", ", cp[n + 1]);
       pb.bos.push_back(cp[n]);
       pb.len.push_back(cp[n + 1] - cp[n]);
     }
   } else {
-    pb.N = pb.B;
     pb.bos.assign(pb.N, 0);
     pb.len.assign(pb.N, pb.T);
   }
   return pb;
 }
 
-// Tape rows: the state before every 64-token chunk but the first (the initial state, an input of the backward):
-// max(ceil(L_i/64) - 1, 0) per sequence. Fixed layout B * (ceil(T/64) - 1); packed T//64 (an upper bound on the
-// sum, from shapes, as the fake kernel computes it). Unused rows stay zero.
-int64_t tape_rows_of(int64_t len) { return std::max<int64_t>(ceil_div(len, kTapeChunk) - 1, 0); }
-
-int64_t tape_rows(const TrainingProblem& pb, bool packed) {
-  return packed ? pb.T / kTapeChunk : pb.B * tape_rows_of(pb.T);
-}
+// Tape rows (kda/tape_rows.h): the bound from shapes, as the fake kernel computes it. Unused rows stay zero.
+int64_t tape_rows(const TrainingProblem& pb, bool packed) { return tape_rows_bound(packed, pb.B, pb.T); }
 
 at::Tensor tape_starts(const TrainingProblem& pb) {
   at::Tensor s = at::empty({pb.N + 1}, at::kLong);
@@ -146,7 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
     const std::optional<at::Tensor>& cu_seqlens, double scale, double lower_bound) {
   // Strided parameter views are accepted (as on CUDA): the loop reads compact copies.
   const at::Tensor A_log = A_log_in.contiguous(), dt_bias = dt_bias_in.contiguous();
-  const TrainingProblem pb = check_training_inputs(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
+  const TrainingProblem pb = check_training_inputs("recurrent_kda_training_forward", q, k, v, g, beta, A_log, dt_bias,
+                                                   cu_seqlens, scale, lower_bound);
   check_state(initial_state, pb, "initial_state");
   const at::Tensor init = initial_state.contiguous();
   const auto tape_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -165,170 +138,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
   x.final_dtype = x.init_dtype;
   run_forward(p, x);
   return {out, final_state, tapes, starts};
-}
-
-// Where the backward of one (sequence, value head) writes.
-template <typename TokT>
-struct BackwardOut {
-  using Acc = acc_t<TokT>;
-  const TokT* dout;  // do, contiguous [B, T, HV, V]
-  const void* dfinal = nullptr;  // [N, HV, V, K] compact, or null (zeros)
-  DType dfinal_dtype = DType::kFloat32;
-  Acc* dq_hv;   // [B, T, HV, K]: dq per VALUE head (summed into q/k heads afterwards)
-  Acc* dk_hv;   // [B, T, HV, K]
-  TokT* dv;     // [B, T, HV, V]
-  TokT* dg;     // [B, T, HV, K]
-  TokT* dbeta;  // [B, T, HV]
-  Acc* dA_part;   // [N, HV]: per (sequence, head) partial of dA_log
-  Acc* ddt_part;  // [N, HV, K]
-  void* dinit;    // [N, HV, V, K] compact
-  DType dinit_dtype;
-};
-
-// Per-thread scratch of the backward.
-template <typename Acc>
-struct BackwardScratch {
-  std::vector<Acc> states;  // [kTapeChunk + 1, V, K]: states[i] = state before token i of the chunk
-  std::vector<Acc> G;       // [V, K]: dL/dS after the current token
-  std::vector<Acc> o, dO, dv;           // [V]
-  std::vector<Acc> sbar, dqn, dkn, da;  // [K]
-  BackwardScratch(int K, int V)
-      : states(size_t(kTapeChunk + 1) * V * K), G(size_t(V) * K), o(V), dO(V), dv(V), sbar(K), dqn(K), dkn(K),
-        da(K) {}
-};
-
-// Reverse sweep of SPEC §2.1 for token t of the bound sequence: Sp = S_{t-1}, St = S_t, G = dL/dS_t
-// on entry and dL/dS_{t-1} on exit. `c` holds token t's loaded inputs.
-template <typename TokT>
-void reverse_token(const HeadContext<TokT>& c, const acc_t<TokT>* Sp, const acc_t<TokT>* St, int64_t t,
-                   const BackwardOut<TokT>& bo, BackwardScratch<acc_t<TokT>>& w) {
-  using Acc = acc_t<TokT>;
-  const RecurrentParams& p = c.p;
-  const int K = c.K, V = c.V;
-  const int64_t tok_row = c.seq.batch * p.T + c.token(t);  // row of [B*T]
-  const int64_t hv_row = tok_row * p.HV + c.hv;               // row of [B*T*HV]
-  convert_in(w.dO.data(), bo.dout + hv_row * V, V);
-  std::fill(w.dqn.begin(), w.dqn.end(), Acc(0));
-  std::fill(w.dkn.begin(), w.dkn.end(), Acc(0));
-  std::fill(w.da.begin(), w.da.end(), Acc(0));
-  Acc dbeta = 0;
-  const Acc* q = c.q.data();
-  const Acc* kk = c.k.data();
-  const Acc* d = c.d.data();
-  Acc* sbar = w.sbar.data();
-  for (int vi = 0; vi < V; ++vi) {
-    Acc* Gr = w.G.data() + int64_t(vi) * K;
-    const Acc* Spr = Sp + int64_t(vi) * K;
-    const Acc* Str = St + int64_t(vi) * K;
-    const Acc dov = w.dO[vi];
-    for (int i = 0; i < K; ++i) {
-      Gr[i] += dov * q[i];           // G += dO q^T
-      w.dqn[i] += Str[i] * dov;      // S_t^T dO
-      sbar[i] = Spr[i] * d[i];       // decayed state, as in the forward step
-    }
-    const Acc pv = dot(sbar, kk, K);
-    const Acc diff = c.v[vi] - pv;
-    const Acc r = c.beta * diff;
-    const Acc u = dot(Gr, kk, K);
-    w.dv[vi] = c.beta * u;
-    dbeta += u * diff;
-    const Acc dp = -c.beta * u;
-    for (int i = 0; i < K; ++i) {
-      w.dkn[i] += Gr[i] * r + sbar[i] * dp;  // G^T r + Sbar^T dp
-      const Acc dsb = Gr[i] + dp * kk[i];    // dSbar = G + dp k^T
-      w.da[i] += sbar[i] * dsb;              // d * sum_v S_{t-1} dSbar
-      Gr[i] = dsb * d[i];                    // dL/dS_{t-1}
-    }
-  }
-
-  // Chain rules back to the raw inputs.
-  const Acc scale = static_cast<Acc>(c.x.scale);
-  for (int i = 0; i < K; ++i) w.dqn[i] *= scale;
-  Acc* dq = bo.dq_hv + hv_row * K;
-  Acc* dk = bo.dk_hv + hv_row * K;
-  if (p.use_qk_l2norm) {
-    // x = x~ rho: dx~ = rho dx - rho^3 (x~ . dx) x~
-    const Acc qd = dot(c.q_raw.data(), w.dqn.data(), K);
-    const Acc kd = dot(c.k_raw.data(), w.dkn.data(), K);
-    const Acc rq3 = c.q_rho * c.q_rho * c.q_rho, rk3 = c.k_rho * c.k_rho * c.k_rho;
-    for (int i = 0; i < K; ++i) {
-      dq[i] = c.q_rho * w.dqn[i] - rq3 * qd * c.q_raw[i];
-      dk[i] = c.k_rho * w.dkn[i] - rk3 * kd * c.k_raw[i];
-    }
-  } else {
-    for (int i = 0; i < K; ++i) {
-      dq[i] = w.dqn[i];
-      dk[i] = w.dkn[i];
-    }
-  }
-  TokT* dv = bo.dv + hv_row * V;
-  for (int vi = 0; vi < V; ++vi) dv[vi] = static_cast<TokT>(w.dv[vi]);
-  bo.dbeta[hv_row] = static_cast<TokT>(p.beta_is_logit ? dbeta * c.beta * (Acc(1) - c.beta) : dbeta);
-
-  TokT* dg = bo.dg + hv_row * K;
-  Acc* ddt = bo.ddt_part + (c.n * p.HV + c.hv) * K;
-  Acc dA = 0;
-  const Acc lb = static_cast<Acc>(c.x.lower_bound);
-  for (int i = 0; i < K; ++i) {
-    const Acc xg = c.g_raw[i] + c.dtb[i];
-    Acc dgi;
-    if (p.gate_mode == GateMode::kLowerBound) {
-      // a = lb * sigmoid(z), z = A (g + dt_bias)
-      const Acc z = c.A * xg;
-      const Acc s = kda_sigmoid<Acc>(z);
-      const Acc dz = lb * w.da[i] * s * (Acc(1) - s);
-      dgi = c.A * dz;
-      dA += dz * z;
-    } else if (p.gate_mode == GateMode::kSoftplus) {
-      // a = -A softplus(g + dt_bias)
-      dgi = -c.A * kda_sigmoid<Acc>(xg) * w.da[i];
-      dA += w.da[i] * c.a[i];
-    } else {
-      dgi = w.da[i];
-    }
-    dg[i] = static_cast<TokT>(dgi);
-    if (p.gate_mode != GateMode::kPrecomputed) ddt[i] += dgi;
-  }
-  bo.dA_part[c.n * p.HV + c.hv] += dA;
-}
-
-template <typename TokT>
-void backward_head(HeadContext<TokT>& c, const BackwardOut<TokT>& bo, BackwardScratch<acc_t<TokT>>& w) {
-  using Acc = acc_t<TokT>;
-  const RecurrentParams& p = c.p;
-  const int64_t blk = int64_t(p.V) * p.K;
-  const int64_t head_off = int64_t(c.hv) * blk;
-  const int64_t seq_off = c.n * p.HV * blk + head_off;
-  if (bo.dfinal != nullptr)
-    load_vec(w.G.data(), elem_ptr(bo.dfinal, bo.dfinal_dtype, seq_off), bo.dfinal_dtype, blk);
-  else
-    std::fill(w.G.begin(), w.G.end(), Acc(0));
-
-  const int64_t len = c.seq.len;
-  for (int64_t ch = ceil_div(len, kTapeChunk) - 1; ch >= 0; --ch) {
-    const int64_t t0 = ch * kTapeChunk;
-    const int64_t cl = std::min<int64_t>(kTapeChunk, len - t0);
-    Acc* states = w.states.data();
-    if (ch > 0) {  // tape row (checked against the tape size up front)
-      const int64_t row = p.checkpoint_cu_starts[c.n] + ch - 1;
-      load_vec(states, elem_ptr(p.state_checkpoints, p.checkpoint_dtype, row * p.HV * blk + head_off),
-               p.checkpoint_dtype, blk);
-    } else if (c.x.init_state != nullptr) {  // the state before token 0
-      load_vec(states, elem_ptr(c.x.init_state, c.x.init_dtype, seq_off), c.x.init_dtype, blk);
-    } else {
-      std::fill(states, states + blk, Acc(0));
-    }
-    for (int64_t i = 0; i < cl; ++i) {
-      std::copy(states + i * blk, states + (i + 1) * blk, states + (i + 1) * blk);
-      c.load(t0 + i);
-      c.step(states + (i + 1) * blk, w.o.data());
-    }
-    for (int64_t i = cl - 1; i >= 0; --i) {
-      c.load(t0 + i);
-      reverse_token(c, states + i * blk, states + (i + 1) * blk, t0 + i, bo, w);
-    }
-  }
-  store_vec(elem_ptr(bo.dinit, bo.dinit_dtype, seq_off), bo.dinit_dtype, w.G.data(), blk);
 }
 
 template <typename TokT>
@@ -402,7 +211,8 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& dout,
                             const std::optional<at::Tensor>& dfinal_state, double scale, double lower_bound) {
   const at::Tensor A_log = A_log_in.contiguous(), dt_bias = dt_bias_in.contiguous();
-  const TrainingProblem pb = check_training_inputs(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
+  const TrainingProblem pb = check_training_inputs("recurrent_kda_training_backward", q, k, v, g, beta, A_log, dt_bias,
+                                                   cu_seqlens, scale, lower_bound);
   KDA_CHECK(dout.sizes() == v.sizes(), "do must have the shape of v ", v.sizes(), ", got ", dout.sizes());
   KDA_CHECK(dout.is_floating_point(), "do must be a floating tensor, got ", dout.scalar_type());
   const at::Tensor do_c = dout.to(q.scalar_type()).contiguous();

@@ -1,5 +1,5 @@
-// CUDA training backward of KDA, chunked form (SPEC §2.1 in the WY form of §2.2): the chunk-parallel sweep
-// that launch_training_backward runs by default (KDA_TRAINING_BACKWARD=serial selects the token-serial one).
+// CUDA training backward of KDA, chunked form (docs/contract.md, Recurrence, in the WY form of the chunked
+// prefill): the sweep stage of launch_training_backward (finish.cu), the chunk-parallel reverse sweep.
 //
 // The algebra is kda_ops/reference_chunked_backward.py (checked there against fp64 autograd), with 16-token
 // chunks ("sub-chunks" of the 64-token tape chunks):
@@ -35,6 +35,8 @@
 
 #include "kda/backward/backward_common.cuh"
 #include "kda/backward/backward_params.h"
+#include "kda/common/cuda_check.h"
+#include "kda/common/ptx.cuh"
 #include "kda/common/recurrent_rules.h"  // kL2NormEps
 
 namespace kda {
@@ -42,7 +44,7 @@ namespace {
 using namespace bwd;
 
 constexpr int kC = 16;          // tokens per sub-chunk
-constexpr int kMid = 8;         // reference token of the pair factors (KERNEL_NOTES: "mid" diagonal blocks)
+constexpr int kMid = 8;         // reference token of the pair factors ("mid" diagonal blocks, docs/design.md)
 constexpr int kD = kBwdDim;     // K == V == 128
 constexpr int kLD = kD + 4;     // padded row stride (floats) of the shared-memory matrices
 constexpr int kThreads = 512;   // 16 warps: warp w owns columns [8w, 8w+8) of every [16 x 128] product
@@ -318,7 +320,7 @@ struct Task {
 
 // Pulls a [128][128] fp32 state (64 KB, 512 lines of 128 bytes) into L2: one prefetch per thread.
 __device__ __forceinline__ void prefetch_state_l2(const float* src) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(src + threadIdx.x * 32));
+  ptx::prefetch_l2(src + threadIdx.x * 32);
 }
 
 // Pulls the token rows a later sub-chunk step loads (k, q, v, dO, g of tokens [t0, t0 + len)) into L2 while the
@@ -332,7 +334,7 @@ __device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams&
   const TokenTensor& tt = r == 0 ? p.k : (r == 1 ? p.q : (r == 2 ? p.v : (r == 3 ? p.dout : p.g)));
   const int head = r < 2 ? tk.hq : tk.hv;
   const auto* row = tt.row<__nv_bfloat16>(tk.s.batch, tok, head) + 64 * (i & 1);
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
+  ptx::prefetch_l2(row);
 }
 
 // Loads the tokens [t0, t0 + len) of the sub-chunk (zeros beyond len) and forms E, Ei, gC, β,
@@ -696,12 +698,12 @@ cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams&
   const int smem = static_cast<int>(sizeof(ChunkedBwdSmem));
   if (p.dstates == nullptr || p.dstate_cu_starts == nullptr || p.slot_cu_starts == nullptr)
     return cudaErrorInvalidValue;
-  const cudaError_t err = cudaFuncSetAttribute(kda_training_backward_chunked_kernel,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
+  KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kda_training_backward_chunked_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.n_slots * p.HV <= 0) return cudaSuccess;
   kda_training_backward_chunked_kernel<<<p.grid, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  KDA_CHECK_LAUNCH();
+  return cudaSuccess;
 }
 
 }  // namespace kda

@@ -1,0 +1,24 @@
+// Host entry of the Hopper (sm_90a) chunked prefill kernel (csrc/kda/chunked/sm90/chunked_sm90_kernel.cuh):
+// TMA loads, wgmma with the state as a register-resident fp32 accumulator, mbarrier pipelines between a
+// producer warp, a prep warpgroup and two chain warpgroups. No torch types.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include "kda/params.h"
+
+namespace kda {
+
+// Whether the Hopper kernel is asked for: KDA_CHUNKED_KERNEL=sm90 (read on every call, so a test can
+// compare both kernels in one process; any other value or none: the mma.sync kernel).
+bool chunked_sm90_requested();
+
+// Whether the Hopper kernel covers `p` on the current device: compute capability 9.0, an inference prefill
+// (no checkpoints, tapes, start-state source, seq_order or speculative decode), bf16 tokens with 16-byte
+// aligned rows and strides that are multiples of 8 elements (TMA), K = V = 128.
+bool chunked_sm90_supported(const RecurrentParams& p);
+
+// Launches one CTA per (sequence, value head) on `stream`; no host sync, no allocation. The TMA tensor
+// maps are encoded on the host on every call (kernel parameters, so a CUDA graph captures them).
+cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream);
+
+}  // namespace kda

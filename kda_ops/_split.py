@@ -1,0 +1,599 @@
+"""Exact sequence split of ``recurrent_kda`` prefill: long sequences over many SMs, no truncation.
+
+The chunked prefill runs each (sequence, value head) as one chain on one SM, so a few heads of a long
+sequence leave most SMs idle. Per value head the state map of a run of tokens is affine (S [V, K]):
+
+    S_end = S_start · P + Q,   P = Π_t diag(exp(a_t)) (I - β_t k_t k_tᵀ)  [K, K]
+
+so a sequence cut into segments 0..P_n-1 has exact segment start states from a short scan:
+
+    S_0 = the sequence's start state,  S_1 = Q_0 (segment 0 run from S_0),
+    S_{j+1} = S_j · P_j + Q_j           (j >= 1; Q_j from a zero start, P_j from the identity with v = 0)
+
+Three calls of the same op on the same token tensors, segments as separate packed sequences (the
+tokens of a sequence's segments are contiguous, so only cu_seqlens changes; the pool rows the segments
+use are picked with ssm_state_indices, and segments a pass does not need are inactive there):
+  1. Q: segments 0..P_n-2 of every split sequence, segment 0 from the real start state, others from 0;
+  2. P: segments 1..P_n-2, from the identity ([K, K] states) with v = 0 (head dim K);
+  3. outputs and final states of every segment from the exact start states (scan in between: one
+     batched ``baddbmm`` per segment index, in fp32, over all split sequences and heads at once).
+Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens, on N·HV·P_n chains
+instead of N·HV, so the split pays when N·HV is small against the SM count and the sequences are long.
+
+Scope (everything else takes the unsplit path, results identical up to floating point):
+  - prefill without speculative decode; checkpoints every n tokens when the
+    segments can be a multiple of n (the output pass writes them, each segment at its own rows);
+  - host-known lengths: fixed layout (T from the shapes), or packed with ``cu_seqlens`` on the host (the
+    CPU path) or its host mirror ``cu_seqlens_cpu`` (never a device sync);
+  - not under torch.compile tracing, CUDA graph capture (the passes allocate scratch), FakeTensor/meta;
+  - fixed layout with B > 1 only when the token tensors view as one packed row.
+Supported: every gate mode, β logits or not, L2 norm or not, GQA, a pool (bf16/fp32, any slot stride)
+with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouched), a read-only
+``initial_state_source`` (read once, never written), ``output=``, the returned fp32 final state without a
+pool. The pool is read once (before any write) and written once.
+
+Training (:func:`kda_ops.kda`, eager autograd; :class:`_TrainingSplit`): the same three passes with the
+training forward op (the output pass keeps its per-segment tapes), and a backward of two training
+backward passes over the segments: G (zero end-state gradients), a reverse scan
+``dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)``, then the gradients from the exact end-state gradients.
+
+Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``0`` (default: off), ``1`` (split whenever the
+scope allows and a sequence is longer than one segment), ``auto`` (split when a cost model of the
+shapes says it pays, :func:`split_pays`: the unsplit critical path against 3 passes over one segment).
+``KDA_SEQUENCE_SPLIT_TOKENS`` (a multiple of 64) forces the segment length (benchmarks, tests).
+Default off: the gain is measured by benchmarks/bench_split.py, not yet argued to never lose.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from kda_ops import _validate as V
+
+__all__ = ["MODE", "SEGMENT_TOKENS", "try_run", "check_cu_seqlens_cpu", "plan_segments", "split_pays"]
+
+
+def _read_mode() -> str:
+    m = os.environ.get("KDA_SEQUENCE_SPLIT", "0").strip().lower()
+    if m not in ("0", "1", "auto"):
+        raise ValueError(f"KDA_SEQUENCE_SPLIT must be 0, 1 or auto, got {m!r}")
+    return m
+
+
+def _read_tokens() -> int:
+    s = os.environ.get("KDA_SEQUENCE_SPLIT_TOKENS", "0").strip()
+    n = int(s) if s else 0
+    if n < 0 or n % SEGMENT_MULTIPLE != 0:
+        raise ValueError(f"KDA_SEQUENCE_SPLIT_TOKENS must be 0 or a positive multiple of 64, got {s!r}")
+    return n
+
+
+SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
+MODE = _read_mode()
+SEGMENT_TOKENS = _read_tokens()
+_NOMINAL_SMS = 132  # CPU (tests) and meta: plan as for an H200
+
+_sms_cache: dict[Any, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _NOMINAL_SMS
+    key = device.index
+    if key not in _sms_cache:
+        _sms_cache[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sms_cache[key]
+
+
+def check_cu_seqlens_cpu(cu_seqlens_cpu: Any, cu_seqlens: torch.Tensor | None, d: V.Dims) -> torch.Tensor | None:
+    """The host mirror of a packed call's cu_seqlens (CPU int64 [N+1], values checked, and equal to
+    cu_seqlens when that is on the host too); None passes."""
+    if cu_seqlens_cpu is None:
+        return None
+    if not d.packed:
+        raise ValueError("cu_seqlens_cpu must be None for fixed-length input (no cu_seqlens), got a tensor")
+    host = V._tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
+    if host.device.type != "cpu":
+        raise RuntimeError(f"cu_seqlens_cpu must be on cpu, got {host.device}")
+    V._dtype(host, "cu_seqlens_cpu", (torch.int64,))
+    V._exact_shape(host, "cu_seqlens_cpu", (d.N + 1,), "[N+1]")
+    V._cu_values(host, d.T, "cu_seqlens_cpu")
+    if (
+        cu_seqlens is not None
+        and V.host_values_available(cu_seqlens)
+        and not torch.equal(cu_seqlens.to(torch.int64), host)
+    ):
+        raise ValueError(f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}")
+    return host
+
+
+def plan_segments(lens: list[int], HV: int, sms: int, tokens: int = 0, multiple: int = SEGMENT_MULTIPLE) -> int:
+    """Segment length (a multiple of ``multiple``, itself a multiple of 64): the shortest whose chains
+    Σ_n ceil(L_n / Ls) · HV fit the SMs.
+
+    ``tokens`` > 0 forces it. A sequence no longer than one segment stays whole."""
+    if tokens > 0:
+        return tokens
+    m = multiple
+    hi = max(1, -(-max(lens) // m))  # one segment per sequence
+    lo = 1
+    while lo < hi:  # chains decrease with the segment length: binary search on Ls / 64
+        mid = (lo + hi) // 2
+        chains = sum(-(-L // (mid * m)) for L in lens if L > 0) * HV
+        if chains <= sms:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * m
+
+
+# Time per token of one chain when the chunked kernel runs 128 value rows per CTA, relative to 64 rows
+# (it takes 64 when the chains fill at most half of the SMs; csrc/kda/chunked/chunked_launch.cu). An
+# estimate: benchmarks/bench_split.py measures the real ratio ("one pass" against the unsplit call).
+_ROWS128_COST = 1.5
+_MARGIN = 1.25  # the split must win by this factor in the model (launches, scan, pool traffic)
+
+
+def split_pays(lens: list[int], HV: int, sms: int, Ls: int) -> bool:
+    """The ``auto`` rule: the critical path of the unsplit call (its longest sequence, at the cost of its
+    grid's rows per CTA) against the split's 3 passes (2 when no segment needs P) over Ls tokens."""
+    L = max(lens)
+    if L <= Ls:
+        return False
+    N = len(lens)
+    unsplit = L * (1.0 if N * HV * 2 <= sms else _ROWS128_COST)
+    nseg = [max(1, -(-x // Ls)) for x in lens]
+    chains = sum(nseg) * HV
+    passes = 3 if max(nseg) >= 3 else 2
+    split = passes * Ls * (1.0 if chains * 2 <= sms else _ROWS128_COST)
+    return split * _MARGIN < unsplit
+
+
+class _Plan:
+    """Host plan of one split call: segments in token order and their pool rows per pass."""
+
+    def __init__(self, lens: list[int], Ls: int) -> None:
+        self.lens, self.Ls = lens, Ls
+        self.nseg = [max(1, -(-L // Ls)) for L in lens]  # zero-length: one empty segment
+        self.split_ids = [n for n, p in enumerate(self.nseg) if p >= 2]
+        self.M = len(self.split_ids)
+        self.maxP = max((self.nseg[n] for n in self.split_ids), default=1)
+        M, mp = self.M, self.maxP
+        m_of = {n: i for i, n in enumerate(self.split_ids)}
+        cu = [0]
+        q_rows, p_rows, o_rows, seq_of_seg = [], [], [], []
+        final_rows = []
+        for n, (L, P) in enumerate(zip(lens, self.nseg, strict=True)):
+            for j in range(P):
+                cu.append(cu[-1] + min(Ls, L - j * Ls) if P > 1 else cu[-1] + L)
+                seq_of_seg.append(n)
+                if P > 1:
+                    row = j * M + m_of[n]
+                    q_rows.append(row if j <= P - 2 else -1)
+                    p_rows.append(row if 1 <= j <= P - 2 else -1)
+                    o_rows.append(row)
+                else:
+                    q_rows.append(-1)
+                    p_rows.append(-1)
+                    o_rows.append(M * mp + n)
+            final_rows.append((P - 1) * M + m_of[n] if P > 1 else M * mp + n)
+        self.cu, self.q_rows, self.p_rows, self.o_rows = cu, q_rows, p_rows, o_rows
+        self.seq_of_seg, self.final_rows = seq_of_seg, final_rows
+        self.needs_p = any(r >= 0 for r in p_rows)
+
+
+def _host_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None) -> list[int] | None:
+    if not d.packed:
+        return [int(d.T)] * int(d.B)
+    if cu_host is None and cu_seqlens is not None and V.host_values_available(cu_seqlens):
+        cu_host = cu_seqlens
+    if cu_host is None:
+        return None  # lengths live on the device only: no sync here, no split
+    c = [int(x) for x in cu_host.tolist()]
+    return [c[i + 1] - c[i] for i in range(len(c) - 1)]
+
+
+def _device_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":  # pinned + non_blocking: a copy queued on the stream, no host wait
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _packed_view(x: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
+    if B == 1:
+        return x
+    try:
+        return x.view(1, B * T, *x.shape[2:])
+    except RuntimeError:
+        return None
+
+
+def try_run(
+    d: V.Dims,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_hv: torch.Tensor | None,
+    dtb_hv: torch.Tensor | None,
+    pool: torch.Tensor | None,
+    ssm_idx: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    cu_host: torch.Tensor | None,
+    out: torch.Tensor,
+    final: torch.Tensor | None,
+    sc: float,
+    gate_mode: int,
+    lb: float,
+    l2: bool,
+    logit: bool,
+    backend_code: int,
+    n_ck: int = 0,
+    ck: torch.Tensor | None = None,
+    source: torch.Tensor | None = None,
+    src_idx: torch.Tensor | None = None,
+) -> bool:
+    """Runs a validated prefill call split into segments, writing ``out``, ``final`` (fp32 [N, HV, V, K]
+    or None) and the pool exactly as the unsplit op would. Returns False (nothing done) when the call is
+    out of scope or the split would not pay; the caller then runs the unsplit op."""
+    if MODE == "0" or d.N == 0 or d.B * d.T == 0:
+        return False
+    if d.dev_type == "meta" or type(q) is not torch.Tensor or torch.compiler.is_compiling():
+        return False
+    if d.on_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    lens = _host_lengths(d, cu_seqlens, cu_host)
+    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
+        return False
+    sms = _sms(d.device)
+    # checkpoints every n tokens: segments of a multiple of n tokens keep every checkpoint inside one
+    # segment, at a row the segment's own checkpoint_cu_starts entry points to
+    multiple = SEGMENT_MULTIPLE * n_ck // math.gcd(SEGMENT_MULTIPLE, n_ck) if n_ck > 0 else SEGMENT_MULTIPLE
+    Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS, multiple)
+    if max(lens) <= Ls or Ls % multiple != 0:
+        return False
+    if MODE == "auto" and not split_pays(lens, d.HV, sms, Ls):
+        return False
+    views = [_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta, out)]
+    if any(x is None for x in views):
+        return False
+    q1, k1, v1, g1, b1, o1 = views
+    pl = _Plan(lens, Ls)
+    _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code,
+         n_ck, ck, source, src_idx)  # fmt: skip
+    return True
+
+
+def _run(
+    pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend,
+    n_ck=0, ck=None, source=None, src_idx=None,
+):  # type: ignore[no-untyped-def]  # fmt: skip
+    op = torch.ops.kda.recurrent_kda.default
+    dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+    f64 = d.dtype == torch.float64 or any(t is not None and t.dtype == torch.float64 for t in (pool, source))
+    sdt = torch.float64 if f64 else torch.float32  # (fp64 only on the CPU path)
+    M, mp = pl.M, pl.maxP
+    cu = _device_tensor(pl.cu, torch.int64, dev)
+
+    # start states, read before anything is written (inactive sequences: zeros, never written back)
+    # valid: active sequences (None: all); slot: each sequence's pool slot (clamped into the pool)
+    valid = slot = None
+    if pool is not None:
+        if ssm_idx is None:
+            slot = torch.arange(N, device=dev)
+        else:
+            idx = ssm_idx.to(torch.int64)
+            valid = (idx >= 0) & (idx < pool.shape[0])
+            slot = torch.where(valid, idx, torch.zeros_like(idx))
+    if source is not None:  # start states from the read-only source (out of range: inactive)
+        si = src_idx.to(torch.int64)
+        ok = (si >= 0) & (si < source.shape[0])
+        src_rows = source.index_select(0, torch.where(ok, si, torch.zeros_like(si)))
+        start0 = torch.where(ok.view(-1, 1, 1, 1), src_rows.to(sdt), 0.0)
+        valid = ok if valid is None else valid & ok
+    elif pool is None:
+        start0 = torch.zeros((N, HV, Vd, K), dtype=sdt, device=dev)
+    elif ssm_idx is None:
+        start0 = pool[:N].to(sdt)
+    else:
+        start0 = torch.where(valid.view(-1, 1, 1, 1), pool.index_select(0, slot).to(sdt), 0.0)
+
+    # pass 3's pool: row j*M + m for segment j of split sequence m (segment-major, so that one segment
+    # index of all split sequences is one contiguous batch for the scan), then one row per sequence
+    states = torch.zeros((M * mp + N, HV, Vd, K), dtype=sdt, device=dev)
+    states[M * mp :] = start0
+    S = states[: M * mp].view(mp, M * HV, Vd, K)
+    if M > 0:
+        split_ids = _device_tensor(pl.split_ids, torch.int64, dev)
+        # pass 1: Q_j (segment 0 from the real start state)
+        Qp = torch.zeros((M * mp, HV, Vd, K), dtype=sdt, device=dev)
+        Qv = Qp.view(mp, M * HV, Vd, K)
+        Qv[0] = start0.index_select(0, split_ids).view(M * HV, Vd, K)
+        S[0] = Qv[0]
+        rows = _device_tensor(pl.q_rows, torch.int32, dev)
+        op(q, k, v, g, beta, A, dtb, Qp, None, None, cu, rows, None, None, out, None, None, None, None,
+           sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+        Pv = None
+        if pl.needs_p:
+            # pass 2: P_j, the [K, K] state from the identity with v = 0
+            Pp = torch.eye(K, dtype=sdt, device=dev).expand(M * mp, HV, K, K).contiguous()
+            v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
+            o0 = out if Vd == K else torch.empty((1, v.shape[1], HV, K), dtype=out.dtype, device=dev)
+            rows = _device_tensor(pl.p_rows, torch.int32, dev)
+            op(q, k, v0, g, beta, A, dtb, Pp, None, None, cu, rows, None, None, o0, None, None, None, None,
+               sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+            Pv = Pp.view(mp, M * HV, K, K)
+        # scan, in segment order, all split sequences and heads batched (rows past a sequence's last
+        # segment compute unused values from zeros)
+        if mp >= 2:
+            S[1] = Qv[0]
+        for j in range(2, mp):
+            assert Pv is not None
+            torch.baddbmm(Qv[j - 1], S[j - 1], Pv[j - 1], out=S[j])
+
+    # pass 3: outputs and final states from the exact start states
+    rows = _device_tensor(pl.o_rows, torch.int32, dev)
+    if valid is not None:
+        seg_seq = _device_tensor(pl.seq_of_seg, torch.int64, dev)
+        rows = torch.where(valid.index_select(0, seg_seq), rows, torch.full_like(rows, -1))
+    ck_starts = None
+    if n_ck > 0:
+        # segment j of sequence n writes the rows of its checkpoints: the sequence's first row + j Ls / n
+        per = pl.Ls // n_ck
+        seq_rows, starts = [0], []
+        for L in pl.lens:
+            seq_rows.append(seq_rows[-1] + -(-L // n_ck))
+        for n, P in enumerate(pl.nseg):
+            starts += [seq_rows[n] + j * per for j in range(P)]
+        ck_starts = _device_tensor(starts + [seq_rows[-1]], torch.int64, dev)
+    op(q, k, v, g, beta, A, dtb, states, None, None, cu, rows, None, None, out, None, ck, ck_starts,
+       None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, False)  # fmt: skip
+
+    fin = states.index_select(0, _device_tensor(pl.final_rows, torch.int64, dev))
+    if final is not None:  # (no pool) inactive sequences keep the zeros of the new final state
+        final.copy_(fin if valid is None else torch.where(valid.view(-1, 1, 1, 1), fin, 0.0))
+    if pool is not None:
+        if valid is None:
+            pool[:N] = fin.to(pool.dtype)
+        else:
+            # Every row writes its slot; an inactive row whose (clamped) slot is also written by an active
+            # one writes that one's value, else the slot's own: identical values per slot, so the result
+            # does not depend on the order of the writes.
+            owner = torch.full((pool.shape[0],), -1, dtype=torch.int64, device=dev)
+            ar = torch.arange(N, device=dev)
+            owner.scatter_reduce_(0, slot, torch.where(valid, ar, torch.full_like(ar, -1)), "amax")
+            m = owner.index_select(0, slot)
+            keep = pool.index_select(0, slot)
+            vals = torch.where((m >= 0).view(-1, 1, 1, 1), fin.index_select(0, m.clamp_min(0)).to(pool.dtype), keep)
+            pool.index_copy_(0, slot, vals)
+
+
+# ---------------------------------------------------------------------------------------------------
+# training: kda_ops.kda (forward and backward split the same way)
+
+
+class _SegmentIndex:
+    """Segments in token order, grouped by segment index over the split sequences (host lists)."""
+
+    def __init__(self, pl: _Plan) -> None:
+        self.first, self.last = [], []  # per sequence: its first and last segment (token order)
+        s = 0
+        for P in pl.nseg:
+            self.first.append(s)
+            self.last.append(s + P - 1)
+            s += P
+        self.nseg_total = s
+        # by_j[j]: the segments j of the split sequences that have more than j segments
+        self.by_j = [[self.first[n] + j for n in pl.split_ids if pl.nseg[n] > j] for j in range(pl.maxP)]
+
+
+def _train_fwd(q, k, v, g, beta, A, dtb, h0, cu, sc, lb):  # type: ignore[no-untyped-def]
+    return torch.ops.kda.recurrent_kda_training_forward.default(q, k, v, g, beta, A, dtb, h0, cu, sc, lb)
+
+
+def _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: ignore[no-untyped-def]
+    """The split training forward: (packed token views, o, final [N], segment tapes, their row starts,
+    segment start states S, transitions P (None without split sequences), the segment index, cu)."""
+    dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+    q1, k1, v1, g1, b1 = (_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta))
+    si = _SegmentIndex(pl)
+    S_tot = si.nseg_total
+    pdt = h0.dtype
+    cu = _device_tensor(pl.cu, torch.int64, dev)
+    first = _device_tensor(si.first, torch.int64, dev)
+    h0c = h0.contiguous() if h0.stride(0) != 0 else torch.zeros((N, HV, Vd, K), dtype=pdt, device=dev)
+    # Q pass: every segment, the first of each sequence from its real start state, the others from 0
+    start_q = torch.zeros((S_tot, HV, Vd, K), dtype=pdt, device=dev)
+    start_q.index_copy_(0, first, h0c)
+    _, Qs, _, _ = _train_fwd(q1, k1, v1, g1, b1, A, dtb, start_q, cu, sc, lb)
+    Ps = None
+    if pl.M > 0:  # P pass (the backward needs the P of every segment but the first)
+        v0 = torch.zeros((1, v1.shape[1], HV, K), dtype=v1.dtype, device=dev)
+        eye = torch.eye(K, dtype=pdt, device=dev).expand(S_tot, HV, K, K).contiguous()
+        _, Ps, _, _ = _train_fwd(q1, k1, v0, g1, b1, A, dtb, eye, cu, sc, lb)
+    # scan over segment indices, batched over the split sequences
+    S = start_q.clone()
+    for j in range(1, pl.maxP):
+        cur = _device_tensor(si.by_j[j], torch.int64, dev)
+        prev = _device_tensor([x - 1 for x in si.by_j[j]], torch.int64, dev)  # segment j - 1: the one before
+        if j == 1:
+            nxt = Qs.index_select(0, prev)
+        else:
+            assert Ps is not None
+            nxt = torch.baddbmm(
+                Qs.index_select(0, prev).view(-1, Vd, K),
+                S.index_select(0, prev).view(-1, Vd, K),
+                Ps.index_select(0, prev).view(-1, K, K),
+            ).view(-1, HV, Vd, K)
+        S.index_copy_(0, cur, nxt)
+    # output pass from the exact start states (tapes per segment, for the backward)
+    o, fs_seg, tapes, starts = _train_fwd(q1, k1, v1, g1, b1, A, dtb, S, cu, sc, lb)
+    fs = fs_seg.index_select(0, _device_tensor(si.last, torch.int64, dev))
+    return (q1, k1, v1, g1, b1), o, fs, tapes, starts, S, Ps, si, cu
+
+
+class _TrainingSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: ignore[no-untyped-def]
+        toks, o, fs, tapes, starts, S, Ps, si, cu = _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
+        ctx.save_for_backward(*toks, A, dtb, tapes, starts, S, cu, Ps)
+        ctx.pl, ctx.si, ctx.d, ctx.sc, ctx.lb = pl, si, d, sc, lb
+        ctx.shapes = [tuple(x.shape) for x in (q, k, v, g, beta)]
+        return o.view(v.shape), fs
+
+    @staticmethod
+    def backward(ctx, do, dfs):  # type: ignore[no-untyped-def]
+        q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, Ps = ctx.saved_tensors
+        d = ctx.d
+        do1 = torch.zeros(v1.shape, dtype=v1.dtype, device=d.device) if do is None else do
+        if dfs is None:
+            dfs = torch.zeros((d.N, d.HV, d.V, d.K), dtype=S.dtype, device=d.device)
+        toks = (q1, k1, v1, g1, b1)
+        grads = _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, ctx.pl, ctx.si, d, do1, dfs, ctx.sc, ctx.lb)
+        dq, dk, dv, dg, dbeta, dA, ddtb, dh0 = grads
+        tg = [t.view(shape) for t, shape in zip((dq, dk, dv, dg, dbeta), ctx.shapes, strict=True)]
+        return (*tg, dA, ddtb.view(-1, d.K), dh0, None, None, None, None)
+
+
+def _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, pl, si, d, do, dfs, sc, lb):  # type: ignore[no-untyped-def]
+    """The split backward over the segments (packed views): the 8 gradients, dinitial_state per sequence."""
+    q1, k1, v1, g1, b1 = toks
+    dev, HV, K, Vd = d.device, d.HV, d.K, d.V
+    do1 = do.reshape(v1.shape).contiguous()
+    dS_end = torch.zeros((si.nseg_total, HV, Vd, K), dtype=S.dtype, device=dev)
+    dS_end.index_copy_(0, _device_tensor(si.last, torch.int64, dev), dfs.contiguous())
+    bwd = torch.ops.kda.recurrent_kda_training_backward.default
+    if pl.M > 0:
+        # G pass: every segment's start-state gradient with a zero end-state gradient
+        zero = torch.zeros_like(dS_end)
+        G = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, zero, sc, lb)[7]
+        # reverse scan: dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)
+        for j in range(pl.maxP - 2, -1, -1):
+            nxt = _device_tensor(si.by_j[j + 1], torch.int64, dev)
+            cur = _device_tensor([x - 1 for x in si.by_j[j + 1]], torch.int64, dev)
+            val = torch.baddbmm(
+                G.index_select(0, nxt).view(-1, Vd, K),
+                dS_end.index_select(0, nxt).view(-1, Vd, K),
+                Ps.index_select(0, nxt).view(-1, K, K).transpose(-1, -2),
+            ).view(-1, HV, Vd, K)
+            dS_end.index_copy_(0, cur, val)
+    dq, dk, dv, dg, dbeta, dA, ddtb, dinit = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, dS_end, sc, lb)
+    dh0 = dinit.index_select(0, _device_tensor(si.first, torch.int64, dev))
+    return dq, dk, dv, dg, dbeta, dA, ddtb, dh0
+
+
+def try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb):  # type: ignore[no-untyped-def]
+    """The split of :func:`kda_ops.kda` (eager autograd): (o, final_state) or None (out of scope: the
+    caller runs the unsplit op). Same scope rules as :func:`try_run`; packed input only with cu_seqlens
+    on the host (kda has no host mirror argument)."""
+    if type(q) is not torch.Tensor or any(_packed_view(x, d.B, d.T) is None for x in (q, k, v, g, beta)):
+        return None
+    pl = _plan_training(d, cu_seqlens, None)
+    if pl is None:
+        return None
+    return _TrainingSplit.apply(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
+
+
+def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
+    if MODE == "0" or d.N == 0 or d.B * d.T == 0:
+        return None
+    if torch.compiler.is_compiling() or d.dev_type == "meta":
+        return None
+    if d.on_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    lens = _host_lengths(d, cu_seqlens, cu_host)
+    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
+        return None
+    sms = _sms(d.device)
+    Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
+    if max(lens) <= Ls or (MODE == "auto" and not split_pays(lens, d.HV, sms, Ls)):
+        return None
+    return _Plan(lens, Ls)
+
+
+def try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, cu_host, sc, lb):  # type: ignore[no-untyped-def]
+    """The split of :func:`kda_ops.recurrent_kda_training_forward`: ``(o, final_state, tapes,
+    tape_cu_starts)`` exactly as the op returns them (the tapes in the unsplit layout, so the unsplit
+    backward runs from them), or None (out of scope). Segments are whole 64-token chunks, so the state
+    before a chunk is either a tape of its segment or, at a segment start, that segment's start state."""
+    if type(q) is not torch.Tensor or any(_packed_view(x, d.B, d.T) is None for x in (q, k, v, g, beta)):
+        return None
+    pl = _plan_training(d, cu_seqlens, cu_host)
+    if pl is None:
+        return None
+    _, o, fs, seg_tapes, _, S, Ps, si, _ = _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
+    C = V.TAPE_CHUNK
+    per = pl.Ls // C  # chunks per segment
+    seg_rows = [0]  # first tape row of each segment in the segment call (ceil(L/64) - 1 rows each)
+    seg_len = [pl.cu[s + 1] - pl.cu[s] for s in range(si.nseg_total)]
+    for L in seg_len:
+        seg_rows.append(seg_rows[-1] + max(-(-L // C) - 1, 0))
+    n_seg_rows = seg_tapes.shape[0]
+    src = []  # per original tape row: a row of seg_tapes, or n_seg_rows + segment (its start state)
+    starts = [0]
+    for n, L in enumerate(pl.lens):
+        for c in range(1, -(-L // C)):
+            j, r = divmod(c, per)
+            seg = si.first[n] + j
+            src.append(n_seg_rows + seg if r == 0 else seg_rows[seg] + r - 1)
+        starts.append(len(src))
+    rows = V.tape_rows(d.B, d.T, d.packed)
+    tapes = torch.zeros((rows, d.HV, d.V, d.K), dtype=h0.dtype, device=d.device)
+    if src:
+        pool = torch.cat([seg_tapes, S])
+        tapes[: len(src)] = pool.index_select(0, _device_tensor(src, torch.int64, d.device))
+    tape_starts = _device_tensor(starts, torch.int64, d.device)
+    # what the split backward needs beyond the tapes: the plan and the segments' transitions
+    return o.view(v.shape), fs, tapes, tape_starts, (pl, Ps)
+
+
+def training_backward_from_context(ctx, do, dfinal, saved):  # type: ignore[no-untyped-def]
+    """The split backward of a context from a split :func:`try_training_forward`: the segment tapes and
+    start states are gathered back from the unsplit-layout tapes (a segment start is a chunk boundary),
+    then the passes of the autograd split. Returns the 8 gradients as the backward op does."""
+    pl, Ps = saved
+    q, k, v, g, beta = ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta
+    d = V.check_tokens(q, k, v, g, beta, ctx.cu_seqlens, kv_rule="training")
+    dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+    si = _SegmentIndex(pl)
+    C = V.TAPE_CHUNK
+    per = pl.Ls // C
+    orig = [0]  # first unsplit tape row of each sequence
+    for L in pl.lens:
+        orig.append(orig[-1] + max(-(-L // C) - 1, 0))
+    seg_src, seg_starts, start_src = [], [0], []  # rows of ctx.tapes (start_src: -1 - n = initial state n)
+    for n, P in enumerate(pl.nseg):
+        for j in range(P):
+            s_ = si.first[n] + j
+            L = pl.cu[s_ + 1] - pl.cu[s_]
+            for r in range(1, -(-L // C)):
+                seg_src.append(orig[n] + j * per + r - 1)
+            seg_starts.append(len(seg_src))
+            start_src.append(-1 - n if j == 0 else orig[n] + j * per - 1)
+    rows = V.tape_rows(1, d.B * d.T, True)
+    tapes = torch.zeros((rows, HV, Vd, K), dtype=ctx.tapes.dtype, device=dev)
+    if seg_src:
+        tapes[: len(seg_src)] = ctx.tapes.index_select(0, _device_tensor(seg_src, torch.int64, dev))
+    h0 = ctx.initial_state
+    if h0 is None:
+        h0 = torch.zeros((N, HV, Vd, K), dtype=ctx.state_dtype, device=dev)
+    src = torch.cat([ctx.tapes, h0.reshape(N, HV, Vd, K)])
+    idx = [x if x >= 0 else ctx.tapes.shape[0] + (-1 - x) for x in start_src]
+    S = src.index_select(0, _device_tensor(idx, torch.int64, dev))
+    toks = tuple(_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta))
+    cu = _device_tensor(pl.cu, torch.int64, dev)
+    starts = _device_tensor(seg_starts, torch.int64, dev)
+    if dfinal is None:
+        dfinal = torch.zeros((N, HV, Vd, K), dtype=ctx.state_dtype, device=dev)
+    grads = _backward_passes(
+        toks, ctx.A_log, ctx.dt_bias, tapes, starts, S, cu, Ps, pl, si, d, do, dfinal, ctx.scale, ctx.lower_bound
+    )
+    dq, dk, dv, dg, dbeta, dA, ddtb, dh0 = grads
+    tg = [t.view(x.shape) for t, x in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta), strict=True)]
+    return (*tg, dA, ddtb, dh0)

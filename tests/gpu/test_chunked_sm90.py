@@ -1,0 +1,148 @@
+"""GPU tier: the Hopper (sm_90a) chunked prefill kernel, selected with KDA_CHUNKED_KERNEL=sm90.
+
+Every test of this module runs with the variable set, so ``backend="chunked"`` takes the Hopper kernel for
+the cases it covers (inference prefill: no checkpoints, start-state source or seq_order) and the mma.sync
+kernel for the rest. Checked here:
+  * that the Hopper kernel really runs (its name in the profiler's kernel list) and that an uncovered case
+    falls back;
+  * the shared sweep and feature tests of tests/gpu/test_chunked_cuda.py, re-run on this path (fp64
+    reference, tolerances of tests/conftest.py);
+  * Hopper vs mma.sync over lengths, packed mixes with zero-length and 1-token rows, GQA, gate and β modes,
+    L2 norm on/off, bf16/fp32 pools with inactive slots: both against the fp64 reference;
+  * bit-identical reruns.
+Skipped unless the device is compute capability 9.0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GATES, TOL_STATE_FP32, assert_close_rms, assert_output, bits, check_pool, state_tol
+
+import test_chunked_cuda as base
+from test_chunked_cuda import (  # noqa: F401  (collected again here, on the Hopper path)
+    test_causality,
+    test_cuda_graph_packed_prefill,
+    test_extreme_inputs_finite_and_accurate,
+    test_final_state_without_pool,
+    test_padded_slot_stride_and_strided_tokens,
+    test_split_prefill_matches_one_call,
+    test_sweep,
+)
+
+is_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(base.DEV != "cuda" or not is_sm90, reason="needs an sm_90 GPU"),
+]
+K, F32, BF16 = base.K, base.F32, base.BF16
+
+
+@pytest.fixture(autouse=True)
+def _hopper_kernel(monkeypatch):
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "sm90")
+
+
+def kernel_names(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_hopper_kernel_runs_and_falls_back():
+    x = base.make(H=1, HV=2, lengths=[40, 3], seed=5)
+    t, g = base.tok(x), base.gkw(x)
+    names = kernel_names(lambda: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
+    assert any("kda_chunked_sm90" in n for n in names), names
+    # checkpoints are not covered: the mma.sync kernel runs
+    pool = x["initial_state"].clone()
+    names = kernel_names(lambda: base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"],
+                                           checkpoint_every_n_tokens=16))
+    assert not any("kda_chunked_sm90" in n for n in names), names
+    assert any("kda_chunked_kernel" in n for n in names), names
+
+
+def _run(t, g, m, kernel, monkeypatch, **kw):
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+    return base.call(t, g, **m, **kw)
+
+
+def _cases():
+    cases = []
+    for T in (1, 15, 16, 17, 64, 65, 1000, 4096):
+        cases.append(pytest.param(dict(T=T, B=2 if T <= 1000 else 1, H=1, HV=2, gate="lower_bound", logit=True,
+                                       l2=True, sd=F32), id=f"T{T}"))
+    i = 0
+    for gate in GATES:
+        for logit in (True, False):
+            for l2 in (True, False):
+                H, HV = [(1, 2), (2, 2), (1, 1)][i % 3]
+                sd = (F32, BF16)[i % 2]
+                cases.append(pytest.param(dict(lengths=[0, 1, 300, 16, 0, 77, 1, 40, 1], H=H, HV=HV, gate=gate,
+                                               logit=logit, l2=l2, sd=sd),
+                                          id=f"packed-{gate}-{'logit' if logit else 'plain'}-"
+                                             f"{'l2' if l2 else 'nol2'}-H{H}HV{HV}"))
+                i += 1
+    return cases
+
+
+@pytest.mark.parametrize("c", _cases())
+def test_hopper_vs_mma_vs_reference(c, monkeypatch):
+    if "lengths" in c:
+        n = len(c["lengths"])
+        x = base.make(H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, lengths=c["lengths"], seed=77)
+        slots = list(range(n))
+        slots[-2] = n + 1  # inactive (outside the pool)
+    else:
+        n = c["B"]
+        x = base.make(B=n, T=c["T"], H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, seed=78)
+        slots = list(range(1, n + 1))
+    t, g, m = base.tok(x, c["gate"], c["logit"], c["l2"]), base.gkw(x, c["gate"]), base.mode(c["logit"], c["l2"])
+    cu = x.get("cu_seqlens")
+    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    before = x["initial_state"].clone()
+    res = {}
+    for kernel in ("sm90", "mma"):
+        pool = before.clone()
+        o, _ = _run(t, g, m, kernel, monkeypatch, initial_state=pool, ssm_state_indices=idx, cu_seqlens=cu)
+        res[kernel] = (o, pool)
+    n_pool = before.shape[0]
+    active = [0 <= s < n_pool for s in slots]
+    start = before[idx.long().clamp(0, n_pool - 1)]
+    r = base.ref(t, g, start, cu_seqlens=cu, **m)
+    lengths = base.seq_lengths(x)
+    written = {s: r.final_state[k] for k, s in enumerate(slots) if active[k] and lengths[k] > 0}
+    mask = base.token_mask(x, active)
+    for kernel, (o, pool) in res.items():
+        base.check_rows(o, r.output, mask)
+        check_pool(pool, before, written, what=f"{kernel} pool")
+    o90, p90 = res["sm90"]
+    omma, pmma = res["mma"]
+    assert_output(o90.cpu()[mask], omma.cpu()[mask], "sm90 vs mma output")
+    assert_close_rms(p90, pmma, state_tol(c["sd"]), "sm90 vs mma pool")
+
+
+def test_hopper_final_state_fp32_no_pool(monkeypatch):
+    x = base.make(H=2, HV=4, lengths=[0, 100, 17, 1, 33], seed=81)
+    t, g = base.tok(x, "softplus"), base.gkw(x, "softplus")
+    o, fs = base.call(t, g, cu_seqlens=x["cu_seqlens"], output_final_state=True)
+    r = base.ref(t, g, None, cu_seqlens=x["cu_seqlens"])
+    assert_output(o, r.output)
+    assert_close_rms(fs, r.final_state, TOL_STATE_FP32, "final_state")
+    assert torch.count_nonzero(fs[0]) == 0
+
+
+def test_hopper_deterministic():
+    x = base.make(H=2, HV=4, state_dtype=BF16, lengths=[300, 3, 1, 130, 0, 64, 2048], seed=49)
+    t, g = base.tok(x), base.gkw(x)
+    runs = []
+    for _ in range(3):
+        pool = x["initial_state"].clone()
+        o, _ = base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
+        runs.append((bits(o), bits(pool)))
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later, strict=True):
+            assert torch.equal(a, b), "identical calls differ"

@@ -1,0 +1,297 @@
+"""GPU tier: the exact sequence split of recurrent_kda prefill (kda_ops/_split.py) on the CUDA chunked
+kernel, against the unsplit call and kda_ops.reference (fp64 token loop), K = V = 128, bf16 tokens.
+
+The split is forced (``_split.MODE = "1"``) with a fixed segment length or the automatic plan. Every gate
+mode, a slow-decay channel (the start state then matters across every segment), one long sequence among
+short and zero-length ones, pools with inactive slots, a caller output, determinism. Tolerances are the
+contract's (tests/conftest.py): outputs 5e-3 relative RMS, fp32 states 1e-3, bf16 states 1e-2.
+
+KDA_SPLIT_TEST_DEVICE=cpu runs the same checks on the CPU op (a check of the harness without a GPU):
+    KDA_SPLIT_TEST_DEVICE=cpu PYTHONPATH=tests python -m pytest tests/gpu/test_split_cuda.py --noconftest -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import TOL_OUT, TOL_STATE_BF16, TOL_STATE_FP32, assert_close_rms, lengths_to_cu
+
+import kda_ops
+from kda_ops import _split
+from kda_ops.reference import recurrent_kda_reference
+
+DEV = os.environ.get("KDA_SPLIT_TEST_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu] if DEV == "cuda" else []
+cuda_only = pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available(), reason="CUDA-specific")
+K = 128
+
+
+@pytest.fixture
+def split_on(monkeypatch):  # type: ignore[no-untyped-def]
+    calls = []
+    run = _split._run
+
+    def counting(pl, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(pl)
+        return run(pl, *a, **kw)
+
+    monkeypatch.setattr(_split, "MODE", "1")
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 512)
+    monkeypatch.setattr(_split, "_run", counting)
+    return calls
+
+
+def make(lens, HV=2, H=1, gate="lower_bound", slow=False, seed=0, B=1, T=None):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    packed = lens is not None
+    T = sum(lens) if packed else T
+    Bt = 1 if packed else B
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(DEV)
+
+    x = dict(q=rnd(Bt, T, H, K), k=rnd(Bt, T, H, K), v=rnd(Bt, T, HV, K), beta=rnd(Bt, T, HV))
+    kw: dict = {}
+    if gate == "precomputed":
+        g = -torch.nn.functional.softplus(torch.randn(Bt, T, HV, K, generator=gen)) * 0.3
+        if slow:
+            g[..., :2] = -1e-4
+        x["g"] = g.to(torch.bfloat16).to(DEV)
+        x["beta"] = torch.sigmoid(x["beta"].float()).to(torch.bfloat16)
+    else:
+        x["g"] = rnd(Bt, T, HV, K)
+        dtb = torch.randn(HV, K, generator=gen) * 0.1
+        if slow:
+            dtb[:, :2] = -30.0  # channels 0 and 1 barely decay
+        kw.update(
+            A_log=(torch.rand(HV, generator=gen) * 0.5 + 0.1).to(DEV),
+            dt_bias=dtb.to(DEV),
+            use_gate_in_kernel=True,
+            beta_is_logit=True,
+        )
+        if gate == "lower_bound":
+            kw["lower_bound"] = -5.0
+    if packed:
+        cu = lengths_to_cu(lens)
+        kw["cu_seqlens"] = cu.to(DEV)
+        kw["cu_seqlens_cpu"] = cu
+    return x, kw
+
+
+def call(x, kw, **extra):  # type: ignore[no-untyped-def]
+    a = dict(kw)
+    a.update(extra)
+    return kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **a)
+
+
+def reference(x, kw, h0):  # type: ignore[no-untyped-def]
+    return recurrent_kda_reference(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"),
+        initial_state=h0, cu_seqlens=kw.get("cu_seqlens"), use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
+        lower_bound=kw.get("lower_bound"), beta_is_logit=kw.get("beta_is_logit", False),
+    )  # fmt: skip
+
+
+LONG_AMONG_SHORT = [300, 4096, 17, 0, 1000, 1, 64]
+
+
+@pytest.mark.parametrize("gate", ["precomputed", "softplus", "lower_bound"])
+@pytest.mark.parametrize("slow", [False, True])
+def test_split_vs_unsplit_and_reference(split_on, monkeypatch, gate, slow):  # type: ignore[no-untyped-def]
+    x, kw = make(LONG_AMONG_SHORT, gate=gate, slow=slow, seed=1)
+    N = len(LONG_AMONG_SHORT)
+    h0 = (torch.randn(N, 2, K, K, generator=torch.Generator().manual_seed(3)) * 0.3).to(DEV)
+    pool_s = h0.clone()
+    o_s, _ = call(x, kw, initial_state=pool_s, output_final_state=True)
+    assert len(split_on) == 1 and split_on[0].nseg[1] == 8 and split_on[0].nseg[4] == 2
+    monkeypatch.setattr(_split, "MODE", "0")
+    pool_u = h0.clone()
+    o_u, _ = call(x, kw, initial_state=pool_u, output_final_state=True)
+    assert_close_rms(o_s, o_u, TOL_OUT, "split vs unsplit output")
+    assert_close_rms(pool_s, pool_u, TOL_STATE_FP32, "split vs unsplit final state")
+    r = reference(x, kw, h0)
+    assert_close_rms(o_s, r.output, TOL_OUT, "split output vs reference")
+    assert_close_rms(pool_s, r.final_state, TOL_STATE_FP32, "split final state vs reference")
+
+
+def test_split_automatic_plan_fixed_layout(monkeypatch):  # type: ignore[no-untyped-def]
+    """MODE=1 with the segment length from the shapes: one 8192-token sequence, HV=2, no pool."""
+    monkeypatch.setattr(_split, "MODE", "1")
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 0)
+    x, kw = make(None, T=8192, gate="lower_bound", slow=True, seed=2)
+    o_s, f_s = call(x, kw, output_final_state=True)
+    monkeypatch.setattr(_split, "MODE", "0")
+    o_u, f_u = call(x, kw, output_final_state=True)
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
+    r = reference(x, kw, None)
+    assert_close_rms(f_s, r.final_state, TOL_STATE_FP32, "final state vs reference")
+
+
+def test_split_bf16_pool_inactive_slots_output_buffer(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    lens = [2000, 3, 1500, 700]
+    x, kw = make(lens, gate="softplus", seed=4)
+    base = (torch.randn(6, 2, K, K, generator=torch.Generator().manual_seed(5)) * 0.3).to(torch.bfloat16).to(DEV)
+    slots = torch.tensor([4, -1, 0, 9], dtype=torch.int32, device=DEV)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        pool = base.clone()
+        out = torch.full((1, sum(lens), 2, K), 7.0, dtype=torch.bfloat16, device=DEV)
+        o, fs = call(x, kw, initial_state=pool, ssm_state_indices=slots, output=out, output_final_state=True)
+        assert o is out and fs is pool
+        res.append((out, pool))
+    assert len(split_on) == 1
+    (o_s, p_s), (o_u, p_u) = res
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert torch.equal(o_s[0, 2000:2003], torch.zeros_like(o_s[0, 2000:2003]))
+    assert torch.equal(o_s[0, 3503:], torch.zeros_like(o_s[0, 3503:]))
+    assert_close_rms(p_s, p_u, TOL_STATE_BF16, "pool")
+    for s in (1, 2, 3, 5):
+        assert torch.equal(p_s[s], base[s])
+
+
+def test_split_deterministic(split_on):  # type: ignore[no-untyped-def]
+    x, kw = make(LONG_AMONG_SHORT, gate="lower_bound", slow=True, seed=6)
+    a = call(x, kw, output_final_state=True)
+    b = call(x, kw, output_final_state=True)
+    assert len(split_on) == 2
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_auto_splits_long_few_heads(monkeypatch):  # type: ignore[no-untyped-def]
+    """auto: a 32768-token sequence on 2 value heads is split (and agrees with the unsplit call); 64
+    value heads of 2048 tokens are not."""
+    monkeypatch.setattr(_split, "MODE", "auto")
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 0)
+    calls = []
+    run = _split._run
+    monkeypatch.setattr(_split, "_run", lambda pl, *a: (calls.append(pl), run(pl, *a)))
+    x, kw = make(None, T=32768, gate="lower_bound", slow=True, seed=7)
+    o_s, f_s = call(x, kw, output_final_state=True)
+    assert len(calls) == 1
+    monkeypatch.setattr(_split, "MODE", "0")
+    o_u, f_u = call(x, kw, output_final_state=True)
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
+    monkeypatch.setattr(_split, "MODE", "auto")
+    y, kw2 = make(None, T=2048, HV=64, H=64, gate="lower_bound", seed=8)
+    call(y, kw2)
+    assert len(calls) == 1
+
+
+@cuda_only
+def test_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def]
+    """Capture takes the unsplit path (the split allocates scratch), and the replay matches eager."""
+    x, kw = make([4096, 100], gate="lower_bound", seed=9)
+    out = torch.empty((1, 4196, 2, K), dtype=torch.bfloat16, device=DEV)
+    call(x, kw, output=out)  # eager warm-up (split)
+    assert len(split_on) == 1
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        call(x, kw, output=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(split_on) == 1
+    assert_close_rms(out, eager, TOL_OUT, "captured (unsplit) vs eager (split)")
+
+
+def _kda_run(x, kw, h0, do, dfinal):  # type: ignore[no-untyped-def]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    A = kw["A_log"].clone().requires_grad_(True)
+    dtb = kw["dt_bias"].clone().requires_grad_(True)
+    h = h0.clone().requires_grad_(True)
+    o, fs = kda_ops.kda(*leaves.values(), A, dtb, h, lower_bound=-5.0, output_final_state=True)
+    ((o.float() * do.float()).sum() + (fs * dfinal).sum()).backward()
+    res = {"o": o.detach(), "fs": fs.detach(), "dA_log": A.grad, "ddt_bias": dtb.grad, "dh0": h.grad}
+    res.update({"d" + n: t.grad for n, t in leaves.items()})
+    return res
+
+
+def test_training_split_vs_unsplit(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """kda_ops.kda (training forward + backward) split into 512-token segments, fixed layout B=2."""
+    x, kw = make(None, B=2, T=2048, gate="lower_bound", slow=True, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    h0 = (torch.randn(2, 2, K, K, generator=gen) * 0.3).to(DEV)
+    do = torch.randn(x["v"].shape, generator=gen).to(torch.bfloat16).to(DEV)
+    dfinal = torch.randn(2, 2, K, K, generator=gen).to(DEV)
+    got = _kda_run(x, kw, h0, do, dfinal)
+    again = _kda_run(x, kw, h0, do, dfinal)
+    monkeypatch.setattr(_split, "MODE", "0")
+    ref = _kda_run(x, kw, h0, do, dfinal)
+    for key in ref:
+        tol = TOL_OUT if key == "o" else (TOL_STATE_FP32 if key == "fs" else 1e-2)
+        assert_close_rms(got[key], ref[key], tol, key)
+        assert torch.equal(got[key], again[key]), key  # deterministic
+
+
+@pytest.mark.parametrize("n_ck", [64, 256])
+def test_split_checkpoints_across_segments(split_on, monkeypatch, n_ck):  # type: ignore[no-untyped-def]
+    """Checkpoints every n tokens written by the output pass, each segment at its own rows."""
+    x, kw = make(LONG_AMONG_SHORT, gate="lower_bound", slow=True, seed=12)
+    N = len(LONG_AMONG_SHORT)
+    h0 = (torch.randn(N, 2, K, K, generator=torch.Generator().manual_seed(13)) * 0.3).to(DEV)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        pool = h0.clone()
+        res.append(call(x, kw, initial_state=pool, output_final_state=True, checkpoint_every_n_tokens=n_ck))
+    assert len(split_on) == 1
+    (o_s, f_s, ck_s), (o_u, f_u, ck_u) = res
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
+    assert_close_rms(ck_s, ck_u, TOL_STATE_FP32, "checkpoints")
+
+
+def test_split_initial_state_source(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    lens = [3000, 30, 2000]
+    x, kw = make(lens, gate="lower_bound", slow=True, seed=14)
+    gen = torch.Generator().manual_seed(15)
+    source = (torch.randn(4, 2, K, K, generator=gen) * 0.3).to(DEV)
+    src_idx = torch.tensor([2, 0, 7], dtype=torch.int32, device=DEV)  # sequence 2 inactive
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        src = source.clone()
+        o, fs = call(x, kw, initial_state_source=src, initial_state_indices=src_idx, output_final_state=True)
+        assert torch.equal(src, source)
+        res.append((o, fs))
+    assert len(split_on) == 1
+    (o_s, f_s), (o_u, f_u) = res
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
+    assert torch.equal(o_s[0, 3030:], torch.zeros_like(o_s[0, 3030:]))
+    assert torch.equal(f_s[2], torch.zeros_like(f_s[2]))
+
+
+def test_training_context_split(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """recurrent_kda_training_forward split (packed, cu_seqlens_cpu): tapes in the unsplit layout, and the
+    unsplit backward from them."""
+    lens = [300, 2048, 0, 1000]
+    x, kw = make(lens, gate="lower_bound", slow=True, seed=16)
+    gen = torch.Generator().manual_seed(17)
+    h0 = (torch.randn(4, 2, K, K, generator=gen) * 0.3).to(DEV)
+    do = torch.randn(x["v"].shape, generator=gen).to(torch.bfloat16).to(DEV)
+    dfinal = torch.randn(4, 2, K, K, generator=gen).to(DEV)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        o, fs, ctx = kda_ops.recurrent_kda_training_forward(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], kw["A_log"], kw["dt_bias"], h0, cu_seqlens=kw["cu_seqlens"],
+            lower_bound=-5.0, cu_seqlens_cpu=kw["cu_seqlens_cpu"],
+        )  # fmt: skip
+        grads = kda_ops.recurrent_kda_training_backward(ctx, do, dfinal)
+        res.append((o, fs, ctx.tapes, ctx.tape_cu_starts, grads))
+    (o_s, f_s, t_s, st_s, g_s), (o_u, f_u, t_u, st_u, g_u) = res
+    assert torch.equal(st_s, st_u)
+    assert_close_rms(o_s, o_u, TOL_OUT, "output")
+    assert_close_rms(f_s, f_u, TOL_STATE_FP32, "final state")
+    assert_close_rms(t_s, t_u, TOL_STATE_FP32, "tapes")
+    for name, a, b in zip(kda_ops.interface.GRAD_NAMES, g_s, g_u, strict=True):
+        assert_close_rms(a, b, 1e-2, name)

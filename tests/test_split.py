@@ -1,0 +1,352 @@
+"""The exact sequence split of recurrent_kda prefill (kda_ops/_split.py) on the CPU ops.
+
+The split is forced (``_split.MODE = "1"``, 64-token segments) and compared with the unsplit call of
+the same inputs (fp32 tokens: the split only reassociates fp32 products, so tightly) and with the fp64
+reference loop (the contract's tolerances), in every gate mode, with a slow-decay channel, one long
+sequence among short ones, pools with inactive slots, GQA and V != K.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kda_ops
+from kda_ops import _split
+from kda_ops.reference import recurrent_kda_reference, rel_rms
+
+K, V = 16, 16
+
+
+@pytest.fixture
+def split_on(monkeypatch):  # type: ignore[no-untyped-def]
+    """Forces the split with 64-token segments and counts the split runs."""
+    calls = []
+    run = _split._run
+
+    def counting(pl, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(pl)
+        return run(pl, *a, **kw)
+
+    monkeypatch.setattr(_split, "MODE", "1")
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(_split, "_run", counting)
+    return calls
+
+
+def _inputs(lens, B=1, H=1, HV=2, Vd=V, gate="lower_bound", slow=False, dtype=torch.float32, seed=0):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    packed = lens is not None
+    T = sum(lens) if packed else 200
+    Bt = 1 if packed else B
+
+    def rnd(*shape: int, s: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * s).to(dtype)
+
+    x = dict(q=rnd(Bt, T, H, K), k=rnd(Bt, T, H, K), v=rnd(Bt, T, HV, Vd), beta=rnd(Bt, T, HV))
+    kw: dict = {}
+    if gate == "precomputed":
+        g = -torch.nn.functional.softplus(torch.randn(Bt, T, HV, K, generator=gen)) * 0.3
+        if slow:
+            g[..., 0] = -1e-4  # one channel that barely decays: the state of that channel spans segments
+        x["g"] = g.to(dtype)
+    else:
+        x["g"] = rnd(Bt, T, HV, K)
+        A = torch.rand(HV, generator=gen) * 0.5 + 0.1
+        dtb = torch.randn(HV, K, generator=gen) * 0.1
+        if slow:
+            dtb[:, 0] = -30.0  # channel 0 barely decays: sigmoid(exp(A)(g - 30)) ~ 0, softplus(g - 30) ~ 0
+        kw.update(A_log=A, dt_bias=dtb, use_gate_in_kernel=True)
+        if gate == "lower_bound":
+            kw["lower_bound"] = -5.0
+    if packed:
+        cu = [0]
+        for L in lens:
+            cu.append(cu[-1] + L)
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64)
+    return x, kw
+
+
+def _call(x, kw, **extra):  # type: ignore[no-untyped-def]
+    args = dict(kw)
+    args.update(extra)
+    return kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **args)
+
+
+def _reference(x, kw, h0, beta_is_logit, l2):  # type: ignore[no-untyped-def]
+    return recurrent_kda_reference(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"),
+        initial_state=h0, cu_seqlens=kw.get("cu_seqlens"), use_qk_l2norm_in_kernel=l2,
+        use_gate_in_kernel=kw.get("use_gate_in_kernel", False), lower_bound=kw.get("lower_bound"),
+        beta_is_logit=beta_is_logit,
+    )  # fmt: skip
+
+
+LONG_AMONG_SHORT = [5, 300, 17, 0, 64, 130, 1]
+
+
+@pytest.mark.parametrize("gate", ["precomputed", "softplus", "lower_bound"])
+@pytest.mark.parametrize("slow", [False, True])
+def test_split_matches_unsplit_every_gate(split_on, monkeypatch, gate, slow):  # type: ignore[no-untyped-def]
+    x, kw = _inputs(LONG_AMONG_SHORT, gate=gate, slow=slow, seed=1)
+    beta_is_logit = gate != "precomputed"
+    if not beta_is_logit:
+        x["beta"] = torch.sigmoid(x["beta"])
+    N = len(LONG_AMONG_SHORT)
+    h0 = torch.randn(N, 2, V, K, generator=torch.Generator().manual_seed(5)) * 0.3
+    pool_s = h0.clone()
+    o_s, _ = _call(x, kw, initial_state=pool_s, output_final_state=True, beta_is_logit=beta_is_logit)
+    assert len(split_on) == 1 and split_on[0].maxP == 5  # 300 tokens: 5 segments of 64
+    monkeypatch.setattr(_split, "MODE", "0")
+    pool_u = h0.clone()
+    o_u, _ = _call(x, kw, initial_state=pool_u, output_final_state=True, beta_is_logit=beta_is_logit)
+    assert len(split_on) == 1
+    assert rel_rms(o_s, o_u) <= 1e-5, rel_rms(o_s, o_u)
+    assert rel_rms(pool_s, pool_u) <= 1e-5, rel_rms(pool_s, pool_u)
+    r = _reference(x, kw, h0, beta_is_logit, True)
+    assert rel_rms(o_s, r.output) <= 5e-3
+    assert rel_rms(pool_s, r.final_state) <= 1e-3
+
+
+def test_split_fixed_layout_no_pool_gqa_v_ne_k(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """Fixed layout B=3 (viewed as one packed row), GQA (H=1, HV=4), V != K, no pool, no l2 norm."""
+    x, kw = _inputs(None, B=3, H=1, HV=4, Vd=8, gate="lower_bound", slow=True, seed=2)
+    o_s, f_s = _call(x, kw, output_final_state=True, beta_is_logit=True, use_qk_l2norm_in_kernel=False)
+    assert len(split_on) == 1 and split_on[0].nseg == [4, 4, 4]
+    monkeypatch.setattr(_split, "MODE", "0")
+    o_u, f_u = _call(x, kw, output_final_state=True, beta_is_logit=True, use_qk_l2norm_in_kernel=False)
+    assert f_s.dtype == torch.float32 and f_s.shape == f_u.shape
+    assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
+    r = _reference(x, kw, None, True, False)
+    assert rel_rms(o_s, r.output) <= 5e-3 and rel_rms(f_s, r.final_state) <= 1e-3
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_split_pool_slots_inactive_and_output_buffer(split_on, monkeypatch, state_dtype):  # type: ignore[no-untyped-def]
+    """ssm_state_indices with inactive sequences (-1, past the pool), a strided pool, a caller output."""
+    lens = [200, 3, 150, 70]
+    x, kw = _inputs(lens, gate="softplus", seed=3)
+    big = torch.randn(6, 2 * V * K + 16, generator=torch.Generator().manual_seed(7)).to(state_dtype)
+    slots = torch.tensor([4, -1, 0, 9], dtype=torch.int32)  # sequences 1 and 3 inactive
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        store = big.clone()
+        pool = store[:, : 2 * V * K].view(6, 2, V, K)  # slot stride 2*V*K + 16: padding after each slot
+        out = torch.full((1, sum(lens), 2, V), 7.0)
+        o, fs = _call(x, kw, initial_state=pool, ssm_state_indices=slots, output=out, output_final_state=True)
+        assert o is out and fs is pool
+        res.append((out, store))
+    assert len(split_on) == 1
+    (o_s, st_s), (o_u, st_u) = res
+    assert rel_rms(o_s, o_u) <= 1e-5
+    assert torch.equal(o_s[0, 200:203], torch.zeros_like(o_s[0, 200:203]))  # inactive: zero output
+    assert torch.equal(o_s[0, 353:], torch.zeros_like(o_s[0, 353:]))
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    assert rel_rms(st_s, st_u) <= tol
+    for s in (1, 2, 3, 5):  # slots no active sequence writes: bit-identical
+        assert torch.equal(st_s[s], big[s])
+    assert torch.equal(st_s[:, 2 * V * K :], big[:, 2 * V * K :])  # the padding of each slot is never written
+
+
+def test_split_deterministic(split_on):  # type: ignore[no-untyped-def]
+    x, kw = _inputs([260, 40, 190], gate="lower_bound", slow=True, seed=4)
+    a = _call(x, kw, output_final_state=True, beta_is_logit=True)
+    b = _call(x, kw, output_final_state=True, beta_is_logit=True)
+    assert len(split_on) == 2
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_split_falls_back(split_on):  # type: ignore[no-untyped-def]
+    """Checkpoints at a period the segments are not a multiple of (48 vs 64-token segments) take the
+    unsplit path; short sequences are not split."""
+    x, kw = _inputs([300, 20], gate="lower_bound", seed=6)
+    _call(x, kw, checkpoint_every_n_tokens=48)
+    y, kw2 = _inputs([60, 20], gate="lower_bound", seed=6)
+    _call(y, kw2)
+    assert split_on == []
+
+
+def test_auto_mode_declines_short_and_wide(monkeypatch):  # type: ignore[no-untyped-def]
+    """auto: splits a long sequence on few heads, not sequences that span few segments."""
+    monkeypatch.setattr(_split, "MODE", "auto")
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
+    calls = []
+    monkeypatch.setattr(_split, "_run", lambda pl, *a: calls.append(pl))
+    x, kw = _inputs([300], gate="lower_bound", seed=8)
+    _call(x, kw)
+    assert len(calls) == 1
+    x, kw = _inputs([200], gate="lower_bound", seed=8)  # 4 segments needed: 200 < 4*64
+    _call(x, kw)
+    assert len(calls) == 1
+
+
+def test_plan_segments():
+    # one sequence, 8 value heads, 132 SMs: 16 segments of 4096 tokens (128 chains)
+    assert _split.plan_segments([65536], 8, 132) == 4096
+    # chains never exceed the SMs when segments can be long enough
+    for lens, HV in (([65536], 4), ([8192], 32), ([2048] * 8, 16), ([5000, 70, 3, 20000], 2)):
+        Ls = _split.plan_segments(lens, HV, 132)
+        assert Ls % 64 == 0
+        chains = sum(math.ceil(L / Ls) for L in lens) * HV
+        assert chains <= 132 or Ls >= max(lens)
+    pl = _split._Plan([130, 0, 64, 200], 64)
+    assert pl.nseg == [3, 1, 1, 4] and pl.split_ids == [0, 3] and pl.maxP == 4
+    assert pl.cu == [0, 64, 128, 130, 130, 194, 258, 322, 386, 394]
+    # rows are segment-major over the split sequences (j*M + m), then one row per sequence (M*maxP + n)
+    assert pl.o_rows == [0, 2, 4, 9, 10, 1, 3, 5, 7]
+    assert pl.q_rows == [0, 2, -1, -1, -1, 1, 3, 5, -1]
+    assert pl.p_rows == [-1, 2, -1, -1, -1, -1, 3, 5, -1]
+    assert pl.final_rows == [4, 9, 10, 7]
+
+
+def test_cu_seqlens_cpu_checked():
+    x, kw = _inputs([100, 30], gate="lower_bound", seed=9)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must equal cu_seqlens"):
+        _call(x, kw, cu_seqlens_cpu=torch.tensor([0, 90, 130]))
+    with pytest.raises(TypeError, match="cu_seqlens_cpu"):
+        _call(x, kw, cu_seqlens_cpu=torch.tensor([0, 100, 130], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must end"):
+        _call(x, kw, cu_seqlens_cpu=torch.tensor([0, 100, 129]))
+
+
+def test_auto_rule_on_the_benchmark_shapes():
+    """The auto cost model (132 SMs): few heads of a long sequence split, wide or short batches do not."""
+    for lens, HV, expect in (
+        ([65536], 8, True),
+        ([65536], 4, True),
+        ([8192], 32, False),
+        ([2048] * 8, 16, False),
+        ([128] * 64, 32, False),
+        ([300, 40000, 17], 2, True),
+    ):
+        Ls = _split.plan_segments(lens, HV, 132)
+        assert _split.split_pays(lens, HV, 132, Ls) == expect, (lens, HV, Ls)
+
+
+# ---------------------------------------------------------------------------------------------------
+# training (kda_ops.kda): forward and every gradient, split vs unsplit
+
+
+def _training_case(lens, B=1, T=200, HV=2, dtype=torch.float32, seed=0):  # type: ignore[no-untyped-def]
+    x, kw = _inputs(lens, B=B, HV=HV, gate="lower_bound", slow=True, dtype=dtype, seed=seed)
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    N = len(lens) if lens is not None else B
+    gen = torch.Generator().manual_seed(seed + 50)
+    extra = dict(
+        A_log=kw["A_log"].to(pdt),
+        dt_bias=kw["dt_bias"].to(pdt),
+        h0=(torch.randn(N, HV, V, K, generator=gen) * 0.3).to(pdt),
+        do=torch.randn(x["v"].shape, generator=gen).to(dtype),
+        dfinal=torch.randn(N, HV, V, K, generator=gen).to(pdt),
+    )
+    return x, kw.get("cu_seqlens"), extra
+
+
+def _training_run(x, cu, e):  # type: ignore[no-untyped-def]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    A = e["A_log"].clone().requires_grad_(True)
+    dtb = e["dt_bias"].clone().requires_grad_(True)
+    h0 = e["h0"].clone().requires_grad_(True)
+    o, fs = kda_ops.kda(*leaves.values(), A, dtb, h0, cu_seqlens=cu, lower_bound=-5.0, output_final_state=True)
+    ((o * e["do"]).sum() + (fs * e["dfinal"]).sum()).backward()
+    res = {"o": o.detach(), "fs": fs.detach(), "dA": A.grad, "ddtb": dtb.grad, "dh0": h0.grad}
+    res.update({"d" + n: t.grad for n, t in leaves.items()})
+    return res
+
+
+@pytest.mark.parametrize(
+    "lens,B,dtype",
+    [(LONG_AMONG_SHORT, 1, torch.float32), (None, 2, torch.float32), ([130, 257, 3], 1, torch.float64)],
+)
+def test_training_split_matches_unsplit(split_on, monkeypatch, lens, B, dtype):  # type: ignore[no-untyped-def]
+    x, cu, e = _training_case(lens, B=B, dtype=dtype, seed=11)
+    got = _training_run(x, cu, e)
+    assert len(split_on) == 0  # the prefill counter: the training split has its own path
+    monkeypatch.setattr(_split, "MODE", "0")
+    ref = _training_run(x, cu, e)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for key in ref:
+        assert got[key].shape == ref[key].shape, key
+        assert rel_rms(got[key], ref[key]) <= tol, (key, rel_rms(got[key], ref[key]))
+
+
+def test_training_split_runs(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    calls = []
+    real = _split._TrainingSplit.apply
+    monkeypatch.setattr(_split._TrainingSplit, "apply", lambda *a: (calls.append(a[8]), real(*a))[1])
+    x, cu, e = _training_case([300, 20], seed=12)
+    _training_run(x, cu, e)
+    assert len(calls) == 1 and calls[0].nseg == [5, 1]
+
+
+@pytest.mark.parametrize("n_ck,tokens", [(32, 64), (64, 64), (48, 0)])
+def test_split_checkpoints(split_on, monkeypatch, n_ck, tokens):  # type: ignore[no-untyped-def]
+    """Checkpoints every n tokens from the output pass: each segment writes its own rows (n = 48 with the
+    automatic plan: segments of a multiple of lcm(64, 48) = 192 tokens)."""
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", tokens)
+    x, kw = _inputs([5, 300, 17, 0, 450], gate="softplus", slow=True, seed=13)
+    h0 = torch.randn(5, 2, V, K, generator=torch.Generator().manual_seed(14)) * 0.3
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        pool = h0.clone()
+        res.append(_call(x, kw, initial_state=pool, output_final_state=True, checkpoint_every_n_tokens=n_ck))
+    assert len(split_on) == 1
+    (o_s, f_s, ck_s), (o_u, f_u, ck_u) = res
+    assert ck_s.shape == ck_u.shape
+    for a, b in ((o_s, o_u), (f_s, f_u), (ck_s, ck_u)):
+        assert rel_rms(a, b) <= 1e-5, rel_rms(a, b)
+
+
+@pytest.mark.parametrize("with_pool", [True, False])
+def test_split_initial_state_source(split_on, monkeypatch, with_pool):  # type: ignore[no-untyped-def]
+    """Start states from a read-only source (an out-of-range index: inactive), results to the pool slots
+    or to the returned final state; the source is never written."""
+    lens = [260, 30, 200]
+    x, kw = _inputs(lens, gate="lower_bound", slow=True, seed=15)
+    gen = torch.Generator().manual_seed(16)
+    source = torch.randn(4, 2, V, K, generator=gen) * 0.3
+    src_idx = torch.tensor([2, 0, 7], dtype=torch.int32)  # sequence 2 inactive (7 >= 4)
+    base = torch.randn(3, 2, V, K, generator=gen)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        src = source.clone()
+        pool = base.clone() if with_pool else None
+        o, fs = _call(x, kw, initial_state=pool, initial_state_source=src, initial_state_indices=src_idx,
+                      output_final_state=True)  # fmt: skip
+        assert torch.equal(src, source)
+        res.append((o, fs.clone()))
+    assert len(split_on) == 1
+    (o_s, f_s), (o_u, f_u) = res
+    assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
+    assert torch.equal(o_s[0, 290:], torch.zeros_like(o_s[0, 290:]))
+    assert torch.equal(f_s[2], base[2] if with_pool else torch.zeros_like(f_s[2]))
+
+
+@pytest.mark.parametrize("lens,B", [([5, 300, 17, 0, 130, 64], 1), (None, 2)])
+def test_training_context_split(split_on, monkeypatch, lens, B):  # type: ignore[no-untyped-def]
+    """recurrent_kda_training_forward split: outputs, final states and the tapes in the unsplit layout (so
+    the unsplit backward runs from them), then recurrent_kda_training_backward from that context."""
+    x, cu, e = _training_case(lens, B=B, seed=17)
+    host = None if cu is None else cu.clone()
+    runs = []
+    passes = _split._training_passes
+    monkeypatch.setattr(_split, "_training_passes", lambda *a: (runs.append(a[8]), passes(*a))[1])
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        o, fs, ctx = kda_ops.recurrent_kda_training_forward(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], e["A_log"], e["dt_bias"], e["h0"], cu_seqlens=cu,
+            lower_bound=-5.0, cu_seqlens_cpu=host,
+        )  # fmt: skip
+        grads = kda_ops.recurrent_kda_training_backward(ctx, e["do"], e["dfinal"])
+        res.append((o, fs, ctx.tapes, ctx.tape_cu_starts, grads))
+    assert len(runs) == 1 and runs[0].maxP >= 4
+    (o_s, f_s, t_s, st_s, g_s), (o_u, f_u, t_u, st_u, g_u) = res
+    assert torch.equal(st_s, st_u) and t_s.shape == t_u.shape
+    for a, b in ((o_s, o_u), (f_s, f_u), (t_s, t_u), *zip(g_s, g_u, strict=True)):
+        assert rel_rms(a, b) <= 2e-5, rel_rms(a, b)
