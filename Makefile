@@ -31,7 +31,7 @@ venv: $(if $(VENV),$(VENV)/.ready,)
 build: venv
 	@echo "== building kda_ops._C (KDA_CUDA_ARCHS=$(KDA_CUDA_ARCHS), MAX_JOBS=$(MAX_JOBS))"
 	@flock -n $(BUILD_LOCK) true || echo "== waiting for the build lock $(BUILD_LOCK): another checkout on this machine is building"
-	flock $(BUILD_LOCK) $(PY) setup.py -q $(if $(BUILD_BASE),build --build-base $(BUILD_BASE)) build_ext --inplace
+	flock $(BUILD_LOCK) env $(if $(BUILD_BASE),KDA_BUILD_BASE=$(BUILD_BASE)) $(PY) setup.py -q build_ext --inplace
 ifneq ($(VENV),)
 	@# make the checkout importable from anywhere with the venv's python (an in-place "develop" install)
 	@$(PY) -c "import os, sysconfig; open(os.path.join(sysconfig.get_paths()['purelib'], 'kda_ops_checkout.pth'), 'w').write(os.getcwd() + '\n')"
@@ -45,8 +45,8 @@ wheel: venv
 	@echo "== building dist/kda_ops-*.whl (KDA_CUDA_ARCHS=$(WHEEL_ARCHS), MAX_JOBS=$(MAX_JOBS))"
 	@flock -n $(BUILD_LOCK) true || echo "== waiting for the build lock $(BUILD_LOCK): another checkout on this machine is building"
 	rm -rf build/wheel/bdist*
-	flock $(BUILD_LOCK) env KDA_WHEEL=1 KDA_CUDA_ARCHS=$(WHEEL_ARCHS) $(PY) setup.py -q \
-	    build --build-base build/wheel bdist_wheel --bdist-dir build/wheel/bdist --dist-dir dist
+	flock $(BUILD_LOCK) env KDA_WHEEL=1 KDA_BUILD_BASE=build/wheel KDA_CUDA_ARCHS=$(WHEEL_ARCHS) $(PY) setup.py -q \
+	    bdist_wheel --bdist-dir build/wheel/bdist --dist-dir dist
 	@# exactly one extension in the wheel: the one just built (never the in-place development copy)
 	$(PY) -c "import glob, zipfile; w = sorted(glob.glob('dist/kda_ops-*.whl'))[-1]; so = [n for n in zipfile.ZipFile(w).namelist() if n.endswith('.so')]; assert len(so) == 1, so; print(w, so)"
 	@ls -l dist/*.whl

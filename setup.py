@@ -8,6 +8,7 @@ Environment:
   KDA_PTXAS_VERBOSE=1  adds ``--ptxas-options=-v``
   CUTLASS_HOME    a CUTLASS checkout, instead of the pinned nvidia-cutlass wheel's headers
   KDA_WHEEL=1     a wheel for distribution (``make wheel``): torch pinned to the build's torch
+  KDA_BUILD_BASE  the build directory (objects under <base>/temp.*), instead of build/
 """
 
 from __future__ import annotations
@@ -127,7 +128,12 @@ def main() -> None:
     else:
         print("kda_ops: building the CPU-only extension (KDA_CUDA_ARCHS=none)", flush=True)
         ext = CppExtension("kda_ops._C", cpp_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+    # The build directory as an option, not as a `build` command on the command line: that command would
+    # run on its own before bdist_wheel's, and the second build_ext run sees the compile flags torch's
+    # BuildExtension appended in the first (changed commands: ninja recompiles everything).
+    build_base = os.environ.get("KDA_BUILD_BASE")
     setup(
+        options={"build": {"build_base": build_base}} if build_base else {},
         install_requires=wheel_metadata(archs),
         ext_modules=[ext],
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

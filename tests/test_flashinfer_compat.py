@@ -181,3 +181,26 @@ def test_checkpoint_buffer_dtype_still_checked() -> None:
     with pytest.raises(TypeError, match="state_checkpoints"):  # with a pool: the pool's dtype, as before
         kda_ops.recurrent_kda(*_tok(x), initial_state=pool, checkpoint_every_n_tokens=16,
                               state_checkpoints=torch.zeros(1, 2, 16, 16))  # fmt: skip
+
+
+def test_repeated_calls_take_the_same_path() -> None:
+    # recurrent_kda caches validated decode-like calls by argument properties; calls whose arguments are
+    # normalised here (strided indices copied, default spec slots, a pool allocated) must never replay a
+    # cached entry with the raw arguments
+    x = make_inputs(B=3, T=1, H=1, HV=2, K=16, V=16, N_pool=6, dtype=torch.float32, seed=6)
+    idx = torch.tensor([5, 0, 1, 0, 3, 0], dtype=torch.int32)[::2]
+    ref = recurrent_kda_reference(*_tok(x), initial_state=x["initial_state"][idx.long()])
+    for _ in range(3):
+        pool = x["initial_state"].clone()
+        o, _ = kda_ops.recurrent_kda(*_tok(x), initial_state=pool, ssm_state_indices=idx)
+        assert rel_rms(o, ref.output) < TOL and rel_rms(pool[idx.long()], ref.final_state) < TOL
+        o2, fs = kda_ops.recurrent_kda(*_tok(x), ssm_state_indices=idx.contiguous(), output_final_state=True)
+        assert fs.shape[0] == 6 and rel_rms(o2, recurrent_kda_reference(*_tok(x)).output) < TOL
+    S = 1
+    s = make_inputs(B=2, T=1 + S, H=1, HV=2, K=16, V=16, N_pool=4, dtype=torch.float32, seed=7)
+    outs = []
+    for _ in range(3):
+        pool = s["initial_state"].clone()
+        o, _ = kda_ops.recurrent_kda(*_tok(s), initial_state=pool, num_spec_tokens=S)
+        outs.append((o, pool))
+    assert all(torch.equal(a[0], outs[0][0]) and torch.equal(a[1], outs[0][1]) for a in outs)
