@@ -5,11 +5,12 @@
 //                                     beta_is_logit, use_qk_l2norm); K == V in {64, 128};
 //   recurrent_kda_training_backward = csrc/kda/backward from the tapes (the backward chain, i.e. the chunked
 //                                     kernel in reverse, then the chunk-parallel sweep) for the lower-bound
-//                                     gate with logit beta, L2 norm on and K == V == 128; every other mode runs
-//                                     the CPU op on host copies (correct, slower, with host synchronisation:
-//                                     not capturable) until the sweep covers it (see cuda_backward_covers);
+//                                     gate (beta logit or plain, L2 norm on or off) at K == V == 128; the
+//                                     softplus and precomputed gates and K == V == 64 run the CPU op on host
+//                                     copies (correct, slower, with host synchronisation: not capturable)
+//                                     until the sweep covers them (see cuda_backward_covers);
 //   recurrent_kda_backward          = both.
-// Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128, the default modes. No
+// Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128, the lower-bound gate. No
 // host synchronisation there (tape_cu_starts is computed on the device), so those calls can be captured in a
 // CUDA graph; the torch allocations inside them go through the caching allocator.
 #include <ATen/ATen.h>
@@ -115,10 +116,10 @@ void check_cuda(cudaError_t err, const char* what) {
 // Whether the CUDA backward kernels (the chain and the sweep, csrc/kda/backward) cover the call: the sweep
 // recomputes the log-decay of the lower-bound gate only (its 16-token sub-chunks rely on the bound for the
 // range of e^{±Γ}; softplus and precomputed gates need exponents relative to a token of the sub-chunk, as
-// kda_ops/reference_chunked_backward.py has them), reads logit beta and does the L2-norm backward, at
-// K == V == 128. Every other call takes the CPU op.
+// kda_ops/reference_chunked_backward.py has them), with logit or plain beta and the L2 norm on or off, at
+// K == V == 128 (its lane layouts: 4 columns per lane of 32). Every other call takes the CPU op.
 bool cuda_backward_covers(const TrainingShape& d, const TrainingModes& m) {
-  return m.gate_mode == 2 && m.beta_is_logit && m.use_qk_l2norm && d.K == kBwdDim && d.V == kBwdDim;
+  return m.gate_mode == 2 && d.K == kBwdDim && d.V == kBwdDim;
 }
 
 // RecurrentParams of the training forward in its modes (checkpoints every kTapeChunk tokens at
@@ -188,6 +189,8 @@ BackwardChainParams backward_chain_params(const TrainingBackwardParams& p, float
   c.cu_seqlens_int64 = p.cu_seqlens_int64;
   c.scale = p.scale;
   c.lower_bound = p.lower_bound;
+  c.beta_is_logit = p.beta_is_logit;
+  c.use_qk_l2norm = p.use_qk_l2norm;
   c.dfinal_state = p.dfinal_state;
   c.dinitial_state = dinitial_state;
   c.dstates = dstates;
@@ -268,6 +271,7 @@ Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v
                                         const OptTensor&, const OptTensor&, const Tensor&, const OptTensor&, double,
                                         double, int64_t, bool, bool)>();
   const auto host = [](const OptTensor& t) { return t ? OptTensor(t->cpu()) : std::nullopt; };
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a kernel call, as this one is: no autograd recording
   Grads r = cpu_op.call(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), host(A_log), host(dt_bias), tapes.cpu(),
                         tape_cu_starts.cpu(), host(initial_state), host(cu_seqlens), dout.cpu(), host(dfinal_state),
                         scale, lower_bound, m.gate_mode, m.use_qk_l2norm, m.beta_is_logit);
@@ -411,6 +415,8 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   p.dfinal_state = dfinal.defined() ? dfinal.data_ptr<float>() : nullptr;
   p.scale = static_cast<float>(scale);
   p.lower_bound = static_cast<float>(lower_bound);
+  p.beta_is_logit = m.beta_is_logit;
+  p.use_qk_l2norm = m.use_qk_l2norm;
   p.dv = dv.data_ptr();
   p.dg = dg.data_ptr();
   p.dbeta = dbeta.data_ptr();
