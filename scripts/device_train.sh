@@ -35,10 +35,10 @@ run() {  # run NAME TIMEOUT_S CMD...: CMD under timeout, its output in $OUT/NAME
 for stage in $STAGES; do
   case $stage in
     build)
-      run build 420 python3 setup.py -q build_ext --inplace || exit 1 ;;
+      run build 300 python3 setup.py -q build_ext --inplace || exit 1 ;;
     tests)
       rm -f "$OUT/modes.log"
-      KDA_TRAIN_REPORT="$OUT/modes.log" run tests 240 python3 -m pytest -q -rfE --maxfail=20 -p no:cacheprovider \
+      KDA_TRAIN_REPORT="$OUT/modes.log" run tests 270 python3 -m pytest -q -rfE --maxfail=20 -p no:cacheprovider \
         tests/gpu/test_training_cuda.py ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
