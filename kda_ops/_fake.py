@@ -10,7 +10,7 @@ Output rules (shared with the CPU and CUDA implementations):
   each sequence's first (that one is initial_state), rows = B*(ceil(T/64) - 1) fixed (0 for T == 0),
   T//64 packed (an upper bound from shapes, spare rows zero); tape_cu_starts int64 [N+1]. All contiguous.
 - backward ops: dq, dk, dv, dg, dbeta shaped like their inputs in q's dtype; dA_log / ddt_bias shaped
-  like A_log / dt_bias in A_log's dtype; dinitial_state [N, HV, V, K] in initial_state's dtype
+  like A_log / dt_bias in A_log's dtype (empty [0] when that parameter is None: no gate, or no dt_bias); dinitial_state [N, HV, V, K] in initial_state's dtype
   (recurrent_kda_backward) or the tapes' dtype (training backward, whose initial_state is optional).
   All contiguous.
 """
@@ -59,9 +59,13 @@ def _acc_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, HV, K) -> None:
-    torch._check(A_log.dim() == 1 and A_log.shape[0] == HV, lambda: f"A_log must be [HV]=[{HV}], got {A_log.shape}")
-    torch._check(dt_bias.numel() == HV * K, lambda: f"dt_bias must be [HV, K]=[{HV}, {K}], got {dt_bias.shape}")
+def _check_gate_params(A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, HV, K) -> None:
+    if A_log is not None:
+        torch._check(
+            A_log.dim() == 1 and A_log.shape[0] == HV, lambda: f"A_log must be [HV]=[{HV}], got {A_log.shape}"
+        )
+    if dt_bias is not None:
+        torch._check(dt_bias.numel() == HV * K, lambda: f"dt_bias must be [HV, K]=[{HV}, {K}], got {dt_bias.shape}")
 
 
 @torch.library.register_fake("kda::recurrent_kda")
@@ -172,7 +176,22 @@ def _check_state(s, name, N, HV, V, K):  # type: ignore[no-untyped-def]
 
 
 @torch.library.register_fake("kda::recurrent_kda_training_forward")
-def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound):
+def _training_forward_fake(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    initial_state,
+    cu_seqlens,
+    scale,
+    lower_bound,
+    gate_mode=2,
+    use_qk_l2norm=True,
+    beta_is_logit=True,
+):
     _check_tokens(q, k, v, g, beta)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -191,15 +210,17 @@ def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_s
 def _grads(q, k, v, g, beta, A_log, dt_bias, N, state_dtype):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    # Token gradients in q's dtype; parameter gradients in A_log's dtype, shaped like their inputs.
+    # Token gradients in q's dtype; parameter gradients in the parameter dtype, shaped like their inputs, empty
+    # ([0]) for an absent parameter.
+    pdt = _acc_dtype(q)
     return (
         q.new_empty(tuple(q.shape)),
         q.new_empty(tuple(k.shape)),
         q.new_empty(tuple(v.shape)),
         q.new_empty(tuple(g.shape)),
         q.new_empty(tuple(beta.shape)),
-        A_log.new_empty(tuple(A_log.shape)),
-        A_log.new_empty(tuple(dt_bias.shape)),
+        q.new_empty((0,) if A_log is None else tuple(A_log.shape), dtype=pdt if A_log is None else A_log.dtype),
+        q.new_empty((0,) if dt_bias is None else tuple(dt_bias.shape), dtype=pdt if A_log is None else A_log.dtype),
         q.new_empty((N, HV, V, K), dtype=state_dtype),
     )
 
@@ -221,6 +242,9 @@ def _training_backward_fake(
     dfinal_state,
     scale,
     lower_bound,
+    gate_mode=2,
+    use_qk_l2norm=True,
+    beta_is_logit=True,
 ):
     _check_tokens(q, k, v, g, beta)
     B, T, H, K = q.shape
@@ -243,7 +267,24 @@ def _training_backward_fake(
 
 
 @torch.library.register_fake("kda::recurrent_kda_backward")
-def _backward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dfinal_state, scale, lower_bound):
+def _backward_fake(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    initial_state,
+    cu_seqlens,
+    do,
+    dfinal_state,
+    scale,
+    lower_bound,
+    gate_mode=2,
+    use_qk_l2norm=True,
+    beta_is_logit=True,
+):
     _check_tokens(q, k, v, g, beta)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

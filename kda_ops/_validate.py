@@ -228,15 +228,15 @@ class Dims:
         return f"Dims({fields})"
 
 
-_KV_ALLOWED = {"recurrent": (64, 128), "auto": (64, 128), "chunked": (128,), "training": (128,)}
+_KV_ALLOWED = {"recurrent": (64, 128), "auto": (64, 128), "chunked": (128,), "training": (64, 128)}
 _TOKEN_NAMES = ("q", "k", "v", "g", "beta")
 
 
 def check_tokens(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any, *, kv_rule: str) -> Dims:
     """Types, ranks, devices, dtypes, shapes and strides of q, k, v, g, beta and cu_seqlens.
 
-    kv_rule: which head dims the path takes on CUDA: "recurrent" (K == V in {64, 128}), "chunked" or
-    "training" (K == V == 128), "auto" (either). CPU takes any K, V >= 1.
+    kv_rule: which head dims the path takes on CUDA: "recurrent" or "training" (K == V in {64, 128}),
+    "chunked" (K == V == 128), "auto" (either). CPU takes any K, V >= 1.
 
     Hot path of every call: each group of checks is one cheap combined test; only when it fails are the
     checks of the group redone one tensor at a time, in the fixed order q, k, v, g, beta, to raise the
@@ -518,6 +518,81 @@ def check_training_params(
     if not math.isfinite(lb) or not (TRAINING_MIN_LOWER_BOUND <= lb < 0.0):
         raise ValueError(f"lower_bound must be a finite float in [-5, 0), got {lower_bound}")
     return A, dtb, h0, lb
+
+
+def check_training_modes(
+    use_gate_in_kernel: Any,
+    lower_bound: Any,
+    A_log: Any,
+    dt_bias: Any,
+    initial_state: Any,
+    use_qk_l2norm_in_kernel: Any,
+    beta_is_logit: Any,
+    d: Dims,
+    *,
+    state_required: bool = True,
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, float, bool, bool]:
+    """The training family in every mode of recurrent_kda -> (gate_mode, A_log [HV] or None, dt_bias [HV, K]
+    or None, initial_state, λ, use_qk_l2norm, beta_is_logit).
+
+    ``use_gate_in_kernel=False``: g is the log-decay (precomputed gate); A_log and dt_bias must be None and
+    ``lower_bound`` is not read (the training functions default it to -5.0). With the gate: A_log [HV]
+    required, dt_bias [HV, K] / [HV*K] or None (0); ``lower_bound`` None selects the softplus gate, a float
+    the lower-bound gate with λ in [-5, 0). Parameters in the parameter dtype (fp32; fp64 with fp64 tokens).
+    """
+    use_gate = _bool(use_gate_in_kernel, "use_gate_in_kernel")
+    l2 = _bool(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel")
+    logit = _bool(beta_is_logit, "beta_is_logit")
+    pdt = param_dtype(d)
+    note = " (the parameter dtype for " + str(d.dtype) + " tokens)"
+    A = _opt_tensor(A_log, "A_log")
+    dtb = _opt_tensor(dt_bias, "dt_bias")
+    lb = 0.0
+    if not use_gate:
+        if A is not None:
+            raise ValueError(
+                "A_log must be None without the in-kernel gate (use_gate_in_kernel=False: g is the log-decay), "
+                f"got a tensor of shape {_shape(A)}"
+            )
+        if dtb is not None:
+            raise ValueError(
+                "dt_bias must be None without the in-kernel gate (use_gate_in_kernel=False: g is the log-decay), "
+                f"got a tensor of shape {_shape(dtb)}"
+            )
+        mode = GATE_PRECOMPUTED
+    else:
+        if A is None:
+            raise ValueError(f"A_log must be a [HV] {pdt} tensor with use_gate_in_kernel=True, got None")
+        _device(A, "A_log", d.device)
+        _dtype(A, "A_log", (pdt,), note)
+        if A.dim() != 1 or A.shape[0] != d.HV:
+            raise ValueError(f"A_log must have shape [HV] = [{d.HV}], got {_shape(A)}")
+        if dtb is not None:
+            _device(dtb, "dt_bias", d.device)
+            _dtype(dtb, "dt_bias", (pdt,), note)
+            if not (
+                (dtb.dim() == 2 and tuple(dtb.shape) == (d.HV, d.K)) or (dtb.dim() == 1 and dtb.shape[0] == d.HV * d.K)
+            ):
+                raise ValueError(
+                    f"dt_bias must have shape [HV, K] = [{d.HV}, {d.K}] or [HV*K] = [{d.HV * d.K}], got {_shape(dtb)}"
+                )
+            dtb = dtb.view(d.HV, d.K) if dtb.dim() == 1 else dtb
+        if lower_bound is None:
+            mode = GATE_SOFTPLUS
+        else:
+            mode = GATE_LOWER_BOUND
+            lb = _real(lower_bound, "lower_bound")
+            if not math.isfinite(lb) or not (TRAINING_MIN_LOWER_BOUND <= lb < 0.0):
+                raise ValueError(f"lower_bound must be a finite float in [-5, 0) or None (softplus gate), got {lower_bound}")
+    h0 = _opt_tensor(initial_state, "initial_state")
+    if h0 is None:
+        if state_required:
+            raise ValueError(f"initial_state must be a [N, HV, V, K] {pdt} tensor, got None")
+    else:
+        _device(h0, "initial_state", d.device)
+        _dtype(h0, "initial_state", (pdt,), note)
+        _exact_shape(h0, "initial_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]")
+    return mode, A, dtb, h0, lb, l2, logit
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1130,19 +1205,32 @@ def _grad_specs(d: Dims) -> list[tuple[str, tuple[Any, ...], str, torch.dtype]]:
     ]
 
 
-def check_grad_outs(out: Any, d: Dims, reads: list[tuple[str, torch.Tensor | None]]) -> list[torch.Tensor] | None:
-    """Eight caller gradient buffers (shapes and dtypes as returned), overlapping nothing read or each other."""
+def check_grad_outs(
+    out: Any, d: Dims, reads: list[tuple[str, torch.Tensor | None]], absent: tuple[int, ...] = ()
+) -> list[torch.Tensor | None] | None:
+    """Eight caller gradient buffers (shapes and dtypes as returned), overlapping nothing read or each other.
+
+    ``absent``: indices of gradients the call returns as None (dA_log without A_log, ddt_bias without
+    dt_bias); their entries must be None."""
     if out is None:
         return None
     if not isinstance(out, Sequence) or isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a sequence of 8 tensors ({', '.join(GRAD_NAMES)}), got {_type_name(out)}")
     if len(out) != 8:
         raise ValueError(f"out must hold 8 tensors ({', '.join(GRAD_NAMES)}), got {len(out)}")
-    res = [
-        check_out_tensor(t, f"out[{i}] ({name})", shape, layout, dtype, d)
-        for i, (t, (name, shape, layout, dtype)) in enumerate(zip(out, _grad_specs(d), strict=True))
-    ]
+    res: list[torch.Tensor | None] = []
+    for i, (t, (name, shape, layout, dtype)) in enumerate(zip(out, _grad_specs(d), strict=True)):
+        if i in absent:
+            if t is not None:
+                raise ValueError(
+                    f"out[{i}] ({name}) must be None: this gate mode has no {name[1:]} parameter, so no {name}"
+                )
+            res.append(None)
+        else:
+            res.append(check_out_tensor(t, f"out[{i}] ({name})", shape, layout, dtype, d))
     for i, t in enumerate(res):
+        if t is None:
+            continue
         others: list[tuple[str, torch.Tensor | None]] = [(f"out[{j}]", o) for j, o in enumerate(res) if j != i]
         check_no_overlap(f"out[{i}] ({GRAD_NAMES[i]})", t, reads + others)
     return res

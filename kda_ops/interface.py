@@ -24,6 +24,7 @@ Packed input: B == 1 and cu_seqlens [N+1] (sequence n owns tokens cu[n]:cu[n+1])
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -625,34 +626,44 @@ def recurrent_kda_training_forward(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     initial_state: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
-    lower_bound: float = -5.0,
+    lower_bound: float | None = -5.0,
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
     context_out: RecurrentKDATrainingContext | None = None,
     *,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    use_gate_in_kernel: bool = True,
+    use_qk_l2norm_in_kernel: bool = True,
+    beta_is_logit: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, RecurrentKDATrainingContext]:
-    """Training forward of KDA with saved tapes (docs/contract.md "API"): L2 norm on, lower-bound gate, logit beta.
+    """Training forward of KDA with saved tapes (docs/contract.md "API"), in every mode of :func:`recurrent_kda`.
 
-    Computes docs/contract.md "Recurrence" with ``a = λ sigmoid(exp(A_log) (g + dt_bias))`` and
-    ``β = sigmoid(beta)``, and saves the state before every 64-token chunk of every sequence but its first
+    Computes docs/contract.md "Recurrence" with the gate, β and L2-norm modes of :func:`recurrent_kda`, under
+    the same keyword names. The defaults are the original training contract (kept for existing callers):
+    the lower-bound gate ``a = λ sigmoid(exp(A_log) (g + dt_bias))`` with λ = -5, ``β = sigmoid(beta)``, L2
+    norm on. ``lower_bound=None`` selects the softplus gate ``a = -exp(A_log) softplus(g + dt_bias)``;
+    ``use_gate_in_kernel=False`` takes g as the log-decay itself (A_log and dt_bias None, ``lower_bound`` not
+    read). It saves the state before every 64-token chunk of every sequence but its first
     (the tapes; the first is ``initial_state``, kept in the context by reference) so that
     :func:`recurrent_kda_training_backward` never reruns the whole forward.
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] raw gate; beta: [B, T, HV] logits. bf16 with
-            K == V == 128 on CUDA; bf16/fp32/fp64 and any K, V on CPU. Last dim contiguous.
-        A_log: [HV]; dt_bias: [HV, K] or flat [HV*K]; initial_state: [N, HV, V, K] (not modified). fp32
-            (fp64 when the token tensors are fp64).
+        q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] raw gate input (the log-decay with
+            ``use_gate_in_kernel=False``); beta: [B, T, HV] logits (β itself with ``beta_is_logit=False``).
+            bf16 with K == V == 128 on CUDA; bf16/fp32/fp64 and any K, V on CPU. Last dim contiguous.
+        A_log: [HV] (None without the in-kernel gate); dt_bias: [HV, K] or flat [HV*K], or None (0; always
+            None without the gate); initial_state: [N, HV, V, K] (not modified). fp32 (fp64 when the token
+            tensors are fp64).
         cu_seqlens: int32/int64 [N+1] on the device of q (packed, B == 1; int32 is widened to int64).
             Zero-length sequences are allowed.
         scale: any finite float > 0; None means 1/sqrt(K).
-        lower_bound: λ, finite, in [-5, 0).
+        lower_bound: λ of the lower-bound gate, finite, in [-5, 0); None selects the softplus gate. Not read
+            with ``use_gate_in_kernel=False``.
         out: optional [B, T, HV, V] buffer (q's dtype) the output is copied into and returned.
         final_state_out: optional [N, HV, V, K] buffer (state dtype) for the final state.
         context_out: a context from an earlier call with the same shapes, refilled and returned.
@@ -660,6 +671,9 @@ def recurrent_kda_training_forward(
             (starts at 0, non-decreasing, ends at T). Required for packed calls on CUDA; optional on CPU
             (then it must equal ``cu_seqlens``, whose values are checked directly); must be None for fixed
             input.
+        use_gate_in_kernel: compute the log-decay from g, A_log, dt_bias (default True; False: g is it).
+        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6 inside the rsqrt) before scaling (default True).
+        beta_is_logit: β = sigmoid(beta) (default True; False: beta is β).
 
     Returns:
         ``(out, final_state, ctx)``: out [B, T, HV, V] (q's dtype), final_state [N, HV, V, K] fp32 (fp64
@@ -673,23 +687,27 @@ def recurrent_kda_training_forward(
         RuntimeError: tensors on different devices (cu_seqlens_cpu not on CPU), an unsupported GPU.
     """
     d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule="training")
-    A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d)
+    gm, A, dtb, h0, lb, l2, logit = V.check_training_modes(
+        use_gate_in_kernel, lower_bound, A_log, dt_bias, initial_state, use_qk_l2norm_in_kernel, beta_is_logit, d
+    )
     assert h0 is not None
     sc = V.check_scale(scale, d.K)
     cu64, host = V.check_training_cu(d, cu_seqlens, cu_seqlens_cpu, "required-on-cuda")
     reads = V.training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens)
     out, final_state_out = V.check_forward_outs(out, final_state_out, reads, d)
     if context_out is not None:
-        shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape, A.shape, dtb.shape)
-        V.check_context_out(context_out, RecurrentKDATrainingContext, tuple(tuple(x) for x in shapes), d)
+        shapes = (*(tuple(t.shape) for t in (q, k, v, g, beta)), _shape_or_none(A), _shape_or_none(dtb))
+        V.check_context_out(context_out, RecurrentKDATrainingContext, shapes, d)
 
     split = None  # the exact segment split (kda_ops/_split.py): the same four results, unsplit tape layout
-    if _split.MODE != "0":
+    if _split.MODE != "0" and _default_modes(gm, l2, logit, dtb):  # (the split covers the default modes only)
         split = _split.try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, host, sc, lb)
     o, fs, tapes, starts = (
         split[:4]
         if split
-        else torch.ops.kda.recurrent_kda_training_forward.default(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
+        else torch.ops.kda.recurrent_kda_training_forward.default(
+            q, k, v, g, beta, A, dtb, h0, cu64, sc, lb, gm, l2, logit
+        )
     )
     if out is not None:
         out.copy_(o)
@@ -706,6 +724,7 @@ def recurrent_kda_training_forward(
         ctx.initial_state = h0
         ctx.cu_seqlens, ctx.cu_seqlens_cpu, ctx.scale, ctx.lower_bound = cu64, host, sc, lb
         ctx.state_dtype = h0.dtype
+        ctx.gate_mode, ctx.use_qk_l2norm, ctx.beta_is_logit = gm, l2, logit
     else:
         ctx = RecurrentKDATrainingContext(
             q=q,
@@ -723,6 +742,9 @@ def recurrent_kda_training_forward(
             lower_bound=lb,
             cu_seqlens_cpu=host,
             state_dtype=h0.dtype,
+            gate_mode=gm,
+            use_qk_l2norm=l2,
+            beta_is_logit=logit,
         )
     ctx.extra["initial_state_version"] = h0._version
     ctx.extra["segment_split"] = None if split is None else split[4]  # (the split backward's plan and maps)
@@ -738,9 +760,9 @@ def recurrent_kda_training_backward(
     """Training backward from the tapes of :func:`recurrent_kda_training_forward` (docs/contract.md "API", "Gradients").
 
     Loss convention: ``L = Σ_t <o_t, do_t> + <S_T, dfinal_state>``; the reverse sweep of docs/contract.md "Gradients"
-    runs
-    from the saved chunk-boundary states, chained through the L2 norm, the lower-bound gate and the logit
-    beta. GQA: dq and dk of the value heads of a group are summed into their q/k head. dA_log and ddt_bias
+    runs from the saved chunk-boundary states, chained through the forward's modes (kept in ``ctx``): the L2
+    norm when on, the gate (lower-bound, softplus, or none for a precomputed g: dg = da) and the logit β
+    when ``beta_is_logit``. GQA: dq and dk of the value heads of a group are summed into their q/k head. dA_log and ddt_bias
     are summed over all tokens and sequences, in a fixed order (deterministic).
 
     Args:
@@ -752,7 +774,9 @@ def recurrent_kda_training_backward(
     Returns:
         ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)``: dq, dk [B, T, H, K], dv [B, T, HV, V],
         dg [B, T, HV, K], dbeta [B, T, HV] in q's dtype; dA_log [HV], ddt_bias [HV, K],
-        dinitial_state [N, HV, V, K] in the state dtype (fp32; fp64 with fp64 tokens).
+        dinitial_state [N, HV, V, K] in the state dtype (fp32; fp64 with fp64 tokens). dA_log is None when
+        the forward had no A_log (``use_gate_in_kernel=False``), ddt_bias None when it had no dt_bias (then
+        the matching ``out`` entries must be None too).
 
     Raises:
         TypeError: ctx of the wrong type, wrong dtypes. ValueError: wrong shapes, overlapping ``out``.
@@ -781,7 +805,9 @@ def recurrent_kda_training_backward(
         ("do", do),
         ("dfinal_state", dfinal_state),
     ]
-    outs = V.check_grad_outs(out, d, reads)
+    absent = _absent_grads(ctx.A_log, ctx.dt_bias)
+    outs = V.check_grad_outs(out, d, reads, absent)
+    _check_cuda_backward_capturable(d, ctx.gate_mode)
     if ctx.extra.get("segment_split") is not None:  # a split forward: the split backward (kda_ops/_split.py)
         return _into(_split.training_backward_from_context(ctx, dO, dS, ctx.extra["segment_split"]), outs)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
@@ -800,17 +826,51 @@ def recurrent_kda_training_backward(
         dS,
         ctx.scale,
         ctx.lower_bound,
+        ctx.gate_mode,
+        ctx.use_qk_l2norm,
+        ctx.beta_is_logit,
     )
-    return _into(grads, outs)
+    return _into(_drop_absent(grads, absent), outs)
 
 
-def _into(grads: Sequence[torch.Tensor], outs: list[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+def _into(grads: Sequence[torch.Tensor | None], outs: list[torch.Tensor | None] | None) -> tuple[Any, ...]:
     if outs is None:
         return tuple(grads)
     with torch.no_grad():
         for o, gr in zip(outs, grads, strict=True):
-            o.copy_(gr)
+            if o is not None and gr is not None:
+                o.copy_(gr)
     return tuple(outs)
+
+
+def _shape_or_none(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if t is None else tuple(t.shape)
+
+
+def _default_modes(gate_mode: int, l2: bool, logit: bool, dtb: torch.Tensor | None) -> bool:
+    """The original training contract (lower-bound gate with dt_bias, L2 norm, logit β)."""
+    return gate_mode == V.GATE_LOWER_BOUND and l2 and logit and dtb is not None
+
+
+def _check_cuda_backward_capturable(d: Any, gate_mode: int) -> None:
+    """On CUDA the backward kernels cover the lower-bound gate at K = V = 128; the other calls run the CPU op on
+    host copies (csrc/api/training_cuda.cpp), which a CUDA graph cannot capture: say so before the op runs."""
+    if d.on_cuda and (gate_mode != V.GATE_LOWER_BOUND or d.K != 128) and V.capturing(d.device):
+        raise RuntimeError(
+            "the CUDA training backward of the softplus / precomputed gates and of K = V = 64 runs the CPU "
+            "implementation (host copies) and cannot be captured in a CUDA graph; use the lower-bound gate at "
+            "K = V = 128, or run this call eagerly"
+        )
+
+
+def _absent_grads(A: torch.Tensor | None, dtb: torch.Tensor | None) -> tuple[int, ...]:
+    """Indices of the gradients returned as None: dA_log (5) without A_log, ddt_bias (6) without dt_bias."""
+    return ((5,) if A is None else ()) + ((6,) if dtb is None else ())
+
+
+def _drop_absent(grads: Sequence[torch.Tensor], absent: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The ops return empty tensors for absent parameters; the Python API returns None."""
+    return tuple(None if i in absent else gr for i, gr in enumerate(grads))
 
 
 def recurrent_kda_backward(
@@ -819,46 +879,56 @@ def recurrent_kda_backward(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     initial_state: torch.Tensor,
     do: torch.Tensor,
     dfinal_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
-    lower_bound: float = -5.0,
+    lower_bound: float | None = -5.0,
     workspace: RecurrentKDABackwardWorkspace | None = None,
-    out: Sequence[torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """KDA backward from the raw inputs, no saved context (docs/contract.md "API", "Gradients"): the training
-    contract (L2
-    norm, lower-bound gate λ, logit beta), any T, any packing, GQA.
+    out: Sequence[torch.Tensor | None] | None = None,
+    *,
+    use_gate_in_kernel: bool = True,
+    use_qk_l2norm_in_kernel: bool = True,
+    beta_is_logit: bool = True,
+) -> tuple[torch.Tensor | None, ...]:
+    """KDA backward from the raw inputs, no saved context (docs/contract.md "API", "Gradients"), in every mode
+    of :func:`recurrent_kda_training_forward` (the same keywords and defaults), any T, any packing, GQA.
 
     Args:
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound: as in
-            :func:`recurrent_kda_training_forward` (no host mirror: nothing here needs host values).
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, use_gate_in_kernel,
+            use_qk_l2norm_in_kernel, beta_is_logit: as in :func:`recurrent_kda_training_forward` (no host
+            mirror: nothing here needs host values).
         do: [B, T, HV, V] in q's dtype; dfinal_state: [N, HV, V, K] state dtype, or None (zero).
         workspace: a :class:`kda_ops.RecurrentKDABackwardWorkspace`; with it and ``out`` the call is
-            CUDA-graph capturable after an eager call of the same shapes.
-        out: optional eight preallocated tensors the gradients are copied into (and returned).
+            CUDA-graph capturable after an eager call of the same shapes (on CUDA: the lower-bound gate at
+            K = V = 128; the other modes run the CPU backward and raise under capture).
+        out: optional eight preallocated tensors the gradients are copied into (and returned); None at the
+            places of gradients returned as None.
 
     Returns:
         ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` as in
-        :func:`recurrent_kda_training_backward`.
+        :func:`recurrent_kda_training_backward` (dA_log None without A_log, ddt_bias None without dt_bias).
 
     Raises:
         TypeError, ValueError, RuntimeError: as :func:`recurrent_kda_training_forward`, plus ``do`` /
         ``dfinal_state`` / ``out`` of the wrong dtype or shape, a workspace of the wrong type or device.
     """
     d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule="training")
-    A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d)
+    gm, A, dtb, h0, lb, l2, logit = V.check_training_modes(
+        use_gate_in_kernel, lower_bound, A_log, dt_bias, initial_state, use_qk_l2norm_in_kernel, beta_is_logit, d
+    )
     assert h0 is not None
     sc = V.check_scale(scale, d.K)
     dO, dS = V.check_do(do, dfinal_state, d)
     if workspace is not None:
         V.check_instance(workspace, RecurrentKDABackwardWorkspace, "workspace")
     reads = V.training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, ("do", do), ("dfinal_state", dfinal_state))
-    outs = V.check_grad_outs(out, d, reads)
+    absent = _absent_grads(A, dtb)
+    outs = V.check_grad_outs(out, d, reads, absent)
+    _check_cuda_backward_capturable(d, gm)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
     if workspace is not None:
         key = (d.B, d.T, d.N, d.H, d.HV, d.K, d.V, d.packed)
@@ -869,8 +939,10 @@ def recurrent_kda_backward(
                 workspace.cu_seqlens64 = torch.empty(cu_seqlens.shape, dtype=torch.int64, device=d.device)
             workspace.cu_seqlens64.copy_(cu_seqlens)
             cu64 = workspace.cu_seqlens64
-    grads = torch.ops.kda.recurrent_kda_backward.default(q, k, v, g, beta, A, dtb, h0, cu64, dO, dS, sc, lb)
-    return _into(grads, outs)
+    grads = torch.ops.kda.recurrent_kda_backward.default(
+        q, k, v, g, beta, A, dtb, h0, cu64, dO, dS, sc, lb, gm, l2, logit
+    )
+    return _into(_drop_absent(grads, absent), outs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -883,33 +955,40 @@ def kda(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None = None,
     *,
     cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
-    lower_bound: float = -5.0,
+    lower_bound: float | None = -5.0,
     output_final_state: bool = False,
+    use_gate_in_kernel: bool = True,
+    use_qk_l2norm_in_kernel: bool = True,
+    beta_is_logit: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Differentiable KDA layer core (docs/contract.md "API"): the training contract of docs/contract.md "Recurrence"
-    (L2 norm on q and k,
-    lower-bound gate ``a = λ sigmoid(exp(A_log)(g + dt_bias))``, ``β = sigmoid(beta)``), with autograd
+    """Differentiable KDA layer core (docs/contract.md "API"): docs/contract.md "Recurrence" in every mode of
+    :func:`recurrent_kda_training_forward` (defaults: L2 norm on q and k, lower-bound gate
+    ``a = λ sigmoid(exp(A_log)(g + dt_bias))`` with λ = -5, ``β = sigmoid(beta)``; ``lower_bound=None`` the
+    softplus gate, ``use_gate_in_kernel=False`` a precomputed log-decay g), with autograd
     through ``torch.library.register_autograd`` on ``torch.ops.kda.recurrent_kda_training_forward``.
 
-    Differentiable in all eight tensor inputs. Works in eager autograd, under
+    Differentiable in all eight tensor inputs (A_log / dt_bias when given). Works in eager autograd, under
     ``torch.compile(fullgraph=True)`` (no host syncs, no data-dependent Python here) and DDP/FSDP (no
     global state).
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV] logits. bf16 with
             K == V == 128 on CUDA; bf16/fp32/fp64, any K and V on CPU (fp64 for gradcheck).
-        A_log: [HV]; dt_bias: [HV, K] or flat [HV*K]; fp32 (fp64 with fp64 tokens).
+        A_log: [HV] or None (without the gate); dt_bias: [HV, K] or flat [HV*K], or None (0); fp32 (fp64 with
+            fp64 tokens).
         initial_state: [N, HV, V, K] in that dtype, or None (zeros; then it has no gradient).
         cu_seqlens: int32/int64 [N+1] on the device of q (packed, B == 1). Values are a caller contract
             (checked only when on CPU in eager mode).
-        scale: finite > 0; None means 1/sqrt(K). lower_bound: λ in [-5, 0).
+        scale: finite > 0; None means 1/sqrt(K). lower_bound: λ in [-5, 0), None: the softplus gate.
         output_final_state: also return the final state [N, HV, V, K].
+        use_gate_in_kernel, use_qk_l2norm_in_kernel, beta_is_logit: as in
+            :func:`recurrent_kda_training_forward`.
 
     Returns:
         ``(o, final_state)``: o [B, T, HV, V] in q's dtype; final_state (fp32, fp64 with fp64 tokens) or
@@ -919,13 +998,27 @@ def kda(
         TypeError, ValueError, RuntimeError: as :func:`recurrent_kda_training_forward`.
     """
     d = V.check_tokens(q, k, v, g, beta, cu_seqlens, kv_rule="training")
-    A, dtb, h0, lb = V.check_training_params(A_log, dt_bias, initial_state, lower_bound, d, state_required=False)
+    gm, A, dtb, h0, lb, l2, logit = V.check_training_modes(
+        use_gate_in_kernel,
+        lower_bound,
+        A_log,
+        dt_bias,
+        initial_state,
+        use_qk_l2norm_in_kernel,
+        beta_is_logit,
+        d,
+        state_required=False,
+    )
     sc = V.check_scale(scale, d.K)
     ofs = V._bool(output_final_state, "output_final_state")
     if h0 is None:  # zeros as a stride-0 view: autograd saves one element, not [N, HV, V, K]
         h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
-    if _split.MODE != "0" and (res := _split.try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb)) is not None:
+    if (
+        _split.MODE != "0"
+        and _default_modes(gm, l2, logit, dtb)
+        and (res := _split.try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb)) is not None
+    ):
         return res[0], (res[1] if ofs else None)  # the exact segment split (kda_ops/_split.py)
-    o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb)
+    o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb, gm, l2, logit)
     return o, (fs if ofs else None)

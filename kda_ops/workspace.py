@@ -141,7 +141,8 @@ class RecurrentKDATrainingContext:
     Fields:
         q, k: [B, T, H, K] token dtype (bf16 on CUDA).
         v: [B, T, HV, V]; g: [B, T, HV, K] raw gate input; beta: [B, T, HV] logits.
-        A_log: [HV]; dt_bias: [HV, K] (fp32; fp64 with fp64 tokens on CPU).
+        A_log: [HV] or None (precomputed gate); dt_bias: [HV, K] or None (0) (fp32; fp64 with fp64 tokens on
+            CPU).
         tapes: [rows, HV, V, K] fp32 (fp64 with fp64 tokens): the state before every 64-token chunk of
             every sequence but its first; rows = B*(ceil(T/64) - 1) fixed, T//64 packed (an upper bound,
             spare rows 0). At most 64·V·K·4 B / 64 tokens = the bf16 q+k+v+g bytes per token-head.
@@ -151,8 +152,11 @@ class RecurrentKDATrainingContext:
             an error the backward reports (its version counter is kept in ``extra``).
         cu_seqlens: int64 [N+1] on the device of q, or None (fixed layout).
         cu_seqlens_cpu: the validated host mirror of cu_seqlens (packed calls), or None.
-        scale: the q scale actually used (> 0). lower_bound: λ in [-5, 0).
+        scale: the q scale actually used (> 0). lower_bound: λ in [-5, 0) (0.0 when the gate has no bound).
         state_dtype: dtype of initial_state (and of final_state, dinitial_state).
+        gate_mode: 0 precomputed log-decay, 1 softplus gate, 2 lower-bound gate (the default).
+        use_qk_l2norm: q and k L2-normalised in the op (default True). beta_is_logit: β = sigmoid(beta)
+            (default True).
     """
 
     q: torch.Tensor
@@ -160,8 +164,8 @@ class RecurrentKDATrainingContext:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
     tapes: torch.Tensor
     tape_cu_starts: torch.Tensor
     initial_state: torch.Tensor | None
@@ -170,6 +174,9 @@ class RecurrentKDATrainingContext:
     lower_bound: float
     cu_seqlens_cpu: torch.Tensor | None = None
     state_dtype: torch.dtype = torch.float32
+    gate_mode: int = 2
+    use_qk_l2norm: bool = True
+    beta_is_logit: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -177,7 +184,8 @@ class RecurrentKDATrainingContext:
         """N: sequences of the saved call."""
         return int(self.tape_cu_starts.numel()) - 1
 
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Shapes of every saved tensor, in field order (used to check a reused ``context_out``)."""
+    def shapes(self) -> tuple[tuple[int, ...] | None, ...]:
+        """Shapes of every saved tensor, in field order, None for an absent A_log / dt_bias (used to check a
+        reused ``context_out``)."""
         ts = (self.q, self.k, self.v, self.g, self.beta, self.A_log, self.dt_bias, self.tapes, self.tape_cu_starts)
-        return tuple(tuple(t.shape) for t in ts)
+        return tuple(None if t is None else tuple(t.shape) for t in ts)

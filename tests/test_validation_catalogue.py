@@ -788,7 +788,8 @@ def _common_train_muts(fn_has_state_required: bool = True) -> list[Mut]:
     add("value:lower_bound", set(), lb_bad)
 
     def lb_type(kw, c, p):
-        kw["lower_bound"] = p.one(["-5", None, torch.tensor(-5.0), [-5.0]])
+        # (None is not here: it selects the softplus gate, as in recurrent_kda)
+        kw["lower_bound"] = p.one(["-5", torch.tensor(-5.0), [-5.0]])
         return kw, TypeError, ("lower_bound",)
 
     add("type:lower_bound", set(), lb_type)

@@ -33,29 +33,35 @@ TORCH_LIBRARY(kda, m) {
       "bool beta_is_logit, int num_spec_tokens, int checkpoint_every_n_tokens, int backend, "
       "bool zero_uncovered=False, bool disable_state_update=False) -> ()");
 
-  // Training forward (functional): L2 norm on, lower-bound gate, logit beta. Returns the output, the
+  // Training forward (functional). gate_mode, use_qk_l2norm and beta_is_logit as in recurrent_kda (appended
+  // with the defaults of the original training contract: lower-bound gate, L2 norm on, logit beta, so older
+  // callers keep working). A_log must be None for the precomputed gate and a tensor otherwise; dt_bias may be
+  // None (0) with a gate; lower_bound is read by the lower-bound gate only. Returns the output, the
   // final state per sequence, and the tapes: the state before every kTapeChunk(=64)-token chunk of
   // every sequence but the first ([rows, HV, V, K], rows = an upper bound from shapes, see _fake.py; the state
   // before token 0 is initial_state) with tape_cu_starts int64 [N+1] giving each sequence's first row.
   m.def(
-      "recurrent_kda_training_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
-      "Tensor dt_bias, Tensor initial_state, Tensor? cu_seqlens, float scale, float lower_bound) -> "
+      "recurrent_kda_training_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, "
+      "Tensor? dt_bias, Tensor initial_state, Tensor? cu_seqlens, float scale, float lower_bound, "
+      "int gate_mode=2, bool use_qk_l2norm=True, bool beta_is_logit=True) -> "
       "(Tensor out, Tensor final_state, Tensor tapes, Tensor tape_cu_starts)");
 
   // Training backward from the tapes and the initial state (None: zeros): the eight gradients of docs/contract.md,
-  // Recurrence (the backward), in that order.
+  // Recurrence (the backward), in that order; the mode arguments as in the forward. dA_log / ddt_bias are empty
+  // ([0]) when A_log / dt_bias is None (the Python layer returns None for them).
   m.def(
-      "recurrent_kda_training_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
-      "Tensor dt_bias, Tensor tapes, Tensor tape_cu_starts, Tensor? initial_state, Tensor? cu_seqlens, "
-      "Tensor do, Tensor? dfinal_state, float scale, float lower_bound) -> "
+      "recurrent_kda_training_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, "
+      "Tensor? dt_bias, Tensor tapes, Tensor tape_cu_starts, Tensor? initial_state, Tensor? cu_seqlens, "
+      "Tensor do, Tensor? dfinal_state, float scale, float lower_bound, int gate_mode=2, "
+      "bool use_qk_l2norm=True, bool beta_is_logit=True) -> "
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, "
       "Tensor dinitial_state)");
 
-  // Backward from the raw inputs (no context): the same eight gradients.
+  // Backward from the raw inputs (no context): the same eight gradients, the same mode arguments.
   m.def(
-      "recurrent_kda_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor A_log, "
-      "Tensor dt_bias, Tensor initial_state, Tensor? cu_seqlens, Tensor do, Tensor? dfinal_state, "
-      "float scale, float lower_bound) -> "
+      "recurrent_kda_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, "
+      "Tensor? dt_bias, Tensor initial_state, Tensor? cu_seqlens, Tensor do, Tensor? dfinal_state, "
+      "float scale, float lower_bound, int gate_mode=2, bool use_qk_l2norm=True, bool beta_is_logit=True) -> "
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, "
       "Tensor dinitial_state)");
 }

@@ -1,6 +1,9 @@
 // The training ops on CPU (docs/contract.md, Recurrence and API): kda::recurrent_kda_training_forward,
 // kda::recurrent_kda_training_backward and kda::recurrent_kda_backward.
 //
+// Every mode of recurrent_kda: gate_mode (precomputed / softplus / lower bound), beta_is_logit, use_qk_l2norm; the
+// token loop and backward_head.h read them from RecurrentParams.
+//
 // Forward: the inference token loop (token_loop.h) with per-sequence initial states, a final state per
 // sequence and the tapes written as checkpoints every kTapeChunk tokens.
 // Backward: per (sequence, value head), the backward of csrc/cpu/backward_head.h (chunks last to first,
@@ -36,17 +39,31 @@ struct TrainingProblem : TrainingShape {
   std::vector<int64_t> bos, len;  // per sequence
 };
 
+// The mode arguments of the three schemas.
+struct TrainingModes {
+  int64_t gate_mode;
+  bool use_qk_l2norm, beta_is_logit;
+};
+
+// A compact copy of an optional parameter (strided views are accepted, as on CUDA).
+std::optional<at::Tensor> compact(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
 TrainingProblem check_training_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const at::Tensor& g, const at::Tensor& beta, const at::Tensor& A_log,
-                                      const at::Tensor& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
-                                      double scale, double lower_bound) {
-  const TrainingShape s = check_training_shapes(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
+                                      const at::Tensor& g, const at::Tensor& beta,
+                                      const std::optional<at::Tensor>& A_log,
+                                      const std::optional<at::Tensor>& dt_bias,
+                                      const std::optional<at::Tensor>& cu_seqlens, double scale, double lower_bound,
+                                      const TrainingModes& m) {
+  const TrainingShape s =
+      check_training_shapes(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m.gate_mode);
   const auto qt = q.scalar_type();
   KDA_CHECK_TYPE(qt == at::kBFloat16 || qt == at::kFloat || qt == at::kDouble, op,
                  ": q must be bfloat16, float32 or float64 on CPU, got ", qt);
-  KDA_CHECK_TYPE(is_float_or_double(A_log) && is_float_or_double(dt_bias), op,
-                 ": A_log and dt_bias must be float32 or float64 on CPU, got ", A_log.scalar_type(), " and ",
-                 dt_bias.scalar_type());
+  for (const auto* t : {&A_log, &dt_bias})
+    KDA_CHECK_TYPE(!t->has_value() || is_float_or_double(**t), op,
+                   ": A_log and dt_bias must be float32 or float64 on CPU, got ", (*t)->scalar_type());
   TrainingProblem pb;
   static_cast<TrainingShape&>(pb) = s;
   if (cu_seqlens.has_value()) {
@@ -86,40 +103,48 @@ void check_state(const at::Tensor& s, const TrainingProblem& pb, const char* nam
                  " must be float32, bfloat16 or float64, got ", t);
 }
 
-// RecurrentParams for the training contract (L2 norm, lower-bound gate, logit beta). The gate
-// parameters go through CpuExtras (fp32 or fp64), so make_recurrent_params sees a precomputed gate.
+// RecurrentParams for the training call in its modes. The gate parameters go through CpuExtras (fp32 or
+// fp64), so make_recurrent_params sees a precomputed gate; the gate mode is set afterwards.
 // `output` gives the output layout (the backward passes `do` for the shape check and clears p.out).
 RecurrentParams training_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
+                                const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                                const std::optional<at::Tensor>& dt_bias,
                                 const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& output,
                                 const at::Tensor& tapes, const at::Tensor& starts, double scale,
-                                double lower_bound, CpuExtras& x) {
+                                double lower_bound, const TrainingModes& m, CpuExtras& x) {
   const std::optional<at::Tensor> none;
   const std::optional<at::Tensor> tapes_opt(tapes), starts_opt(starts);
   const RecurrentArgs args{q, k, v, g, beta, none, none, none, none, none, cu_seqlens, none, none, none, output,
                            none, tapes_opt, starts_opt, scale, /*gate_mode=*/0, lower_bound,
-                           /*use_qk_l2norm=*/true, /*beta_is_logit=*/true, /*num_spec_tokens=*/0,
+                           m.use_qk_l2norm, m.beta_is_logit, /*num_spec_tokens=*/0,
                            /*checkpoint_every_n_tokens=*/kTapeChunk};
   RecurrentParams p = make_recurrent_params(args);
-  p.gate_mode = GateMode::kLowerBound;
-  p.lower_bound = static_cast<float>(lower_bound);
+  p.gate_mode = static_cast<GateMode>(m.gate_mode);
+  const double lb = m.gate_mode == 2 ? lower_bound : 0.0;
+  p.lower_bound = static_cast<float>(lb);
   x.scale = scale;
-  x.lower_bound = lower_bound;
-  x.A_log = A_log.data_ptr();
-  x.A_log_dtype = to_kda_dtype(A_log.scalar_type(), "A_log");
-  x.dt_bias = dt_bias.data_ptr();
-  x.dt_bias_dtype = to_kda_dtype(dt_bias.scalar_type(), "dt_bias");
+  x.lower_bound = lb;
+  if (A_log.has_value()) {
+    x.A_log = A_log->data_ptr();
+    x.A_log_dtype = to_kda_dtype(A_log->scalar_type(), "A_log");
+  }
+  if (dt_bias.has_value()) {
+    x.dt_bias = dt_bias->data_ptr();
+    x.dt_bias_dtype = to_kda_dtype(dt_bias->scalar_type(), "dt_bias");
+  }
   return p;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-    const at::Tensor& A_log_in, const at::Tensor& dt_bias_in, const at::Tensor& initial_state,
-    const std::optional<at::Tensor>& cu_seqlens, double scale, double lower_bound) {
+    const std::optional<at::Tensor>& A_log_in, const std::optional<at::Tensor>& dt_bias_in,
+    const at::Tensor& initial_state, const std::optional<at::Tensor>& cu_seqlens, double scale, double lower_bound,
+    int64_t gate_mode, bool use_qk_l2norm, bool beta_is_logit) {
+  const TrainingModes m{gate_mode, use_qk_l2norm, beta_is_logit};
   // Strided parameter views are accepted (as on CUDA): the loop reads compact copies.
-  const at::Tensor A_log = A_log_in.contiguous(), dt_bias = dt_bias_in.contiguous();
+  const std::optional<at::Tensor> A_log = compact(A_log_in), dt_bias = compact(dt_bias_in);
   const TrainingProblem pb = check_training_inputs("recurrent_kda_training_forward", q, k, v, g, beta, A_log, dt_bias,
-                                                   cu_seqlens, scale, lower_bound);
+                                                   cu_seqlens, scale, lower_bound, m);
   check_state(initial_state, pb, "initial_state");
   const at::Tensor init = initial_state.contiguous();
   const auto tape_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -130,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
 
   CpuExtras x;
   RecurrentParams p =
-      training_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, tapes, starts, scale, lower_bound, x);
+      training_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, tapes, starts, scale, lower_bound, m, x);
   p.checkpoint_first = 1;  // no tape row for the state before token 0
   x.init_state = init.data_ptr();
   x.init_dtype = to_kda_dtype(init.scalar_type(), "initial_state");
@@ -200,19 +225,23 @@ void run_backward_typed(const RecurrentParams& p, const CpuExtras& x, const Trai
       dA[h] += dA_part[n * pb.HV + h];
       for (int64_t i = 0; i < K; ++i) ddt[h * K + i] += ddt_part[(n * pb.HV + h) * K + i];
     }
-  store_vec(dA_log.data_ptr(), to_kda_dtype(dA_log.scalar_type(), "dA_log"), dA.data(), pb.HV);
-  store_vec(ddt_bias.data_ptr(), to_kda_dtype(ddt_bias.scalar_type(), "ddt_bias"), ddt.data(), pb.HV * K);
+  if (dA_log.numel() != 0)  // empty: no A_log (precomputed gate)
+    store_vec(dA_log.data_ptr(), to_kda_dtype(dA_log.scalar_type(), "dA_log"), dA.data(), pb.HV);
+  if (ddt_bias.numel() != 0)  // empty: no dt_bias
+    store_vec(ddt_bias.data_ptr(), to_kda_dtype(ddt_bias.scalar_type(), "ddt_bias"), ddt.data(), pb.HV * K);
 }
 
 Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                            const at::Tensor& beta, const at::Tensor& A_log_in, const at::Tensor& dt_bias_in,
-                            const at::Tensor& tapes, const at::Tensor& tape_cu_starts,
-                            const std::optional<at::Tensor>& initial_state,
+                            const at::Tensor& beta, const std::optional<at::Tensor>& A_log_in,
+                            const std::optional<at::Tensor>& dt_bias_in, const at::Tensor& tapes,
+                            const at::Tensor& tape_cu_starts, const std::optional<at::Tensor>& initial_state,
                             const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& dout,
-                            const std::optional<at::Tensor>& dfinal_state, double scale, double lower_bound) {
-  const at::Tensor A_log = A_log_in.contiguous(), dt_bias = dt_bias_in.contiguous();
+                            const std::optional<at::Tensor>& dfinal_state, double scale, double lower_bound,
+                            int64_t gate_mode, bool use_qk_l2norm, bool beta_is_logit) {
+  const TrainingModes m{gate_mode, use_qk_l2norm, beta_is_logit};
+  const std::optional<at::Tensor> A_log = compact(A_log_in), dt_bias = compact(dt_bias_in);
   const TrainingProblem pb = check_training_inputs("recurrent_kda_training_backward", q, k, v, g, beta, A_log, dt_bias,
-                                                   cu_seqlens, scale, lower_bound);
+                                                   cu_seqlens, scale, lower_bound, m);
   KDA_CHECK(dout.sizes() == v.sizes(), "do must have the shape of v ", v.sizes(), ", got ", dout.sizes());
   KDA_CHECK(dout.is_floating_point(), "do must be a floating tensor, got ", dout.scalar_type());
   const at::Tensor do_c = dout.to(q.scalar_type()).contiguous();
@@ -243,7 +272,7 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
 
   CpuExtras x;
   RecurrentParams p = training_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, do_c, tapes_c, starts, scale,
-                                      lower_bound, x);
+                                      lower_bound, m, x);
   p.out = nullptr;  // the backward writes no forward output
   at::Tensor init;
   if (initial_state.has_value()) {
@@ -258,8 +287,11 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor dv = at::zeros(v.sizes(), q.options());
   at::Tensor dg = at::zeros(g.sizes(), q.options());
   at::Tensor dbeta = at::zeros(beta.sizes(), q.options());
-  at::Tensor dA_log = at::zeros(A_log.sizes(), A_log.options());
-  at::Tensor ddt_bias = at::zeros(dt_bias.sizes(), A_log.options());
+  // Parameter gradients shaped like their inputs; empty ([0]) for an absent parameter.
+  const auto pdt = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto popt = A_log.has_value() ? A_log->options() : q.options().dtype(pdt);
+  at::Tensor dA_log = A_log.has_value() ? at::zeros(A_log->sizes(), popt) : at::zeros({0}, popt);
+  at::Tensor ddt_bias = dt_bias.has_value() ? at::zeros(dt_bias->sizes(), popt) : at::zeros({0}, popt);
   at::Tensor dinit = at::zeros({pb.N, pb.HV, pb.V, pb.K}, tapes.options());
   switch (p.token_dtype) {
     case DType::kBFloat16:
@@ -276,13 +308,16 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 Grads backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                   const at::Tensor& beta, const at::Tensor& A_log, const at::Tensor& dt_bias,
-                   const at::Tensor& initial_state, const std::optional<at::Tensor>& cu_seqlens,
-                   const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state, double scale,
-                   double lower_bound) {
-  auto fwd = training_forward_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound);
+                   const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                   const std::optional<at::Tensor>& dt_bias, const at::Tensor& initial_state,
+                   const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& dout,
+                   const std::optional<at::Tensor>& dfinal_state, double scale, double lower_bound, int64_t gate_mode,
+                   bool use_qk_l2norm, bool beta_is_logit) {
+  auto fwd = training_forward_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                                  gate_mode, use_qk_l2norm, beta_is_logit);
   Grads gr = training_backward_cpu(q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd),
-                                   initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound);
+                                   initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound, gate_mode,
+                                   use_qk_l2norm, beta_is_logit);
   std::get<7>(gr) = std::get<7>(gr).to(initial_state.scalar_type());
   return gr;
 }

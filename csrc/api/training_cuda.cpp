@@ -1,14 +1,20 @@
 // CUDA implementations of the three training ops (docs/contract.md, API):
 //   recurrent_kda_training_forward  = the chunked kernel (csrc/kda/chunked; token-serial csrc/kda/decode for
 //                                     decode-sized sequences) with fp32
-//                                     tapes every kTapeChunk tokens, lower-bound gate, logit beta, L2 norm;
-//   recurrent_kda_training_backward = csrc/kda/backward from the tapes (default: the backward chain, i.e. the
-//                                     chunked kernel in reverse, then the chunk-parallel sweep);
+//                                     tapes every kTapeChunk tokens, in every mode of recurrent_kda (gate,
+//                                     beta_is_logit, use_qk_l2norm); K == V in {64, 128};
+//   recurrent_kda_training_backward = csrc/kda/backward from the tapes (the backward chain, i.e. the chunked
+//                                     kernel in reverse, then the chunk-parallel sweep) for the lower-bound
+//                                     gate (beta logit or plain, L2 norm on or off) at K == V == 128; the
+//                                     softplus and precomputed gates and K == V == 64 run the CPU op on host
+//                                     copies (correct, slower, with host synchronisation: not capturable)
+//                                     until the sweep covers them (see cuda_backward_covers);
 //   recurrent_kda_backward          = both.
-// Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128. No host
-// synchronisation anywhere (tape_cu_starts is computed on the device), so the ops can be captured in a
+// Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128, the lower-bound gate. No
+// host synchronisation there (tape_cu_starts is computed on the device), so those calls can be captured in a
 // CUDA graph; the torch allocations inside them go through the caching allocator.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -57,22 +63,32 @@ Tensor compact_f32(const Tensor& t) {
   return aligned16(c) ? c : c.clone();
 }
 
+// The mode arguments of the three schemas.
+struct TrainingModes {
+  int64_t gate_mode;
+  bool use_qk_l2norm, beta_is_logit;
+};
+
 TrainDims check_training_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                                const Tensor& beta, const Tensor& A_log, const Tensor& dt_bias,
-                                const OptTensor& cu_seqlens, double scale, double lower_bound) {
+                                const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
+                                const OptTensor& cu_seqlens, double scale, double lower_bound,
+                                const TrainingModes& m) {
   KDA_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
-  for (const Tensor* t : {&k, &v, &g, &beta, &A_log, &dt_bias}) KDA_CHECK_SAME_DEVICE(*t, q, "every input");
+  for (const Tensor* t : {&k, &v, &g, &beta}) KDA_CHECK_SAME_DEVICE(*t, q, "every input");
+  for (const OptTensor* t : {&A_log, &dt_bias})
+    if (t->has_value()) KDA_CHECK_SAME_DEVICE(**t, q, "every input");
   if (cu_seqlens.has_value()) KDA_CHECK_SAME_DEVICE(*cu_seqlens, q, "cu_seqlens");
   const TrainingShape s =
-      check_training_shapes(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
+      check_training_shapes(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m.gate_mode);
   for (const Tensor* t : {&q, &k, &v, &g, &beta})
     KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, op, ": CUDA token tensors (q, k, v, g, beta) must be ",
                    at::kBFloat16, ", got ", t->scalar_type());
-  KDA_CHECK(s.K == kBwdDim && s.V == kBwdDim, op, ": the CUDA training ops support K == V == ", kBwdDim, ", got K=",
-            s.K, ", V=", s.V);
-  KDA_CHECK_DTYPE(A_log, at::kFloat, "A_log");
-  KDA_CHECK_DTYPE(dt_bias, at::kFloat, "dt_bias");
-  KDA_CHECK(lower_bound >= -5.0, op, ": lower_bound must be in [-5, 0), got ", lower_bound);
+  KDA_CHECK(s.K == s.V && (s.K == 64 || s.K == kBwdDim), op,
+            ": the CUDA training ops support K == V in {64, ", kBwdDim, "}, got K=", s.K, ", V=", s.V);
+  if (A_log.has_value()) KDA_CHECK_DTYPE(*A_log, at::kFloat, "A_log");
+  if (dt_bias.has_value()) KDA_CHECK_DTYPE(*dt_bias, at::kFloat, "dt_bias");
+  if (m.gate_mode == 2)
+    KDA_CHECK(lower_bound >= -5.0, op, ": lower_bound must be in [-5, 0), got ", lower_bound);
   if (cu_seqlens.has_value())
     KDA_CHECK(cu_seqlens->is_contiguous(), op, ": cu_seqlens must be a contiguous [N+1] tensor, got strides ",
               cu_seqlens->strides());
@@ -97,16 +113,28 @@ void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
-// RecurrentParams of the training contract (lower-bound gate, L2 norm on, logit beta, checkpoints every
-// kTapeChunk tokens at tape_cu_starts) for the forward with tapes: v, start = initial_state (read-only, slot n),
-// final_state, the tapes as the checkpoints. (The backward chain has its own BackwardChainParams.)
+// Whether the CUDA backward kernels (the chain and the sweep, csrc/kda/backward) cover the call: the sweep
+// recomputes the log-decay of the lower-bound gate only (its 16-token sub-chunks rely on the bound for the
+// range of e^{±Γ}; softplus and precomputed gates need exponents relative to a token of the sub-chunk, as
+// kda_ops/reference_chunked_backward.py has them), with logit or plain beta and the L2 norm on or off, at
+// K == V == 128 (its lane layouts: 4 columns per lane of 32). Every other call takes the CPU op.
+// (The sweep's factorised products are exact whenever every channel's decay span within a 16-token sub-chunk is
+// at most ~80: every factor stays <= e^80. An unbounded gate needs that test per sub-chunk and, where it fails,
+// exact pairwise exponents on CUDA cores for L, Mqk and the three pair terms, with Γ itself in shared memory.)
+bool cuda_backward_covers(const TrainingShape& d, const TrainingModes& m) {
+  return m.gate_mode == 2 && d.K == kBwdDim && d.V == kBwdDim;
+}
+
+// RecurrentParams of the training forward in its modes (checkpoints every kTapeChunk tokens at
+// tape_cu_starts): v, start = initial_state (read-only, slot n), final_state, the tapes as the checkpoints.
+// (The backward chain has its own BackwardChainParams.)
 RecurrentParams training_recurrent_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                                          const Tensor& beta, const Tensor& A, const Tensor& dtb,
+                                          const Tensor& beta, const OptTensor& A_opt, const OptTensor& dtb_opt,
                                           const OptTensor& cu_seqlens, const Tensor& out, const Tensor& start,
                                           const Tensor& final_state, const Tensor& checkpoints,
-                                          const Tensor& checkpoint_cu_starts, double scale, double lower_bound) {
-  const OptTensor A_opt(A), dtb_opt(dtb), none, fs_opt(final_state), ck_opt(checkpoints),
-      cks_opt(checkpoint_cu_starts);
+                                          const Tensor& checkpoint_cu_starts, double scale, double lower_bound,
+                                          const TrainingModes& m) {
+  const OptTensor none, fs_opt(final_state), ck_opt(checkpoints), cks_opt(checkpoint_cu_starts);
   RecurrentArgs args{.q = q,
                      .k = k,
                      .v = v,
@@ -126,17 +154,17 @@ RecurrentParams training_recurrent_params(const Tensor& q, const Tensor& k, cons
                      .state_checkpoints = ck_opt,
                      .checkpoint_cu_starts = cks_opt,
                      .scale = scale,
-                     .gate_mode = static_cast<int64_t>(GateMode::kLowerBound),
-                     .lower_bound = lower_bound,
-                     .use_qk_l2norm = true,
-                     .beta_is_logit = true,
+                     .gate_mode = m.gate_mode,
+                     .lower_bound = m.gate_mode == 2 ? lower_bound : 0.0,
+                     .use_qk_l2norm = m.use_qk_l2norm,
+                     .beta_is_logit = m.beta_is_logit,
                      .num_spec_tokens = 0,
                      .checkpoint_every_n_tokens = kTapeChunk};
   RecurrentParams p = make_recurrent_params(args);
   if (start.defined()) {
     p.state_source = start.data_ptr();
     p.state_source_dtype = start.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kBFloat16;
-    p.source_slot_stride = int64_t(p.HV) * kBwdDim * kBwdDim;
+    p.source_slot_stride = int64_t(p.HV) * p.V * p.K;
     p.n_source = start.size(0);
   }
   p.initial_state_indices = nullptr;
@@ -164,6 +192,8 @@ BackwardChainParams backward_chain_params(const TrainingBackwardParams& p, float
   c.cu_seqlens_int64 = p.cu_seqlens_int64;
   c.scale = p.scale;
   c.lower_bound = p.lower_bound;
+  c.beta_is_logit = p.beta_is_logit;
+  c.use_qk_l2norm = p.use_qk_l2norm;
   c.dfinal_state = p.dfinal_state;
   c.dinitial_state = dinitial_state;
   c.dstates = dstates;
@@ -176,31 +206,31 @@ BackwardChainParams backward_chain_params(const TrainingBackwardParams& p, float
 std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op, const Tensor& q_in,
                                                                  const Tensor& k_in, const Tensor& v_in,
                                                                  const Tensor& g_in, const Tensor& beta,
-                                                                 const Tensor& A_log, const Tensor& dt_bias,
+                                                                 const OptTensor& A_log, const OptTensor& dt_bias,
                                                                  const Tensor& initial_state,
                                                                  const OptTensor& cu_seqlens, double scale,
-                                                                 double lower_bound) {
+                                                                 double lower_bound, const TrainingModes& m) {
   const TrainDims d =
-      check_training_inputs(op, q_in, k_in, v_in, g_in, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
+      check_training_inputs(op, q_in, k_in, v_in, g_in, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q_in.device());
   KDA_CHECK_SAME_DEVICE(initial_state, q_in, "initial_state");
   KDA_CHECK(initial_state.dim() == 4 && initial_state.size(0) == d.N && initial_state.size(1) == d.HV &&
-                initial_state.size(2) == kBwdDim && initial_state.size(3) == kBwdDim,
-            op, ": initial_state must be [N, HV, V, K]=[", d.N, ", ", d.HV, ", ", kBwdDim, ", ", kBwdDim, "], got ",
+                initial_state.size(2) == d.V && initial_state.size(3) == d.K,
+            op, ": initial_state must be [N, HV, V, K]=[", d.N, ", ", d.HV, ", ", d.V, ", ", d.K, "], got ",
             initial_state.sizes());
   KDA_CHECK_TYPE(initial_state.scalar_type() == at::kFloat || initial_state.scalar_type() == at::kBFloat16, op,
                  ": initial_state must be float32 or bfloat16, got ", initial_state.scalar_type());
   const Tensor q = kernel_tokens(q_in), k = kernel_tokens(k_in), v = kernel_tokens(v_in), g = kernel_tokens(g_in);
   Tensor init = initial_state.contiguous();
   if (!aligned16(init)) init = init.clone();
-  const Tensor A = A_log.contiguous();
-  const Tensor dtb = dt_bias.contiguous();
+  const OptTensor A = A_log ? OptTensor(A_log->contiguous()) : std::nullopt;
+  const OptTensor dtb = dt_bias ? OptTensor(dt_bias->contiguous()) : std::nullopt;
   const auto f32 = q.options().dtype(at::kFloat);
 
-  Tensor out = at::empty({d.B, d.T, d.HV, kBwdDim}, q.options());
-  Tensor final_state = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
+  Tensor out = at::empty({d.B, d.T, d.HV, d.V}, q.options());
+  Tensor final_state = at::empty({d.N, d.HV, d.V, d.K}, f32);
   // Fixed layout: the forward writes every row. Packed: rows past the sequences' are zeroed below.
-  Tensor tapes = at::empty({d.rows, d.HV, kBwdDim, kBwdDim}, f32);
+  Tensor tapes = at::empty({d.rows, d.HV, d.V, d.K}, f32);
   Tensor tape_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
@@ -209,12 +239,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
                                    tape_cu_starts.data_ptr<int64_t>(), stream, kTapeChunk, /*first=*/1),
              "kda tape_cu_starts kernel");
   if (d.packed)
-    check_cuda(launch_zero_rows_past(tapes.data_ptr<float>(), d.rows, d.HV * kBwdDim * kBwdDim,
+    check_cuda(launch_zero_rows_past(tapes.data_ptr<float>(), d.rows, d.HV * d.V * d.K,
                                      tape_cu_starts.data_ptr<int64_t>(), d.N, stream),
                "kda tape zero kernel");
 
   RecurrentParams p = training_recurrent_params(q, k, v, g, beta, A, dtb, cu_seqlens, out, init, final_state, tapes,
-                                                tape_cu_starts, scale, lower_bound);
+                                                tape_cu_starts, scale, lower_bound, m);
   p.checkpoint_first = 1;  // no tape row for the state before token 0 (initial_state)
   // The chunked tensor-core kernel writes the tapes as its checkpoints (every 64 tokens, fp32) whenever the
   // sequences are long enough to fill chunks; short ones (mostly decode-sized) take the token-serial kernel.
@@ -227,13 +257,51 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
   return {out, final_state, tapes, tape_cu_starts};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> training_backward_impl(
-    const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-    const Tensor& A_log, const Tensor& dt_bias, const Tensor& tapes_in, const Tensor& tape_cu_starts,
-    const OptTensor& initial_state, const OptTensor& cu_seqlens, const Tensor& dout,
-    const OptTensor& dfinal_state, double scale, double lower_bound) {
-  const TrainDims d = check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound);
+using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// The training backward of the modes the CUDA kernels do not cover yet (cuda_backward_covers): the CPU op on
+// host copies, its gradients copied back to q's device. The CPU op checks the tapes and tape_cu_starts
+// against the sequences itself (it reads cu_seqlens on the host).
+Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                               const OptTensor& A_log, const OptTensor& dt_bias, const Tensor& tapes,
+                               const Tensor& tape_cu_starts, const OptTensor& initial_state,
+                               const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
+                               double scale, double lower_bound, const TrainingModes& m) {
+  static auto cpu_op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("kda::recurrent_kda_training_backward", "")
+                           .typed<Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                        const OptTensor&, const OptTensor&, const Tensor&, const Tensor&,
+                                        const OptTensor&, const OptTensor&, const Tensor&, const OptTensor&, double,
+                                        double, int64_t, bool, bool)>();
+  const auto host = [](const OptTensor& t) { return t ? OptTensor(t->cpu()) : std::nullopt; };
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // a kernel call, as this one is: no autograd recording
+  Grads r = cpu_op.call(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), host(A_log), host(dt_bias), tapes.cpu(),
+                        tape_cu_starts.cpu(), host(initial_state), host(cu_seqlens), dout.cpu(), host(dfinal_state),
+                        scale, lower_bound, m.gate_mode, m.use_qk_l2norm, m.beta_is_logit);
+  const auto dev = [&](const Tensor& t) { return t.to(q.device()); };
+  return {dev(std::get<0>(r)), dev(std::get<1>(r)), dev(std::get<2>(r)), dev(std::get<3>(r)),
+          dev(std::get<4>(r)), dev(std::get<5>(r)), dev(std::get<6>(r)), dev(std::get<7>(r))};
+}
+
+Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                             const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
+                             const Tensor& tapes_in, const Tensor& tape_cu_starts, const OptTensor& initial_state,
+                             const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
+                             double scale, double lower_bound, const TrainingModes& m) {
+  const TrainDims d =
+      check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q.device());
+  if (!cuda_backward_covers(d, m)) {
+    KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
+    KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
+    KDA_CHECK_SAME_DEVICE(dout, q, "do");
+    for (const OptTensor* t : {&initial_state, &dfinal_state})
+      if (t->has_value()) KDA_CHECK_SAME_DEVICE(**t, q, "initial_state and dfinal_state");
+    return training_backward_on_cpu(q, k, v, g, beta, A_log, dt_bias, tapes_in, tape_cu_starts, initial_state,
+                                    cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
+  }
+  // Covered: the lower-bound gate (A_log given), K == V == kBwdDim.
+  const Tensor& A_log_t = *A_log;
   KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
   KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
   KDA_CHECK_SAME_DEVICE(dout, q, "do");
@@ -269,8 +337,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
     init = compact_f32(*initial_state);  // (16-byte aligned: the sweep copies it with cp.async)
   }
   const Tensor tapes = compact_f32(tapes_in);
-  const Tensor A = A_log.contiguous();
-  const Tensor dtb = dt_bias.contiguous();
+  const Tensor A = A_log_t.contiguous();
+  const Tensor dtb = dt_bias ? dt_bias->contiguous() : Tensor();
   const auto f32 = q.options().dtype(at::kFloat);
   const auto tok = q.options();
 
@@ -284,6 +352,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   Tensor dg = at::empty({d.B, d.T, d.HV, kBwdDim}, tok);
   Tensor dbeta = at::empty({d.B, d.T, d.HV}, tok);
   Tensor dA_log = at::empty({d.HV}, f32);
+  // (without dt_bias, scratch for the finishing kernel's sums; the op then returns an empty ddt_bias)
   Tensor ddt_bias = at::empty({d.HV, kBwdDim}, f32);
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
 
@@ -335,7 +404,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.beta = token_view(beta);
   p.dout = token_view(dO);
   p.A_log = A.data_ptr<float>();
-  p.dt_bias = dtb.data_ptr<float>();
+  p.dt_bias = dtb.defined() ? dtb.data_ptr<float>() : nullptr;
   p.tapes = tapes.data_ptr<float>();
   p.n_tape_rows = tapes.size(0);
   p.tape_cu_starts = tape_cu_starts.data_ptr<int64_t>();
@@ -349,6 +418,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
   p.dfinal_state = dfinal.defined() ? dfinal.data_ptr<float>() : nullptr;
   p.scale = static_cast<float>(scale);
   p.lower_bound = static_cast<float>(lower_bound);
+  p.beta_is_logit = m.beta_is_logit;
+  p.use_qk_l2norm = m.use_qk_l2norm;
   p.dv = dv.data_ptr();
   p.dg = dg.data_ptr();
   p.dbeta = dbeta.data_ptr();
@@ -375,37 +446,41 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> train
              "kda backward chain kernel");
   check_cuda(launch_training_backward(p, stream), "kda training backward kernels");
   // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
-  return {dq, dk, dv, dg, dbeta, dA_log.view(A_log.sizes()), ddt_bias.view(dt_bias.sizes()), dinit};
+  return {dq, dk, dv, dg, dbeta, dA_log.view(A_log_t.sizes()),
+          dt_bias ? ddt_bias.view(dt_bias->sizes()) : at::empty({0}, f32), dinit};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                                                  const Tensor& g, const Tensor& beta,
-                                                                 const Tensor& A_log, const Tensor& dt_bias,
+                                                                 const OptTensor& A_log, const OptTensor& dt_bias,
                                                                  const Tensor& initial_state,
                                                                  const OptTensor& cu_seqlens, double scale,
-                                                                 double lower_bound) {
+                                                                 double lower_bound, int64_t gate_mode,
+                                                                 bool use_qk_l2norm, bool beta_is_logit) {
   return training_forward_impl("recurrent_kda_training_forward", q, k, v, g, beta, A_log, dt_bias, initial_state,
-                               cu_seqlens, scale, lower_bound);
+                               cu_seqlens, scale, lower_bound, {gate_mode, use_qk_l2norm, beta_is_logit});
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> training_backward_cuda(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
-    const Tensor& dt_bias, const Tensor& tapes, const Tensor& tape_cu_starts, const OptTensor& initial_state,
-    const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state, double scale,
-    double lower_bound) {
+Grads training_backward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                             const OptTensor& A_log, const OptTensor& dt_bias, const Tensor& tapes,
+                             const Tensor& tape_cu_starts, const OptTensor& initial_state, const OptTensor& cu_seqlens,
+                             const Tensor& dout, const OptTensor& dfinal_state, double scale, double lower_bound,
+                             int64_t gate_mode, bool use_qk_l2norm, bool beta_is_logit) {
   return training_backward_impl("recurrent_kda_training_backward", q, k, v, g, beta, A_log, dt_bias, tapes,
-                                tape_cu_starts, initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound);
+                                tape_cu_starts, initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound,
+                                {gate_mode, use_qk_l2norm, beta_is_logit});
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> backward_cuda(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& A_log,
-    const Tensor& dt_bias, const Tensor& initial_state, const OptTensor& cu_seqlens, const Tensor& dout,
-    const OptTensor& dfinal_state, double scale, double lower_bound) {
+Grads backward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                    const OptTensor& A_log, const OptTensor& dt_bias, const Tensor& initial_state,
+                    const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state, double scale,
+                    double lower_bound, int64_t gate_mode, bool use_qk_l2norm, bool beta_is_logit) {
   const char* op = "recurrent_kda_backward";
+  const TrainingModes m{gate_mode, use_qk_l2norm, beta_is_logit};
   auto fwd = training_forward_impl(op, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
-                                   lower_bound);
+                                   lower_bound, m);
   auto grads = training_backward_impl(op, q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd),
-                                      initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound);
+                                      initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
   // dinitial_state in initial_state's dtype (kda_ops/_fake.py).
   if (initial_state.scalar_type() != at::kFloat)
     std::get<7>(grads) = std::get<7>(grads).to(initial_state.scalar_type());

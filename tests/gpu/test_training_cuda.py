@@ -373,7 +373,7 @@ def test_cuda_graph_capture_backward():
 
 
 def test_rejects_unsupported_public_api():
-    x = make_inputs(B=1, T=4, H=1, HV=1, K=64, V=64, device="cuda")
+    x = make_inputs(B=1, T=4, H=1, HV=1, K=32, V=32, device="cuda")  # (K = V in {64, 128} on CUDA)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"])
     with pytest.raises(ValueError):
         kda_ops.recurrent_kda_training_forward(*args)
@@ -392,11 +392,11 @@ import torch, kda_ops
 from kda_ops.reference import make_inputs
 f = torch.ops.kda.recurrent_kda_training_forward
 N = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-x = make_inputs(B=1, T=4, H=1, HV=1, K=64, V=64, device="cuda")
+x = make_inputs(B=1, T=4, H=1, HV=1, K=32, V=32, device="cuda")
 y = make_inputs(B=1, T=4, H=1, HV=1, device="cuda")
 a64, a = [x[n] for n in N], [y[n] for n in N]
 half = [t.half() for t in a[:5]] + a[5:]
-for label, args, exc in (("K64", a64 + [None, 0.1, -5.0], ValueError), ("lambda", a + [None, 0.1, -6.0], ValueError),
+for label, args, exc in (("K32", a64 + [None, 0.1, -5.0], ValueError), ("lambda", a + [None, 0.1, -6.0], ValueError),
                          ("fp16", half + [None, 0.1, -5.0], TypeError)):
     try:
         f(*args)
@@ -591,3 +591,95 @@ def test_uncovered_tokens_hold_inf(group):
     _report(f"uncovered_inf_group{group}: {_fmt(errs)}")
     bad = [n_ for n_, (r, _) in errs.items() if not r <= TOL_GRAD]
     assert not bad, f"over tolerance {bad}: {_fmt(errs)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# every mode of recurrent_kda: gate (precomputed / softplus / lower bound) x beta (logit / plain) x L2 norm
+# (on / off), K = V in {64, 128}. The CUDA forward runs every mode on the kernels; the backward kernels cover
+# the default modes at K = 128 and the others run the CPU op on host copies (csrc/api/training_cuda.cpp).
+
+from _training_cases import MODES, make_case, mode_id, reference_grads  # noqa: E402
+
+_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+def _to_cuda(x: dict) -> dict:
+    return {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+
+
+def _check_mode_grads(label, grads, ref):
+    errs = {}
+    for n, a, e in zip(GRADS, grads, ref, strict=True):
+        if e is None:
+            assert a is None, f"{label}: {n} must be None"
+            continue
+        assert a is not None and a.is_cuda and tuple(a.shape) == tuple(e.shape), f"{label}: {n} shape/device"
+        assert torch.isfinite(a.float()).all(), f"{label}: {n} not finite"
+        errs[n] = (rel_rms(a, e), _maxabs(a, e))
+    _report(f"modes {label}: {_fmt(errs)}")
+    bad = {n: r for n, (r, _) in errs.items() if r > TOL_GRAD}
+    assert not bad, f"{label}: gradients above {TOL_GRAD}: {bad}"
+
+
+# (label, mode, K, T or lengths, H, HV, λ, initial state "random" / "zero" / None)
+_MODE_CASES = []
+for _i, _m in enumerate(MODES):
+    _MODE_CASES.append((f"{mode_id(_m)}-K128-T65", _m, 128, 65, 1, 2, -5.0, "random"))
+    _MODE_CASES.append((f"{mode_id(_m)}-K64-T17", _m, 64, 17, 2, 2, -1.0, "zero"))
+    _MODE_CASES.append((f"{mode_id(_m)}-K128-packed", _m, 128, [0, 64, 0, 1, 130], 1, 4, -1.0, None))
+for _m, _T in ((("softplus", True, True), 1024), (("precomputed", False, False), 4097), (("lower_bound", False, True), 1024)):
+    _MODE_CASES.append((f"{mode_id(_m)}-K128-T{_T}", _m, 128, _T, 1, 1, -5.0, "random"))
+_MODE_CASES.append(("lower_bound-logit-l2-K64-T1", ("lower_bound", True, True), 64, 1, 1, 4, -5.0, "random"))
+_MODE_CASES.append(("softplus-plain-nol2-K64-T64", ("softplus", False, False), 64, 64, 1, 2, -5.0, None))
+
+
+@pytest.mark.parametrize("case", _MODE_CASES, ids=[c[0] for c in _MODE_CASES])
+def test_training_every_mode_vs_reference(case):
+    """kda_ops.kda on CUDA (forward with tapes + the backward) in each mode: output, final state and the eight
+    gradients against fp64 autograd through the token loop; recurrent_kda_backward gives the same gradients."""
+    label, mode, Kd, T, H, HV, lam, init = case
+    cu = None
+    if isinstance(T, list):
+        cu = [0]
+        for n in T:
+            cu.append(cu[-1] + n)
+    x, kw, do, dS = make_case(
+        mode, T=T if cu is None else 1, cu=cu, H=H, HV=HV, K=Kd, init=init is not None, seed=len(label), lb=lam
+    )
+    if init == "zero":
+        x["initial_state"].zero_()
+    ro, rfs, ref = reference_grads(x, kw, do, dS)
+    c = _to_cuda(x)
+    leaves = {n: None if c[n] is None else c[n].detach().clone().requires_grad_() for n in _NAMES}
+    o, fs = kda_ops.kda(
+        *(leaves[n] for n in _NAMES), cu_seqlens=c["cu_seqlens"], output_final_state=True, **kw
+    )
+    assert rel_rms(o, ro) <= TOL_OUT, f"{label}: output rel RMS {rel_rms(o, ro):.2e}"
+    assert rel_rms(fs, rfs) <= TOL_STATE, f"{label}: final state rel RMS {rel_rms(fs, rfs):.2e}"
+    (o.float() * do.cuda().float()).sum().add((fs * dS.cuda()).sum()).backward()
+    grads = [None if leaves[n] is None else leaves[n].grad for n in _NAMES]
+    if x["initial_state"] is None:
+        ref = ref[:7] + [None]
+        grads = grads[:7] + [None]
+    _check_mode_grads(label + " kda", grads, ref)
+    if x["initial_state"] is not None:
+        args = [c[n] for n in _NAMES]
+        g2 = kda_ops.recurrent_kda_backward(*args, do.cuda(), dS.cuda(), cu_seqlens=c["cu_seqlens"], **kw)
+        _check_mode_grads(label + " recurrent_kda_backward", list(g2), ref)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
+def test_training_forward_every_mode_matches_cpu(mode):
+    """The CUDA forward with tapes (the chunked kernel's checkpoints) against the CPU op in each mode: output,
+    final state and the tapes, packed with a zero-length row, GQA 2."""
+    cu = [0, 130, 130, 200]
+    x, kw, _, _ = make_case(mode, cu=cu, H=1, HV=2, K=128, seed=1)
+    args = [x[n] for n in _NAMES]
+    o_c, fs_c, ctx_c = kda_ops.recurrent_kda_training_forward(*args, cu_seqlens=x["cu_seqlens"], **kw)
+    c = _to_cuda(x)
+    o_g, fs_g, ctx_g = kda_ops.recurrent_kda_training_forward(
+        *(c[n] for n in _NAMES), cu_seqlens=c["cu_seqlens"], cu_seqlens_cpu=x["cu_seqlens"], **kw
+    )
+    assert rel_rms(o_g, o_c) <= TOL_OUT and rel_rms(fs_g, fs_c) <= TOL_STATE
+    assert rel_rms(ctx_g.tapes, ctx_c.tapes) <= TOL_STATE
+    assert torch.equal(ctx_g.tape_cu_starts.cpu(), ctx_c.tape_cu_starts)

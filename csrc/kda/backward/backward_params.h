@@ -49,6 +49,10 @@ struct TrainingBackwardParams {
 
   float scale = 0.f;        // q scale (> 0)
   float lower_bound = 0.f;  // λ in [-5, 0)
+  // Modes (the lower-bound gate is the only gate here): β = sigmoid(beta) or beta itself; q, k L2-normalised in
+  // the op or taken as given (then no norm chain in the backward).
+  bool beta_is_logit = true;
+  bool use_qk_l2norm = true;
 
   // Outputs written by the sweep (all compact; tokens outside covered_tokens are zeroed by the launcher).
   void* dv = nullptr;               // [B, T, HV, 128] bf16

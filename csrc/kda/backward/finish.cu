@@ -68,8 +68,9 @@ __global__ void __launch_bounds__(256) kda_training_backward_qk_finish_kernel(co
   }
   ss = warp_sum32(ss);
   dot = warp_sum32(dot);
-  const float rho = rsqrtf(ss + kL2NormEps);
-  const float c3 = rho * rho * rho * dot;
+  // without the L2 norm: dx~ = dx (ρ = 1, no projection)
+  const float rho = p.use_qk_l2norm ? rsqrtf(ss + kL2NormEps) : 1.f;
+  const float c3 = p.use_qk_l2norm ? rho * rho * rho * dot : 0.f;
 #pragma unroll
   for (int e = 0; e < 4; ++e) st_bf16(out, (ti * p.H + h) * kDim + 4 * lane + e, rho * dx[e] - c3 * xr[e]);
 }

@@ -360,8 +360,9 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
         sk = fmaf(kx[e], kx[e], sk);
         sq = fmaf(qx[e], qx[e], sq);
       }
-      const float rk = rsqrtf(warp_sum32(sk) + kL2NormEps);
-      const float r0 = rsqrtf(warp_sum32(sq) + kL2NormEps);
+      // (without the L2 norm: ρ = 1, and the q, k rows are used as given)
+      const float rk = p.use_qk_l2norm ? rsqrtf(warp_sum32(sk) + kL2NormEps) : 1.f;
+      const float r0 = p.use_qk_l2norm ? rsqrtf(warp_sum32(sq) + kL2NormEps) : 1.f;
       const float rq = r0 * p.scale;
       if (lane == 0) sm.rho_q[tl] = r0, sm.rho_k[tl] = rk;
 #pragma unroll
@@ -369,7 +370,10 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
         kx[e] *= rk;
         qx[e] *= rq;
       }
-      if (lane == 0) sm.beta[tl] = sigmoidf_(ld_bf16(p.beta.ptr, p.beta.offset(tk.s.batch, tok, tk.hv)));
+      if (lane == 0) {
+        const float bx = ld_bf16(p.beta.ptr, p.beta.offset(tk.s.batch, tok, tk.hv));
+        sm.beta[tl] = p.beta_is_logit ? sigmoidf_(bx) : bx;
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) kx[e] = qx[e] = vv[e] = dd[e] = 0.f;
@@ -557,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
             if (t < len) {
               const float b = sm.beta[t];
               const int64_t ti = tk.s.batch * p.T + t0 + t;
-              if (lane == 0) st_bf16(p.dbeta, ti * p.HV + tk.hv, s * b * (1.f - b));
+              if (lane == 0) st_bf16(p.dbeta, ti * p.HV + tk.hv, p.beta_is_logit ? s * b * (1.f - b) : s);
               const int64_t o = (ti * p.HV + tk.hv) * kD + 4 * lane;
               st_bf16(p.dv, o + 0, b * dy.x);
               st_bf16(p.dv, o + 1, b * dy.y);
@@ -626,7 +630,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
             const float4 dqh = ld4(sm.dO + o), dkh = ld4(sm.vx + o), kh = ld4(sm.kn + o), qs4 = ld4(sm.qs + o);
             const float is = 1.f / p.scale;
             const float4 qh = make_float4(qs4.x * is, qs4.y * is, qs4.z * is, qs4.w * is);
-            const float dotq = warp_sum32(dot4(qh, dqh, 0.f)), dotk = warp_sum32(dot4(kh, dkh, 0.f));
+            // without the L2 norm (ρ = 1): dx = dx̂, no projection
+            const float dotq = p.use_qk_l2norm ? warp_sum32(dot4(qh, dqh, 0.f)) : 0.f;
+            const float dotk = p.use_qk_l2norm ? warp_sum32(dot4(kh, dkh, 0.f)) : 0.f;
             const float rq = sm.rho_q[w], rk = sm.rho_k[w];
             const int64_t oo = ((tk.s.batch * p.T + t0 + w) * p.H + tk.hq) * kD + 4 * lane;
             const __nv_bfloat162 q01 = __floats2bfloat162_rn(rq * (dqh.x - dotq * qh.x), rq * (dqh.y - dotq * qh.y));

@@ -131,8 +131,8 @@ RecurrentParams chain_as_recurrent(const BackwardChainParams& c) {
   p.scale = c.scale;
   p.gate_mode = GateMode::kLowerBound;
   p.lower_bound = c.lower_bound;
-  p.use_qk_l2norm = true;
-  p.beta_is_logit = true;
+  p.use_qk_l2norm = c.use_qk_l2norm;
+  p.beta_is_logit = c.beta_is_logit;
   return p;
 }
 
