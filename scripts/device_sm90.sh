@@ -3,13 +3,16 @@
 # smallest cases first, per-case errors of both kernels against the fp64 reference, a diagnosis of the first
 # failing case; a hang means a pipeline deadlock and stops it), compute-sanitizer memcheck of the first failing
 # case alone, the tests of tests/gpu/test_chunked_sm90.py, and a timing table Hopper vs mma.sync kernel
-# (scripts/sm90_bench.py). Logs into $OUT. The whole run stays under 5 minutes.
+# (scripts/sm90_bench.py, both kernel variants and the profile tables). Logs into $OUT. The whole run stays
+# under 5 minutes.
 #
 #   OUT=/tmp/out bash scripts/device_sm90.sh          # build smoke tests bench
 #   STAGES="smoke tests" bash scripts/device_sm90.sh  # a subset (after a build)
 #
-# Success: smoke.log ends with "smoke: OK" (every case "OK ... ran=True"), tests.log and tests_shared.log with
-# "N passed" and no failures, bench.log has the table (sm90 vs mma ms per call, "sm90 ran" True).
+# Success: smoke.log (the default variant 1) and smoke_v0.log (KDA_SM90_VARIANT=0) end with "smoke: OK" (every
+# case "OK ... ran=True"), tests.log, tests_v0.log and tests_shared.log with "N passed" and no failures,
+# bench.log has the table (sm90 v0 / v1 vs mma ms per call, "sm90 ran" True) and the two profile tables
+# ("kda_chunked_sm90 profile, variant V": cycles per chunk per segment of each role in CTA 0).
 # On failure: smoke.log's "FAIL"/"ERROR" line and the diagnosis block after it, the "kda_chunked_sm90:" lines
 # (tensor-map encode results, grid, launch error), smoke_memcheck.log.
 set -uo pipefail
@@ -45,8 +48,12 @@ for s in $STAGES; do
   case $s in
     build)
       KDA_PTXAS_VERBOSE=1 run build 240 python3 setup.py -q build_ext --inplace || exit 1
-      grep -A4 "kda_chunked_sm90" "$OUT/build.log" | grep -E "registers|spill|stack" | head -5 ;;
+      # ptxas of the four instantiations (<profile, variant>): the Function properties line names each
+      grep -E "kda_chunked_sm90_kernel|C7517" -A2 "$OUT/build.log" | grep -E "Function properties|injected|spill|registers" \
+        | sed 's/.*kda_chunked_sm90_kernelI/kernel</' | head -16 ;;
     smoke)
+      # the first version of the kernel (KDA_SM90_VARIANT=0) first, then the default (1)
+      TAIL=30 KDA_SM90_VARIANT=0 run smoke_v0 60 python3 scripts/sm90_smoke.py
       rm -f "$OUT/smoke_first_fail"
       TAIL=100 SMOKE_FIRST_FAIL="$OUT/smoke_first_fail" run smoke 90 python3 scripts/sm90_smoke.py
       SMOKE_RC=$?
@@ -61,9 +68,11 @@ for s in $STAGES; do
         echo "== $s: skipped (the smoke call hung)"; continue; fi ;;&
     tests)  # this path's own tests first, then the shared chunked tests re-run on it
       run tests 75 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper tests/gpu/test_chunked_sm90.py
+      KDA_SM90_VARIANT=0 run tests_v0 75 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper \
+        tests/gpu/test_chunked_sm90.py
       run tests_shared 90 python3 -m pytest -q -rf --maxfail=10 -p no:cacheprovider -k "not hopper" \
         tests/gpu/test_chunked_sm90.py ;;
-    bench) run bench 60 python3 scripts/sm90_bench.py ;;
+    bench) TAIL=60 run bench 90 python3 scripts/sm90_bench.py ;;
     *) echo "unknown stage $s" ;;
   esac
 done

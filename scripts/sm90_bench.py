@@ -1,7 +1,9 @@
 """Hopper chunked kernel (KDA_CHUNKED_KERNEL=sm90) vs the mma.sync kernel: ms per prefill call on the GPU machine
 (K = V = 128, λ = -5 lower-bound gate, logit β, L2 norm, bf16 tokens and bf16 state pool, preallocated output;
-median of 20 calls after 3 warm-up calls, CUDA events). Prints a markdown table and whether the Hopper kernel
-ran (profiler) for each case; a case the Hopper kernel does not take is marked, not timed twice.
+median of 20 calls after 3 warm-up calls, CUDA events). Prints a markdown table (both variants of the Hopper
+kernel, KDA_SM90_VARIANT=0|1, their largest output/state difference) and whether the Hopper kernel ran
+(profiler) for each case, then the profile instantiation's per-segment cycle table (KDA_SM90_PROFILE=1) of
+CTA 0 at H=96 T=8192 for each variant (on stderr).
 
     python3 scripts/sm90_bench.py
 """
@@ -47,34 +49,76 @@ def ran_sm90(kw):
     return any("kda_chunked_sm90" in e.name for e in prof.events())
 
 
+def set_kernel(kern):
+    """'mma', or 'sm90:V' (the Hopper kernel's variant V, KDA_SM90_VARIANT)."""
+    os.environ["KDA_CHUNKED_KERNEL"] = kern.split(":")[0]
+    if ":" in kern:
+        os.environ["KDA_SM90_VARIANT"] = kern.split(":")[1]
+
+
+def call(kw):
+    # the pool is updated in place: every call starts from the same bf16 state values anyway (timing only)
+    return kda_ops.recurrent_kda(**kw)
+
+
 def time_it(kw, kern, reps=20):
-    os.environ["KDA_CHUNKED_KERNEL"] = kern
+    set_kernel(kern)
     for _ in range(3):
-        kda_ops.recurrent_kda(**kw)
+        call(kw)
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        kda_ops.recurrent_kda(**kw)
+        call(kw)
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b))
     return statistics.median(ts)
 
 
+def output_of(kw, kern):
+    set_kernel(kern)
+    pool0 = kw["initial_state"].clone()
+    kw2 = dict(kw, initial_state=pool0, output=torch.empty_like(kw["output"]))
+    call(kw2)
+    torch.cuda.synchronize()
+    return kw2["output"].float(), pool0.float()
+
+
 def main():
     rows = [("H=96 T=8192", 96, [8192]), ("H=64 T=8192", 64, [8192]), ("H=96 packed 8x1024", 96, [1024] * 8),
             ("H=32 T=8192", 32, [8192])]
+    variants = [0, 1]
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    print("| case | sm90 ms | mma ms | mma/sm90 | sm90 ran |")
-    print("|---|---|---|---|---|")
+    print("| case | " + " | ".join(f"sm90 v{v} ms" for v in variants) + " | mma ms | max|v1-v0| out, state | sm90 ran |")
+    print("|---|" + "---|" * len(variants) + "---|---|---|")
     for name, H, lengths in rows:
         kw = case(H, lengths)
         ran = ran_sm90(kw)
         tm = time_it(kw, "mma")
-        t90 = time_it(kw, "sm90") if ran else float("nan")
-        print(f"| {name} | {t90:.3f} | {tm:.3f} | {tm / t90:.2f} | {ran} |", flush=True)
+        t90 = [time_it(kw, f"sm90:{v}") if ran else float("nan") for v in variants]
+        diff = "-"
+        if ran:
+            o0, s0 = output_of(kw, "sm90:0")
+            o1, s1 = output_of(kw, "sm90:1")
+            diff = f"{(o1 - o0).abs().max().item():.1e}, {(s1 - s0).abs().max().item():.1e}"
+        cols = " | ".join(f"{t:.3f}" for t in t90)
+        print(f"| {name} | {cols} | {tm:.3f} | {diff} | {ran} |", flush=True)
+    # segment clocks of CTA 0 (KDA_SM90_PROFILE=1: the profile instantiation prints its table on stderr)
+    kw = case(96, [8192])
+    for v in variants:
+        set_kernel(f"sm90:{v}")
+        call(kw)  # warm
+        torch.cuda.synchronize()
+        os.environ["KDA_SM90_PROFILE"] = "1"
+        sys.stderr.flush()
+        print(f"profile H=96 T=8192 variant {v}:", flush=True)
+        call(kw)
+        torch.cuda.synchronize()
+        os.environ.pop("KDA_SM90_PROFILE")
+        sys.stderr.flush()
+    os.environ.pop("KDA_SM90_VARIANT", None)
     return 0
 
 

@@ -75,6 +75,51 @@ chunked_sm90::TmaToken token_tma(const RecurrentParams& p, const TokenTensor& t,
   return chunked_sm90::make_token_tma(t.ptr, static_cast<int>(p.T), heads, static_cast<int>(p.B), t.token_stride,
                                       t.head_stride, bs);
 }
+
+// KDA_SM90_VARIANT=0|1 (read per call, default 1): which version of the kernel (chunked_sm90_kernel.cuh,
+// kVariant), so one process can time both. KDA_SM90_PROFILE=1: the profile instantiation, then a stream sync
+// and the per-segment cycle table of CTA 0 on stderr (a debugging aid: not for graph capture).
+int sm90_variant() {
+  const char* e = std::getenv("KDA_SM90_VARIANT");
+  return (e != nullptr && e[0] == '0') ? 0 : 1;
+}
+bool sm90_profile() {
+  const char* e = std::getenv("KDA_SM90_PROFILE");
+  return e != nullptr && e[0] != '\0' && e[0] != '0';
+}
+
+using KernelFn = void (*)(const chunked_sm90::KernelArgs);
+KernelFn kernel_for(bool profile, int variant) {
+  using namespace chunked_sm90;
+  if (profile) return variant == 0 ? kda_chunked_sm90_kernel<true, 0> : kda_chunked_sm90_kernel<true, 1>;
+  return variant == 0 ? kda_chunked_sm90_kernel<false, 0> : kda_chunked_sm90_kernel<false, 1>;
+}
+
+void print_profile(int variant) {
+  using namespace chunked_sm90;
+  unsigned long long h[kProfRoles][kProfSegs + 1] = {};
+  if (cudaMemcpyFromSymbol(h, kda_sm90_prof, sizeof(h)) != cudaSuccess) {
+    std::fprintf(stderr, "kda_chunked_sm90 profile: read failed\n");
+    return;
+  }
+  static const char* const roles[kProfRoles] = {"producer", "prep (warp 0)", "chain WG2", "chain WG3"};
+  static const char* const segs[kProfRoles][kProfSegs] = {
+      {"acq raw", "TMA qkg", "acq v", "TMA v", "-", "-", "-", "-"},
+      {"acq op", "wait raw", "named bar", "gate+norm", "operands", "L+Mqk", "inverse", "commit+loop"},
+      {"wait op", "wait v", "X(+Oi)", "Y+gamma", "U", "S+O", "out", "loop"},
+      {"wait op", "wait v", "X(+Oi)", "Y+gamma", "U", "S+O", "out", "loop"}};
+  std::fprintf(stderr, "kda_chunked_sm90 profile, variant %d, CTA 0: clock64 cycles per chunk per segment (thread 0 of each role)\n",
+               variant);
+  for (int r = 0; r < kProfRoles; ++r) {
+    const unsigned long long nc = h[r][kProfSegs] > 0 ? h[r][kProfSegs] : 1;
+    unsigned long long tot = 0;
+    for (int s = 0; s < kProfSegs; ++s) tot += h[r][s];
+    std::fprintf(stderr, "  %-14s chunks %llu total/chunk %7.0f |", roles[r], h[r][kProfSegs], double(tot) / nc);
+    for (int s = 0; s < kProfSegs; ++s)
+      if (segs[r][s][0] != '-') std::fprintf(stderr, " %s %.0f", segs[r][s], double(h[r][s]) / nc);
+    std::fprintf(stderr, "\n");
+  }
+}
 }  // namespace
 
 cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream) {
@@ -88,22 +133,31 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream) {
   const KernelArgs args{p, token_tma(p, p.q, p.H), token_tma(p, p.k, p.H), token_tma(p, p.g, p.HV),
                         token_tma(p, p.v, p.HV)};
   constexpr int smem = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment of the 1024-byte swizzle
-  static bool attr_set[64] = {};
+  const bool profile = sm90_profile();
+  const int variant = sm90_variant();
+  const KernelFn fn = kernel_for(profile, variant);
+  const int which = (profile ? 2 : 0) + variant;
+  static bool attr_set[64][4] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
-  if (!attr_set[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(kda_chunked_sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (!attr_set[dev][which]) {
+    const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
-    attr_set[dev] = true;
+    attr_set[dev][which] = true;
   }
   const int64_t blocks = p.N * p.HV;
-  kda_chunked_sm90_kernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, smem, stream>>>(args);
+  fn<<<dim3(static_cast<unsigned>(blocks)), kThreads, smem, stream>>>(args);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || verbose())
-    std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s: %s\n",
+    std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d%s: %s\n",
                  static_cast<long long>(blocks), kThreads, smem, static_cast<long long>(p.N), static_cast<int>(p.HV),
                  static_cast<long long>(p.T), static_cast<long long>(p.B), p.seq_order != nullptr ? " seq_order" : "",
-                 cudaGetErrorString(e));
+                 variant, profile ? " profile" : "", cudaGetErrorString(e));
+  if (e == cudaSuccess && profile) {
+    const cudaError_t se = cudaStreamSynchronize(stream);
+    if (se != cudaSuccess) return se;
+    print_profile(variant);
+  }
   return e;
 }
 

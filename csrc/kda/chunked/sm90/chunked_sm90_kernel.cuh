@@ -27,11 +27,19 @@
 // inactive slots, zero or pool start state, final state to the pool or to final_state, seq_order. Everything else
 // (checkpoints, tapes, the backward chain, initial_state_source) runs on the mma.sync kernel. seq_order (the
 // longest-first task order the Python layer sets for packed calls) maps blockIdx to the sequence.
-// Known limits of this first version, in the order they are expected to matter for speed:
+// Variants (template kVariant, chosen per call by KDA_SM90_VARIANT, default 1) and the profile instantiation
+// (kProfile, KDA_SM90_PROFILE=1: clock64 cycles per role and segment of CTA 0 into kda_sm90_prof):
+//   0: the first version;
+//   1: shared-memory accesses in the shared address space (the first version's aligned base lost it, so every
+//      scratch access was a generic 64-bit LD.E/ST.E with 260 B of spills in prep), 16-byte stores of the
+//      swizzled operand tiles at offsets computed by swz_offset, and in the chain X and O_inter as two wgmma
+//      batches with the γ scaling and the v loads between issue and wait.
+// Known limits of the first version, in the order they are expected to matter for speed (the first run: one
+// CTA's serial chain of ~10k cycles per 16-token chunk is the limit, independent of the head count):
 //   * prep is one warpgroup doing G (gate, norms, operands) and then W (L, Mqk, inverse) for each chunk in
 //     sequence; the mma.sync kernel overlaps them on separate warps (needs double-buffered prep scratch);
-//   * operand tiles are written element by element through the swizzled CuTe tensors (16-byte stores of
-//     8 consecutive channels are possible in both swizzles);
+//   * operand tiles are written element by element through the swizzled CuTe tensors (variant 1: 16 bytes);
+//   * prep runs on one warp per scheduler, so each of its ~3k instructions per chunk pays its latency;
 //   * X and O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile), and the output goes
 //     registers -> global as 2-byte stores (TMA store from a staging tile planned);
 //   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
@@ -86,6 +94,18 @@ using LayoutKd = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Sha
 using LayoutKr = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<f16_t>{}, Shape<_128, _16, Int<kOpStages>>{}));
 // INVb, Mqk: (N = 16 output tokens, K = 16 tokens), K-major, 32-byte swizzle.
 using LayoutT16 = decltype(tile_to_shape(GMMA::Layout_K_SW32_Atom<f16_t>{}, Shape<_16, _16, Int<kOpStages>>{}));
+
+// Element offset of a coordinate in one of the swizzled layouts above, computed on offsets instead of through
+// a swizzled smem pointer (CuTe applies the swizzle to the address bits after an integer cast, which turns
+// the access into a generic 64-bit one); equal to the pointer form because every tile is 1024-byte aligned
+// (scripts/sm90_layout_check.cu checks both facts on the host).
+// The GMMA atoms' swizzle (Sw<3,4,3> for the 128-byte one) acts on byte offsets.
+template <class L, class... Is>
+CUTE_HOST_DEVICE int swz_offset(L, Is... is) {
+  constexpr int kBytes = 2;  // every swizzled tile here holds 16-bit elements
+  const int bytes = static_cast<int>(get_nonswizzle_portion(L{})(is...)) * kBytes;
+  return static_cast<int>(get_swizzle_portion(L{})(bytes)) / kBytes;
+}
 
 using PipeRaw = cutlass::PipelineTmaAsync<kRawStages>;
 using PipeV = cutlass::PipelineTmaAsync<kVStages>;
@@ -169,6 +189,59 @@ __device__ __forceinline__ uint4 pack8_bf16(const float (&x)[8]) {
   return make_uint4(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]), pack_bf16x2(x[4], x[5]), pack_bf16x2(x[6], x[7]));
 }
 
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint4 pack8_f16(const float (&x)[8]) {
+  return make_uint4(pack_f16x2(x[0], x[1]), pack_f16x2(x[2], x[3]), pack_f16x2(x[4], x[5]), pack_f16x2(x[6], x[7]));
+}
+
+// ---- profile instantiation: per role (producer, prep, chain WG2, chain WG3) and per segment of the chunk loop,
+// the clock64() cycles summed over the chunks of CTA 0, measured by the first thread of each role. Segments
+// named in kProfNames (csrc/instantiations/chunked_sm90_vb128.cu prints them). Slot [role][kProfSegs] holds
+// the chunk count.
+constexpr int kProfRoles = 4, kProfSegs = 8;
+struct ProfClock {
+  unsigned long long acc[kProfSegs];
+  long long t;
+  __device__ __forceinline__ void start() {
+#pragma unroll
+    for (int i = 0; i < kProfSegs; ++i) acc[i] = 0;
+    t = clock64();
+  }
+  __device__ __forceinline__ void mark(int seg) {  // the time since the last mark goes to `seg`
+    const long long now = clock64();
+    acc[seg] += static_cast<unsigned long long>(now - t);
+    t = now;
+  }
+};
+// (this header is compiled into one translation unit, the launcher's, which reads it with cudaMemcpyFromSymbol)
+__device__ unsigned long long kda_sm90_prof[kProfRoles][kProfSegs + 1];
+template <bool kProfile>
+struct Prof {
+  ProfClock c;
+  bool on;
+  __device__ __forceinline__ void start(bool leader) {
+    if constexpr (kProfile) {
+      on = leader && blockIdx.x == 0;
+      c.start();
+    }
+  }
+  __device__ __forceinline__ void mark(int seg) {
+    if constexpr (kProfile) c.mark(seg);
+  }
+  __device__ __forceinline__ void finish(int role, int64_t chunks) {
+    if constexpr (kProfile) {
+      if (on) {
+#pragma unroll
+        for (int i = 0; i < kProfSegs; ++i) kda_sm90_prof[role][i] = c.acc[i];
+        kda_sm90_prof[role][kProfSegs] = static_cast<unsigned long long>(chunks);
+      }
+    }
+  }
+};
+
 // log-decay in log2 units (kda/common/recurrent_rules.h gate_log_decay times log2 e); A, Adtb, lb pre-scaled.
 template <GateMode M>
 __device__ __forceinline__ float gate_a(float x, float A, float Adtb, float dtb, float lb) {
@@ -202,11 +275,25 @@ __device__ __forceinline__ void gate_prefix(const bf16_t* graw, float* gp, int d
   gc = acc;
 }
 
+// kProfile: the profile instantiation (segment clocks of CTA 0 into kda_sm90_prof). kVariant 0: the first
+// version; 1: 16-byte stores of the swizzled operand tiles in prep; in the chain, X and O_inter as two
+// batches (Y waits only for X), the γ scaling of the state and the v loads while the X product runs.
+template <bool kProfile, int kVariant>
 __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(KDA_SM90_DEVICE)
   const RecurrentParams& p = args.p;
   extern __shared__ char smem_raw[];
-  SharedStorage& ss = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // The 1024-byte alignment of the swizzled tiles. Variant 1 aligns by an offset from the __shared__ array, so
+  // the compiler keeps the shared address space (LDS/STS with 32-bit addresses); the first version's integer
+  // round trip made every scratch access a generic 64-bit LD.E/ST.E.
+  char* smem_base;
+  if constexpr (kVariant >= 1) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+    smem_base = smem_raw + ((1024u - (a & 1023u)) & 1023u);
+  } else {
+    smem_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  }
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_base);
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
   const int hv = static_cast<int>(blockIdx.x % p.HV);
@@ -281,18 +368,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       auto [tVg, tVs] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       auto st_raw = cutlass::make_producer_start_state<PipeRaw>();
       auto st_v = cutlass::make_producer_start_state<PipeV>();
+      Prof<kProfile> prof;
+      prof.start(true);
       for (int64_t c = 0; c < n_chunks; ++c) {
         pipe_raw.producer_acquire(st_raw);
+        prof.mark(0);
         auto* bar = pipe_raw.producer_get_barrier(st_raw);
         const int s = st_raw.index();
         copy(args.tma_q.with(*bar), tQg(_, c), tQs(_, s));
         copy(args.tma_k.with(*bar), tKg(_, c), tKs(_, s));
         copy(args.tma_g.with(*bar), tGg(_, c), tGs(_, s));
         ++st_raw;
+        prof.mark(1);
         pipe_v.producer_acquire(st_v);
+        prof.mark(2);
         copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v)), tVg(_, c), tVs(_, st_v.index()));
         ++st_v;
+        prof.mark(3);
       }
+      prof.finish(0, n_chunks);
     }
     return;
   }
@@ -316,16 +410,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     Tensor sKr = make_tensor(make_smem_ptr(ss.kr), LayoutKr{});
     Tensor sInv = make_tensor(make_smem_ptr(ss.invb), LayoutT16{});
     Tensor sMqk = make_tensor(make_smem_ptr(ss.mqk), LayoutT16{});
+    // element references into the 16x16 tiles (variant 1: offsets from the shared arrays, see swz_offset)
+    auto mqk_ref = [&](int i, int j, int s) -> f16_t& {
+      if constexpr (kVariant >= 1) return ss.mqk[swz_offset(LayoutT16{}, i, j, s)];
+      else return sMqk(i, j, s);
+    };
+    auto inv_ref = [&](int i, int j, int s) -> f16_t& {
+      if constexpr (kVariant >= 1) return ss.invb[swz_offset(LayoutT16{}, i, j, s)];
+      else return sInv(i, j, s);
+    };
     typename PipeRaw::PipelineState st_raw;  // consumer: stage 0, phase 0
     auto st_op = cutlass::make_producer_start_state<PipeOp>();
     __nv_bfloat16 beta_next = load_beta(0);
+    Prof<kProfile> prof;
+    prof.start(ptid == 0);
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int cl = chunk_len(c);
       const __nv_bfloat16 beta_raw = beta_next;
       beta_next = load_beta(c + 1);
+      prof.mark(7);
       pipe_op.producer_acquire(st_op);
+      prof.mark(0);
       pipe_raw.consumer_wait(st_raw);
+      prof.mark(1);
       named_sync(kBarPrep, 128);  // the previous chunk's scratch readers are done
+      prof.mark(2);
       const int rs = st_raw.index(), os = st_op.index();
       const bf16_t* rq_ = ss.q + rs * kC * kD;
       const bf16_t* rk_ = ss.k + rs * kC * kD;
@@ -377,7 +486,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
         const float x = bfv(beta_raw);
         ss.beta[ptid] = ptid < cl ? (p.beta_is_logit ? __fdividef(1.f, 1.f + __expf(-x)) : x) : 0.f;
       }
+      prof.mark(3);
       const bool pairwise = named_sync_or(kBarPrep, 128, wide);
+      prof.mark(2);
 
       // ---- decayed operand tiles: 2 items of (row i, 8 channels) per thread
 #pragma unroll
@@ -423,11 +534,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
             kr[e] = kk[e] * exp2f(ss.gc[d0 + e] - gi[e]);
           }
         }
+        if constexpr (kVariant >= 1) {
+          // 8 consecutive channels are 16 contiguous, 16-byte aligned bytes in both swizzled layouts
+          // (K-major SW128: a row's 64-element atom row, permuted in 8-element pieces; MN-major SW128 likewise
+          // along the channels); scripts/sm90_layout_check.cu checks this on the host.
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          sKd(i, d0 + e, os) = bf16_t(kp[e]);
-          sQd(i, d0 + e, os) = bf16_t(qp[e]);
-          sKr(d0 + e, i, os) = f16_t(sat_f16(kr[e]));
+          for (int e = 0; e < 8; ++e) kr[e] = sat_f16(kr[e]);
+          *reinterpret_cast<uint4*>(ss.kd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kp);
+          *reinterpret_cast<uint4*>(ss.qd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(qp);
+          *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_f16(kr);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            sKd(i, d0 + e, os) = bf16_t(kp[e]);
+            sQd(i, d0 + e, os) = bf16_t(qp[e]);
+            sKr(d0 + e, i, os) = f16_t(sat_f16(kr[e]));
+          }
         }
       }
       if (pairwise) {
@@ -445,12 +567,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
             mq *= ss.rq[i] * ss.rk[jj];
           }
           ss.ap[e] = jj < i ? ss.beta[i] * l : 0.f;
-          sMqk(i, jj, os) = f16_t(sat_f16(mq));
+          mqk_ref(i, jj, os) = f16_t(sat_f16(mq));
         }
       }
       pipe_raw.consumer_release(st_raw);  // done with the raw tiles
       ++st_raw;
+      prof.mark(4);
       named_sync(kBarPrep, 128);  // Km/Qm/Kn (or A', Mqk) complete
+      prof.mark(2);
 
       if (pwarp <= 1 && !pairwise) {
         // warp 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); warp 1 at the same time: Mqk = tril(Qm Knᵀ).
@@ -478,10 +602,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
             if (pwarp == 0)
               ss.ap[i * kC + jj] = jj < i ? ss.beta[i] * x : 0.f;
             else
-              sMqk(i, jj, os) = f16_t(jj <= i ? sat_f16(x) : 0.f);
+              mqk_ref(i, jj, os) = f16_t(jj <= i ? sat_f16(x) : 0.f);
           }
         __syncwarp();
       }
+      prof.mark(5);
       if (pwarp == 0) {
         // INV = (I + A')^{-1}: 8x8 diagonal blocks by forward substitution (lane c of each half-warp owns
         // column c of its block), then X = -I2 A'21 I1. INVb = INV diag(β).
@@ -527,24 +652,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
               x0 = fmaf(ss.i2s[r * 8 + mm], tcol[mm], x0);
               x1 = fmaf(ss.i2s[r * 8 + mm + 1], tcol[mm + 1], x1);
             }
-            sInv(r, c8, os) = f16_t(sat_f16(col[r] * bc));
-            sInv(8 + r, c8, os) = f16_t(sat_f16(-(x0 + x1) * bc));
+            inv_ref(r, c8, os) = f16_t(sat_f16(col[r] * bc));
+            inv_ref(8 + r, c8, os) = f16_t(sat_f16(-(x0 + x1) * bc));
           }
         } else if (lane < 16) {
           const float bc = ss.beta[8 + c8];
 #pragma unroll
           for (int r = 0; r < 8; ++r) {
-            sInv(r, 8 + c8, os) = f16_t(0.f);
-            sInv(8 + r, 8 + c8, os) = f16_t(sat_f16(col[r] * bc));
+            inv_ref(r, 8 + c8, os) = f16_t(0.f);
+            inv_ref(8 + r, 8 + c8, os) = f16_t(sat_f16(col[r] * bc));
           }
         }
         __syncwarp();
       }
       // generic-proxy writes of the operand tiles -> visible to wgmma (async proxy), then publish
+      prof.mark(6);
       cutlass::arch::fence_view_async_shared();
       pipe_op.producer_commit(st_op);
       ++st_op;
     }
+    prof.finish(1, n_chunks);
     return;
   }
 
@@ -611,11 +738,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
 
   typename PipeV::PipelineState st_v;
   typename PipeOp::PipelineState st_op;
+  Prof<kProfile> prof;
+  prof.start(ctid == 0);
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int cl = chunk_len(c);
+    prof.mark(7);
     pipe_op.consumer_wait(st_op);
-    pipe_v.consumer_wait(st_v);
-    const int os = st_op.index(), vs = st_v.index();
+    prof.mark(0);
+    if constexpr (kVariant == 0) {
+      pipe_v.consumer_wait(st_v);
+      prof.mark(1);
+    }
+    const int os = st_op.index();
 
     // ---- Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ
 #pragma unroll
@@ -625,24 +759,62 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     warpgroup_fence_operand(aS);
     warpgroup_fence_operand(accX);
     warpgroup_fence_operand(accO);
-    warpgroup_arrive();
-    gemm(mma_x, aS, bKd(_, _, _, os), accX);
-    gemm(mma_x, aS, bQd(_, _, _, os), accO);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accX);
-    warpgroup_fence_operand(accO);
+    const float* gam = ss.gamma[os];
+    float vv[size(accX)];
+    if constexpr (kVariant >= 1) {
+      // two batches: Y needs X only; O_inter completes while Y and U are computed
+      warpgroup_arrive();
+      gemm(mma_x, aS, bKd(_, _, _, os), accX);
+      warpgroup_commit_batch();
+      gemm(mma_x, aS, bQd(_, _, _, os), accO);
+      warpgroup_commit_batch();
+      prof.mark(2);
+      // while the products run: S ⊙ γ_C (accS is not an operand of them: A is its bf16 copy aS) and v
+      warpgroup_fence_operand(accS);
+#pragma unroll
+      for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
+      warpgroup_fence_operand(accS);
+      prof.mark(3);
+      pipe_v.consumer_wait(st_v);
+      prof.mark(1);
+      const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_v.index() * kC * kD;
+#pragma unroll
+      for (int i = 0; i < size(accX); ++i) {
+        const int m = get<0>(cX(i)), t = get<1>(cX(i));
+        vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
+      }
+      pipe_v.consumer_release(st_v);
+      ++st_v;
+      prof.mark(3);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(accX);
+      prof.mark(2);
+    } else {
+      warpgroup_arrive();
+      gemm(mma_x, aS, bKd(_, _, _, os), accX);
+      gemm(mma_x, aS, bQd(_, _, _, os), accO);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accX);
+      warpgroup_fence_operand(accO);
+      prof.mark(2);
+      const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_v.index() * kC * kD;
+#pragma unroll
+      for (int i = 0; i < size(accX); ++i) {
+        const int m = get<0>(cX(i)), t = get<1>(cX(i));
+        vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
+      }
+      pipe_v.consumer_release(st_v);
+      ++st_v;
+    }
 
     // ---- Yᵀ = Vᵀ - Xᵀ (tokens past the end: 0)
-    const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + vs * kC * kD;
 #pragma unroll
     for (int i = 0; i < size(accX); ++i) {
-      const int m = get<0>(cX(i)), t = get<1>(cX(i));
-      const float y = t < cl ? bfv(vt[t * kD + v0 + m]) - accX(i) : 0.f;
-      aY(i) = f16_t(sat_f16(y));
+      const int t = get<1>(cX(i));
+      aY(i) = f16_t(sat_f16(t < cl ? vv[i] - accX(i) : 0.f));
     }
-    pipe_v.consumer_release(st_v);
-    ++st_v;
+    prof.mark(3);
 
     // ---- Uᵀ = Yᵀ INVbᵀ
     clear(accU);
@@ -651,15 +823,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     warpgroup_arrive();
     gemm(mma_u, aY, bInv(_, _, _, os), accU);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
+    warpgroup_wait<0>();  // (variant 1: also O_inter, long done by now)
     warpgroup_fence_operand(accU);
+    warpgroup_fence_operand(accO);
 #pragma unroll
     for (int i = 0; i < size(accU); ++i) aU(i) = f16_t(sat_f16(accU(i)));
+    prof.mark(4);
 
     // ---- S = S ⊙ γ_C + Uᵀ Kr;  Oᵀ = O_interᵀ + Uᵀ Mqkᵀ
-    const float* gam = ss.gamma[os];
+    if constexpr (kVariant == 0) {
 #pragma unroll
-    for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
+      for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
+    }
     warpgroup_fence_operand(aU);
     warpgroup_fence_operand(accS);
     warpgroup_fence_operand(accO);
@@ -672,6 +847,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     warpgroup_fence_operand(accO);
     pipe_op.consumer_release(st_op);
     ++st_op;
+    prof.mark(5);
 
     // ---- output rows of this chunk (registers -> global)
     const int64_t t0 = sr.bos + c * kC;
@@ -680,7 +856,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       const int m = get<0>(cX(i)), t = get<1>(cX(i));
       if (t < cl) out_ptr(t0 + t)[v0 + m] = __float2bfloat16_rn(accO(i));
     }
+    prof.mark(6);
   }
+  prof.finish(2 + cw, n_chunks);
 
   auto store_state = [&](void* base, DType dt, int64_t off) {
 #pragma unroll
