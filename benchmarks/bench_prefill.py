@@ -28,7 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
+    add_cases_arg,
     bar_plot,
+    chosen_cases,
     cuda_time_ms,
     fmt,
     import_fla_kda,
@@ -151,7 +153,7 @@ def import_cudnn_kda() -> Any:
 
 def main() -> None:
     def extra(ap: Any) -> None:
-        ap.add_argument("--cases", default="", help="comma list of case indices (default: all)")
+        add_cases_arg(ap)
         ap.add_argument("--no-graph", action="store_true", help="eager timings only")
         ap.add_argument("--fla", action="store_true", help="also time fla chunk_kda (slow autotune)")
         ap.add_argument("--backends", default="chunked,recurrent", help="our backends to time")
@@ -162,9 +164,7 @@ def main() -> None:
     cudnn_kda = None if args.no_peers else import_cudnn_kda()
     fkda = None if args.no_peers else import_flash_kda()
     fla = import_fla_kda() if args.fla and not args.no_peers else None
-    cases = CASES[:3] if args.quick else CASES
-    if args.cases:
-        cases = [CASES[int(i)] for i in args.cases.split(",")]
+    cases = chosen_cases(CASES, args.cases, CASES[:3] if args.quick else CASES)
     backends = [b for b in args.backends.split(",") if b]
     modes = ["eager"] if args.no_graph else ["eager", "graph"]
     rows, records = [], []

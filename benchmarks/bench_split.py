@@ -34,7 +34,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_prefill import LOWER_BOUND, cudnn_call, flash_kda_call, graph_time_ms, import_cudnn_kda  # noqa: E402
 from benchmarks.bench_prefill import make as make_prefill  # noqa: E402
-from benchmarks.common import cuda_time_ms, fmt, import_flash_kda, parse_args, ratio, try_call, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_cases_arg,
+    chosen_cases,
+    cuda_time_ms,
+    fmt,
+    import_flash_kda,
+    parse_args,
+    ratio,
+    try_call,
+    write_results,
+)
 
 CASES = [
     ("H=8 T=65536", 8, [65536], False),
@@ -90,7 +100,7 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
 
     cudnn_kda = None if args.no_peers else import_cudnn_kda()
     fkda = None if args.no_peers else import_flash_kda()
-    cases = CASES if not args.cases else [CASES[int(i)] for i in args.cases.split(",")]
+    cases = chosen_cases(CASES, args.cases)
     if args.quick:
         cases = cases[:3]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -288,7 +298,7 @@ def training_table(args: Any, kda_ops: Any) -> None:
 
 def main() -> None:
     def extra(ap: Any) -> None:
-        ap.add_argument("--cases", default="", help="comma list of case indices (default: all)")
+        add_cases_arg(ap)
         ap.add_argument("--no-cp", action="store_true", help="skip the context-parallel table")
         ap.add_argument("--no-prefill", action="store_true", help="skip the prefill table")
         ap.add_argument("--no-train", action="store_true", help="skip the training split table")

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (  # noqa: E402
     bar_plot,
+    chosen_cases,
     cuda_time_ms,
     fmt,
     import_fla_kda,
@@ -55,10 +56,7 @@ def main() -> None:
 
     fla = None if args.no_peers else import_fla_kda()
     rows, records = [], []
-    if args.cases:
-        cases = [CASES[int(i) - 1] for i in args.cases.split(",")]
-    else:
-        cases = CASES[:1] if args.quick else CASES
+    cases = chosen_cases(CASES, args.cases, CASES[:1] if args.quick else CASES, first=1)
     t_start = time.time()
     for i_case, (name, H, lens) in enumerate(cases):
         print(f"[bench_train {time.time() - t_start:6.0f} s] case {i_case + 1}/{len(cases)}: {name}", flush=True)

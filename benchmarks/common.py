@@ -30,6 +30,18 @@ def parse_args(name: str, extra: Callable[[argparse.ArgumentParser], None] | Non
     return args
 
 
+def add_cases_arg(ap: argparse.ArgumentParser) -> None:
+    """``--cases``: a comma list of indices into the benchmark's CASES (see chosen_cases)."""
+    ap.add_argument("--cases", default="", help="comma list of case indices (default: all)")
+
+
+def chosen_cases(cases: list, spec: str, default: list | None = None, first: int = 0) -> list:
+    """The cases a ``--cases`` value names (indices counted from `first`), or `default` (all when None)."""
+    if spec:
+        return [cases[int(i) - first] for i in spec.split(",")]
+    return list(cases) if default is None else default
+
+
 def cuda_time_ms(fn: Callable[[], Any], warmup: int = 3, rep: int = 10) -> float:
     """Median wall time of fn() in ms, CUDA events around each call, after `warmup` calls."""
     for _ in range(warmup):

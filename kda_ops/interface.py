@@ -448,21 +448,21 @@ def recurrent_kda(
     ):
         _remember(
             key,
-            d,
-            gate_mode,
-            lb,
-            sc,
-            l2,
-            logit,
-            S,
-            backend_code,
-            zero_uncovered,
-            order is not None,
-            final is not None,
-            out_final,
             (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ssm_idx, n_acc),
             output,
             pool,
+            d=d,
+            gate_mode=gate_mode,
+            lb=lb,
+            sc=sc,
+            l2=l2,
+            logit=logit,
+            S=S,
+            backend_code=backend_code,
+            zero_uncovered=zero_uncovered,
+            need_order=order is not None,
+            alloc_final=final is not None,
+            out_final=out_final,
         )
 
     _recurrent_kda_op(
@@ -506,42 +506,17 @@ def recurrent_kda(
     return out, final_ret
 
 
-def _remember(
-    key,
-    d,
-    gate_mode,
-    lb,
-    sc,
-    l2,
-    logit,
-    S,
-    backend_code,
-    zero_uncovered,
-    need_order,
-    alloc_final,
-    out_final,
-    reads,
-    output,
-    pool,
-) -> None:
-    """Store what the full path decided for `key` (a validated call of the decode-like family). Only plain
+def _remember(key, reads, output, pool, **decided: Any) -> None:
+    """Store what the full path decided for `key` (a validated call of the decode-like family): the
+    `decided` fields of _FastEntry (d, gate_mode, lb, sc, l2, logit, S, backend_code, zero_uncovered,
+    need_order, alloc_final, out_final) and the memory spans of `reads`, `output` and `pool`. Only plain
     tensors (real memory: data_ptr) are cached."""
     for t in (*reads, output, pool):
         if t is not None and type(t) is not _Tensor and type(t) is not torch.nn.Parameter:
             return
+    d = decided["d"]
     e = _FastEntry(
-        d=d,
-        gate_mode=gate_mode,
-        lb=lb,
-        sc=sc,
-        l2=l2,
-        logit=logit,
-        S=S,
-        backend_code=backend_code,
-        zero_uncovered=zero_uncovered,
-        need_order=need_order,
-        alloc_final=alloc_final,
-        out_final=out_final,
+        **decided,
         # per argument slot: byte offsets of its memory span (None: absent or empty)
         write_offs=tuple(None if t is None else _span_offsets(t) for t in (output, pool)),
         read_offs=tuple(None if t is None else _span_offsets(t) for t in reads),

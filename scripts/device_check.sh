@@ -9,13 +9,7 @@
 # The machine has no package registry: wheels in .whl/ (nvidia-cutlass, fla-core,
 # flash-linear-attention; see docs/development.md, "Peers on the GPU machine") are installed with --no-index first.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
-# The golden files (shared/golden beside the checkout) do not travel to the device: carry a copy as .golden/ (git-ignored).
-[ -d .golden ] && export KDA_GOLDEN_DIR=${KDA_GOLDEN_DIR:-$PWD/.golden}
+source "$(dirname "$0")/_device_env.sh"  # repository root, OUT, build env, .golden/, kda_install_wheels
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}  # seconds per stage; the device allows 600 per command
 QUICK=0
 [ "${1:-}" = "--quick" ] && QUICK=1
@@ -26,10 +20,7 @@ mkdir -p "$RESULTS"
 SUMMARY="$OUT/summary.json"
 declare -A SECS RC
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+kda_install_wheels
 # Triton's compile + autotune cache (fla's chunk_kda kernels compile and autotune for minutes in a fresh
 # process). TRITON_CACHE_OUT=1 returns it compressed, split into parts under the GPU machine's 16 MiB file
 # limit ($OUT/triton_cache.tgz.part00, part01, ...: ~29 MB after fla's first training case).

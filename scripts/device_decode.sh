@@ -13,21 +13,15 @@
 # no "failed"; bench_decode_serial.md / bench_decode_ring.md carry the TB/s of each case (targets: bf16 B=256/1024
 # >= 3.6 TB/s, spec S=3 B=64 >= 3.0 TB/s, fp32 B=256 >= 3.7 TB/s, b1 <= 3 us per step).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device_out}
+source "$(dirname "$0")/_device_env.sh"  # repository root, OUT, build env, .golden/, kda_install_wheels
 FINAL_OUT=$OUT
 OUT=$FINAL_OUT/work  # everything lands here; the key files are copied up at the end (few files come back)
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a}
-export MAX_JOBS=${MAX_JOBS:-16} KDA_GOLDEN_DIR=${KDA_GOLDEN_DIR:-$PWD/.golden}
 unset KDA_DECODE_KERNEL KDA_RECURRENT_ROWS_PER_LANE KDA_RECURRENT_BLOCKS_PER_SM KDA_RECURRENT_CARVEOUT \
   KDA_RECURRENT_L1_PREFETCH KDA_RECURRENT_WARPS_PER_BLOCK KDA_RECURRENT_DIAG
 STAGES=${STAGES:-build tests tests_ring bench overhead}
 CASES=${BENCH_CASES:-bf16:256,bf16:1024,fp32:256,spec-bf16:64,verify-bf16:64,b1}
-if compgen -G ".whl/*.whl" >/dev/null; then
-  timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+kda_install_wheels
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 rc=0
 T_ALL=$(date +%s)

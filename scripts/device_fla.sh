@@ -12,12 +12,8 @@
 # .triton_cache_parts/ from scripts/device_check.sh) saves fla's Triton compile + autotune.
 # Success: $OUT/summary.txt ends with "device_fla: OK" (every stage rc=0).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device_out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/_device_env.sh"  # repository root, OUT, build env, .golden/, kda_install_wheels
 PY=${PY:-python3}
-export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a}
-export MAX_JOBS=${MAX_JOBS:-16}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 if compgen -G ".triton_cache_parts/triton_cache.tgz.part*" >/dev/null && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then

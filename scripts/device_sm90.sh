@@ -16,18 +16,10 @@
 # On failure: smoke.log's "FAIL"/"ERROR" line and the diagnosis block after it, the "kda_chunked_sm90:" lines
 # (tensor-map encode results, grid, launch error), smoke_memcheck.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
-[ -d .golden ] && export KDA_GOLDEN_DIR=${KDA_GOLDEN_DIR:-$PWD/.golden}
+source "$(dirname "$0")/_device_env.sh"  # repository root, OUT, build env, .golden/, kda_install_wheels
 STAGES=${STAGES:-build smoke tests bench}
-# No package registry there: the carried wheels in .whl/ (the pinned nvidia-cutlass headers) as device_check.sh
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+# the carried wheels in .whl/ (the pinned nvidia-cutlass headers)
+kda_install_wheels
 # the in-place extension of this checkout first (the scripts also put the repository root on sys.path)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 SAN=${CUDA_HOME}/bin/compute-sanitizer

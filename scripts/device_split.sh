@@ -12,11 +12,7 @@
 # bench_split.md has "unsplit / split" > 1 on the few-head long cases (H=8, H=4 T=65536) and
 # "split vs unsplit" (relative RMS of the outputs) below 5e-3 everywhere.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export KDA_CUDA_ARCHS=${KDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
+source "$(dirname "$0")/_device_env.sh"  # repository root, OUT, build env, .golden/, kda_install_wheels
 STAGES=${STAGES:-"build tests bench"}
 RESULTS=${RESULTS:-/tmp/kda_split_results}  # tables of every benchmark; $OUT gets them as one .md + a .tgz
 mkdir -p "$RESULTS"

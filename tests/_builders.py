@@ -531,3 +531,15 @@ def report_counts(tag: str) -> None:
     if STATS:
         print(f"\n[{tag}] " + ", ".join(f"{k}={v}" for k, v in sorted(STATS.items())))
         STATS.clear()
+
+
+def counts_reporter(tag: str):
+    """A module-scoped autouse fixture that reports the module's counts under `tag` when it ends
+    (``_report_counts = counts_reporter("stress")`` at module level)."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _report_counts():
+        yield
+        report_counts(tag)
+
+    return _report_counts

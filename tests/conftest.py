@@ -235,6 +235,36 @@ def force_split(monkeypatch, segment_tokens: int) -> list:  # type: ignore[no-un
     return calls
 
 
+def split_then_unsplit(monkeypatch, fn) -> list:  # type: ignore[no-untyped-def]
+    """[fn() with the sequence split forced on, fn() with it off] (kda_ops/_split.py MODE "1", then "0")."""
+    from kda_ops import _split
+
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        res.append(fn())
+    return res
+
+
+def recurrent_call(x: dict, kw: dict, **extra):  # type: ignore[no-untyped-def]
+    """kda_ops.recurrent_kda on the per-token inputs of `x` with the keywords `kw`, `extra` on top."""
+    return kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **{**kw, **extra})
+
+
+def recurrent_reference(x: dict, kw: dict, h0, **over):  # type: ignore[no-untyped-def]
+    """The fp64 reference of ``recurrent_call(x, kw, initial_state=h0)``: the gate, cu_seqlens and beta form
+    taken from `kw`; `over` sets other reference keywords (e.g. use_qk_l2norm_in_kernel)."""
+    from kda_ops.reference import recurrent_kda_reference
+
+    args = dict(
+        A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"), initial_state=h0, cu_seqlens=kw.get("cu_seqlens"),
+        use_gate_in_kernel=kw.get("use_gate_in_kernel", False), lower_bound=kw.get("lower_bound"),
+        beta_is_logit=kw.get("beta_is_logit", False),
+    )  # fmt: skip
+    args.update(over)
+    return recurrent_kda_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], **args)
+
+
 def gate_kwargs(x: dict, gate: str = "lower_bound") -> dict:
     """GATES[gate] plus the gate parameters of the inputs `x` (A_log, dt_bias) when the gate is in-kernel."""
     kw = dict(GATES[gate])

@@ -22,17 +22,13 @@ from _builders import (
     _plain,
     _rand,
     _skip_not_implemented,
+    counts_reporter,
     raw_bytes,
-    report_counts,
     training_guard_inputs,
 )
 from conftest import DEVICES
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_counts():
-    yield
-    report_counts("determinism")
+_report_counts = counts_reporter("determinism")
 
 
 def _det_runs(device: str, fn: Callable, n: int = 10) -> list[list[torch.Tensor]]:

@@ -27,9 +27,9 @@ from _builders import (
     _dims_decode,
     _rand,
     carve,
+    counts_reporter,
     expect_rejection,
     raw_bytes,
-    report_counts,
     t_inputs,
     training_guard_inputs,
 )
@@ -40,11 +40,7 @@ from hypothesis import strategies as st
 
 import kda_ops
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_counts():
-    yield
-    report_counts("device contracts")
+_report_counts = counts_reporter("device contracts")
 
 
 @settings(max_examples=40, **HSET)

@@ -61,23 +61,28 @@ def _inputs(cu: list[int], dtype: torch.dtype, with_h0: bool, seed: int):  # typ
     return x
 
 
-def _run_local(x, cu, offsets, rank, lower_bound=-0.2):  # type: ignore[no-untyped-def]
-    a, b = offsets[rank], offsets[rank + 1]
-    leaves = {n: x[n][:, a:b].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+def _grads(fn, x, cu, tokens: slice, lower_bound: float):  # type: ignore[no-untyped-def]
+    """Outputs and gradients of `fn` (context_parallel_kda or kda) on the `tokens` of x, under the loss of x's
+    do / dfinal."""
+    leaves = {n: x[n][:, tokens].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
     A = x["A_log"].clone().requires_grad_(True)
     dtb = x["dt_bias"].clone().requires_grad_(True)
     h0 = None if x["h0"] is None else x["h0"].clone().requires_grad_(True)
-    o, fs = kda_ops.distributed.context_parallel_kda(
+    o, fs = fn(
         *leaves.values(), A, dtb, h0, cu_seqlens=torch.tensor(cu), lower_bound=lower_bound, output_final_state=True
     )
-    loss = (o * x["do"][:, a:b]).sum() + (fs * x["dfinal"]).sum()
-    loss.backward()
+    ((o * x["do"][:, tokens]).sum() + (fs * x["dfinal"]).sum()).backward()
     res = {"o": o.detach(), "final": fs.detach()}
     for n, t in leaves.items():
         res["d" + n] = t.grad
     res["dA_log"], res["ddt_bias"] = A.grad, dtb.grad
     res["dh0"] = None if h0 is None else h0.grad
     return res
+
+
+def _run_local(x, cu, offsets, rank, lower_bound=-0.2):  # type: ignore[no-untyped-def]
+    tokens = slice(offsets[rank], offsets[rank + 1])
+    return _grads(kda_ops.distributed.context_parallel_kda, x, cu, tokens, lower_bound)
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -129,20 +134,7 @@ def world_results(request):  # type: ignore[no-untyped-def]
 
 
 def _reference(x, cu, lower_bound=-0.2):  # type: ignore[no-untyped-def]
-    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
-    A = x["A_log"].clone().requires_grad_(True)
-    dtb = x["dt_bias"].clone().requires_grad_(True)
-    h0 = None if x["h0"] is None else x["h0"].clone().requires_grad_(True)
-    o, fs = kda_ops.kda(
-        *leaves.values(), A, dtb, h0, cu_seqlens=torch.tensor(cu), lower_bound=lower_bound, output_final_state=True
-    )
-    ((o * x["do"]).sum() + (fs * x["dfinal"]).sum()).backward()
-    ref = {"o": o.detach(), "final": fs.detach()}
-    for n, t in leaves.items():
-        ref["d" + n] = t.grad
-    ref["dA_log"], ref["ddt_bias"] = A.grad, dtb.grad
-    ref["dh0"] = None if h0 is None else h0.grad
-    return ref
+    return _grads(kda_ops.kda, x, cu, slice(None), lower_bound)
 
 
 def test_matches_one_process(world_results):  # type: ignore[no-untyped-def]

@@ -27,6 +27,11 @@ TOL = 2e-5  # fp32 against fp32: both accumulate in fp32, only summation orders 
 GRAD_TOL = 1e-4
 
 
+def _qkvgb(x: dict) -> tuple[torch.Tensor, ...]:
+    """The five per-token inputs of a case, in call order."""
+    return tuple(x[n] for n in ("q", "k", "v", "g", "beta"))
+
+
 def _gate_kwargs(x: dict, gate: str, lower_bound: float | None) -> dict:
     if gate == "pre":
         return {}
@@ -38,7 +43,7 @@ def _gate_kwargs(x: dict, gate: str, lower_bound: float | None) -> dict:
 
 def _ref(x: dict, gate: str, *, lower_bound=None, h0=True, l2=False, scale=None, cu=None, **kw):
     return fla_reference(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, h0=x.get("h0") if h0 else None,
+        *_qkvgb(x), scale=scale, h0=x.get("h0") if h0 else None,
         A_log=x.get("A_log"), dt_bias=x.get("dt_bias"), gate=gate, lower_bound=lower_bound, l2=l2,
         beta_sigmoid=gate != "pre", cu_seqlens=cu, **kw,
     )  # fmt: skip
@@ -83,7 +88,7 @@ def test_forward_matches_fla_naive(B, T, H, HV, D, gate, lb, l2, scale, v_first,
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.long)
     f = getattr(kf, fn)
     with torch.inference_mode():
-        o, ht = f(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=h0, output_final_state=True,
+        o, ht = f(*_qkvgb(x), scale=scale, initial_state=h0, output_final_state=True,
                   use_qk_l2norm_in_kernel=l2, state_v_first=v_first, cu_seqlens=cu_t, **kw)  # fmt: skip
     close(o, o_ref, TOL, "o")
     assert ht.dtype == torch.float32 and ht.is_contiguous()
@@ -96,9 +101,9 @@ def test_forward_without_state_and_neg_eigval() -> None:
     o_ref, h_ref = _ref(x, "softplus", h0=False, l2=True, allow_neg_eigval=True)
     kw = _gate_kwargs(x, "softplus", None)
     with torch.no_grad():
-        o, ht = kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
+        o, ht = kf.chunk_kda(*_qkvgb(x), output_final_state=True,
                              use_qk_l2norm_in_kernel=True, allow_neg_eigval=True, **kw)  # fmt: skip
-        o2, ht2 = kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True,
+        o2, ht2 = kf.chunk_kda(*_qkvgb(x), use_qk_l2norm_in_kernel=True,
                                allow_neg_eigval=True, **kw)  # fmt: skip
     close(o, o_ref, TOL, "o")
     close(ht, h_ref, TOL, "final_state")
@@ -111,7 +116,7 @@ def test_lower_bound_gate_without_A_log() -> None:
     x["A_log"] = None
     o_ref, h_ref = _ref(x, "lower_bound", lower_bound=-3.0, l2=True)
     with torch.no_grad():
-        o, ht = kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+        o, ht = kf.chunk_kda(*_qkvgb(x), initial_state=x["h0"], output_final_state=True,
                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                              lower_bound=-3.0, dt_bias=x["dt_bias"])  # fmt: skip
     close(o, o_ref, TOL, "o")
@@ -123,7 +128,7 @@ def test_naive_chunk_form_agrees() -> None:
     x = fla_inputs(1, 128, 1, 2, 64, gate="pre")
     o_ref, h_ref = _ref(x, "pre", chunk=True)
     with torch.no_grad():
-        o, ht = kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True)
+        o, ht = kf.chunk_kda(*_qkvgb(x), initial_state=x["h0"], output_final_state=True)
     close(o, o_ref, 1e-4, "o")
     close(ht, h_ref, 1e-4, "final_state")
 
@@ -138,7 +143,7 @@ def test_return_intermediate_states(v_first, packed) -> None:
     h0 = x["h0"].transpose(-1, -2).contiguous() if v_first else x["h0"]
     cu_t = None if cu is None else torch.tensor(cu)
     with torch.inference_mode():
-        o, ht, h = kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True,
+        o, ht, h = kf.chunk_kda(*_qkvgb(x), initial_state=h0, output_final_state=True,
                                 return_intermediate_states=True, state_v_first=v_first, cu_seqlens=cu_t,
                                 cu_seqlens_cpu=cu_t)  # fmt: skip
     seqs = [(0, 70), (70, 130)] if packed else [(0, 65), (0, 65)]
@@ -210,7 +215,7 @@ def test_fused_recurrent_kda_fwd_pool(v_first, mode) -> None:
     pool = (pool_kv.transpose(-1, -2) if v_first else pool_kv).contiguous().clone()
     with torch.inference_mode():
         o, ret = kf.fused_recurrent_kda_fwd(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=pool,
+            *_qkvgb(x), A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=pool,
             state_v_first=v_first, cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=n_acc,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lb,
         )  # fmt: skip
@@ -230,7 +235,7 @@ def test_fused_recurrent_kda_fwd_inplace_slot_n() -> None:
     pool = x["h0"].clone()
     o_ref, h_ref = _ref(x, "pre")
     with torch.no_grad():
-        o, ret = kf.fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool)
+        o, ret = kf.fused_recurrent_kda_fwd(*_qkvgb(x), initial_state=pool)
     assert ret is pool
     close(o, o_ref, TOL, "o")
     close(pool, h_ref, TOL, "pool")
@@ -306,7 +311,7 @@ def test_training_modes_outside_the_contract(kw, name) -> None:
                 lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"])  # fmt: skip
     args.update(kw)
     with pytest.raises(NotImplementedError, match=name):
-        kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **args)
+        kf.chunk_kda(*_qkvgb(x), **args)
 
 
 @pytest.mark.parametrize(
@@ -321,7 +326,7 @@ def test_training_modes_outside_the_contract(kw, name) -> None:
 def test_chunk_kda_unsupported_arguments(kw, name) -> None:
     x = _small()
     with pytest.raises(NotImplementedError, match=name):
-        kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        kf.chunk_kda(*_qkvgb(x), **kw)
 
 
 def test_recurrent_unsupported_arguments() -> None:
@@ -331,35 +336,31 @@ def test_recurrent_unsupported_arguments() -> None:
         kf.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], hw)
     with pytest.raises(NotImplementedError, match="inplace_final_state=False"):
         kf.fused_recurrent_kda_fwd(
-            x["q"],
-            x["k"],
-            x["v"],
-            x["g"],
-            x["beta"],
+            *_qkvgb(x),
             initial_state=x["h0"],
             inplace_final_state=False,
             ssm_state_indices=torch.zeros(1, dtype=torch.int32),
         )
     with pytest.raises(ValueError, match="initial_state"):
-        kf.fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"])
+        kf.fused_recurrent_kda_fwd(*_qkvgb(x))
 
 
 def test_fla_argument_errors_mirrored() -> None:
     x = _small()
     with pytest.raises(ValueError, match="chunk_size"):
-        kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=128)
+        kf.chunk_kda(*_qkvgb(x), chunk_size=128)
     with pytest.raises(ValueError, match="safe range"):
-        kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, safe_gate=True,
+        kf.chunk_kda(*_qkvgb(x), use_gate_in_kernel=True, safe_gate=True,
                      lower_bound=-6.0, A_log=x["A_log"])  # fmt: skip
     with pytest.raises(ValueError, match="allow_neg_eigval"):
-        kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], allow_neg_eigval=True)
+        kf.chunk_kda(*_qkvgb(x), allow_neg_eigval=True)
     with pytest.raises(TypeError, match="float32"):
-        kf.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"].double())
+        kf.chunk_kda(*_qkvgb(x), initial_state=x["h0"].double())
     h0_vk = x["h0"].transpose(-1, -2).contiguous()
     with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
-        o1, h1 = kf.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0_vk,
+        o1, h1 = kf.fused_recurrent_kda(*_qkvgb(x), initial_state=h0_vk,
                                         output_final_state=True, transpose_state_layout=True)  # fmt: skip
-    o2, h2 = kf.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0_vk,
+    o2, h2 = kf.fused_recurrent_kda(*_qkvgb(x), initial_state=h0_vk,
                                     output_final_state=True, state_v_first=True)  # fmt: skip
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
 
@@ -382,11 +383,7 @@ def test_install_routes_fla_chunk_kda(installed, monkeypatch) -> None:
     kw = _gate_kwargs(x, "lower_bound", -5.0)
     with torch.no_grad():
         o_fla, h_fla = fk.chunk_kda(
-            x["q"],
-            x["k"],
-            x["v"],
-            x["g"],
-            x["beta"],
+            *_qkvgb(x),
             initial_state=x["h0"],
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
@@ -394,11 +391,7 @@ def test_install_routes_fla_chunk_kda(installed, monkeypatch) -> None:
             **kw,
         )
         o_rec, h_rec = fk.fused_recurrent_kda(
-            x["q"],
-            x["k"],
-            x["v"],
-            x["g"],
-            x["beta"],
+            *_qkvgb(x),
             initial_state=x["h0"],
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
@@ -432,7 +425,7 @@ def test_install_verifier_rejects_what_kda_ops_cannot_take(installed) -> None:
 
     backend = fb._function_registries[inspect.unwrap(fk.chunk_kda)]._backends["kda_ops"]
     x = _small(grad=True)
-    ok, why = backend.verify("chunk_kda", x["q"], x["k"], x["v"], x["g"], x["beta"])
+    ok, why = backend.verify("chunk_kda", *_qkvgb(x))
     assert not ok and "use_qk_l2norm_in_kernel" in why  # falls back to fla's kernels
     ok, why = backend.verify("chunk_kda", x["q"].detach(), x["k"], x["v"], x["g"], x["beta"])
     assert ok, why

@@ -25,17 +25,13 @@ from _builders import (
     _rand,
     _skip_not_implemented,
     carve,
+    counts_reporter,
     raw_bytes,
-    report_counts,
     training_guard_inputs,
 )
 from conftest import DEVICES
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_counts():
-    yield
-    report_counts("guard bands")
+_report_counts = counts_reporter("guard bands")
 
 
 def recurrent_guard_case(name: str, device: str, K: int, pool_dtype: torch.dtype, seed: int = 0):

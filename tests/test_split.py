@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
-from conftest import force_split
+from conftest import force_split, recurrent_call, recurrent_reference, split_then_unsplit
 
 import kda_ops
 from kda_ops import _split
-from kda_ops.reference import recurrent_kda_reference, rel_rms
+from kda_ops.reference import rel_rms
 
 K, V = 16, 16
 
@@ -60,19 +60,11 @@ def _inputs(lens, B=1, H=1, HV=2, Vd=V, gate="lower_bound", slow=False, dtype=to
     return x, kw
 
 
-def _call(x, kw, **extra):  # type: ignore[no-untyped-def]
-    args = dict(kw)
-    args.update(extra)
-    return kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **args)
+_call = recurrent_call
 
 
 def _reference(x, kw, h0, beta_is_logit, l2):  # type: ignore[no-untyped-def]
-    return recurrent_kda_reference(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"),
-        initial_state=h0, cu_seqlens=kw.get("cu_seqlens"), use_qk_l2norm_in_kernel=l2,
-        use_gate_in_kernel=kw.get("use_gate_in_kernel", False), lower_bound=kw.get("lower_bound"),
-        beta_is_logit=beta_is_logit,
-    )  # fmt: skip
+    return recurrent_reference(x, kw, h0, beta_is_logit=beta_is_logit, use_qk_l2norm_in_kernel=l2)
 
 
 LONG_AMONG_SHORT = [5, 300, 17, 0, 64, 130, 1]
@@ -280,11 +272,10 @@ def test_split_checkpoints(split_on, monkeypatch, n_ck, tokens):  # type: ignore
     monkeypatch.setattr(_split, "SEGMENT_TOKENS", tokens)
     x, kw = _inputs([5, 300, 17, 0, 450], gate="softplus", slow=True, seed=13)
     h0 = torch.randn(5, 2, V, K, generator=torch.Generator().manual_seed(14)) * 0.3
-    res = []
-    for mode in ("1", "0"):
-        monkeypatch.setattr(_split, "MODE", mode)
-        pool = h0.clone()
-        res.append(_call(x, kw, initial_state=pool, output_final_state=True, checkpoint_every_n_tokens=n_ck))
+    res = split_then_unsplit(
+        monkeypatch,
+        lambda: _call(x, kw, initial_state=h0.clone(), output_final_state=True, checkpoint_every_n_tokens=n_ck),
+    )
     assert len(split_on) == 1
     (o_s, f_s, ck_s), (o_u, f_u, ck_u) = res
     assert ck_s.shape == ck_u.shape

@@ -4,20 +4,15 @@ fp64 reference (the 10 000-call GPU run, CUDA graphs and size limits: tests/gpu/
 
 from __future__ import annotations
 
-import pytest
 import torch
 from _builders import (
     STATS,
     StressState,
-    report_counts,
+    counts_reporter,
     stress_call,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_counts():
-    yield
-    report_counts("stress")
+_report_counts = counts_reporter("stress")
 
 
 def test_stress_cpu():

@@ -33,8 +33,8 @@ from _builders import (
     _noncontig_last,
     _randn,
     _wrong_dtype,
+    counts_reporter,
     expect_rejection,
-    report_counts,
     t_inputs,
 )
 from hypothesis import given, settings
@@ -42,11 +42,7 @@ from hypothesis import strategies as st
 
 import kda_ops
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_counts():
-    yield
-    report_counts("validation catalogue")
+_report_counts = counts_reporter("validation catalogue")
 
 
 @dataclass

@@ -16,11 +16,20 @@ import os
 
 import pytest
 import torch
-from conftest import TOL_OUT, TOL_STATE_BF16, TOL_STATE_FP32, assert_close_rms, force_split, lengths_to_cu
+from conftest import (
+    TOL_OUT,
+    TOL_STATE_BF16,
+    TOL_STATE_FP32,
+    assert_close_rms,
+    force_split,
+    lengths_to_cu,
+    recurrent_call,
+    recurrent_reference,
+    split_then_unsplit,
+)
 
 import kda_ops
 from kda_ops import _split
-from kda_ops.reference import recurrent_kda_reference
 
 DEV = os.environ.get("KDA_SPLIT_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu] if DEV == "cuda" else []
@@ -71,18 +80,8 @@ def make(lens, HV=2, H=1, gate="lower_bound", slow=False, seed=0, B=1, T=None): 
     return x, kw
 
 
-def call(x, kw, **extra):  # type: ignore[no-untyped-def]
-    a = dict(kw)
-    a.update(extra)
-    return kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **a)
-
-
-def reference(x, kw, h0):  # type: ignore[no-untyped-def]
-    return recurrent_kda_reference(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"),
-        initial_state=h0, cu_seqlens=kw.get("cu_seqlens"), use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
-        lower_bound=kw.get("lower_bound"), beta_is_logit=kw.get("beta_is_logit", False),
-    )  # fmt: skip
+call = recurrent_call
+reference = recurrent_reference
 
 
 LONG_AMONG_SHORT = [300, 4096, 17, 0, 1000, 1, 64]
@@ -228,11 +227,10 @@ def test_split_checkpoints_across_segments(split_on, monkeypatch, n_ck):  # type
     x, kw = make(LONG_AMONG_SHORT, gate="lower_bound", slow=True, seed=12)
     N = len(LONG_AMONG_SHORT)
     h0 = (torch.randn(N, 2, K, K, generator=torch.Generator().manual_seed(13)) * 0.3).to(DEV)
-    res = []
-    for mode in ("1", "0"):
-        monkeypatch.setattr(_split, "MODE", mode)
-        pool = h0.clone()
-        res.append(call(x, kw, initial_state=pool, output_final_state=True, checkpoint_every_n_tokens=n_ck))
+    res = split_then_unsplit(
+        monkeypatch,
+        lambda: call(x, kw, initial_state=h0.clone(), output_final_state=True, checkpoint_every_n_tokens=n_ck),
+    )
     assert len(split_on) == 1
     (o_s, f_s, ck_s), (o_u, f_u, ck_u) = res
     assert_close_rms(o_s, o_u, TOL_OUT, "output")
