@@ -259,19 +259,27 @@ def main() -> None:
             d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], None, None, None, idx,
             None, None, d["out"], None, None, None, None, K**-0.5, 2, LOWER_BOUND, True, True, 0, 0, 2)
 
+    def raw_decode_op():  # the short-schema op the cached public path calls
+        torch.ops.kda.recurrent_kda_decode.default(
+            d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], idx, None, d["out"],
+            K**-0.5, LOWER_BOUND, 2 | 4 | 8 | (2 << 8))
+
     if d is not None:
         idx = torch.zeros(1, device="cuda", dtype=torch.int32)
         e_api = host_us(lambda: ours_step(d, idx))
         e_raw = host_us(raw_op)
+        e_dec = host_us(raw_decode_op) if hasattr(torch.ops.kda, "recurrent_kda_decode") else None
         e_fla = None
         if fla_fwd is not None:
             of = torch.empty_like(d["out"])
             e_fla = host_us(lambda: fla_step(fla_fwd, d, idx, of))
         extra.append(["B=1 bf16: eager call from Python (host-bound), public API", fmt(e_api, 1), fmt(e_fla, 1),
                       ratio(e_fla, e_api)])
-        extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda op", fmt(e_raw, 1), "", ""])
+        extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda.recurrent_kda", fmt(e_raw, 1), "", ""])
+        extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda.recurrent_kda_decode", fmt(e_dec, 1), "",
+                      ""])
         records.append(dict(case="eager B=1 bf16", kernel=KERNEL, ours_api_us=e_api, ours_raw_op_us=e_raw,
-                            fla_us=e_fla))
+                            ours_raw_decode_op_us=e_dec, fla_us=e_fla))
 
     header = ["case", "ours us/step", "ours TB/s", "fla us/step", "fla TB/s", "fla/ours", "xcheck out/state rel"]
     text_notes = notes

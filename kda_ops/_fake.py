@@ -171,6 +171,15 @@ def _check_state(s, name, N, HV, V, K):  # type: ignore[no-untyped-def]
     )
 
 
+@torch.library.register_fake("kda::recurrent_kda_decode")
+def _recurrent_kda_decode_fake(q, k, v, g, beta, A_log, dt_bias, state, ssm_state_indices, num_accepted_tokens, output,
+                               scale, lower_bound, mode):
+    # the decode-shaped subset of recurrent_kda (registration.cpp): the same checks with its mode unpacked
+    _recurrent_kda_fake(q, k, v, g, beta, A_log, dt_bias, state, None, None, None, ssm_state_indices,
+                        num_accepted_tokens, None, output, None, None, None, None, scale, mode & 3, lower_bound,
+                        bool(mode & 4), bool(mode & 8), mode >> 16, 0, (mode >> 8) & 0xFF, False, bool(mode & 16))
+
+
 @torch.library.register_fake("kda::recurrent_kda_training_forward")
 def _training_forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound):
     _check_tokens(q, k, v, g, beta)
