@@ -85,18 +85,16 @@ PY
       i=0
       while IFS='|' read -r envs cases; do
         i=$((i + 1))
-        env $envs timeout 45 python3 benchmarks/bench_decode.py --out "$OUT" --cases "$cases" --tag "_v$i" --no-peers \
+        env $envs timeout 40 python3 benchmarks/bench_decode.py --out "$OUT" --cases "$cases" --tag "_v$i" --no-peers \
           --no-eager </dev/null 2>&1 | grep -E "us \(" | sed "s/^/[$envs] /"
       done <<EOF_V
 KDA_DECODE_RING_VARIANT=1|$VCASES
 KDA_DECODE_RING_VARIANT=2|$VCASES
 KDA_DECODE_RING_VARIANT=3|$VCASES
 KDA_DECODE_RING_STATE_FIRST=1|$VCASES
-KDA_DECODE_RING_VARIANT=1 KDA_DECODE_RING_STATE_FIRST=1|$VCASES
 KDA_DECODE_KERNEL=serial|bf16:256,fp32:256,b1
 KDA_RECURRENT_ROWS_PER_LANE=2|b1
 KDA_RECURRENT_ROWS_PER_LANE=1|b1
-KDA_RECURRENT_ROWS_PER_LANE=1 KDA_RECURRENT_WARPS_PER_BLOCK=1|b1
 EOF_V
       python3 - "$OUT" <<'PY' | tee "$OUT/bench_variants.md"
 import glob, json, os, sys
