@@ -92,7 +92,7 @@ def test_opcheck_recurrent_kda_decode(mode, verify):
     torch.library.opcheck(OPS.recurrent_kda_decode.default, decode_args(full, verify))
     a = [t.clone() if isinstance(t, torch.Tensor) else t for t in full]
     b = [t.clone() if isinstance(t, torch.Tensor) else t for t in full]
-    OPS.recurrent_kda.default(*a, False, verify)
+    OPS.recurrent_kda.default(*a, verify)  # a ends with zero_uncovered (False here)
     OPS.recurrent_kda_decode.default(*decode_args(tuple(b), verify))
     assert torch.equal(a[14], b[14]) and torch.equal(a[7], b[7])
     assert verify or not torch.equal(a[7], full[7])  # the pool was written (the comparison is not vacuous)

@@ -43,14 +43,14 @@ struct RecurrentArgs {
   int64_t num_spec_tokens, checkpoint_every_n_tokens;
 };
 
-// recurrent_kda_decode's `mode` (registration.cpp): the small arguments of recurrent_kda, packed.
+// recurrent_kda_decode's `decode_flags` (registration.cpp): the small arguments of recurrent_kda, packed.
 struct DecodeMode {
   int64_t gate_mode, backend, num_spec_tokens;
   bool use_qk_l2norm, beta_is_logit, disable_state_update;
 };
 inline DecodeMode unpack_decode_mode(int64_t mode) {
-  KDA_CHECK(mode >= 0 && mode < (int64_t(1) << 32), "recurrent_kda_decode mode must be a 32-bit packed value, got ",
-            mode);
+  KDA_CHECK(mode >= 0 && mode < (int64_t(1) << 32),
+            "recurrent_kda_decode decode_flags must be a 32-bit packed value, got ", mode);
   return DecodeMode{mode & 3, (mode >> 8) & 0xff, mode >> 16, ((mode >> 2) & 1) != 0, ((mode >> 3) & 1) != 0,
                     ((mode >> 4) & 1) != 0};
 }
