@@ -203,7 +203,7 @@ def main() -> None:
     extra = []
     for case in cases:
         if case == "b1":
-            # B = 1: per step in a graph of R steps on distinct slots (the definition, as every case),
+            # B = 1: per step in a graph of R steps on distinct slots (the definition of the targets, as every case),
             # and, as an extra column, the replay of a graph of ONE step (launch-bound, L2-resident state)
             for dt in (torch.bfloat16, torch.float32):
                 name = "bf16" if dt == torch.bfloat16 else "fp32"
