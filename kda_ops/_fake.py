@@ -175,6 +175,16 @@ def _check_state(s, name, N, HV, V, K):  # type: ignore[no-untyped-def]
     )
 
 
+@torch.library.register_fake("kda::recurrent_kda_decode")
+def _recurrent_kda_decode_fake(q, k, v, g, beta, A_log, dt_bias, state, ssm_state_indices, num_accepted_tokens, output,
+                               scale, lower_bound, decode_flags):
+    f = decode_flags
+    # the decode-shaped subset of recurrent_kda (registration.cpp): the same checks with its flags unpacked
+    _recurrent_kda_fake(q, k, v, g, beta, A_log, dt_bias, state, None, None, None, ssm_state_indices,
+                        num_accepted_tokens, None, output, None, None, None, None, scale, f & 3, lower_bound,
+                        bool(f & 4), bool(f & 8), f >> 16, 0, (f >> 8) & 0xFF, False, bool(f & 16))
+
+
 @torch.library.register_fake("kda::recurrent_kda_training_forward")
 def _training_forward_fake(
     q,

@@ -77,6 +77,27 @@ def test_opcheck_recurrent_kda(mode):
     torch.library.opcheck(OPS.recurrent_kda.default, recurrent_args(mode))
 
 
+def decode_args(full: tuple, verify: bool = False) -> tuple:
+    """kda::recurrent_kda_decode's arguments for a pool_decode / spec_decode call of recurrent_args."""
+    q, k, v, g, beta, A, dtb, pool, _, _, _, idx, acc, _, out = full[:15]
+    mode = 2 | 4 | 8 | (0 << 8) | (full[24] << 16) | (16 if verify else 0)  # lower bound, L2, logit, auto
+    return q, k, v, g, beta, A, dtb, pool, idx, acc, out, full[19], full[21], mode
+
+
+@pytest.mark.parametrize("mode", ["pool_decode", "spec_decode"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_opcheck_recurrent_kda_decode(mode, verify):
+    """The short-schema decode op: opcheck, and the same outputs and pool as recurrent_kda's full schema."""
+    full = recurrent_args(mode)
+    torch.library.opcheck(OPS.recurrent_kda_decode.default, decode_args(full, verify))
+    a = [t.clone() if isinstance(t, torch.Tensor) else t for t in full]
+    b = [t.clone() if isinstance(t, torch.Tensor) else t for t in full]
+    OPS.recurrent_kda.default(*a, verify)  # a ends with zero_uncovered (False here)
+    OPS.recurrent_kda_decode.default(*decode_args(tuple(b), verify))
+    assert torch.equal(a[14], b[14]) and torch.equal(a[7], b[7])
+    assert verify or not torch.equal(a[7], full[7])  # the pool was written (the comparison is not vacuous)
+
+
 def test_opcheck_recurrent_kda_no_pool_final_state():
     x = inputs(B=2, T=5, H=1, HV=2, K=K, V=V)
     args = (

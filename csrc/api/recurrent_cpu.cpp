@@ -88,9 +88,27 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   run_forward(p, x);
 }
 
+
+// recurrent_kda_decode: the short-schema entry of the eager decode hot path (registration.cpp).
+void recurrent_kda_cpu_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                    const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                    const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& state,
+                    const std::optional<at::Tensor>& ssm_state_indices,
+                    const std::optional<at::Tensor>& num_accepted_tokens, const at::Tensor& output, double scale,
+                    double lower_bound, int64_t decode_flags) {
+  const DecodeMode m = unpack_decode_mode(decode_flags);
+  const std::optional<at::Tensor> none;
+  recurrent_kda_cpu(q, k, v, g, beta, A_log, dt_bias, state, none, none, none, ssm_state_indices, num_accepted_tokens, none,
+         output, none, none, none, none, scale, m.gate_mode, lower_bound, m.use_qk_l2norm, m.beta_is_logit,
+         m.num_spec_tokens, 0, m.backend, false, m.disable_state_update);
+}
+
 }  // namespace
 
 }  // namespace cpu
 }  // namespace kda
 
-TORCH_LIBRARY_IMPL(kda, CPU, m) { m.impl("recurrent_kda", &kda::cpu::recurrent_kda_cpu); }
+TORCH_LIBRARY_IMPL(kda, CPU, m) {
+  m.impl("recurrent_kda", &kda::cpu::recurrent_kda_cpu);
+  m.impl("recurrent_kda_decode", &kda::cpu::recurrent_kda_cpu_decode);
+}

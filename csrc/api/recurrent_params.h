@@ -43,6 +43,18 @@ struct RecurrentArgs {
   int64_t num_spec_tokens, checkpoint_every_n_tokens;
 };
 
+// recurrent_kda_decode's `decode_flags` (registration.cpp): the small arguments of recurrent_kda, packed.
+struct DecodeMode {
+  int64_t gate_mode, backend, num_spec_tokens;
+  bool use_qk_l2norm, beta_is_logit, disable_state_update;
+};
+inline DecodeMode unpack_decode_mode(int64_t mode) {
+  KDA_CHECK(mode >= 0 && mode < (int64_t(1) << 32),
+            "recurrent_kda_decode decode_flags must be a 32-bit packed value, got ", mode);
+  return DecodeMode{mode & 3, (mode >> 8) & 0xff, mode >> 16, ((mode >> 2) & 1) != 0, ((mode >> 3) & 1) != 0,
+                    ((mode >> 4) & 1) != 0};
+}
+
 // Fills the POD params; checks only what would otherwise be a memory error (ranks, inner sizes,
 // dtypes of index tensors, compact inner state blocks). Full validation is kda_ops/_validate.py.
 inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {

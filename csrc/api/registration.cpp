@@ -33,6 +33,18 @@ TORCH_LIBRARY(kda, m) {
       "bool beta_is_logit, int num_spec_tokens, int checkpoint_every_n_tokens, int backend, "
       "bool zero_uncovered=False, bool disable_state_update=False) -> ()");
 
+  // The decode-shaped subset of recurrent_kda with a short schema, for the eager hot path: a call from
+  // Python converts every schema argument to an IValue and checks it against the schema, ~0.4 us an
+  // argument, so the 29 arguments above cost more host time than the op's own checks and launch. Same
+  // kernels and checks as recurrent_kda with no state_source, initial_state_indices, cu_seqlens, seq_order,
+  // final_state, checkpoints or workspace, zero_uncovered False. `decode_flags` packs the small arguments:
+  // bits 0-1 gate_mode, bit 2 use_qk_l2norm, bit 3 beta_is_logit, bit 4 disable_state_update, bits 8-15
+  // backend, bits 16-31 num_spec_tokens (recurrent_params.h, unpack_decode_mode).
+  m.def(
+      "recurrent_kda_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor(a!)? state, Tensor? ssm_state_indices, Tensor? num_accepted_tokens, Tensor(b!) output, "
+      "float scale, float lower_bound, int decode_flags) -> ()");
+
   // Training forward (functional). gate_mode, use_qk_l2norm and beta_is_logit as in recurrent_kda (appended
   // with the defaults of the original training contract: lower-bound gate, L2 norm on, logit beta, so older
   // callers keep working). A_log must be None for the precomputed gate and a tensor otherwise; dt_bias may be

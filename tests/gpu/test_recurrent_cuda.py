@@ -291,27 +291,34 @@ def test_scenarios_reference(K, state_dtype):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launch configurations: the kernel switch (KDA_DECODE_KERNEL=serial|ring) and the schedule knobs (tile,
-# blocks per SM, carveout, L1 prefetch, warps per block) change only the schedule, so every configuration
-# must give the same bits. The launcher reads them once per process (csrc/kda/decode/recurrent_launch.cu),
-# so each configuration runs the scenarios in a child process and saves its results; this process compares
-# them with its own. Running this whole file with KDA_DECODE_KERNEL=ring sends every other test through the
-# warp-specialised kernel where it applies (bf16 tiles on sm_90+).
+# Launch configurations: the kernel switch (KDA_DECODE_KERNEL=ring|serial; ring, the default, applies to
+# bf16 tiles on sm_90+), the ring kernel's block shapes and issue order (KDA_DECODE_RING_VARIANT,
+# KDA_DECODE_RING_STATE_FIRST) and the schedule knobs (tile, blocks per SM, carveout, L1 prefetch, warps per
+# block) change only the schedule, so every configuration must give the same bits. The launcher reads them
+# once per process (csrc/kda/decode/recurrent_launch.cu), so each configuration runs the scenarios in a
+# child process and saves its results; this process compares them with its own. Running this whole file
+# with KDA_DECODE_KERNEL=serial sends every other test through the serial kernel.
 
 KNOB_NAMES = ("KDA_DECODE_KERNEL", ROWS_ENV, "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_CARVEOUT",
-              "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_DIAG")
+              "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_DIAG",
+              "KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST")
 RING = {"KDA_DECODE_KERNEL": "ring"}
+SERIAL = {"KDA_DECODE_KERNEL": "serial"}
 CONFIGS = [
-    {"KDA_DECODE_KERNEL": "serial"},
+    SERIAL,
     RING,
     dict(RING, KDA_RECURRENT_BLOCKS_PER_SM="1"),  # one block per SM: every ring wraps many times
     dict(RING, **{ROWS_ENV: "4"}),
     dict(RING, **{ROWS_ENV: "8"}),
+    # the block shapes of the K=128 NR=8 tile (other tiles keep shape 0), one with one block per SM
+    dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "1"}),
+    dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "2", "KDA_DECODE_RING_STATE_FIRST": "1"}),
+    dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "3", "KDA_RECURRENT_BLOCKS_PER_SM": "1"}),
     {ROWS_ENV: "1"},
     {ROWS_ENV: "2"},
-    {ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"},
-    {"KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "2"},
-    {"KDA_RECURRENT_CARVEOUT": "default", "KDA_RECURRENT_L1_PREFETCH": "1"},
+    dict(SERIAL, **{ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
+    dict(SERIAL, **{"KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "4"}),
+    dict(SERIAL, KDA_RECURRENT_CARVEOUT="default", KDA_RECURRENT_L1_PREFETCH="1"),
 ]
 
 

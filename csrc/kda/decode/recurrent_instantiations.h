@@ -21,6 +21,13 @@ constexpr int kFlagNoL1Prefetch = 4;  // skip the L1 prefetch of the next items'
 // Speculative verify (disable_state_update): the outputs of every token are computed as usual but no pool
 // slot is written (neither the final write of decode nor the per-token columns of speculative decode).
 constexpr int kFlagNoStateUpdate = 8;
+// Kernel flags of the ring kernel only. kFlagRingDtBiasGlobal: dt_bias is not 16-byte aligned (cannot be
+// bulk-copied); the math warps read it from global memory instead. kFlagRingStateFirst
+// (KDA_DECODE_RING_STATE_FIRST=1, a schedule choice): the producer issues the state tile's copy before the
+// token rows' (its slot is resolved two items ahead, so the large transfer need not queue behind four small
+// ones).
+constexpr int kFlagRingDtBiasGlobal = 16;
+constexpr int kFlagRingStateFirst = 32;
 
 // How to launch: chosen by csrc/kda/decode/recurrent_launch.cu (benchmark knobs come from the environment).
 struct RecurrentLaunch {
@@ -39,9 +46,11 @@ void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaSt
 
 // The warp-specialised variant (recurrent_ring_kernel.cuh, sm_90+): a producer warp streams each item's
 // state tile and first-token inputs into per-warp mbarrier rings by bulk copies, math warps consume them
-// and store the tile back by bulk copy. Same bits as run_recurrent_. Instantiated for bf16 tiles: K=128
-// NR 4 and 8, K=64 NR 4 (csrc/instantiations/recurrent_ring_k<K>_bf16_nr<NR>.cu).
-template <int K, typename StateT, int NR>
+// and store the tile back by bulk copy. Same bits as run_recurrent_. kVariant: the block shape (math warps,
+// stages, blocks per SM: RingShape in recurrent_ring_kernel.cuh). Instantiated for bf16 tiles: K=128 NR 4
+// and 8, K=64 NR 4 in shape 0 (csrc/instantiations/recurrent_ring_k<K>_bf16_nr<NR>.cu), and K=128 NR 8 in
+// shapes 1-3 (..._nr8_v<shape>.cu).
+template <int K, typename StateT, int NR, int kVariant>
 void run_recurrent_ring_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
 
 }  // namespace kda::decode

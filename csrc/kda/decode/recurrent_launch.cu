@@ -21,15 +21,20 @@ int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMult
 //   KDA_RECURRENT_ROWS_PER_LANE=1|2|4|8 (the tile), KDA_RECURRENT_BLOCKS_PER_SM=n (cap),
 //   KDA_RECURRENT_CARVEOUT=min|default|max, KDA_RECURRENT_L1_PREFETCH=1 (prefetch the next items' token
 //   inputs into L1), KDA_RECURRENT_WARPS_PER_BLOCK=1|2|4 (cap), KDA_RECURRENT_DIAG=1|2|3;
-//   KDA_DECODE_KERNEL=serial|ring: the kernel for bf16 tiles on sm_90+ (default serial until the ring kernel
-//   is measured on the device; same bits either way).
+//   KDA_DECODE_KERNEL=ring|serial: the kernel for bf16 tiles on sm_90+ (default ring: on H200 it moved
+//   bf16 decode from 2.3-2.4 to 3.2-3.4 TB/s at B=256/1024; the same bits either way; fp32 tiles always
+//   take the serial kernel, which already streams them at ~3.6 TB/s);
+//   KDA_DECODE_RING_VARIANT=0..3: the ring kernel's block shape for the K=128 NR=8 tile (RingShape in
+//   recurrent_ring_kernel.cuh; other tiles use shape 0); KDA_DECODE_RING_STATE_FIRST=1: the producer
+//   issues the state copy before the token rows.
 struct Knobs {
   int rows_per_lane = 0;  // 0: the heuristic
   int max_blocks_per_sm = 0;
   int carveout_percent = decode::kCarveoutMin;
   int flags = decode::kFlagNoL1Prefetch;
   int max_warps_per_block = 4;
-  bool ring = false;  // KDA_DECODE_KERNEL=ring
+  bool ring = true;  // KDA_DECODE_KERNEL=serial turns it off
+  int ring_variant = 0;
 };
 
 const Knobs& knobs() {
@@ -51,7 +56,13 @@ const Knobs& knobs() {
       const int v = std::atoi(env);
       if (v == 1 || v == 2 || v == 4) r.max_warps_per_block = v;
     }
-    if (const char* env = std::getenv("KDA_DECODE_KERNEL")) r.ring = std::string(env) == "ring";
+    if (const char* env = std::getenv("KDA_DECODE_KERNEL")) r.ring = std::string(env) != "serial";
+    if (const char* env = std::getenv("KDA_DECODE_RING_VARIANT")) {
+      const int v = std::atoi(env);
+      if (v >= 0 && v < 4) r.ring_variant = v;
+    }
+    if (const char* env = std::getenv("KDA_DECODE_RING_STATE_FIRST"))
+      if (std::atoi(env) == 1) r.flags |= decode::kFlagRingStateFirst;
     return r;
   }();
   return k;
@@ -100,12 +111,18 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream, bool
       p.state != nullptr ? p.state_dtype : (p.state_source != nullptr ? p.state_source_dtype : DType::kFloat32);
   if (kn.ring && tile_dtype == DType::kBFloat16 && (nr == 4 || nr == 8) && ring_supported(p)) {
     // Tiles: K=128 NR 4 or 8 as chosen; K=64 always NR=4 (its NR=8 tile spills under the ring's register cap).
-    if (p.K == 128 && nr == 8)
-      decode::run_recurrent_ring_<128, __nv_bfloat16, 8>(p, cfg, stream);
-    else if (p.K == 128)
-      decode::run_recurrent_ring_<128, __nv_bfloat16, 4>(p, cfg, stream);
-    else
-      decode::run_recurrent_ring_<64, __nv_bfloat16, 4>(p, cfg, stream);
+    if (p.K == 128 && nr == 8) {
+      switch (kn.ring_variant) {
+        case 1: decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 1>(p, cfg, stream); break;
+        case 2: decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 2>(p, cfg, stream); break;
+        case 3: decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 3>(p, cfg, stream); break;
+        default: decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 0>(p, cfg, stream); break;
+      }
+    } else if (p.K == 128) {
+      decode::run_recurrent_ring_<128, __nv_bfloat16, 4, 0>(p, cfg, stream);
+    } else {
+      decode::run_recurrent_ring_<64, __nv_bfloat16, 4, 0>(p, cfg, stream);
+    }
     return cudaGetLastError();
   }
   KDA_HEADDIM_SWITCH(p.K, kK, [&] {

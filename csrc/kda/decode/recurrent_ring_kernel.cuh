@@ -46,11 +46,25 @@
 
 namespace kda::decode {
 
-constexpr int kRingMathWarps = 4;  // math warps per block (plus one producer warp)
+// Block shapes of the ring kernel (KDA_DECODE_RING_VARIANT; the same bits in every one, only the schedule
+// differs): math warps per block (plus one producer warp), ring stages per math warp (0: about 22 KB of
+// stages per math warp, at least 3), and the resident blocks per SM the register budget is set for. Every
+// shape other than 0 keeps 12 warps per SM (3 per SM sub-partition: 168 registers a thread), where shape 0
+// leaves two warp slots of the register file unused:
+//   0: 4 math warps x 4 stages, 2 blocks per SM  ( 8 math warps per SM, 32 stages in flight)
+//   1: 5 math warps x 4 stages, 2 blocks per SM  (10 math warps, 40 stages)
+//   2: 3 math warps x 4 stages, 3 blocks per SM  ( 9 math warps, 36 stages)
+//   3: 11 math warps x 3 stages, 1 block per SM  (11 math warps, 33 stages)
+template <int kVariant>
+struct RingShape {
+  static_assert(kVariant >= 0 && kVariant <= 3, "ring kernel shapes 0..3");
+  static constexpr int kMathWarps = kVariant == 1 ? 5 : kVariant == 2 ? 3 : kVariant == 3 ? 11 : 4;
+  static constexpr int kStages = kVariant == 3 ? 3 : kVariant == 0 ? 0 : 4;
+  static constexpr int kMinBlocks = kVariant == 2 ? 3 : kVariant == 3 ? 1 : 2;
+};
+constexpr int kRingVariants = 4;
 
-// Kernel flag of the ring kernel only: dt_bias is not 16-byte aligned (cannot be bulk-copied); the math
-// warps read it from global memory instead.
-constexpr int kFlagRingDtBiasGlobal = 16;
+// Kernel flags of the ring kernel only (kFlagRingDtBiasGlobal, kFlagRingStateFirst): recurrent_instantiations.h.
 
 // What the producer writes into a stage besides the copied bytes.
 struct RingItemMeta {
@@ -61,7 +75,7 @@ struct RingItemMeta {
 };
 
 // One stage, bytes; every piece starts 16-byte aligned (bulk-copy rule).
-template <class Tile>
+template <class Tile, int kStagesWanted = 0>
 struct RingStage {
   using StateT = typename Tile::StateT;
   static constexpr int kStateBytes = Tile::kRowsPerWarp * Tile::K * int(sizeof(StateT));  // the tile, row-major
@@ -78,26 +92,31 @@ struct RingStage {
                 "bulk copies move 16-byte units");
   // Ring depth: about 22 KB of stages per math warp (bf16 NR=8: 4 x 5.5 KB), at least 3 (item j computes
   // while j-1's store drains and j+1 lands).
-  static constexpr int kStages = kBytes <= 6144 ? 4 : 3;
+  static constexpr int kStages = kStagesWanted > 0 ? kStagesWanted : kBytes <= 6144 ? 4 : 3;
 };
 
-template <class Tile>
+template <class Tile, class Shape>
 struct RingKernelLayout {
-  using Stage = RingStage<Tile>;
+  using Stage = RingStage<Tile, Shape::kStages>;
+  static constexpr int kMathWarps = Shape::kMathWarps;
   static constexpr int kWarpRingBytes = Stage::kStages * Stage::kBytes;
-  static constexpr int kBarrierOffset = kRingMathWarps * kWarpRingBytes;
-  static constexpr int kBlockBytes = kBarrierOffset + kRingMathWarps * Stage::kStages * 2 * 8;
-  static constexpr int kThreads = (kRingMathWarps + 1) * 32;
+  static constexpr int kBarrierOffset = kMathWarps * kWarpRingBytes;
+  static constexpr int kBlockBytes = kBarrierOffset + kMathWarps * Stage::kStages * 2 * 8;
+  static constexpr int kThreads = (kMathWarps + 1) * 32;
+  // the resident blocks must fit the SM's 228 KB (1 KB reserved per block)
+  static_assert(Shape::kMinBlocks * (kBlockBytes + 1024) <= 228 * 1024, "ring shape does not fit shared memory");
+  static_assert(kMathWarps <= 32, "one producer lane per math warp");
 };
 
-// Resident blocks the register budget is set for (__launch_bounds__): two 160-thread blocks per SM (8 math
-// warps). Ten warps on four SM sub-partitions put three on one, whose 16K registers then cap a thread at
-// 168. K=128 NR=8 fits in 168 without spills on sm_90a, sm_100a and sm_103a (194 on sm_90a uncapped) once the
-// item metadata is read from the stage instead of held in registers; K=64 uses the NR=4 tile in this kernel
-// (its NR=8 tile spilled 40 bytes at 168 before that change; not retried). No build reaches 255.
-template <class Tile>
+// Resident blocks the register budget is set for (__launch_bounds__, RingShape::kMinBlocks). Shape 0: two
+// 160-thread blocks per SM (8 math warps); ten warps on four SM sub-partitions put three on one, whose 16K
+// registers then cap a thread at 168, the same cap as the 12 warps of shapes 1-3. K=128 NR=8 fits in 168
+// without spills on sm_90a, sm_100a and sm_103a (194 on sm_90a uncapped) once the item metadata is read
+// from the stage instead of held in registers; K=64 uses the NR=4 tile in this kernel (its NR=8 tile
+// spilled 40 bytes at 168 before that change; not retried). No build reaches 255.
+template <class Tile, class Shape>
 constexpr int ring_min_blocks() {
-  return RingKernelLayout<Tile>::kBlockBytes <= 110 * 1024 ? 2 : 1;
+  return Shape::kMinBlocks;
 }
 
 // Producer lane: item -> metadata (the rules of resolve_items, for one item).
@@ -137,17 +156,26 @@ __device__ __forceinline__ void ring_scalars(const RecurrentParams& p, RingItemM
 // single arrive comes last, after the metadata store, so the math warp sees both. Tokens of an inactive
 // sequence are copied too (valid addresses, never read): it keeps the token copies independent of the
 // slot lookup.
-template <class Tile>
+template <class Tile, class Stage>
 __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingItemMeta& r, const int flags,
                                            unsigned char* stage, uint64_t* full) {
 #if KDA_DECODE_RING_COPY
-  using Stage = RingStage<Tile>;
   using StateT = typename Tile::StateT;
   constexpr int K = Tile::K;
   const ItemMeta& m = r.m;
   const bool tokens = m.kind != kNoItem && m.len > 0;
   const bool dtb = tokens && p.dt_bias != nullptr && p.gate_mode != GateMode::kPrecomputed &&
                    !(flags & kFlagRingDtBiasGlobal);
+  auto state_copy = [&] {
+    if (tokens && m.kind == 1) {  // a pool start state (a zero-length or inactive sequence's is never needed)
+      cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, Stage::kStateBytes);
+      const StateT* src = static_cast<const StateT*>(p.state) + m.slot * p.state_slot_stride +
+                          int64_t(m.hv) * K * K + int64_t(m.tile) * Tile::kRowsPerWarp * K;
+      cute::SM90_BULK_COPY_G2S::copy(src, full, stage, Stage::kStateBytes);
+    }
+  };
+  const bool state_first = (flags & kFlagRingStateFirst) != 0;
+  if (state_first) state_copy();
   if (tokens) {
     cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, 3 * Stage::kTokenBytes + Stage::kVBytes +
                                                                            (dtb ? K * 4 : 0));
@@ -161,12 +189,7 @@ __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingI
                                    stage + Stage::kV, Stage::kVBytes);
     if (dtb) cute::SM90_BULK_COPY_G2S::copy(p.dt_bias + int64_t(m.hv) * K, full, stage + Stage::kDtBias, K * 4);
   }
-  if (tokens && m.kind == 1) {  // a pool start state (a zero-length or inactive sequence's is never needed)
-    cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, Stage::kStateBytes);
-    const StateT* src = static_cast<const StateT*>(p.state) + m.slot * p.state_slot_stride + int64_t(m.hv) * K * K +
-                        int64_t(m.tile) * Tile::kRowsPerWarp * K;
-    cute::SM90_BULK_COPY_G2S::copy(src, full, stage, Stage::kStateBytes);
-  }
+  if (!state_first) state_copy();
   *reinterpret_cast<RingItemMeta*>(stage + Stage::kMeta) = r;
   cutlass::arch::ClusterBarrier::arrive(full);  // release: the metadata store is visible after the wait
 #endif
@@ -189,13 +212,14 @@ __device__ __forceinline__ void ring_token_slice(const unsigned char* row, int k
   }
 }
 
-template <class Tile>
-__global__ void __launch_bounds__(RingKernelLayout<Tile>::kThreads, ring_min_blocks<Tile>())
+template <class Tile, class Shape>
+__global__ void __launch_bounds__(RingKernelLayout<Tile, Shape>::kThreads, ring_min_blocks<Tile, Shape>())
     kda_recurrent_ring_kernel(const RecurrentParams p, const int flags) {
 #if KDA_DECODE_RING_COPY
   using StateT = typename Tile::StateT;
-  using Stage = RingStage<Tile>;
-  using Layout = RingKernelLayout<Tile>;
+  using Layout = RingKernelLayout<Tile, Shape>;
+  using Stage = typename Layout::Stage;
+  constexpr int kRingMathWarps = Layout::kMathWarps;
   constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP, kStages = Stage::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + Layout::kBarrierOffset);
@@ -229,7 +253,7 @@ __global__ void __launch_bounds__(RingKernelLayout<Tile>::kThreads, ring_min_blo
     uint32_t phase = 0;
     for (int64_t item = first; item < total; item += stride) {
       cutlass::arch::ClusterBarrier::wait(empty_bar(w, stage), phase ^ 1u);  // the math warp released it
-      ring_issue<Tile>(p, cur, flags, ring + stage * Stage::kBytes, full_bar(w, stage));
+      ring_issue<Tile, Stage>(p, cur, flags, ring + stage * Stage::kBytes, full_bar(w, stage));
       cur = nxt;
       ring_scalars<Tile>(p, cur);                               // item j+1: used at the next issue
       ring_resolve<Tile>(p, item + 2 * stride, total, nxt);     // item j+2
@@ -334,11 +358,13 @@ __global__ void __launch_bounds__(RingKernelLayout<Tile>::kThreads, ring_min_blo
 #endif
 }
 
-template <int K, typename StateT, int NR>
+template <int K, typename StateT, int NR, int kVariant>
 void run_recurrent_ring_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream) {
   using Tile = RecurrentTile<K, StateT, NR>;
-  using Layout = RingKernelLayout<Tile>;
-  auto kernel = kda_recurrent_ring_kernel<Tile>;
+  using Shape = RingShape<kVariant>;
+  using Layout = RingKernelLayout<Tile, Shape>;
+  constexpr int kRingMathWarps = Layout::kMathWarps;
+  auto kernel = kda_recurrent_ring_kernel<Tile, Shape>;
   // Occupancy per device queried once (first eager call) with the dynamic-smem opt-in and the carveout (as
   // run_recurrent_, for this kernel's one block shape); concurrent first calls are serialised.
   static std::once_flag once[kMaxDevices];
