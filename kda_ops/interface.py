@@ -526,13 +526,20 @@ def _remember(key, reads, output, pool, **decided: Any) -> None:
         read_offs=tuple(None if t is None else _span_offsets(t) for t in reads),
         pool_align=d.on_cuda and pool is not None and pool.numel() > 0,
         # recurrent_kda_decode's packed mode (registration.cpp) when the call fits its subset, else None
-        decode_mode=None
-        if need_order or alloc_final or zero_uncovered
-        else int(gate_mode) | (4 if l2 else 0) | (8 if logit else 0) | (int(backend_code) << 8) | (int(S) << 16),
+        decode_mode=_decode_mode(**decided),
     )
     if len(_FAST_CACHE) >= _FAST_CACHE_SIZE:
         _FAST_CACHE.pop(next(iter(_FAST_CACHE)))  # oldest first
     _FAST_CACHE[key] = e
+
+
+def _decode_mode(
+    *, gate_mode, l2, logit, backend_code, S, need_order, alloc_final, zero_uncovered, **_: Any
+) -> int | None:
+    """recurrent_kda_decode's packed mode (registration.cpp) when the call fits its subset, else None."""
+    if need_order or alloc_final or zero_uncovered:
+        return None
+    return int(gate_mode) | (4 if l2 else 0) | (8 if logit else 0) | (int(backend_code) << 8) | (int(S) << 16)
 
 
 def _recurrent_kda_cached(
