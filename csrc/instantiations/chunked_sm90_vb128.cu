@@ -1,6 +1,7 @@
 // The Hopper chunked prefill kernel (csrc/kda/chunked/sm90/chunked_sm90_kernel.cuh) and its host launch.
 // Built for every CUDA arch of the extension; the kernel body exists only in the sm_90a image, and the host
 // routes to it only on a compute capability 9.0 device.
+#include <atomic>
 #include <cuda.h>
 
 #include <cstdio>
@@ -137,13 +138,15 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream) {
   const int variant = sm90_variant();
   const KernelFn fn = kernel_for(profile, variant);
   const int which = (profile ? 2 : 0) + variant;
-  static bool attr_set[64][4] = {};
+  // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
+  // idempotent, and the atomic flag keeps the check itself free of a data race.
+  static std::atomic<bool> attr_set[64][4] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
-  if (!attr_set[dev][which]) {
+  if (!attr_set[dev][which].load(std::memory_order_acquire)) {
     const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
-    attr_set[dev][which] = true;
+    attr_set[dev][which].store(true, std::memory_order_release);
   }
   const int64_t blocks = p.N * p.HV;
   fn<<<dim3(static_cast<unsigned>(blocks)), kThreads, smem, stream>>>(args);
