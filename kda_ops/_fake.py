@@ -10,7 +10,8 @@ Output rules (shared with the CPU and CUDA implementations):
   each sequence's first (that one is initial_state), rows = B*(ceil(T/64) - 1) fixed (0 for T == 0),
   T//64 packed (an upper bound from shapes, spare rows zero); tape_cu_starts int64 [N+1]. All contiguous.
 - backward ops: dq, dk, dv, dg, dbeta shaped like their inputs in q's dtype; dA_log / ddt_bias shaped
-  like A_log / dt_bias in A_log's dtype (empty [0] when that parameter is None: no gate, or no dt_bias); dinitial_state [N, HV, V, K] in initial_state's dtype
+  like A_log / dt_bias in A_log's dtype (empty [0] when that parameter is None: no gate, or no dt_bias);
+  dinitial_state [N, HV, V, K] in initial_state's dtype
   (recurrent_kda_backward) or the tapes' dtype (training backward, whose initial_state is optional).
   All contiguous.
 """

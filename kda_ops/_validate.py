@@ -583,7 +583,9 @@ def check_training_modes(
             mode = GATE_LOWER_BOUND
             lb = _real(lower_bound, "lower_bound")
             if not math.isfinite(lb) or not (TRAINING_MIN_LOWER_BOUND <= lb < 0.0):
-                raise ValueError(f"lower_bound must be a finite float in [-5, 0) or None (softplus gate), got {lower_bound}")
+                raise ValueError(
+                    f"lower_bound must be a finite float in [-5, 0) or None (softplus gate), got {lower_bound}"
+                )
     h0 = _opt_tensor(initial_state, "initial_state")
     if h0 is None:
         if state_required:

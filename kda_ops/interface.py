@@ -771,8 +771,8 @@ def recurrent_kda_training_backward(
     Loss convention: ``L = Σ_t <o_t, do_t> + <S_T, dfinal_state>``; the reverse sweep of docs/contract.md "Gradients"
     runs from the saved chunk-boundary states, chained through the forward's modes (kept in ``ctx``): the L2
     norm when on, the gate (lower-bound, softplus, or none for a precomputed g: dg = da) and the logit β
-    when ``beta_is_logit``. GQA: dq and dk of the value heads of a group are summed into their q/k head. dA_log and ddt_bias
-    are summed over all tokens and sequences, in a fixed order (deterministic).
+    when ``beta_is_logit``. GQA: dq and dk of the value heads of a group are summed into their q/k head.
+    dA_log and ddt_bias are summed over all tokens and sequences, in a fixed order (deterministic).
 
     Args:
         ctx: the context returned by the forward (its saved tensors must be unmodified).
@@ -1029,5 +1029,7 @@ def kda(
         and (res := _split.try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb)) is not None
     ):
         return res[0], (res[1] if ofs else None)  # the exact segment split (kda_ops/_split.py)
-    o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb, gm, l2, logit)
+    o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(
+        q, k, v, g, beta, A, dtb, h0, cu64, sc, lb, gm, l2, logit
+    )
     return o, (fs if ofs else None)

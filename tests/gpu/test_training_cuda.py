@@ -627,7 +627,8 @@ for _i, _m in enumerate(MODES):
     _MODE_CASES.append((f"{mode_id(_m)}-K128-T65", _m, 128, 65, 1, 2, -5.0, "random"))
     _MODE_CASES.append((f"{mode_id(_m)}-K64-T17", _m, 64, 17, 2, 2, -1.0, "zero"))
     _MODE_CASES.append((f"{mode_id(_m)}-K128-packed", _m, 128, [0, 64, 0, 1, 130], 1, 4, -1.0, None))
-for _m, _T in ((("softplus", True, True), 1024), (("precomputed", False, False), 4097), (("lower_bound", False, True), 1024)):
+_LONG = ((("softplus", True, True), 1024), (("precomputed", False, False), 4097), (("lower_bound", False, True), 1024))
+for _m, _T in _LONG:
     _MODE_CASES.append((f"{mode_id(_m)}-K128-T{_T}", _m, 128, _T, 1, 1, -5.0, "random"))
 _MODE_CASES.append(("lower_bound-logit-l2-K64-T1", ("lower_bound", True, True), 64, 1, 1, 4, -5.0, "random"))
 _MODE_CASES.append(("softplus-plain-nol2-K64-T64", ("softplus", False, False), 64, 64, 1, 2, -5.0, None))
