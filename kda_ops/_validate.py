@@ -400,6 +400,20 @@ def check_verify(disable_state_update: Any, backend_code: int) -> int:
 # gate parameters
 
 
+def _check_no_gate_params(A: torch.Tensor | None, dtb: torch.Tensor | None) -> None:
+    """Without the in-kernel gate, g is the log-decay itself: A_log and dt_bias must be left out."""
+    if A is not None:
+        raise ValueError(
+            "A_log must be None without the in-kernel gate (use_gate_in_kernel=False: g is the log-decay), "
+            f"got a tensor of shape {_shape(A)}"
+        )
+    if dtb is not None:
+        raise ValueError(
+            "dt_bias must be None without the in-kernel gate (use_gate_in_kernel=False: g is the log-decay), "
+            f"got a tensor of shape {_shape(dtb)}"
+        )
+
+
 def check_gate(
     use_gate_in_kernel: Any, lower_bound: Any, A_log: Any, dt_bias: Any, d: Dims
 ) -> tuple[int, float, torch.Tensor | None, torch.Tensor | None]:
@@ -422,16 +436,7 @@ def check_gate(
             raise ValueError(
                 f"lower_bound must be None without the in-kernel gate (use_gate_in_kernel=False), got {lower_bound}"
             )
-        if A is not None:
-            raise ValueError(
-                "A_log must be None without the in-kernel gate (use_gate_in_kernel=False: g is the log-decay), "
-                f"got a tensor of shape {_shape(A)}"
-            )
-        if dtb is not None:
-            raise ValueError(
-                "dt_bias must be None without the in-kernel gate (use_gate_in_kernel=False: g is the log-decay), "
-                f"got a tensor of shape {_shape(dtb)}"
-            )
+        _check_no_gate_params(A, dtb)
         return GATE_PRECOMPUTED, 0.0, None, None
     if A is None:
         raise ValueError("A_log must be a [HV] fp32 tensor with use_gate_in_kernel=True, got None")
@@ -549,16 +554,7 @@ def check_training_modes(
     dtb = _opt_tensor(dt_bias, "dt_bias")
     lb = 0.0
     if not use_gate:
-        if A is not None:
-            raise ValueError(
-                "A_log must be None without the in-kernel gate (use_gate_in_kernel=False: g is the log-decay), "
-                f"got a tensor of shape {_shape(A)}"
-            )
-        if dtb is not None:
-            raise ValueError(
-                "dt_bias must be None without the in-kernel gate (use_gate_in_kernel=False: g is the log-decay), "
-                f"got a tensor of shape {_shape(dtb)}"
-            )
+        _check_no_gate_params(A, dtb)
         mode = GATE_PRECOMPUTED
     else:
         if A is None:

@@ -96,11 +96,8 @@ void recurrent_kda_cpu_decode(const at::Tensor& q, const at::Tensor& k, const at
                     const std::optional<at::Tensor>& ssm_state_indices,
                     const std::optional<at::Tensor>& num_accepted_tokens, const at::Tensor& output, double scale,
                     double lower_bound, int64_t decode_flags) {
-  const DecodeMode m = unpack_decode_mode(decode_flags);
-  const std::optional<at::Tensor> none;
-  recurrent_kda_cpu(q, k, v, g, beta, A_log, dt_bias, state, none, none, none, ssm_state_indices, num_accepted_tokens, none,
-         output, none, none, none, none, scale, m.gate_mode, lower_bound, m.use_qk_l2norm, m.beta_is_logit,
-         m.num_spec_tokens, 0, m.backend, false, m.disable_state_update);
+  recurrent_kda_decode_as_full(&recurrent_kda_cpu, q, k, v, g, beta, A_log, dt_bias, state, ssm_state_indices,
+                               num_accepted_tokens, output, scale, lower_bound, decode_flags);
 }
 
 }  // namespace
