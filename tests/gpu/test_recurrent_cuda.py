@@ -310,8 +310,8 @@ CONFIGS = [
     dict(RING, KDA_RECURRENT_BLOCKS_PER_SM="1"),  # one block per SM: every ring wraps many times
     dict(RING, **{ROWS_ENV: "4"}),
     dict(RING, **{ROWS_ENV: "8"}),
-    # the block shapes of the K=128 NR=8 tile (other tiles keep shape 0), one with one block per SM
-    dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "1"}),
+    # the block shapes of the K=128 NR=8 tile (default 1; other tiles keep shape 0), one with one block per SM
+    dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "0"}),
     dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "2", "KDA_DECODE_RING_STATE_FIRST": "1"}),
     dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "3", "KDA_RECURRENT_BLOCKS_PER_SM": "1"}),
     {ROWS_ENV: "1"},

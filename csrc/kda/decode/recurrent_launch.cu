@@ -24,7 +24,7 @@ int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMult
 //   KDA_DECODE_KERNEL=ring|serial: the kernel for bf16 tiles on sm_90+ (default ring: on H200 it moved
 //   bf16 decode from 2.3-2.4 to 3.2-3.4 TB/s at B=256/1024; the same bits either way; fp32 tiles always
 //   take the serial kernel, which already streams them at ~3.6 TB/s);
-//   KDA_DECODE_RING_VARIANT=0..3: the ring kernel's block shape for the K=128 NR=8 tile (RingShape in
+//   KDA_DECODE_RING_VARIANT=0..3: the ring kernel's block shape for the K=128 NR=8 tile (default 1; RingShape in
 //   recurrent_ring_kernel.cuh; other tiles use shape 0); KDA_DECODE_RING_STATE_FIRST=1: the producer
 //   issues the state copy before the token rows.
 struct Knobs {
@@ -34,7 +34,7 @@ struct Knobs {
   int flags = decode::kFlagNoL1Prefetch;
   int max_warps_per_block = 4;
   bool ring = true;  // KDA_DECODE_KERNEL=serial turns it off
-  int ring_variant = 0;
+  int ring_variant = 1;  // 5 math warps x 4 stages: on H200 the fastest shape at B=256, B=1024 and spec decode
 };
 
 const Knobs& knobs() {
