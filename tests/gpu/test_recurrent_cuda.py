@@ -291,7 +291,7 @@ def test_scenarios_reference(K, state_dtype):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launch configurations: the kernel switch (KDA_DECODE_KERNEL=ring|serial; ring, the default, applies to
+# Launch configurations: the kernel switch (KDA_DECODE_KERNEL=ring|serial; unset: ring on bandwidth-bound grids of
 # bf16 tiles on sm_90+), the ring kernel's block shapes and issue order (KDA_DECODE_RING_VARIANT,
 # KDA_DECODE_RING_STATE_FIRST) and the schedule knobs (tile, blocks per SM, carveout, L1 prefetch, warps per
 # block) change only the schedule, so every configuration must give the same bits. The launcher reads them

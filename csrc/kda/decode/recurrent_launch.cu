@@ -21,9 +21,12 @@ int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMult
 //   KDA_RECURRENT_ROWS_PER_LANE=1|2|4|8 (the tile), KDA_RECURRENT_BLOCKS_PER_SM=n (cap),
 //   KDA_RECURRENT_CARVEOUT=min|default|max, KDA_RECURRENT_L1_PREFETCH=1 (prefetch the next items' token
 //   inputs into L1), KDA_RECURRENT_WARPS_PER_BLOCK=1|2|4 (cap), KDA_RECURRENT_DIAG=1|2|3;
-//   KDA_DECODE_KERNEL=ring|serial: the kernel for bf16 tiles on sm_90+ (default ring: on H200 it moved
-//   bf16 decode from 2.3-2.4 to 3.2-3.4 TB/s at B=256/1024; the same bits either way; fp32 tiles always
-//   take the serial kernel, which already streams them at ~3.6 TB/s);
+//   KDA_DECODE_KERNEL=ring|serial: the kernel for bf16 tiles on sm_90+. Unset: the ring kernel where the
+//   grid is bandwidth-bound (the 8-rows-per-lane heuristic tile: on H200 it moved bf16 decode from 2.3-2.4
+//   to 3.5-3.7 TB/s at B=256/1024) and the serial kernel where it is latency-bound (the 4-rows tile, small
+//   batches: B=1 took 5.1 us a step serial against 7.0 us on the ring); `ring` forces the ring kernel
+//   wherever it applies, `serial` turns it off. The same bits either way; fp32 tiles always take the
+//   serial kernel, which already streams them at ~3.4-3.7 TB/s;
 //   KDA_DECODE_RING_VARIANT=0..3: the ring kernel's block shape for the K=128 NR=8 tile (default 1; RingShape in
 //   recurrent_ring_kernel.cuh; other tiles use shape 0); KDA_DECODE_RING_STATE_FIRST=1: the producer
 //   issues the state copy before the token rows.
@@ -34,6 +37,7 @@ struct Knobs {
   int flags = decode::kFlagNoL1Prefetch;
   int max_warps_per_block = 4;
   bool ring = true;  // KDA_DECODE_KERNEL=serial turns it off
+  bool ring_forced = false;  // KDA_DECODE_KERNEL=ring: also on latency-bound grids
   int ring_variant = 1;  // 5 math warps x 4 stages: on H200 the fastest shape at B=256, B=1024 and spec decode
 };
 
@@ -56,7 +60,10 @@ const Knobs& knobs() {
       const int v = std::atoi(env);
       if (v == 1 || v == 2 || v == 4) r.max_warps_per_block = v;
     }
-    if (const char* env = std::getenv("KDA_DECODE_KERNEL")) r.ring = std::string(env) != "serial";
+    if (const char* env = std::getenv("KDA_DECODE_KERNEL")) {
+      r.ring = std::string(env) != "serial";
+      r.ring_forced = std::string(env) == "ring";
+    }
     if (const char* env = std::getenv("KDA_DECODE_RING_VARIANT")) {
       const int v = std::atoi(env);
       if (v >= 0 && v < 4) r.ring_variant = v;
@@ -109,7 +116,10 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream, bool
   if ((warps + cfg.warps_per_block - 1) / cfg.warps_per_block > INT_MAX) return cudaErrorInvalidConfiguration;
   const DType tile_dtype =
       p.state != nullptr ? p.state_dtype : (p.state_source != nullptr ? p.state_source_dtype : DType::kFloat32);
-  if (kn.ring && tile_dtype == DType::kBFloat16 && (nr == 4 || nr == 8) && ring_supported(p)) {
+  // The heuristic's 4-rows tile marks a latency-bound grid: the serial kernel's shorter chain wins there.
+  const bool latency_bound = kn.rows_per_lane == 0 && nr == 4;
+  if (kn.ring && (kn.ring_forced || !latency_bound) && tile_dtype == DType::kBFloat16 && (nr == 4 || nr == 8) &&
+      ring_supported(p)) {
     // Tiles: K=128 NR 4 or 8 as chosen; K=64 always NR=4 (its NR=8 tile spills under the ring's register cap).
     if (p.K == 128 && nr == 8) {
       switch (kn.ring_variant) {
