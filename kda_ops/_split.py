@@ -37,11 +37,13 @@ training forward op (the output pass keeps its per-segment tapes), and a backwar
 backward passes over the segments: G (zero end-state gradients), a reverse scan
 ``dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)``, then the gradients from the exact end-state gradients.
 
-Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``0`` (default: off), ``1`` (split whenever the
-scope allows and a sequence is longer than one segment), ``auto`` (split when a cost model of the
-shapes says it pays, :func:`split_pays`: the unsplit critical path against 3 passes over one segment).
-``KDA_SEQUENCE_SPLIT_TOKENS`` (a multiple of 64) forces the segment length (benchmarks, tests).
-Default off: the gain is measured by benchmarks/bench_split.py, not yet argued to never lose.
+Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``auto`` (default: split CUDA calls when a cost
+model of the shapes says it pays, :func:`split_pays`: the unsplit critical path against 3 passes over
+one segment), ``0`` (off), ``1`` (split whenever the scope allows and a sequence is longer than one
+segment, on any device). ``KDA_SEQUENCE_SPLIT_TOKENS`` (a multiple of 64) forces the segment length
+(benchmarks, tests). On the H200 (benchmarks/bench_split.py) the model split the cases the split wins
+(few heads, 64K tokens: 3.3-3.5x prefill, 1.3-1.5x training) and declined the ones it loses (32 heads at
+8K tokens, 16 heads of 8 x 2K).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ __all__ = ["MODE", "SEGMENT_TOKENS", "try_run", "check_cu_seqlens_cpu", "plan_se
 
 
 def _read_mode() -> str:
-    m = os.environ.get("KDA_SEQUENCE_SPLIT", "0").strip().lower()
+    m = os.environ.get("KDA_SEQUENCE_SPLIT", "auto").strip().lower()
     if m not in ("0", "1", "auto"):
         raise ValueError(f"KDA_SEQUENCE_SPLIT must be 0, 1 or auto, got {m!r}")
     return m
@@ -73,6 +75,10 @@ def _read_tokens() -> int:
 
 
 SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
+# ``auto`` leaves calls with fewer tokens unsplit (the cost model has no term for the split's fixed cost:
+# its extra launches and the scan; the split was measured from 64K tokens, and declined at 8K), which also
+# keeps the decode path free of the planning.
+AUTO_MIN_TOKENS = 16384
 MODE = _read_mode()
 SEGMENT_TOKENS = _read_tokens()
 _NOMINAL_SMS = 132  # CPU (tests) and meta: plan as for an H200
@@ -153,6 +159,12 @@ def split_pays(lens: list[int], HV: int, sms: int, Ls: int) -> bool:
     return split * _MARGIN < unsplit
 
 
+def _auto_splits(d: V.Dims, lens: list[int], sms: int, Ls: int) -> bool:
+    """``auto`` splits CUDA calls only: on the host the passes run one after another, so the split's
+    extra work is never hidden by idle SMs."""
+    return d.device.type == "cuda" and split_pays(lens, d.HV, sms, Ls)
+
+
 class _Plan:
     """Host plan of one split call: segments in token order and their pool rows per pass."""
 
@@ -201,7 +213,7 @@ def _split_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Te
     """The sequence lengths of a call the split may take, or None when it is out of scope: the switch off,
     nothing to do, meta / FakeTensor tracing, CUDA graph capture, lengths only on the device, or no
     sequence longer than one segment."""
-    if MODE == "0" or d.N == 0 or d.B * d.T == 0:
+    if MODE == "0" or d.N == 0 or d.B * d.T == 0 or (MODE == "auto" and d.T < AUTO_MIN_TOKENS):
         return None
     if d.dev_type == "meta" or torch.compiler.is_compiling():
         return None
@@ -270,7 +282,7 @@ def try_run(
     Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS, multiple)
     if max(lens) <= Ls or Ls % multiple != 0:
         return False
-    if MODE == "auto" and not split_pays(lens, d.HV, sms, Ls):
+    if MODE == "auto" and not _auto_splits(d, lens, sms, Ls):
         return False
     views = [_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta, out)]
     if any(x is None for x in views):
@@ -518,7 +530,7 @@ def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
         return None
     sms = _sms(d.device)
     Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
-    if max(lens) <= Ls or (MODE == "auto" and not split_pays(lens, d.HV, sms, Ls)):
+    if max(lens) <= Ls or (MODE == "auto" and not _auto_splits(d, lens, sms, Ls)):
         return None
     return _Plan(lens, Ls)
 

@@ -153,15 +153,37 @@ def test_split_falls_back(split_on):  # type: ignore[no-untyped-def]
 
 
 def test_auto_mode_declines_short_and_wide(monkeypatch):  # type: ignore[no-untyped-def]
-    """auto: splits a long sequence on few heads, not sequences that span few segments."""
+    """auto: splits a long sequence on few heads, not sequences that span few segments, nor calls below
+    the token floor (the cost model's rule is applied as on a GPU: on the host auto never splits)."""
     monkeypatch.setattr(_split, "MODE", "auto")
     monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(_split, "AUTO_MIN_TOKENS", 0)
+    monkeypatch.setattr(_split, "_auto_splits", lambda d, lens, sms, Ls: _split.split_pays(lens, d.HV, sms, Ls))
     calls = []
     monkeypatch.setattr(_split, "_run", lambda pl, *a: calls.append(pl))
     x, kw = _inputs([300], gate="lower_bound", seed=8)
     _call(x, kw)
     assert len(calls) == 1
     x, kw = _inputs([200], gate="lower_bound", seed=8)  # 4 segments needed: 200 < 4*64
+    _call(x, kw)
+    assert len(calls) == 1
+    monkeypatch.setattr(_split, "AUTO_MIN_TOKENS", 301)
+    x, kw = _inputs([300], gate="lower_bound", seed=8)
+    _call(x, kw)
+    assert len(calls) == 1
+
+
+def test_auto_mode_on_the_host_never_splits(monkeypatch):  # type: ignore[no-untyped-def]
+    """auto on CPU tensors: the passes would run one after another, so the split only adds work."""
+    monkeypatch.setattr(_split, "MODE", "auto")
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(_split, "AUTO_MIN_TOKENS", 0)
+    calls = []
+    monkeypatch.setattr(_split, "_run", lambda pl, *a: calls.append(pl))
+    x, kw = _inputs([300], gate="lower_bound", seed=8)
+    _call(x, kw)
+    assert calls == []
+    monkeypatch.setattr(_split, "MODE", "1")
     _call(x, kw)
     assert len(calls) == 1
 
