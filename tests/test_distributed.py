@@ -231,25 +231,42 @@ def _cuda_inputs():  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-def _worker_cuda(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _worker_cuda(rank: int, world: int, init_file: str, out_dir: str, backend: str, offsets: list[int]) -> None:
     torch.set_num_threads(1)
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     import kda_ops.distributed  # noqa: F401
 
     x = _cuda_inputs()
-    res = _run_local(x, CUDA_CASE[0], CUDA_CASE[1], rank, lower_bound=-5.0)
+    res = _run_local(x, CUDA_CASE[0], offsets, rank, lower_bound=-5.0)
     torch.save({k: (None if v is None else v.cpu()) for k, v in res.items()}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _spawn_cuda(backend: str, offsets: list[int]) -> list[dict]:
+    world = len(offsets) - 1
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker_cuda, args=(world, os.path.join(tmp, "init"), tmp, backend, offsets), nprocs=world, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
 @pytest.mark.gpu
 def test_cuda_matches_one_process():
-    world = len(CUDA_CASE[1]) - 1
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker_cuda, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=True)
-        parts = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    """4 gloo ranks sharing the GPU (CUDA tensors) against the single-process call."""
+    _check_against_one_process(_spawn_cuda("gloo", CUDA_CASE[1]))
+
+
+@pytest.mark.gpu
+def test_nccl_one_rank_matches_one_process():
+    """NCCL with one rank (what a one-GPU machine allows): the collectives run on NCCL, the whole batch on
+    rank 0."""
+    if not dist.is_nccl_available():
+        pytest.skip("torch built without NCCL")
+    _check_against_one_process(_spawn_cuda("nccl", [0, CUDA_CASE[0][-1]]))
+
+
+def _check_against_one_process(parts: list[dict]) -> None:
     x = _cuda_inputs()
     leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
     A = x["A_log"].clone().requires_grad_(True)
