@@ -85,6 +85,7 @@ def main() -> None:
     # backend) and the CPU kernels (csrc/cpu); the CUDA kernels (csrc/kda) follow when archs are asked for.
     cpp_sources = (
         sorted(glob.glob("csrc/api/registration.cpp"))
+        + sorted(glob.glob("csrc/api/python_module.cpp"))
         + sorted(glob.glob("csrc/api/*_cpu.cpp"))
         + sorted(glob.glob("csrc/cpu/*.cpp"))
     )

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+import kda_ops._C
 from kda_ops import _split
 from kda_ops import _validate as V
 from kda_ops.workspace import (
@@ -82,26 +83,13 @@ _READ_NAMES = (
 # cu_seqlens, seq_order and checkpoint starts (such calls are never cached), and the addresses (overlap of
 # the writes with the reads, 16-byte alignment of the pool), which are re-checked on every call. So a call
 # whose key (those properties, the scalars and their Python types) was validated before skips the checks
-# and goes straight to the op: an eager decode step's Python cost falls to building the key
-# (benchmarks/bench_api_overhead.py). A call that fails a re-check takes the full path, which raises.
+# and goes straight to the op. The tensor part of the key and the overlap re-check are one C++ call
+# (_C.tensor_call_key, csrc/api/python_module.cpp: ~10 µs of Python attribute reads per decode step
+# before; benchmarks/bench_api_overhead.py). A call that fails a re-check takes the full path, which raises.
 _Tensor = torch.Tensor
+_tensor_call_key = kda_ops._C.tensor_call_key  # type: ignore[attr-defined]
 _FAST_CACHE: dict = {}
 _FAST_CACHE_SIZE = 64  # distinct shapes kept (a serving engine has a few batch sizes per layer type)
-
-
-def _tkey(t):
-    """Key part of one optional tensor argument (raises AttributeError for a non-tensor: no fast path)."""
-    if t is None:
-        return None
-    return (type(t), t.shape, t.stride(), t.dtype, t.device)
-
-
-def _span_offsets(t):
-    """(0, one past the last byte) of t's memory relative to its data_ptr, or None when empty (as _span)."""
-    if t.numel() == 0:
-        return None
-    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return 0, (extent + 1) * t.element_size()
 
 
 class _FastEntry:
@@ -120,8 +108,6 @@ class _FastEntry:
         "need_order",
         "alloc_final",
         "out_final",
-        "write_offs",
-        "read_offs",
         "pool_align",
         "decode_mode",
     )
@@ -271,7 +257,7 @@ def recurrent_kda(
     # Hot path: an eager decode step's kernel takes a few µs, so the Python layer must stay in the same
     # range. Every check below is a cheap combined test on the common path; the one-by-one helpers run
     # only to raise the error that names the argument (benchmarks/bench_api_overhead.py times this).
-    key = None
+    key: Any = None
     if (
         initial_state_source is None
         and initial_state_indices is None
@@ -297,18 +283,14 @@ def recurrent_kda(
             disable_state_update,
         )
         try:
-            # the five token tensors inline (always given), the optional ones through _tkey
-            key = (
-                type(q), q.shape, q.stride(), q.dtype, q.device,
-                type(k), k.shape, k.stride(), k.dtype, k.device,
-                type(v), v.shape, v.stride(), v.dtype, v.device,
-                type(g), g.shape, g.stride(), g.dtype, g.device,
-                type(beta), beta.shape, beta.stride(), beta.dtype, beta.device,
-                _tkey(A_log), _tkey(dt_bias), _tkey(initial_state), _tkey(cu_seqlens), _tkey(ssm_state_indices),
-                _tkey(num_accepted_tokens), _tkey(output), scalars, tuple(map(type, scalars)),
+            # reads, then the two writes (output, the pool); None: a non-tensor argument or overlapping memory
+            tkey = _tensor_call_key(
+                2, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ssm_state_indices, num_accepted_tokens, output,
+                initial_state,
             )  # fmt: skip
-            e = _FAST_CACHE.get(key)
-        except (AttributeError, TypeError):  # not a tensor, or an unhashable scalar: the full path explains
+            key = None if tkey is None else (tkey, scalars, tuple(map(type, scalars)))
+            e = None if key is None else _FAST_CACHE.get(key)
+        except TypeError:  # an unhashable scalar: the full path explains
             key = e = None
         if e is not None:
             res = _recurrent_kda_cached(
@@ -513,17 +495,13 @@ def recurrent_kda(
 def _remember(key, reads, output, pool, **decided: Any) -> None:
     """Store what the full path decided for `key` (a validated call of the decode-like family): the
     `decided` fields of _FastEntry (d, gate_mode, lb, sc, l2, logit, S, backend_code, zero_uncovered,
-    need_order, alloc_final, out_final) and the memory spans of `reads`, `output` and `pool`. Only plain
-    tensors (real memory: data_ptr) are cached."""
+    need_order, alloc_final, out_final). Only plain tensors (real memory: data_ptr) are cached."""
     for t in (*reads, output, pool):
         if t is not None and type(t) is not _Tensor and type(t) is not torch.nn.Parameter:
             return
     d = decided["d"]
     e = _FastEntry(
         **decided,
-        # per argument slot: byte offsets of its memory span (None: absent or empty)
-        write_offs=tuple(None if t is None else _span_offsets(t) for t in (output, pool)),
-        read_offs=tuple(None if t is None else _span_offsets(t) for t in reads),
         pool_align=d.on_cuda and pool is not None and pool.numel() > 0,
         # recurrent_kda_decode's packed mode (registration.cpp) when the call fits its subset, else None
         decode_mode=_decode_mode(**decided),
@@ -546,26 +524,11 @@ def _recurrent_kda_cached(
     e, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, ssm_idx, n_acc, output, disable_state_update
 ):
     """recurrent_kda for a key validated before: re-check the addresses, allocate, run. None when a
-    re-check fails (the caller then takes the full path, which raises the error)."""
+    re-check fails (the caller then takes the full path, which raises the error). The key's C++ call has
+    checked the overlap of the writes with every argument."""
     d = e.d
-    # memory overlap of the writes (output, pool) with every read and with each other, by address
-    wspans = []
-    for t, off in zip((output, pool), e.write_offs, strict=True):
-        if off is not None:
-            lo = t.data_ptr()
-            wspans.append((lo, lo + off[1]))
-    if wspans:
-        if e.pool_align and pool.data_ptr() % 16 != 0:
-            return None
-        for t, off in zip((q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ssm_idx, n_acc), e.read_offs, strict=True):
-            if off is not None:
-                lo = t.data_ptr()
-                hi = lo + off[1]
-                for a, b in wspans:
-                    if lo < b and a < hi:
-                        return None
-        if len(wspans) == 2 and wspans[0][0] < wspans[1][1] and wspans[1][0] < wspans[0][1]:
-            return None
+    if e.pool_align and pool.data_ptr() % 16 != 0:
+        return None
     if e.decode_mode is not None and cu_seqlens is None:
         out = q.new_empty((d.B, d.T, d.HV, d.V)) if output is None else output
         _recurrent_kda_decode_op(

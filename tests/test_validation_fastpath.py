@@ -196,3 +196,58 @@ def test_implicit_slots_need_a_pool_of_n_slots():
         kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
                               cu_seqlens=x["cu_seqlens"])
     assert torch.equal(pool, before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the C++ key of the validation cache (kda_ops._C.tensor_call_key): equal exactly when every property the
+# full path validated is equal, None for what must take the full path
+
+
+def test_tensor_call_key_properties():
+    from kda_ops import _C
+
+    key = _C.tensor_call_key
+    a, w = torch.zeros(2, 3), torch.zeros(4)
+    assert key(1, a, None, w) == key(1, torch.ones(2, 3), None, torch.ones(4))  # values and addresses do not count
+    variants = [
+        key(1, a.t(), None, w),  # strides
+        key(1, a.view(3, 2), None, w),  # sizes
+        key(1, a.double(), None, w),  # dtype
+        key(1, torch.nn.Parameter(a), None, w),  # Python type
+        key(1, a, a, w),  # an argument present instead of None
+        key(1, None, a, w),  # ...in another position
+        key(1, torch.empty(2, 3, device="meta"), None, w),  # device
+    ]
+    assert all(isinstance(x, bytes) for x in variants)
+    assert len({key(1, a, None, w), *variants}) == len(variants) + 1
+
+
+def test_tensor_call_key_declines():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kda_ops import _C
+
+    key = _C.tensor_call_key
+    buf = torch.zeros(16)
+    assert key(1, buf[:8], buf[4:12]) is None  # the written tensor overlaps a read
+    assert key(2, buf[:8], buf[7:12]) is None  # ...or the other written tensor
+    assert key(1, buf[:8], buf[8:12]) is not None  # adjacent is fine
+    assert key(1, buf[:4], buf[8:]) is not None and key(0, buf, buf) is not None  # reads may overlap each other
+    assert key(1, buf[:0], buf) is not None  # an empty tensor has no memory
+    assert key(1, buf, [1, 2]) is None and key(1, 3, buf) is None  # not a tensor
+    with FakeTensorMode():
+        fake = torch.empty(4)
+    assert key(0, fake) is None  # tensor subclasses take the full path
+    with pytest.raises(ValueError):
+        key(2, buf)
+    with pytest.raises(TypeError):
+        key()
+
+
+def test_cached_call_still_rejects_overlap():
+    """After a call with this key was validated and cached, an overlapping output is still refused."""
+    kw = _call()
+    kda_ops.recurrent_kda(**kw)
+    pool = kw["initial_state"]
+    kw2 = dict(kw, output=pool.view(-1)[8 : 8 + 2 * 2 * V].view(2, 1, 2, V))
+    _rejects(kw2, ValueError, "output")

@@ -2,16 +2,8 @@
 // csrc/api/*_cpu.cpp (CPU) and csrc/api/*_cuda.cpp (CUDA); fake kernels live in kda_ops/_fake.py and
 // autograd in kda_ops/_autograd.py. Argument meaning, shapes and dtypes: docs/contract.md (API, Slots) and the
 // docstrings of kda_ops/interface.py.
-#include <Python.h>
+// The Python module that loads this library: csrc/api/python_module.cpp.
 #include <torch/library.h>
-
-extern "C" {
-// Importing kda_ops._C loads this library, which runs the TORCH_LIBRARY blocks below.
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
-}
-}
 
 TORCH_LIBRARY(kda, m) {
   // Inference: decode (T=1), speculative decode (1+S tokens), prefill (any T), fixed or packed.
