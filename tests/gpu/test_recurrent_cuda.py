@@ -301,7 +301,7 @@ def test_scenarios_reference(K, state_dtype):
 
 KNOB_NAMES = ("KDA_DECODE_KERNEL", ROWS_ENV, "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_CARVEOUT",
               "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_DIAG",
-              "KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST")
+              "KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_PDL")
 RING = {"KDA_DECODE_KERNEL": "ring"}
 SERIAL = {"KDA_DECODE_KERNEL": "serial"}
 CONFIGS = [
@@ -312,6 +312,8 @@ CONFIGS = [
     dict(RING, **{ROWS_ENV: "8"}),
     # the block shapes of the K=128 NR=8 tile (default 1; other tiles keep shape 0), one with one block per SM
     dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "0"}),
+    dict(RING, KDA_DECODE_PDL="1"),  # programmatic dependent launch
+    dict(SERIAL, KDA_DECODE_PDL="1"),
     dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "2", "KDA_DECODE_RING_STATE_FIRST": "1"}),
     dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "3", "KDA_RECURRENT_BLOCKS_PER_SM": "1"}),
     {ROWS_ENV: "1"},

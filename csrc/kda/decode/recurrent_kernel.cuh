@@ -37,6 +37,7 @@
 #include <mutex>
 
 #include "kda/common/bf16_bits.cuh"
+#include "kda/common/pdl.cuh"
 #include "kda/common/recurrent_rules.h"
 #include "kda/decode/recurrent_instantiations.h"
 #include "kda/params.h"
@@ -605,6 +606,7 @@ constexpr int recurrent_min_blocks() {
 template <class Tile>
 __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
     kda_recurrent_kernel(const RecurrentParams p, const int flags) {
+  pdl_wait_and_release_dependents();
   using StateT = typename Tile::StateT;
   using Ring = RingLayout<Tile>;
   constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP, kStages = Ring::kStages;
@@ -772,7 +774,7 @@ void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaSt
   if (cfg.max_blocks_per_sm > 0 && cfg.max_blocks_per_sm < blocks_per_sm) blocks_per_sm = cfg.max_blocks_per_sm;
   const int64_t blocks =
       persistent_blocks(p.N * p.HV * Tile::kTilesPerHead, cfg.warps_per_block, blocks_per_sm, cfg.num_sms);
-  kernel<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(p, cfg.flags);
+  (void)launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), smem, stream, cfg.pdl, p, cfg.flags);
 }
 
 }  // namespace kda::decode

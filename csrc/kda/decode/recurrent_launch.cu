@@ -29,7 +29,8 @@ int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMult
 //   serial kernel, which already streams them at ~3.4-3.7 TB/s;
 //   KDA_DECODE_RING_VARIANT=0..3: the ring kernel's block shape for the K=128 NR=8 tile (default 1; RingShape in
 //   recurrent_ring_kernel.cuh; other tiles use shape 0); KDA_DECODE_RING_STATE_FIRST=1: the producer
-//   issues the state copy before the token rows.
+//   issues the state copy before the token rows; KDA_DECODE_PDL=1: launch with programmatic dependent
+//   launch (kda/common/pdl.cuh), so back-to-back decode steps overlap one's launch with the other's run.
 struct Knobs {
   int rows_per_lane = 0;  // 0: the heuristic
   int max_blocks_per_sm = 0;
@@ -38,6 +39,7 @@ struct Knobs {
   int max_warps_per_block = 4;
   bool ring = true;  // KDA_DECODE_KERNEL=serial turns it off
   bool ring_forced = false;  // KDA_DECODE_KERNEL=ring: also on latency-bound grids
+  bool pdl = false;
   int ring_variant = 1;  // 5 math warps x 4 stages: on H200 the fastest shape at B=256, B=1024 and spec decode
 };
 
@@ -68,6 +70,7 @@ const Knobs& knobs() {
       const int v = std::atoi(env);
       if (v >= 0 && v < 4) r.ring_variant = v;
     }
+    if (const char* env = std::getenv("KDA_DECODE_PDL")) r.pdl = std::atoi(env) == 1;
     if (const char* env = std::getenv("KDA_DECODE_RING_STATE_FIRST"))
       if (std::atoi(env) == 1) r.flags |= decode::kFlagRingStateFirst;
     return r;
@@ -106,6 +109,7 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream, bool
   cfg.num_sms = num_sms_of_current_device();
   cfg.max_blocks_per_sm = kn.max_blocks_per_sm;
   cfg.carveout_percent = kn.carveout_percent;
+  cfg.pdl = kn.pdl && cached_device_attribute<cudaDevAttrComputeCapabilityMajor>(0) >= 9;
   cfg.flags = kn.flags | (disable_state_update ? decode::kFlagNoStateUpdate : 0);
   const int nr = kn.rows_per_lane != 0 ? kn.rows_per_lane : recurrent_rows_per_lane(p, cfg.num_sms);
   cfg.warps_per_block = kn.max_warps_per_block;

@@ -216,6 +216,7 @@ template <class Tile, class Shape>
 __global__ void __launch_bounds__(RingKernelLayout<Tile, Shape>::kThreads, ring_min_blocks<Tile, Shape>())
     kda_recurrent_ring_kernel(const RecurrentParams p, const int flags) {
 #if KDA_DECODE_RING_COPY
+  pdl_wait_and_release_dependents();
   using StateT = typename Tile::StateT;
   using Layout = RingKernelLayout<Tile, Shape>;
   using Stage = typename Layout::Stage;
@@ -391,7 +392,8 @@ void run_recurrent_ring_(const RecurrentParams& p, const RecurrentLaunch& cfg, c
   if (reinterpret_cast<uintptr_t>(p.dt_bias) % 16 != 0) flags |= kFlagRingDtBiasGlobal;
   const int64_t blocks =
       persistent_blocks(p.N * p.HV * Tile::kTilesPerHead, kRingMathWarps, blocks_per_sm, cfg.num_sms);
-  kernel<<<dim3(static_cast<unsigned>(blocks)), Layout::kThreads, Layout::kBlockBytes, stream>>>(p, flags);
+  (void)launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(Layout::kThreads), Layout::kBlockBytes, stream,
+                      cfg.pdl, p, flags);
 }
 
 }  // namespace kda::decode
