@@ -83,6 +83,29 @@ def _check_packed(q: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlen
             )
 
 
+def _check_state_layout(
+    initial_state: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor, v_first: bool, n: int | None = None
+) -> None:
+    """initial_state in the caller's layout: [N, HV, K, V] (fla's default) or [N, HV, V, K] (state_v_first).
+
+    Checked here because kda_ops' own checks run later on the transposed copy and would name kda_ops'
+    layout. ``n`` None: any number of states (a pool); else exactly n. Ill-shaped q / v are left to the
+    later checks, which name them.
+    """
+    if initial_state is None or not isinstance(initial_state, torch.Tensor) or q.dim() != 4 or v.dim() != 4:
+        return
+    HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    layout, dims = ("[N, HV, V, K]", (HV, V, K)) if v_first else ("[N, HV, K, V]", (HV, K, V))
+    shape = tuple(initial_state.shape)
+    if len(shape) != 4 or shape[1:] != dims or (n is not None and shape[0] != n):
+        lead = "*" if n is None else str(n)
+        which = "state_v_first=True" if v_first else "fla's layout; [N, HV, V, K] with state_v_first=True"
+        raise ValueError(
+            f"initial_state must have shape {layout} = [{lead}, {dims[0]}, {dims[1]}, {dims[2]}] ({which}), "
+            f"got {list(shape)}"
+        )
+
+
 def _beta_for_inference(beta: torch.Tensor, use_sigmoid: bool, allow_neg_eigval: bool) -> tuple[torch.Tensor, bool]:
     """(beta, beta_is_logit) for recurrent_kda. 2*sigmoid (allow_neg_eigval) is computed here in fp32
     and rounded to beta's dtype: kda_ops has no in-kernel [0, 2) beta."""
@@ -228,6 +251,9 @@ def _chunk_plan(
             raise NotImplementedError(
                 f"kda_ops.fla.chunk_kda with autograd needs lower_bound in [-5, 0), got {lower_bound}"
             )
+    # The training path takes one state per sequence; the inference path reads a pool of any size.
+    n_seqs = (q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1) if grad else None
+    _check_state_layout(initial_state, q, v, state_v_first, n_seqs)
     return {
         "grad": grad,
         "A_log": A_log,
@@ -369,6 +395,7 @@ def _recurrent_plan(
     num_accepted_tokens: torch.Tensor | None,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    state_v_first: bool,
     kwargs: dict[str, Any],
     fn: str,
 ) -> int:
@@ -380,6 +407,7 @@ def _recurrent_plan(
         raise NotImplementedError(f"kda_ops.fla.{fn}: head-wise beta [B, T, HV, V] is not supported (beta [B, T, HV])")
     if inplace_final_state and initial_state is None:
         raise ValueError("inplace_final_state=True needs initial_state (the state pool updated in place)")
+    _check_state_layout(initial_state, q, v, state_v_first)
     S = 0
     if ssm_state_indices is not None:
         if not inplace_final_state:
@@ -441,7 +469,8 @@ def fused_recurrent_kda_fwd(
     state_v_first = _pop_deprecated_layout(kwargs, state_v_first)
     S = _recurrent_plan(
         q, v, beta, initial_state, output_final_state, inplace_final_state, cu_seqlens, ssm_state_indices,
-        num_accepted_tokens, use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs, "fused_recurrent_kda_fwd",
+        num_accepted_tokens, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, kwargs,
+        "fused_recurrent_kda_fwd",
     )  # fmt: skip
     HV = v.shape[2]
     A, dtb, lb = _gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, q.device)
@@ -478,9 +507,7 @@ def fused_recurrent_kda_fwd(
 
         assert initial_state is not None
         if state_v_first:
-            o, _ = _rk(
-                q, k, v, g, beta_k, A, dtb, scale, initial_state, False, ssm_state_indices=idx, **spec, **common
-            )
+            o, _ = _rk(q, k, v, g, beta_k, A, dtb, scale, initial_state, False, ssm_state_indices=idx, **spec, **common)
             return o, initial_state
         # fla's [N_pool, HV, K, V] pool: gather the slots this call touches into our layout, run, scatter back.
         n_pool = initial_state.shape[0]
@@ -607,8 +634,8 @@ def _recurrent_probe(a: dict[str, Any]) -> str | None:
     _recurrent_plan(
         a["q"], a["v"], a["beta"], a["initial_state"], a["output_final_state"], a["inplace_final_state"],
         a["cu_seqlens"], a["ssm_state_indices"], a["num_accepted_tokens"], a["use_beta_sigmoid_in_kernel"],
-        a["allow_neg_eigval"], {k: x for k, x in a.items() if k not in known and k != "transpose_state_layout"},
-        "fused_recurrent_kda_fwd",
+        a["allow_neg_eigval"], bool(a["state_v_first"] or a.get("transpose_state_layout")),
+        {k: x for k, x in a.items() if k not in known and k != "transpose_state_layout"}, "fused_recurrent_kda_fwd",
     )  # fmt: skip
     if a["q"].shape[-1] != a["v"].shape[-1] and a["q"].device.type == "cuda":
         return "kda_ops' CUDA kernels take K == V"
