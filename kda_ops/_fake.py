@@ -62,9 +62,7 @@ def _acc_dtype(q: torch.Tensor) -> torch.dtype:
 
 def _check_gate_params(A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, HV, K) -> None:
     if A_log is not None:
-        torch._check(
-            A_log.dim() == 1 and A_log.shape[0] == HV, lambda: f"A_log must be [HV]=[{HV}], got {A_log.shape}"
-        )
+        torch._check(A_log.dim() == 1 and A_log.shape[0] == HV, lambda: f"A_log must be [HV]=[{HV}], got {A_log.shape}")
     if dt_bias is not None:
         torch._check(dt_bias.numel() == HV * K, lambda: f"dt_bias must be [HV, K]=[{HV}, {K}], got {dt_bias.shape}")
 
@@ -176,6 +174,7 @@ def _check_state(s, name, N, HV, V, K):  # type: ignore[no-untyped-def]
     )
 
 
+# fmt: off
 @torch.library.register_fake("kda::recurrent_kda_decode")
 def _recurrent_kda_decode_fake(q, k, v, g, beta, A_log, dt_bias, state, ssm_state_indices, num_accepted_tokens, output,
                                scale, lower_bound, decode_flags):
@@ -184,6 +183,20 @@ def _recurrent_kda_decode_fake(q, k, v, g, beta, A_log, dt_bias, state, ssm_stat
     _recurrent_kda_fake(q, k, v, g, beta, A_log, dt_bias, state, None, None, None, ssm_state_indices,
                         num_accepted_tokens, None, output, None, None, None, None, scale, f & 3, lower_bound,
                         bool(f & 4), bool(f & 8), f >> 16, 0, (f >> 8) & 0xFF, False, bool(f & 16))
+# fmt: on
+
+
+def _training_dims(q, k, v, g, beta, A_log, dt_bias, cu_seqlens):
+    """The token and gate checks of the three training ops -> (B, T, HV, K, V, N)."""
+    _check_tokens(q, k, v, g, beta)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _check_gate_params(A_log, dt_bias, HV, K)
+    return B, T, HV, K, V, _num_seqs(q, cu_seqlens)
+
+
+def _check_do(do, B, T, HV, V):
+    torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
 
 
 @torch.library.register_fake("kda::recurrent_kda_training_forward")
@@ -203,11 +216,7 @@ def _training_forward_fake(
     use_qk_l2norm=True,
     beta_is_logit=True,
 ):
-    _check_tokens(q, k, v, g, beta)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    _check_gate_params(A_log, dt_bias, HV, K)
-    N = _num_seqs(q, cu_seqlens)
+    B, T, HV, K, V, N = _training_dims(q, k, v, g, beta, A_log, dt_bias, cu_seqlens)
     _check_state(initial_state, "initial_state", N, HV, V, K)
     acc = _acc_dtype(q)
     rows = tape_rows(B, T, cu_seqlens is not None)
@@ -257,11 +266,7 @@ def _training_backward_fake(
     use_qk_l2norm=True,
     beta_is_logit=True,
 ):
-    _check_tokens(q, k, v, g, beta)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    _check_gate_params(A_log, dt_bias, HV, K)
-    N = _num_seqs(q, cu_seqlens)
+    B, T, HV, K, V, N = _training_dims(q, k, v, g, beta, A_log, dt_bias, cu_seqlens)
     torch._check(
         tape_cu_starts.dim() == 1 and tape_cu_starts.shape[0] == N + 1,
         lambda: f"tape_cu_starts must be [N+1]=[{N + 1}], got {tape_cu_starts.shape}",
@@ -270,7 +275,7 @@ def _training_backward_fake(
         tapes.dim() == 4 and tuple(tapes.shape[1:]) == (HV, V, K),
         lambda: f"tapes must be [rows, HV, V, K], got {tapes.shape}",
     )
-    torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
+    _check_do(do, B, T, HV, V)
     for name, s in (("initial_state", initial_state), ("dfinal_state", dfinal_state)):
         if s is not None:
             _check_state(s, name, N, HV, V, K)
@@ -296,13 +301,9 @@ def _backward_fake(
     use_qk_l2norm=True,
     beta_is_logit=True,
 ):
-    _check_tokens(q, k, v, g, beta)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    _check_gate_params(A_log, dt_bias, HV, K)
-    N = _num_seqs(q, cu_seqlens)
+    B, T, HV, K, V, N = _training_dims(q, k, v, g, beta, A_log, dt_bias, cu_seqlens)
     _check_state(initial_state, "initial_state", N, HV, V, K)
-    torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
+    _check_do(do, B, T, HV, V)
     if dfinal_state is not None:
         _check_state(dfinal_state, "dfinal_state", N, HV, V, K)
     return _grads(q, k, v, g, beta, A_log, dt_bias, N, initial_state.dtype)

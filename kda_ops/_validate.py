@@ -488,6 +488,43 @@ def param_dtype(d: Dims) -> torch.dtype:
     return torch.float64 if d.dtype == torch.float64 else torch.float32
 
 
+def _param_note(d: Dims) -> str:
+    return " (the parameter dtype for " + str(d.dtype) + " tokens)"
+
+
+def _training_A_log(A: torch.Tensor, d: Dims) -> None:
+    """A given A_log of the training family: [HV] in the parameter dtype, on the tokens' device."""
+    _device(A, "A_log", d.device)
+    _dtype(A, "A_log", (param_dtype(d),), _param_note(d))
+    if A.dim() != 1 or A.shape[0] != d.HV:
+        raise ValueError(f"A_log must have shape [HV] = [{d.HV}], got {_shape(A)}")
+
+
+def _training_dt_bias(dtb: torch.Tensor, d: Dims) -> torch.Tensor:
+    """A given dt_bias of the training family: [HV, K] or flat [HV*K] in the parameter dtype -> [HV, K]."""
+    _device(dtb, "dt_bias", d.device)
+    _dtype(dtb, "dt_bias", (param_dtype(d),), _param_note(d))
+    if not ((dtb.dim() == 2 and tuple(dtb.shape) == (d.HV, d.K)) or (dtb.dim() == 1 and dtb.shape[0] == d.HV * d.K)):
+        raise ValueError(
+            f"dt_bias must have shape [HV, K] = [{d.HV}, {d.K}] or [HV*K] = [{d.HV * d.K}], got {_shape(dtb)}"
+        )
+    return dtb.view(d.HV, d.K) if dtb.dim() == 1 else dtb
+
+
+def _training_state(initial_state: Any, d: Dims, state_required: bool) -> torch.Tensor | None:
+    """initial_state of the training family: [N, HV, V, K] in the parameter dtype, or None when not required."""
+    pdt = param_dtype(d)
+    h0 = _opt_tensor(initial_state, "initial_state")
+    if h0 is None:
+        if state_required:
+            raise ValueError(f"initial_state must be a [N, HV, V, K] {pdt} tensor, got None")
+    else:
+        _device(h0, "initial_state", d.device)
+        _dtype(h0, "initial_state", (pdt,), _param_note(d))
+        _exact_shape(h0, "initial_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]")
+    return h0
+
+
 def check_training_params(
     A_log: Any, dt_bias: Any, initial_state: Any, lower_bound: Any, d: Dims, *, state_required: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
@@ -496,29 +533,11 @@ def check_training_params(
     A_log [HV], dt_bias [HV, K] or flat [HV*K], initial_state [N, HV, V, K]; all fp32 (fp64 when the
     token tensors are fp64, CPU only). λ must be finite and in [-5, 0).
     """
-    pdt = param_dtype(d)
-    note = " (the parameter dtype for " + str(d.dtype) + " tokens)"
     A = _tensor(A_log, "A_log")
     dtb = _tensor(dt_bias, "dt_bias")
-    _device(A, "A_log", d.device)
-    _device(dtb, "dt_bias", d.device)
-    _dtype(A, "A_log", (pdt,), note)
-    _dtype(dtb, "dt_bias", (pdt,), note)
-    if A.dim() != 1 or A.shape[0] != d.HV:
-        raise ValueError(f"A_log must have shape [HV] = [{d.HV}], got {_shape(A)}")
-    if not ((dtb.dim() == 2 and tuple(dtb.shape) == (d.HV, d.K)) or (dtb.dim() == 1 and dtb.shape[0] == d.HV * d.K)):
-        raise ValueError(
-            f"dt_bias must have shape [HV, K] = [{d.HV}, {d.K}] or [HV*K] = [{d.HV * d.K}], got {_shape(dtb)}"
-        )
-    dtb = dtb.view(d.HV, d.K) if dtb.dim() == 1 else dtb
-    h0 = _opt_tensor(initial_state, "initial_state")
-    if h0 is None:
-        if state_required:
-            raise ValueError(f"initial_state must be a [N, HV, V, K] {pdt} tensor, got None")
-    else:
-        _device(h0, "initial_state", d.device)
-        _dtype(h0, "initial_state", (pdt,), note)
-        _exact_shape(h0, "initial_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]")
+    _training_A_log(A, d)
+    dtb = _training_dt_bias(dtb, d)
+    h0 = _training_state(initial_state, d, state_required)
     lb = _real(lower_bound, "lower_bound")
     if not math.isfinite(lb) or not (TRAINING_MIN_LOWER_BOUND <= lb < 0.0):
         raise ValueError(f"lower_bound must be a finite float in [-5, 0), got {lower_bound}")
@@ -548,8 +567,6 @@ def check_training_modes(
     use_gate = _bool(use_gate_in_kernel, "use_gate_in_kernel")
     l2 = _bool(use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel")
     logit = _bool(beta_is_logit, "beta_is_logit")
-    pdt = param_dtype(d)
-    note = " (the parameter dtype for " + str(d.dtype) + " tokens)"
     A = _opt_tensor(A_log, "A_log")
     dtb = _opt_tensor(dt_bias, "dt_bias")
     lb = 0.0
@@ -558,21 +575,10 @@ def check_training_modes(
         mode = GATE_PRECOMPUTED
     else:
         if A is None:
-            raise ValueError(f"A_log must be a [HV] {pdt} tensor with use_gate_in_kernel=True, got None")
-        _device(A, "A_log", d.device)
-        _dtype(A, "A_log", (pdt,), note)
-        if A.dim() != 1 or A.shape[0] != d.HV:
-            raise ValueError(f"A_log must have shape [HV] = [{d.HV}], got {_shape(A)}")
+            raise ValueError(f"A_log must be a [HV] {param_dtype(d)} tensor with use_gate_in_kernel=True, got None")
+        _training_A_log(A, d)
         if dtb is not None:
-            _device(dtb, "dt_bias", d.device)
-            _dtype(dtb, "dt_bias", (pdt,), note)
-            if not (
-                (dtb.dim() == 2 and tuple(dtb.shape) == (d.HV, d.K)) or (dtb.dim() == 1 and dtb.shape[0] == d.HV * d.K)
-            ):
-                raise ValueError(
-                    f"dt_bias must have shape [HV, K] = [{d.HV}, {d.K}] or [HV*K] = [{d.HV * d.K}], got {_shape(dtb)}"
-                )
-            dtb = dtb.view(d.HV, d.K) if dtb.dim() == 1 else dtb
+            dtb = _training_dt_bias(dtb, d)
         if lower_bound is None:
             mode = GATE_SOFTPLUS
         else:
@@ -582,14 +588,7 @@ def check_training_modes(
                 raise ValueError(
                     f"lower_bound must be a finite float in [-5, 0) or None (softplus gate), got {lower_bound}"
                 )
-    h0 = _opt_tensor(initial_state, "initial_state")
-    if h0 is None:
-        if state_required:
-            raise ValueError(f"initial_state must be a [N, HV, V, K] {pdt} tensor, got None")
-    else:
-        _device(h0, "initial_state", d.device)
-        _dtype(h0, "initial_state", (pdt,), note)
-        _exact_shape(h0, "initial_state", (d.N, d.HV, d.V, d.K), "[N, HV, V, K]")
+    h0 = _training_state(initial_state, d, state_required)
     return mode, A, dtb, h0, lb, l2, logit
 
 

@@ -83,6 +83,29 @@ def _check_packed(q: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlen
             )
 
 
+def _check_state_layout(
+    initial_state: torch.Tensor | None, q: torch.Tensor, v: torch.Tensor, v_first: bool, n: int | None = None
+) -> None:
+    """initial_state in the caller's layout: [N, HV, K, V] (fla's default) or [N, HV, V, K] (state_v_first).
+
+    Checked here because kda_ops' own checks run later on the transposed copy and would name kda_ops'
+    layout. ``n`` None: any number of states (a pool); else exactly n. Ill-shaped q / v are left to the
+    later checks, which name them.
+    """
+    if initial_state is None or not isinstance(initial_state, torch.Tensor) or q.dim() != 4 or v.dim() != 4:
+        return
+    HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    layout, dims = ("[N, HV, V, K]", (HV, V, K)) if v_first else ("[N, HV, K, V]", (HV, K, V))
+    shape = tuple(initial_state.shape)
+    if len(shape) != 4 or shape[1:] != dims or (n is not None and shape[0] != n):
+        lead = "*" if n is None else str(n)
+        which = "state_v_first=True" if v_first else "fla's layout; [N, HV, V, K] with state_v_first=True"
+        raise ValueError(
+            f"initial_state must have shape {layout} = [{lead}, {dims[0]}, {dims[1]}, {dims[2]}] ({which}), "
+            f"got {list(shape)}"
+        )
+
+
 def _beta_for_inference(beta: torch.Tensor, use_sigmoid: bool, allow_neg_eigval: bool) -> tuple[torch.Tensor, bool]:
     """(beta, beta_is_logit) for recurrent_kda. 2*sigmoid (allow_neg_eigval) is computed here in fp32
     and rounded to beta's dtype: kda_ops has no in-kernel [0, 2) beta."""
@@ -228,6 +251,9 @@ def _chunk_plan(
             raise NotImplementedError(
                 f"kda_ops.fla.chunk_kda with autograd needs lower_bound in [-5, 0), got {lower_bound}"
             )
+    # The training path takes one state per sequence; the inference path reads a pool of any size.
+    n_seqs = (q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1) if grad else None
+    _check_state_layout(initial_state, q, v, state_v_first, n_seqs)
     return {
         "grad": grad,
         "A_log": A_log,
@@ -265,20 +291,50 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """fla's ``chunk_kda`` (0.6) on kda_ops: the chunked KDA forward, differentiable on the training path.
 
-    Args (fla's): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (log-decay, or the raw gate with
-    ``use_gate_in_kernel``); beta [B, T, HV]; ``A_log`` [HV] and ``dt_bias`` [HV*K] as keywords;
-    initial_state fp32 [N, HV, K, V] ([N, HV, V, K] with ``state_v_first``). ``safe_gate`` and
-    ``chunk_size`` (32 or 64) change nothing in the result; ``disable_recompute`` is a memory hint, ignored.
+    Routing: with autograd (grad mode on and an input requiring grad) :func:`kda_ops.kda` (the training
+    contract only); otherwise :func:`kda_ops.recurrent_kda` (every mode). docs/fla.md maps every argument.
+
+    Args:
+        q, k: [B, T, H, K] query and key; bf16 on CUDA, any float dtype on CPU.
+        v: [B, T, HV, V] values, q's dtype; HV a multiple of H (GQA).
+        g: [B, T, HV, K] log-decay, or the raw gate with ``use_gate_in_kernel``; q's dtype.
+        beta: [B, T, HV] write strength, or logits with ``use_beta_sigmoid_in_kernel``; q's dtype.
+        scale: query scale; None: 1/sqrt(K).
+        initial_state: fp32 [N, HV, K, V] start state ([N, HV, V, K] with ``state_v_first``); never written.
+            N = B (fixed length) or the number of sequences of ``cu_seqlens``.
+        output_final_state: also return the final state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (x·rsqrt(Σx² + 1e-6)).
+        use_gate_in_kernel: g is the raw gate; ``A_log`` fp32 [HV] and ``dt_bias`` fp32 [HV*K] (keywords)
+            give the softplus gate, with ``lower_bound`` the lower-bound gate (``A_log`` None: A_log = 0).
+        use_beta_sigmoid_in_kernel: beta holds logits (sigmoid applied in the kernel).
+        allow_neg_eigval: β = 2·sigmoid(beta) (needs ``use_beta_sigmoid_in_kernel``; inference only).
+        safe_gate: fla's lower_bound checks (required, in [-5, 0)); the result is unchanged.
+        lower_bound: λ of the lower-bound gate, or None.
+        disable_recompute: a memory hint of fla's, accepted and ignored.
+        return_intermediate_states: also return the state before every chunk (inference only).
+        state_v_first: the layout of ``initial_state``, the final state and ``h`` (old name
+            ``transpose_state_layout``, with a DeprecationWarning).
+        cu_seqlens: int32/int64 [N+1] packed sequence starts (then B must be 1).
+        cu_seqlens_cpu: the host copy of ``cu_seqlens``; sizes ``h`` without a device sync.
+        cp_context, use_graph, max_num_seqs: not supported (must be left at their defaults).
+        **kwargs: ``A_log``, ``dt_bias``, ``chunk_size`` (32 or 64: the chunk of ``h``).
 
     Returns:
-        ``(o, final_state)``, or ``(o, final_state, h)`` with ``return_intermediate_states``: h holds the
-        state before every chunk, [B, NT, HV, K, V] (fixed length) or [1, NT_total, HV, K, V] (packed), in
-        q's dtype.
+        ``(o, final_state)``: o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] ([N, HV, V, K] with
+        ``state_v_first``), fp32 (fp64 on the training path with fp64 tokens), or None without
+        ``output_final_state``. With
+        ``return_intermediate_states`` ``(o, final_state, h)``: h holds the state before every chunk,
+        [B, NT, HV, K, V] (fixed length) or [1, NT_total, HV, K, V] (packed), in q's dtype.
 
     Raises:
         NotImplementedError: ``cp_context``, ``use_graph``/``max_num_seqs``, an unknown keyword, or under
-            autograd any mode outside the training contract (the argument is named).
-        ValueError, TypeError: fla's own argument errors, then kda_ops' validation.
+            autograd any mode outside the training contract (L2 norm, lower-bound gate with λ in [-5, 0),
+            logit beta, no ``allow_neg_eigval``); the argument is named.
+        TypeError: ``initial_state`` not fp32 (fla's check).
+        ValueError: fla's argument errors (``cu_seqlens`` with B != 1, the number of initial states,
+            ``chunk_size``, ``safe_gate`` / ``lower_bound``, ``allow_neg_eigval`` without sigmoid, a missing
+            ``A_log``), ``initial_state`` of the wrong shape (named in the caller's layout), then kda_ops'
+            validation of :func:`kda_ops.recurrent_kda` / :func:`kda_ops.kda`.
     """
     p = _chunk_plan(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -369,6 +425,7 @@ def _recurrent_plan(
     num_accepted_tokens: torch.Tensor | None,
     use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool,
+    state_v_first: bool,
     kwargs: dict[str, Any],
     fn: str,
 ) -> int:
@@ -380,6 +437,7 @@ def _recurrent_plan(
         raise NotImplementedError(f"kda_ops.fla.{fn}: head-wise beta [B, T, HV, V] is not supported (beta [B, T, HV])")
     if inplace_final_state and initial_state is None:
         raise ValueError("inplace_final_state=True needs initial_state (the state pool updated in place)")
+    _check_state_layout(initial_state, q, v, state_v_first)
     S = 0
     if ssm_state_indices is not None:
         if not inplace_final_state:
@@ -426,13 +484,42 @@ def fused_recurrent_kda_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's ``fused_recurrent_kda_fwd`` (0.6) on kda_ops: the token-serial forward vLLM and SGLang call
     for decode, with a state pool, ``ssm_state_indices`` and ``num_accepted_tokens`` (spec decode).
+    Runs :func:`kda_ops.recurrent_kda` without autograd.
 
-    - ``inplace_final_state=True`` (the default): ``initial_state`` is the pool, updated in place; returns
-      ``(o, initial_state)``. Without ``ssm_state_indices`` sequence n uses slot n. ``ssm_state_indices``
-      [N]: sequence n reads and writes slot ``ssm_state_indices[n]``. [N, 1+S] (speculative decode, every
-      sequence exactly 1+S tokens): the state after token t goes to slot ``[n, t]``, the start state is
-      read from slot ``[n, num_accepted_tokens[n] - 1]`` (slot ``[n, 0]`` without ``num_accepted_tokens``).
-    - ``inplace_final_state=False``: returns a new fp32 final state when ``output_final_state``.
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV] (a head-wise beta
+            [B, T, HV, V] is not supported). One float dtype; bf16 on CUDA.
+        A_log, dt_bias: fp32 [HV] and [HV*K] gate parameters of ``use_gate_in_kernel``, or None.
+        initial_state: the state pool [N_pool, HV, K, V] ([N_pool, HV, V, K] with ``state_v_first``),
+            fp32 or bf16 (also fp64 on CPU); updated in place with ``inplace_final_state``, else read only
+            (start states, then also any float dtype in fla's layout).
+        scale: query scale; None: 1/sqrt(K).
+        output_final_state: with ``inplace_final_state=False``, return a new final state.
+        inplace_final_state: True: ``initial_state`` is the pool, updated in place. Without
+            ``ssm_state_indices`` sequence n uses slot n.
+        state_v_first: the layout of ``initial_state`` and of the returned state.
+        cu_seqlens: int32/int64 [N+1] packed sequence starts (B must be 1).
+        ssm_state_indices: int32/int64 [N]: sequence n reads and writes slot ``ssm_state_indices[n]``;
+            [N, 1+S] (speculative decode, every sequence exactly 1+S tokens): the state after token t goes
+            to slot ``[n, t]``. Needs ``inplace_final_state``.
+        num_accepted_tokens: int32/int64 [N]: with [N, 1+S] indices the start state is read from slot
+            ``[n, num_accepted_tokens[n] - 1]`` (slot ``[n, 0]`` without it).
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            lower_bound: as for :func:`chunk_kda`.
+        out: optional output buffer [B, T, HV, V] of q's dtype.
+        **kwargs: ``transpose_state_layout`` (the deprecated name of ``state_v_first``); nothing else.
+
+    Returns:
+        ``(o, state)``: o [B, T, HV, V] in q's dtype. With ``inplace_final_state``, state is
+        ``initial_state`` itself (updated); otherwise a new fp32 final state in the caller's layout when
+        ``output_final_state``, else None.
+
+    Raises:
+        NotImplementedError: a head-wise beta, ``ssm_state_indices`` with ``inplace_final_state=False``,
+            [N, 1+S] indices with other than 1+S tokens per sequence, an unknown keyword.
+        ValueError: ``inplace_final_state`` without ``initial_state``, ``allow_neg_eigval`` without sigmoid,
+            ``initial_state`` of the wrong shape (named in the caller's layout), then kda_ops' validation of
+            :func:`kda_ops.recurrent_kda`.
 
     Differences from fla (both deliberate, docs/fla.md): a slot index outside the pool (vLLM's padding
     slot -1) makes the sequence inactive (zero output, no state read or write) instead of reading out of
@@ -441,7 +528,8 @@ def fused_recurrent_kda_fwd(
     state_v_first = _pop_deprecated_layout(kwargs, state_v_first)
     S = _recurrent_plan(
         q, v, beta, initial_state, output_final_state, inplace_final_state, cu_seqlens, ssm_state_indices,
-        num_accepted_tokens, use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs, "fused_recurrent_kda_fwd",
+        num_accepted_tokens, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, kwargs,
+        "fused_recurrent_kda_fwd",
     )  # fmt: skip
     HV = v.shape[2]
     A, dtb, lb = _gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, q.device)
@@ -478,9 +566,7 @@ def fused_recurrent_kda_fwd(
 
         assert initial_state is not None
         if state_v_first:
-            o, _ = _rk(
-                q, k, v, g, beta_k, A, dtb, scale, initial_state, False, ssm_state_indices=idx, **spec, **common
-            )
+            o, _ = _rk(q, k, v, g, beta_k, A, dtb, scale, initial_state, False, ssm_state_indices=idx, **spec, **common)
             return o, initial_state
         # fla's [N_pool, HV, K, V] pool: gather the slots this call touches into our layout, run, scatter back.
         n_pool = initial_state.shape[0]
@@ -521,8 +607,34 @@ def fused_recurrent_kda(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's ``fused_recurrent_kda`` (0.6) on kda_ops: forward only (fla's has no backward either);
-    ``initial_state`` is read, never written; the final state is a new fp32 tensor in fla's layout."""
+    """fla's ``fused_recurrent_kda`` (0.6) on kda_ops: forward only (fla's has no backward either), through
+    :func:`fused_recurrent_kda_fwd` with ``inplace_final_state=False``.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV] (a head-wise beta
+            [B, T, HV, V] is not supported). One float dtype; bf16 on CUDA.
+        A_log, dt_bias: fp32 [HV] and [HV*K] gate parameters of ``use_gate_in_kernel``, or None.
+        scale: query scale; None: 1/sqrt(K).
+        initial_state: start states [N, HV, K, V] ([N, HV, V, K] with ``state_v_first``); read, never
+            written. Any float dtype in fla's layout (copied to fp32); fp32 or bf16 (also fp64 on CPU)
+            with ``state_v_first``.
+        output_final_state: also return the final state.
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            lower_bound: as for :func:`chunk_kda`.
+        state_v_first: the layout of ``initial_state`` and of the final state.
+        cu_seqlens: int32/int64 [N+1] packed sequence starts (B must be 1).
+        **kwargs: ``transpose_state_layout`` (the deprecated name of ``state_v_first``); nothing else.
+
+    Returns:
+        ``(o, final_state)``: o [B, T, HV, V] in q's dtype; final_state a new fp32 tensor in the layout of
+        ``initial_state``, or None without ``output_final_state``.
+
+    Raises:
+        NotImplementedError: a head-wise beta, an unknown keyword.
+        ValueError: fla's packed-input errors (B != 1, the number of initial states), ``allow_neg_eigval``
+            without sigmoid, ``initial_state`` of the wrong shape (named in the caller's layout), then kda_ops'
+            validation of :func:`kda_ops.recurrent_kda`.
+    """
     state_v_first = _pop_deprecated_layout(kwargs, state_v_first)
     _check_packed(q, initial_state, cu_seqlens)
     return fused_recurrent_kda_fwd(
@@ -607,8 +719,8 @@ def _recurrent_probe(a: dict[str, Any]) -> str | None:
     _recurrent_plan(
         a["q"], a["v"], a["beta"], a["initial_state"], a["output_final_state"], a["inplace_final_state"],
         a["cu_seqlens"], a["ssm_state_indices"], a["num_accepted_tokens"], a["use_beta_sigmoid_in_kernel"],
-        a["allow_neg_eigval"], {k: x for k, x in a.items() if k not in known and k != "transpose_state_layout"},
-        "fused_recurrent_kda_fwd",
+        a["allow_neg_eigval"], bool(a["state_v_first"] or a.get("transpose_state_layout")),
+        {k: x for k, x in a.items() if k not in known and k != "transpose_state_layout"}, "fused_recurrent_kda_fwd",
     )  # fmt: skip
     if a["q"].shape[-1] != a["v"].shape[-1] and a["q"].device.type == "cuda":
         return "kda_ops' CUDA kernels take K == V"
@@ -641,10 +753,15 @@ def install() -> None:
     """Register kda_ops as a backend of fla's dispatcher (``fla.ops.kda.chunk_kda`` and the
     ``fused_recurrent_kda_fwd`` that fla's ``fused_recurrent_kda``, vLLM and SGLang call).
 
-    Idempotent. Needs fla-core 0.6 importable. Calls kda_ops cannot take (see each function's
-    NotImplementedError cases, and on CUDA: bf16 tokens, K == V in (64, 128); chunk_kda K == V == 128)
-    fall back to fla's own kernels. ``FLA_KDA_OPS=0`` in the environment turns the backend off;
-    :func:`uninstall` removes it. ``FLA_DISABLE_BACKEND_DISPATCH=1`` (fla's switch) bypasses every backend.
+    Idempotent; takes no arguments and returns None. Needs fla-core 0.6 importable. Calls kda_ops cannot
+    take (see each function's NotImplementedError cases, and on CUDA: bf16 tokens, K == V in (64, 128);
+    chunk_kda K == V == 128) fall back to fla's own kernels. ``FLA_KDA_OPS=0`` in the environment turns the
+    backend off; :func:`uninstall` removes it.
+
+    Raises:
+        ImportError: fla-core is not importable.
+        RuntimeError: fla's backend dispatch is disabled (``FLA_DISABLE_BACKEND_DISPATCH=1``, fla's switch
+            that bypasses every backend), so nothing could be routed.
     """
     if _installed:
         return
@@ -661,7 +778,11 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Remove the backend :func:`install` registered (fla's kernels take every call again)."""
+    """Remove the backend :func:`install` registered (fla's kernels take every call again).
+
+    Takes no arguments and returns None; a no-op when nothing is installed. Raises ImportError only if
+    fla-core stopped being importable after :func:`install`.
+    """
     if not _installed:
         return
     import inspect

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _raw_ops import strided_copy
 from conftest import assert_close_rms, assert_output, state_tol
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
@@ -284,17 +285,8 @@ def carve(
 ) -> Carved:
     """A copy of `src` as a view of a larger sentinel-filled buffer: storage offset `lead` elements, stride of
     dim d padded by pads[d] elements (the last dim stays contiguous), `tail` sentinel elements after it."""
-    shape = tuple(src.shape)
-    nd = len(shape)
-    pads = {(d % nd): p for d, p in (pads or {}).items()}
-    st = [1] * nd
-    for d in range(nd - 2, -1, -1):
-        st[d] = st[d + 1] * max(shape[d + 1], 1) + pads.get(d, 0)
-    span = 1 + sum((s - 1) * t for s, t in zip(shape, st, strict=True)) if all(s > 0 for s in shape) else 0
     fill = math.nan if src.dtype.is_floating_point else INT_SENTINEL
-    buf = torch.full((lead + span + tail,), fill, dtype=src.dtype, device=src.device)
-    view = buf.as_strided(shape, st, lead)
-    view.copy_(src)
+    view, buf = strided_copy(src, fill, pads, lead, tail)
     return Carved(view, buf, role, name)
 
 
@@ -331,6 +323,18 @@ def _skip_not_implemented(fn: Callable, *a, **kw):
         pytest.skip(f"not implemented on this device yet: {e}")
 
 
+def carve_tokens(gen, B, T, H, HV, K, V, dt, device) -> list[Carved]:
+    """q, k, v, g, beta (drawn from `gen` in that order) carved with padded head strides; beta with a padded
+    token stride."""
+    return [
+        carve(_rand(gen, (B, T, H, K), dt, device), "q", pads={2: 8}),
+        carve(_rand(gen, (B, T, H, K), dt, device), "k", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV, V), dt, device), "v", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV, K), dt, device), "g", pads={2: 8}),
+        carve(_rand(gen, (B, T, HV), dt, device), "beta", pads={1: 3}),
+    ]
+
+
 def training_guard_inputs(device: str, K: int, packed: bool, seed: int = 3):
     gen = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16  # the CUDA token dtype; the CPU path takes it too
@@ -342,11 +346,7 @@ def training_guard_inputs(device: str, K: int, packed: bool, seed: int = 3):
         lengths = None
         B, T, N = 2, 67, 2
     carved = [
-        carve(_rand(gen, (B, T, H, K), dt, device), "q", pads={2: 8}),
-        carve(_rand(gen, (B, T, H, K), dt, device), "k", pads={2: 8}),
-        carve(_rand(gen, (B, T, HV, V), dt, device), "v", pads={2: 8}),
-        carve(_rand(gen, (B, T, HV, K), dt, device), "g", pads={2: 8}),
-        carve(_rand(gen, (B, T, HV), dt, device), "beta", pads={1: 3}),
+        *carve_tokens(gen, B, T, H, HV, K, V, dt, device),
         carve((torch.rand(HV, generator=gen) * 0.5).to(device), "A_log", lead=4),
         carve((torch.randn(HV, K, generator=gen) * 0.1).to(device), "dt_bias"),
         carve((torch.randn(N, HV, V, K, generator=gen) * 0.1).to(device), "initial_state", lead=64, tail=64),

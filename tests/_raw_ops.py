@@ -1,6 +1,7 @@
 """Direct calls of torch.ops.kda.recurrent_kda with every schema argument defaulted, for tests that must
-bypass the public API's host checks (how a CUDA caller's device values reach the kernel). Shared by
-tests/test_device_contracts.py and tests/sanitize_cases.py."""
+bypass the public API's host checks (how a CUDA caller's device values reach the kernel), and the padded
+strided copies those tests feed it. Shared by tests/_builders.py, tests/test_device_contracts.py and
+tests/sanitize_cases.py (which runs without pytest)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,26 @@ def raw_recurrent(q, k, v, g, beta, **kw) -> None:
     )  # fmt: skip
     a.update(kw)
     torch.ops.kda.recurrent_kda.default(q, k, v, g, beta, **a)
+
+
+def strided_copy(
+    src: torch.Tensor, fill: float | int | None, pads: dict[int, int] | None, lead: int, tail: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(view, buffer): `src` copied into a view of a larger 1-D buffer, at storage offset `lead`, the stride of
+    dim d padded by pads[d] elements (negative d from the end; the last dim stays contiguous), `tail` elements
+    after the view's span. The buffer is filled with `fill` first, or left uninitialized when `fill` is None."""
+    shape = tuple(src.shape)
+    nd = len(shape)
+    pads = {(d % nd): p for d, p in (pads or {}).items()}
+    st = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        st[d] = st[d + 1] * max(shape[d + 1], 1) + pads.get(d, 0)
+    span = 1 + sum((s - 1) * t for s, t in zip(shape, st, strict=True)) if all(s > 0 for s in shape) else 0
+    n = lead + span + tail
+    if fill is None:
+        buf = torch.empty(n, dtype=src.dtype, device=src.device)
+    else:
+        buf = torch.full((n,), fill, dtype=src.dtype, device=src.device)
+    view = buf.as_strided(shape, st, lead)
+    view.copy_(src)
+    return view, buf

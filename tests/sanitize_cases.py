@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
-from _raw_ops import raw_recurrent
+from _raw_ops import raw_recurrent, strided_copy
 
 import kda_ops
 
@@ -83,17 +83,7 @@ def rnd(g: torch.Generator, *shape, dtype=BF16, s: float = 1.0) -> torch.Tensor:
 def carve_uninit(src: torch.Tensor, pads: dict[int, int] | None = None, lead: int = 16, tail: int = 16) -> torch.Tensor:
     """`src` copied into a view of an UNINITIALIZED buffer: offset `lead`, stride of dim d padded by pads[d]
     elements (last dim contiguous). Only the view's elements are ever written."""
-    shape = tuple(src.shape)
-    nd = len(shape)
-    pads = {(d % nd): p for d, p in (pads or {}).items()}
-    st = [1] * nd
-    for d in range(nd - 2, -1, -1):
-        st[d] = st[d + 1] * max(shape[d + 1], 1) + pads.get(d, 0)
-    span = 1 + sum((s - 1) * t for s, t in zip(shape, st, strict=True)) if all(shape) else 0
-    buf = torch.empty(lead + span + tail, dtype=src.dtype, device=src.device)
-    view = buf.as_strided(shape, st, lead)
-    view.copy_(src)
-    return view
+    return strided_copy(src, None, pads, lead, tail)[0]
 
 
 def tokens(g, B, T, H, HV, K, *, gate="lower_bound", logit=True, l2=True) -> dict:
@@ -357,7 +347,7 @@ def _register_recurrent() -> None:
         slots = torch.tensor([0, 1, -1, 3, 4], dtype=torch.int32, device=DEV)
         o, _, ck = R(**t, **gate_kw(g, 2, 128, "lower_bound"), initial_state=pool, beta_is_logit=True,
                      cu_seqlens=cu_of(lengths), ssm_state_indices=slots, checkpoint_every_n_tokens=16,
-                     backend="chunked")
+                     backend="chunked")  # fmt: skip
         t2 = tokens(g, 2, 33, 1, 2, 128)
         t2["g"] = torch.full_like(t2["g"], 40.0)
         kw2 = gate_kw(g, 2, 128, "softplus")

@@ -27,6 +27,7 @@ from _builders import (
     _dims_decode,
     _rand,
     carve,
+    carve_tokens,
     counts_reporter,
     expect_rejection,
     raw_bytes,
@@ -181,11 +182,7 @@ def test_broken_contracts_stay_in_bounds(device, case):
         B, T = 1, sum(lengths)
     n_pool = 7 if not S else 10
     c = [
-        carve(_rand(gen, (B, T, H, K), dt, device), "q", pads={2: 8}),
-        carve(_rand(gen, (B, T, H, K), dt, device), "k", pads={2: 8}),
-        carve(_rand(gen, (B, T, HV, V), dt, device), "v", pads={2: 8}),
-        carve(_rand(gen, (B, T, HV, K), dt, device), "g", pads={2: 8}),
-        carve(_rand(gen, (B, T, HV), dt, device), "beta", pads={1: 3}),
+        *carve_tokens(gen, B, T, H, HV, K, V, dt, device),
         carve((torch.rand(HV, generator=gen) * 0.5).to(device), "A_log"),
         carve((torch.randn(HV, K, generator=gen) * 0.1).to(device), "dt_bias"),
     ]

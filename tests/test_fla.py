@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -343,6 +344,37 @@ def test_recurrent_unsupported_arguments() -> None:
         )
     with pytest.raises(ValueError, match="initial_state"):
         kf.fused_recurrent_kda_fwd(*_qkvgb(x))
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("fn", ["chunk_kda", "chunk_kda_grad", "fused_recurrent_kda", "fused_recurrent_kda_fwd"])
+def test_initial_state_shape_error_names_the_callers_layout(fn, v_first) -> None:
+    # K != V, so the two layouts differ; the message names the layout the caller passed, with its sizes
+    gen = torch.Generator().manual_seed(0)
+    B, T, HV, K, V = 2, 4, 2, 8, 16
+    q, k = torch.randn(B, T, HV, K, generator=gen), torch.randn(B, T, HV, K, generator=gen)
+    v, g = torch.randn(B, T, HV, V, generator=gen), -torch.rand(B, T, HV, K, generator=gen)
+    beta = torch.rand(B, T, HV, generator=gen)
+    kw: dict = dict(state_v_first=v_first)
+    if fn == "chunk_kda_grad":
+        q.requires_grad_()
+        kw.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  lower_bound=-5.0, A_log=torch.zeros(HV))  # fmt: skip
+    call = getattr(kf, fn.removesuffix("_grad"))
+    theirs = (B, HV, V, K) if v_first else (B, HV, K, V)
+    ours = (B, HV, K, V) if v_first else (B, HV, V, K)  # the other layout: wrong for this call
+    want = "[N, HV, V, K] = [*, 2, 16, 8]" if v_first else "[N, HV, K, V] = [*, 2, 8, 16]"
+    if fn == "chunk_kda_grad":
+        want = want.replace("*", str(B))  # the training path takes one state per sequence
+    for bad in (ours, (B, HV, K)):
+        with pytest.raises(ValueError, match=re.escape(f"initial_state must have shape {want}")) as e:
+            call(q, k, v, g, beta, initial_state=torch.zeros(bad), **kw)
+        assert f"got {list(bad)}" in str(e.value)
+    if fn == "chunk_kda_grad":
+        with pytest.raises(ValueError, match=re.escape(f"got [{B + 1}, ")):
+            call(q, k, v, g, beta, initial_state=torch.zeros(B + 1, *theirs[1:]), **kw)
+    o = call(q, k, v, g, beta, initial_state=torch.zeros(theirs), **kw)[0]  # the caller's layout is taken
+    assert o.shape == (B, T, HV, V)
 
 
 def test_fla_argument_errors_mirrored() -> None:

@@ -88,18 +88,6 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   run_forward(p, x);
 }
 
-
-// recurrent_kda_decode: the short-schema entry of the eager decode hot path (registration.cpp).
-void recurrent_kda_cpu_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                    const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
-                    const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& state,
-                    const std::optional<at::Tensor>& ssm_state_indices,
-                    const std::optional<at::Tensor>& num_accepted_tokens, const at::Tensor& output, double scale,
-                    double lower_bound, int64_t decode_flags) {
-  recurrent_kda_decode_as_full(&recurrent_kda_cpu, q, k, v, g, beta, A_log, dt_bias, state, ssm_state_indices,
-                               num_accepted_tokens, output, scale, lower_bound, decode_flags);
-}
-
 }  // namespace
 
 }  // namespace cpu
@@ -107,5 +95,5 @@ void recurrent_kda_cpu_decode(const at::Tensor& q, const at::Tensor& k, const at
 
 TORCH_LIBRARY_IMPL(kda, CPU, m) {
   m.impl("recurrent_kda", &kda::cpu::recurrent_kda_cpu);
-  m.impl("recurrent_kda_decode", &kda::cpu::recurrent_kda_cpu_decode);
+  m.impl("recurrent_kda_decode", &kda::recurrent_kda_decode_as_full<&kda::cpu::recurrent_kda_cpu>);
 }

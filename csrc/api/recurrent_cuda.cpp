@@ -117,22 +117,10 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
               cudaGetErrorString(err));
 }
 
-
-// recurrent_kda_decode: the short-schema entry of the eager decode hot path (registration.cpp).
-void recurrent_kda_cuda_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                    const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
-                    const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& state,
-                    const std::optional<at::Tensor>& ssm_state_indices,
-                    const std::optional<at::Tensor>& num_accepted_tokens, const at::Tensor& output, double scale,
-                    double lower_bound, int64_t decode_flags) {
-  recurrent_kda_decode_as_full(&recurrent_kda_cuda, q, k, v, g, beta, A_log, dt_bias, state, ssm_state_indices,
-                               num_accepted_tokens, output, scale, lower_bound, decode_flags);
-}
-
 }  // namespace
 }  // namespace kda
 
 TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("recurrent_kda", &kda::recurrent_kda_cuda);
-  m.impl("recurrent_kda_decode", &kda::recurrent_kda_cuda_decode);
+  m.impl("recurrent_kda_decode", &kda::recurrent_kda_decode_as_full<&kda::recurrent_kda_cuda>);
 }

@@ -56,21 +56,19 @@ inline DecodeMode unpack_decode_mode(int64_t mode) {
 }
 
 // recurrent_kda_decode (the short-schema entry of the eager decode hot path, registration.cpp) as a call of
-// the full recurrent_kda implementation `full` (the CPU or the CUDA one): no source pool, cu_seqlens,
-// seq_order, final state, checkpoints or workspace; zero_uncovered off.
-template <class FullOp>
-inline void recurrent_kda_decode_as_full(FullOp full, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                         const at::Tensor& g, const at::Tensor& beta,
-                                         const std::optional<at::Tensor>& A_log,
-                                         const std::optional<at::Tensor>& dt_bias,
-                                         const std::optional<at::Tensor>& state,
-                                         const std::optional<at::Tensor>& ssm_state_indices,
-                                         const std::optional<at::Tensor>& num_accepted_tokens,
-                                         const at::Tensor& output, double scale, double lower_bound,
-                                         int64_t decode_flags) {
+// the full recurrent_kda implementation `Full` (the CPU or the CUDA one): no source pool, cu_seqlens,
+// seq_order, final state, checkpoints or workspace; zero_uncovered off. Registered as
+// `&recurrent_kda_decode_as_full<&the_full_op>`, so both backends share this one signature.
+template <auto Full>
+void recurrent_kda_decode_as_full(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                  const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                                  const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& state,
+                                  const std::optional<at::Tensor>& ssm_state_indices,
+                                  const std::optional<at::Tensor>& num_accepted_tokens, const at::Tensor& output,
+                                  double scale, double lower_bound, int64_t decode_flags) {
   const DecodeMode m = unpack_decode_mode(decode_flags);
   const std::optional<at::Tensor> none;
-  full(q, k, v, g, beta, A_log, dt_bias, state, none, none, none, ssm_state_indices, num_accepted_tokens, none,
+  Full(q, k, v, g, beta, A_log, dt_bias, state, none, none, none, ssm_state_indices, num_accepted_tokens, none,
        output, none, none, none, none, scale, m.gate_mode, lower_bound, m.use_qk_l2norm, m.beta_is_logit,
        m.num_spec_tokens, 0, m.backend, false, m.disable_state_update);
 }

@@ -176,11 +176,7 @@ RecurrentParams training_recurrent_params(const Tensor& q, const Tensor& k, cons
 // dinitial_state.
 BackwardChainParams backward_chain_params(const TrainingBackwardParams& p, float* dstates, float* dinitial_state) {
   BackwardChainParams c;
-  c.B = p.B;
-  c.T = p.T;
-  c.N = p.N;
-  c.H = p.H;
-  c.HV = p.HV;
+  copy_counts(c, p);
   c.q = p.q;
   c.k = p.k;
   c.g = p.g;
@@ -392,11 +388,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   }
 
   TrainingBackwardParams p;
-  p.B = d.B;
-  p.T = d.T;
-  p.N = d.N;
-  p.H = d.H;
-  p.HV = d.HV;
+  copy_counts(p, d);
   p.q = token_view(qc);
   p.k = token_view(kc);
   p.v = token_view(vc);

@@ -105,4 +105,15 @@ struct RecurrentParams {
   bool beta_is_logit = false;
 };
 
+// The counts every param struct (and the api layer's TrainingShape) carries: B, T, N, H, HV. One copy rule
+// where one struct is built from another.
+template <class To, class From>
+inline void copy_counts(To& to, const From& from) {
+  to.B = from.B;
+  to.T = from.T;
+  to.N = from.N;
+  to.H = from.H;
+  to.HV = from.HV;
+}
+
 }  // namespace kda

@@ -99,11 +99,7 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
 RecurrentParams chain_as_recurrent(const BackwardChainParams& c) {
   constexpr int kDim = prefill::kHeadDim;
   RecurrentParams p;
-  p.B = c.B;
-  p.T = c.T;
-  p.N = c.N;
-  p.H = c.H;
-  p.HV = c.HV;
+  copy_counts(p, c);
   p.K = kDim;
   p.V = kDim;
   p.token_dtype = DType::kBFloat16;

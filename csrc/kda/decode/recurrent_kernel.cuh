@@ -251,6 +251,22 @@ __device__ __forceinline__ void store_tile_dt(void* base, DType dt, int64_t head
     store_tile<Tile>(static_cast<float*>(base) + head_off, row0, rg, kl, s);
 }
 
+// The start state of an item whose tile is not staged in shared memory: slot `slot` of the read-only source
+// pool when `from_source` (StartState kind 2), else zeros (no start state, or a skipped item).
+template <class Tile>
+__device__ __forceinline__ void load_unstaged_start(const RecurrentParams& p, bool from_source, int64_t slot,
+                                                    int64_t head_off, int row0, int rg, int kl,
+                                                    float (&s)[Tile::NR][8]) {
+  if (from_source) {
+    load_tile_dt<Tile>(p.state_source, p.state_source_dtype, slot * p.source_slot_stride + head_off, row0, rg, kl, s);
+  } else {
+#pragma unroll
+    for (int i = 0; i < Tile::NR; ++i)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[i][e] = 0.f;
+  }
+}
+
 // One token's inputs as this lane needs them: its 8 values of q, k, g (bf16 pairs, Tile order), the v of
 // the row it reduces (rs_row_index), and beta.
 struct TokenRaw {
@@ -659,14 +675,8 @@ __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
     float s[NR][8];
     if (!skip && m.kind == 1 && m.len > 0) {
       unpack_ring_tile<Tile>(ring + stage * kTileU4, lane, s);
-    } else if (!skip && m.kind == 2) {
-      load_tile_dt<Tile>(p.state_source, p.state_source_dtype, m.slot * p.source_slot_stride + head_off, row0, rg,
-                         kl, s);
     } else {
-#pragma unroll
-      for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[i][e] = 0.f;
+      load_unstaged_start<Tile>(p, !skip && m.kind == 2, m.slot, head_off, row0, rg, kl, s);
     }
     __syncwarp();  // every lane has read its ring slot before it is refilled
     if ((j + kStages) % kMetaBatch == 0)  // the next table, one stall per 32 items (its buffer is consumed)

@@ -305,14 +305,8 @@ __global__ void __launch_bounds__(RingKernelLayout<Tile, Shape>::kThreads, ring_
     float s[NR][8];
     if (load && m.kind == 1) {
       load_tile<Tile>(reinterpret_cast<const StateT*>(st), 0, rg, kl, s);  // the stage holds the tile's rows
-    } else if (!skip && m.kind == 2) {
-      load_tile_dt<Tile>(p.state_source, p.state_source_dtype, m.slot * p.source_slot_stride + head_off, row0, rg,
-                         kl, s);
     } else {
-#pragma unroll
-      for (int i = 0; i < NR; ++i)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[i][e] = 0.f;
+      load_unstaged_start<Tile>(p, !skip && m.kind == 2, m.slot, head_off, row0, rg, kl, s);
     }
 
     bool stored = false;

@@ -49,8 +49,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cute/arch/copy_sm75.hpp>
-#include <cute/arch/mma_sm80.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -59,6 +57,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "kda/common/bf16_bits.cuh"
+#include "kda/common/ptx.cuh"
 #include "kda/common/recurrent_rules.h"
 #include "kda/params.h"
 
@@ -149,7 +148,7 @@ struct KernelArgs {
   TmaToken tma_q, tma_k, tma_g, tma_v;
 };
 
-// ---- small device helpers (the mma.sync kernel's, copied so this header stands alone)
+// ---- small device helpers
 __device__ __forceinline__ int swz(int row, int piece) { return row * kD + ((piece ^ (row & 7)) << 3); }
 struct TileOffsets {
   int off[4];
@@ -159,25 +158,10 @@ struct TileOffsets {
   }
   __device__ __forceinline__ int at(int ks) const { return off[ks & 3] + (ks >> 2) * 64; }
 };
-__device__ __forceinline__ void ldsm_x4(const void* smem, uint32_t (&r)[4]) {
-  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
-}
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
-                                            d[2], d[3]);
-}
-__device__ __forceinline__ void named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ bool named_sync_or(int id, int count, int flag) {
-  uint32_t r;
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred p, %2, %3, p;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(r)
-      : "r"(flag), "r"(id), "r"(count)
-      : "memory");
-  return r != 0;
-}
+// ldmatrix, mma.sync, named barriers: the shared device primitives (kda/common/ptx.cuh).
+using ptx::ldsm_x4;
+using ptx::named_sync;
+using ptx::named_sync_or;
 __device__ __forceinline__ float sat_f16(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
 __device__ __forceinline__ float bfv(const __nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
@@ -590,8 +574,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
           ldsm_x4(asrc + toff_a.at(ks), fa);
           ldsm_x4(ss.kn + toff_b.at(ks), fn);
           float(&x)[2][4] = (ks & 1) ? al2 : al;
-          mma_bf16_16816(x[0], fa, fn[0], fn[1]);
-          mma_bf16_16816(x[1], fa, fn[2], fn[3]);
+          ptx::mma_bf16(x[0], fa, fn[0], fn[1]);
+          ptx::mma_bf16(x[1], fa, fn[2], fn[3]);
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
