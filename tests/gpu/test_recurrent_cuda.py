@@ -312,8 +312,8 @@ CONFIGS = [
     dict(RING, **{ROWS_ENV: "8"}),
     # the block shapes of the K=128 NR=8 tile (default 1; other tiles keep shape 0), one with one block per SM
     dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "0"}),
-    dict(RING, KDA_DECODE_PDL="1"),  # programmatic dependent launch
-    dict(SERIAL, KDA_DECODE_PDL="1"),
+    dict(RING, KDA_DECODE_PDL="0"),  # without programmatic dependent launch (the default uses it)
+    dict(SERIAL, KDA_DECODE_PDL="0"),
     dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "2", "KDA_DECODE_RING_STATE_FIRST": "1"}),
     dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "3", "KDA_RECURRENT_BLOCKS_PER_SM": "1"}),
     {ROWS_ENV: "1"},
