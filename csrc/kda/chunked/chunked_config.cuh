@@ -17,19 +17,18 @@
 #include <cstdint>
 
 #include "kda/common/bf16_bits.cuh"
+#include "kda/chunked/chunk_math.cuh"
 #include "kda/common/ptx.cuh"
 #include "kda/common/recurrent_rules.h"
 #include "kda/params.h"
 
 namespace kda::prefill {
 
-using namespace ::kda::ptx;  // ldsm / mma / cp.async / named barriers
+using namespace ::kda::ptx;         // ldsm / mma / cp.async / named barriers
+using namespace ::kda::chunk_math;  // gate prefix, norms, β, the 16x16 inverse (shared with the Hopper kernel)
 
 constexpr int kChunk = 16;              // tokens per chunk (the m16 of mma.sync)
 constexpr int kHeadDim = 128;           // K = V
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kSpanLimit = 80.f * kLog2e;  // GEMM mode needs -Γ'_15 <= 80 (log2 units here) in every channel
-constexpr float kMinLogDecay = -1e30f;  // keeps -inf gates from making inf - inf in relative exponents
 constexpr int kPrepWarps = 4;                  // "G" warps: gate, norms, decayed operand tiles
 constexpr int kPrepThreads = kPrepWarps * 32;  // one per channel (K = 128)
 constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the triangular inverse

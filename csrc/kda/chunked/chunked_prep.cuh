@@ -24,43 +24,9 @@ struct alignas(16) PrepScratch {
   alignas(16) float rq[kChunk], rk[kChunk];
 };
 
-// The log-decay of gate_log_decay (kda/common/recurrent_rules.h, the contract) in log2 units, a·log2 e,
-// so that every later exponential is one ex2, with fast-math intrinsics: A, Adtb and lb arrive pre-scaled
-// (A log2e, A dt_bias log2e, λ log2e).
-template <GateMode M>
-__device__ __forceinline__ float gate_a(float x, float A, float Adtb, float dtb, float lb) {
-  if constexpr (M == GateMode::kPrecomputed) {
-    return x * kLog2e;
-  } else if constexpr (M == GateMode::kSoftplus) {
-    const float z = x + dtb;
-    return -A * (z > 20.f ? z : log1pf(__expf(z)));
-  } else {
-    return __fdividef(lb, 1.f + exp2f(-fmaf(A, x, Adtb)));  // λ sigmoid(A (g + dt_bias)), log2 units
-  }
-}
-
-// Γ' = Σ_{1..i} a of channel d over the chunk into sm.gp (a = 0 on padding rows); returns a_0 and Γ'_15.
-template <GateMode M, class Raw>
-__device__ __forceinline__ void gate_prefix(const Raw& rb, float* gp, int d, int cl, float A, float Adtb, float dtb,
-                                            float lb, float& a0, float& gc) {
-  // all loads first, then the 16 independent gate evaluations, then the (cheap) serial prefix
-  float a[kChunk];
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) a[i] = bf(rb.g[i * kHeadDim + d]);
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    const float x = fmaxf(gate_a<M>(a[i], A, Adtb, dtb, lb), kMinLogDecay);
-    a[i] = i < cl ? x : 0.f;  // padding rows (zero-filled) never decay; a select keeps the loop branch-free
-  }
-  a0 = a[0];
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < kChunk; ++i) {
-    if (i > 0) acc += a[i];
-    gp[i * kHeadDim + d] = acc;
-  }
-  gc = acc;
-}
+// The gate (gate_a, gate_prefix_of: chunk_math.cuh) works in log2 units, a·log2 e, so that every later
+// exponential is one ex2, with fast-math intrinsics: A, Adtb and lb arrive pre-scaled (A log2e,
+// A dt_bias log2e, λ log2e).
 
 __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
   const float4 a = *reinterpret_cast<const float4*>(p);
@@ -146,12 +112,7 @@ __device__ __forceinline__ void chunked_prep(const RecurrentParams& p, Smem& sm,
     }
     // ---- P1: gate prefix of channel d, per-channel constants, L2 norms, beta
     float a0 = 0.f, gc = 0.f;
-    if (p.gate_mode == GateMode::kLowerBound)
-      gate_prefix<GateMode::kLowerBound>(rb, sm.prep.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
-    else if (p.gate_mode == GateMode::kSoftplus)
-      gate_prefix<GateMode::kSoftplus>(rb, sm.prep.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
-    else
-      gate_prefix<GateMode::kPrecomputed>(rb, sm.prep.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
+    gate_prefix_of(p.gate_mode, rb.g, sm.prep.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
     sm.prep.e0[d] = exp2f(a0);  // (a0, gc, Γ' are in log2 units)
     sm.prep.ecp[d] = exp2f(gc);
     sm.prep.a0[d] = a0;  // the raw exponents, for the pairwise fallback
@@ -161,21 +122,7 @@ __device__ __forceinline__ void chunked_prep(const RecurrentParams& p, Smem& sm,
     {
       const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements each
       const __nv_bfloat16* src = (row < kChunk ? rb.q + row * K : rb.k + (row - kChunk) * K) + part4 * 32;
-      float ss0 = 0.f, ss1 = 0.f;
-#pragma unroll
-      for (int e = 0; e < 32; e += 8) {
-        const uint4 w = *reinterpret_cast<const uint4*>(src + e);
-        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float lo = bf16_lo(ws[u]), hi = bf16_hi(ws[u]);
-          ss0 = fmaf(lo, lo, ss0);
-          ss1 = fmaf(hi, hi, ss1);
-        }
-      }
-      float ss = ss0 + ss1;
-      ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-      ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+      const float ss = row_sumsq_quad(src);
       if (part4 == 0) {
         const float r = p.use_qk_l2norm ? rsqrtf(ss + kL2NormEps) : 1.f;
         if (row < kChunk)
@@ -186,7 +133,7 @@ __device__ __forceinline__ void chunked_prep(const RecurrentParams& p, Smem& sm,
     }
     if (ptid < kChunk) {
       const float x = bf(beta_raw);
-      sm.tiles.beta[b][ptid] = ptid < cl ? (p.beta_is_logit ? __fdividef(1.f, 1.f + __expf(-x)) : x) : 0.f;
+      sm.tiles.beta[b][ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
     }
     const bool pairwise = named_sync_or(kBarPrep, kPrepThreads, wide);
 

@@ -62,63 +62,8 @@ __device__ __forceinline__ void chunked_solve(Smem& sm, const int64_t n_chunks, 
         }
       __syncwarp();
     }
-    // INV = (I + A')^{-1} blockwise in fp32: the two 8x8 diagonal blocks by forward substitution (lane c of
-    // each half-warp: column c of its block), then the off-diagonal block X = -I2 A'21 I1. INVb = INV diag(β).
-    {
-      const int blk = (lane >> 3) & 1, c = lane & 7, base = 8 * blk;
-      float col[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float x0 = i == c ? 1.f : 0.f, x1 = 0.f;
-#pragma unroll
-        for (int mm = 0; mm < i; ++mm) {
-          const float a = ap[(base + i) * kChunk + base + mm];
-          if (mm & 1)
-            x1 = fmaf(-a, col[mm], x1);
-          else
-            x0 = fmaf(-a, col[mm], x0);
-        }
-        col[i] = x0 + x1;
-      }
-      if (blk == 1 && lane < 16) {
-#pragma unroll
-        for (int r = 0; r < 8; ++r) sm.solve.i2s[r * 8 + c] = col[r];
-      }
-      float tcol[8];  // T[:, c] = A'21 I1[:, c] (meaningful in lanes 0..7)
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        float t0 = 0.f, t1 = 0.f;
-#pragma unroll
-        for (int mm = 0; mm < 8; mm += 2) {
-          t0 = fmaf(ap[(8 + r) * kChunk + mm], col[mm], t0);
-          t1 = fmaf(ap[(8 + r) * kChunk + mm + 1], col[mm + 1], t1);
-        }
-        tcol[r] = t0 + t1;
-      }
-      __syncwarp();
-      if (lane < 8) {
-        const float bc = bt[c];
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          float x0 = 0.f, x1 = 0.f;
-#pragma unroll
-          for (int mm = 0; mm < 8; mm += 2) {
-            x0 = fmaf(sm.solve.i2s[r * 8 + mm], tcol[mm], x0);
-            x1 = fmaf(sm.solve.i2s[r * 8 + mm + 1], tcol[mm + 1], x1);
-          }
-          put16<BWD>(op.invb, r, c, col[r] * bc);
-          put16<BWD>(op.invb, 8 + r, c, -(x0 + x1) * bc);
-        }
-      } else if (lane < 16) {
-        const float bc = bt[8 + c];
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          put16<BWD>(op.invb, r, 8 + c, 0.f);
-          put16<BWD>(op.invb, 8 + r, 8 + c, col[r] * bc);
-        }
-      }
-      __syncwarp();  // i2s is reused next chunk
-    }
+    // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
+    unit_lower_inverse16(ap, sm.solve.i2s, bt, lane, [&](int r, int c, float x) { put16<BWD>(op.invb, r, c, x); });
     named_arrive(kBarFull0 + b, Cfg::kCountFull);  // operands of chunk j are ready
   }
 }

@@ -56,6 +56,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "kda/chunked/chunk_math.cuh"
 #include "kda/common/bf16_bits.cuh"
 #include "kda/common/ptx.cuh"
 #include "kda/common/recurrent_rules.h"
@@ -68,6 +69,7 @@
 namespace kda::chunked_sm90 {
 
 using namespace cute;
+using namespace ::kda::chunk_math;  // gate prefix, norms, β, the 16x16 inverse (shared with the mma.sync kernel)
 using bf16_t = cutlass::bfloat16_t;
 using f16_t = cutlass::half_t;
 
@@ -77,9 +79,6 @@ constexpr int kRawStages = 4;  // raw q/k/g ring (TMA -> prep)
 constexpr int kVStages = 4;    // raw v ring (TMA -> chain)
 constexpr int kOpStages = 3;   // operand ring (prep -> chain)
 constexpr int kThreads = 512;  // 4 warpgroups
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kSpanLimit = 80.f * kLog2e;  // relative-exponent GEMM mode needs -Γ'_15 <= 80 nats
-constexpr float kMinLogDecay = -1e30f;
 constexpr int kBarPrep = 1;  // named barrier of the prep WG (0 is __syncthreads)
 
 // ---- shared-memory layouts
@@ -225,39 +224,6 @@ struct Prof {
     }
   }
 };
-
-// log-decay in log2 units (kda/common/recurrent_rules.h gate_log_decay times log2 e); A, Adtb, lb pre-scaled.
-template <GateMode M>
-__device__ __forceinline__ float gate_a(float x, float A, float Adtb, float dtb, float lb) {
-  if constexpr (M == GateMode::kPrecomputed) {
-    return x * kLog2e;
-  } else if constexpr (M == GateMode::kSoftplus) {
-    const float z = x + dtb;
-    return -A * (z > 20.f ? z : log1pf(__expf(z)));
-  } else {
-    return __fdividef(lb, 1.f + exp2f(-fmaf(A, x, Adtb)));
-  }
-}
-template <GateMode M>
-__device__ __forceinline__ void gate_prefix(const bf16_t* graw, float* gp, int d, int cl, float A, float Adtb,
-                                            float dtb, float lb, float& a0, float& gc) {
-  float a[kC];
-#pragma unroll
-  for (int i = 0; i < kC; ++i) a[i] = float(graw[i * kD + d]);
-#pragma unroll
-  for (int i = 0; i < kC; ++i) {
-    const float x = fmaxf(gate_a<M>(a[i], A, Adtb, dtb, lb), kMinLogDecay);
-    a[i] = i < cl ? x : 0.f;  // rows past the end (another sequence's tokens) never decay
-  }
-  a0 = a[0];
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < kC; ++i) {
-    if (i > 0) acc += a[i];
-    gp[i * kD + d] = acc;
-  }
-  gc = acc;
-}
 
 // kProfile: the profile instantiation (segment clocks of CTA 0 into kda_sm90_prof). kVariant 0: the first
 // version; 1: 16-byte stores of the swizzled operand tiles in prep; in the chain, X and O_inter as two
@@ -428,12 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
 
       // ---- gate prefix of channel d, L2 norms, β
       float a0 = 0.f, gc = 0.f;
-      if (p.gate_mode == GateMode::kLowerBound)
-        gate_prefix<GateMode::kLowerBound>(rg_, ss.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
-      else if (p.gate_mode == GateMode::kSoftplus)
-        gate_prefix<GateMode::kSoftplus>(rg_, ss.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
-      else
-        gate_prefix<GateMode::kPrecomputed>(rg_, ss.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
+      gate_prefix_of(p.gate_mode, rg_, ss.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
       ss.e0[d] = exp2f(a0);
       ss.ecp[d] = exp2f(gc);
       ss.a0[d] = a0;
@@ -443,21 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       {
         const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements
         const __nv_bfloat16* src = (row < kC ? rqb + row * kD : rkb + (row - kC) * kD) + part4 * 32;
-        float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-        for (int e = 0; e < 32; e += 8) {
-          const uint4 w = *reinterpret_cast<const uint4*>(src + e);
-          const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const float lo = bf16_lo(ws[u]), hi = bf16_hi(ws[u]);
-            s0 = fmaf(lo, lo, s0);
-            s1 = fmaf(hi, hi, s1);
-          }
-        }
-        float sq = s0 + s1;
-        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+        const float sq = row_sumsq_quad(src);
         if (part4 == 0) {
           const float r = p.use_qk_l2norm ? rsqrtf(sq + kL2NormEps) : 1.f;
           if (row < kC)
@@ -468,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       }
       if (ptid < kC) {
         const float x = bfv(beta_raw);
-        ss.beta[ptid] = ptid < cl ? (p.beta_is_logit ? __fdividef(1.f, 1.f + __expf(-x)) : x) : 0.f;
+        ss.beta[ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
       }
       prof.mark(3);
       const bool pairwise = named_sync_or(kBarPrep, 128, wide);
@@ -592,62 +539,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       }
       prof.mark(5);
       if (pwarp == 0) {
-        // INV = (I + A')^{-1}: 8x8 diagonal blocks by forward substitution (lane c of each half-warp owns
-        // column c of its block), then X = -I2 A'21 I1. INVb = INV diag(β).
-        const float* ap = ss.ap;
-        const int blk = (lane >> 3) & 1, c8 = lane & 7, base = 8 * blk;
-        float col[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float x0 = i == c8 ? 1.f : 0.f, x1 = 0.f;
-#pragma unroll
-          for (int mm = 0; mm < i; ++mm) {
-            const float a = ap[(base + i) * kC + base + mm];
-            if (mm & 1)
-              x1 = fmaf(-a, col[mm], x1);
-            else
-              x0 = fmaf(-a, col[mm], x0);
-          }
-          col[i] = x0 + x1;
-        }
-        if (blk == 1 && lane < 16) {
-#pragma unroll
-          for (int r = 0; r < 8; ++r) ss.i2s[r * 8 + c8] = col[r];
-        }
-        float tcol[8];
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          float t0 = 0.f, t1 = 0.f;
-#pragma unroll
-          for (int mm = 0; mm < 8; mm += 2) {
-            t0 = fmaf(ap[(8 + r) * kC + mm], col[mm], t0);
-            t1 = fmaf(ap[(8 + r) * kC + mm + 1], col[mm + 1], t1);
-          }
-          tcol[r] = t0 + t1;
-        }
-        __syncwarp();
-        if (lane < 8) {
-          const float bc = ss.beta[c8];
-#pragma unroll
-          for (int r = 0; r < 8; ++r) {
-            float x0 = 0.f, x1 = 0.f;
-#pragma unroll
-            for (int mm = 0; mm < 8; mm += 2) {
-              x0 = fmaf(ss.i2s[r * 8 + mm], tcol[mm], x0);
-              x1 = fmaf(ss.i2s[r * 8 + mm + 1], tcol[mm + 1], x1);
-            }
-            inv_ref(r, c8, os) = f16_t(sat_f16(col[r] * bc));
-            inv_ref(8 + r, c8, os) = f16_t(sat_f16(-(x0 + x1) * bc));
-          }
-        } else if (lane < 16) {
-          const float bc = ss.beta[8 + c8];
-#pragma unroll
-          for (int r = 0; r < 8; ++r) {
-            inv_ref(r, 8 + c8, os) = f16_t(0.f);
-            inv_ref(8 + r, 8 + c8, os) = f16_t(sat_f16(col[r] * bc));
-          }
-        }
-        __syncwarp();
+        // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
+        unit_lower_inverse16(ss.ap, ss.i2s, ss.beta, lane,
+                             [&](int r, int c, float x) { inv_ref(r, c, os) = f16_t(sat_f16(x)); });
       }
       // generic-proxy writes of the operand tiles -> visible to wgmma (async proxy), then publish
       prof.mark(6);
