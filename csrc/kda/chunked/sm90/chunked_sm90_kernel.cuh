@@ -639,6 +639,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     warpgroup_fence_operand(accO);
     const float* gam = ss.gamma[os];
     float vv[size(accX)];
+    // this chunk's v values (tokens past the end: 0) into registers, then the stage back to the producer
+    auto take_v = [&] {
+      const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_v.index() * kC * kD;
+#pragma unroll
+      for (int i = 0; i < size(accX); ++i) {
+        const int m = get<0>(cX(i)), t = get<1>(cX(i));
+        vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
+      }
+      pipe_v.consumer_release(st_v);
+      ++st_v;
+    };
     if constexpr (kVariant >= 1) {
       // two batches: Y needs X only; O_inter completes while Y and U are computed
       warpgroup_arrive();
@@ -655,14 +666,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       prof.mark(3);
       pipe_v.consumer_wait(st_v);
       prof.mark(1);
-      const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_v.index() * kC * kD;
-#pragma unroll
-      for (int i = 0; i < size(accX); ++i) {
-        const int m = get<0>(cX(i)), t = get<1>(cX(i));
-        vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
-      }
-      pipe_v.consumer_release(st_v);
-      ++st_v;
+      take_v();
       prof.mark(3);
       warpgroup_wait<1>();
       warpgroup_fence_operand(accX);
@@ -676,14 +680,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       warpgroup_fence_operand(accX);
       warpgroup_fence_operand(accO);
       prof.mark(2);
-      const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_v.index() * kC * kD;
-#pragma unroll
-      for (int i = 0; i < size(accX); ++i) {
-        const int m = get<0>(cX(i)), t = get<1>(cX(i));
-        vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
-      }
-      pipe_v.consumer_release(st_v);
-      ++st_v;
+      take_v();
     }
 
     // ---- Yᵀ = Vᵀ - Xᵀ (tokens past the end: 0)
