@@ -34,20 +34,22 @@ bool tensor_span(const at::Tensor& t, Span* s) {
   return true;
 }
 
-// torch.nn.Parameter, looked up at the first call (torch.nn is imported by then: kda_ops imports torch).
-PyTypeObject* parameter_type() {
-  static PyTypeObject* type = [] {
-    PyTypeObject* t = nullptr;
-    if (PyObject* nn = PyImport_ImportModule("torch.nn")) {
-      PyObject* p = PyObject_GetAttrString(nn, "Parameter");
-      if (p != nullptr && PyType_Check(p)) t = reinterpret_cast<PyTypeObject*>(p);  // kept alive for good
-      else Py_XDECREF(p);
-      Py_DECREF(nn);
-    }
-    PyErr_Clear();
-    return t;
-  }();
-  return type;
+// torch.nn.Parameter, looked up once when the module loads (kda_ops imports torch, and with it torch.nn,
+// before _C; a lookup here, not at a first call, keeps Python calls out of a C++ static initialiser that a
+// second thread could block on while holding the GIL). Null if the lookup failed: parameters then always
+// take the full path.
+PyTypeObject* g_parameter_type = nullptr;
+
+void look_up_parameter_type() {
+  if (PyObject* nn = PyImport_ImportModule("torch.nn")) {
+    PyObject* p = PyObject_GetAttrString(nn, "Parameter");
+    if (p != nullptr && PyType_Check(p))
+      g_parameter_type = reinterpret_cast<PyTypeObject*>(p);  // a reference kept for the process
+    else
+      Py_XDECREF(p);
+    Py_DECREF(nn);
+  }
+  PyErr_Clear();
 }
 
 PyObject* call_key(PyObject* const* args, Py_ssize_t nargs);
@@ -85,7 +87,8 @@ PyObject* call_key(PyObject* const* args, Py_ssize_t nargs) {
       continue;
     }
     PyTypeObject* type = Py_TYPE(obj);
-    if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) && type != parameter_type()) Py_RETURN_NONE;
+    if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) && type != g_parameter_type)
+      Py_RETURN_NONE;
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (!t.defined()) Py_RETURN_NONE;
     put(static_cast<int64_t>(reinterpret_cast<uintptr_t>(type)));
@@ -120,6 +123,7 @@ PyMethodDef kMethods[] = {
 extern "C" {
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, kMethods};
+  look_up_parameter_type();
   return PyModule_Create(&module_def);
 }
 }
