@@ -122,6 +122,11 @@ class RecurrentKDAPrefillWorkspace(_Scratch):
 class RecurrentKDABackwardWorkspace(_Scratch):
     """Caller-owned scratch of :func:`kda_ops.recurrent_kda_backward`.
 
+    Args:
+        device: where the buffer lives (taken from the first call when None; ``"cuda"`` without an
+            index means the current CUDA device).
+        nbytes: bytes to allocate up front (0: sized by the first call).
+
     Holds the int64 copy of ``cu_seqlens`` when the caller's is int32, so that a captured call writes
     a buffer it owns. The ``kda::recurrent_kda_backward`` schema takes no workspace tensor: the op
     allocates its outputs and scratch itself (inside a capture that memory comes from the graph's
