@@ -413,7 +413,7 @@ def recurrent_kda(
     if pool is None and out_final:
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
-    # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, off by default)
+    # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, auto by default)
     if _split.MODE != "0" and S == 0 and not disable_state_update and _split.try_run(
         d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2, logit,
         backend_code, n_ck, ck, source, src_idx,
