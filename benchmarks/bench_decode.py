@@ -52,7 +52,7 @@ L2_BYTES = 60 * 2**20
 _KNOBS = ("KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_PDL", "KDA_RECURRENT_ROWS_PER_LANE",
           "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_CARVEOUT",
           "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_DIAG")
-KERNEL = " ".join([os.environ.get("KDA_DECODE_KERNEL", "ring")] +
+KERNEL = " ".join([os.environ.get("KDA_DECODE_KERNEL", "auto")] +
                   [f"{k.replace('KDA_', '').lower()}={os.environ[k]}" for k in _KNOBS if k in os.environ])
 CASES = "bf16:1,bf16:8,bf16:64,bf16:256,bf16:1024,fp32:1,fp32:8,fp32:64,fp32:256,fp32:1024,spec-bf16:64,spec-fp32:64"
 

@@ -75,9 +75,9 @@ def _read_tokens() -> int:
 
 
 SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
-# ``auto`` leaves calls with fewer tokens unsplit (the cost model has no term for the split's fixed cost:
-# its extra launches and the scan; the split was measured from 64K tokens, and declined at 8K), which also
-# keeps the decode path free of the planning.
+# ``auto`` leaves sequences shorter than this unsplit (the cost model has no term for the split's fixed
+# cost: its extra launches and the scan; the split was measured from 64K tokens, and declined at 8K). A call
+# with fewer tokens in all is rejected before any planning, which keeps the decode path free of it.
 AUTO_MIN_TOKENS = 16384
 MODE = _read_mode()
 SEGMENT_TOKENS = _read_tokens()
@@ -160,9 +160,10 @@ def split_pays(lens: list[int], HV: int, sms: int, Ls: int) -> bool:
 
 
 def _auto_splits(d: V.Dims, lens: list[int], sms: int, Ls: int) -> bool:
-    """``auto`` splits CUDA calls only: on the host the passes run one after another, so the split's
-    extra work is never hidden by idle SMs."""
-    return d.device.type == "cuda" and split_pays(lens, d.HV, sms, Ls)
+    """``auto`` splits CUDA calls whose longest sequence has AUTO_MIN_TOKENS or more, when the cost model
+    says so: on the host the passes run one after another, so the split's extra work is never hidden by
+    idle SMs."""
+    return d.device.type == "cuda" and max(lens) >= AUTO_MIN_TOKENS and split_pays(lens, d.HV, sms, Ls)
 
 
 class _Plan:

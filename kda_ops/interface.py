@@ -419,7 +419,13 @@ def recurrent_kda(
         backend_code, n_ck, ck, source, src_idx,
     ):  # fmt: skip
         final_ret = (pool if pool is not None else final) if out_final else None
-        return (out, final_ret, ck) if n_ck > 0 else (out, final_ret)
+        if n_ck > 0:
+            assert ck is not None
+            if ck_caller is not None:  # (a bf16 buffer without a pool, as below)
+                ck_caller.copy_(ck)
+                ck = ck_caller
+            return out, final_ret, ck
+        return out, final_ret
     if (
         key is not None
         and n_ck == 0
@@ -431,6 +437,9 @@ def recurrent_kda(
         and ssm_idx is ssm_state_indices
         and n_acc is num_accepted_tokens
         and (output is None or out is output)
+        # a captured call never splits while the same call eager may: caching it would send later eager
+        # calls of this key past the split
+        and not (d.on_cuda and V.capturing(d.device))
     ):
         _remember(
             key,

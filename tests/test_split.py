@@ -354,3 +354,21 @@ def test_training_context_split(split_on, monkeypatch, lens, B):  # type: ignore
     assert torch.equal(st_s, st_u) and t_s.shape == t_u.shape
     for a, b in ((o_s, o_u), (f_s, f_u), (t_s, t_u), *zip(g_s, g_u, strict=True)):
         assert rel_rms(a, b) <= 2e-5, rel_rms(a, b)
+
+
+def test_split_bf16_checkpoints_without_pool(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """A caller's bf16 state_checkpoints buffer without a pool (the op writes fp32 checkpoints, rounded into
+    the caller's buffer afterwards): the split writes and returns the caller's buffer, as the unsplit call."""
+    x, kw = _inputs([300, 20], gate="lower_bound", slow=True, seed=17)
+    monkeypatch.setattr(_split, "MODE", "0")
+    _, _, ck0 = _call(x, kw, checkpoint_every_n_tokens=64)
+    res = []
+    for mode in ("1", "0"):
+        monkeypatch.setattr(_split, "MODE", mode)
+        buf = torch.zeros(ck0.shape, dtype=torch.bfloat16)
+        _, _, ck = _call(x, kw, checkpoint_every_n_tokens=64, state_checkpoints=buf)
+        assert ck is buf
+        res.append(buf)
+    assert len(split_on) == 1
+    assert res[0].abs().sum() > 0
+    assert rel_rms(res[0].float(), ck0) <= 1e-2 and rel_rms(res[0].float(), res[1].float()) <= 1e-2

@@ -192,6 +192,30 @@ def test_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def
     assert_close_rms(out, eager, TOL_OUT, "captured (unsplit) vs eager (split)")
 
 
+@cuda_only
+def test_capture_does_not_cache_past_the_split(split_on):  # type: ignore[no-untyped-def]
+    """A captured call (never split) stays out of the eager validation cache: eager calls of the same
+    shapes after the capture still split and give the first eager call's bits (fixed layout, which the
+    cache serves)."""
+    x, kw = make(None, B=1, T=4096, gate="lower_bound", seed=19)
+    out = torch.empty((1, 4096, 2, K), dtype=torch.bfloat16, device=DEV)
+    call(x, kw, output=out)
+    first = out.clone()
+    assert len(split_on) == 1
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        call(x, kw, output=out)
+    torch.cuda.current_stream().wait_stream(s)
+    assert len(split_on) == 1
+    for _ in range(2):
+        call(x, kw, output=out)
+    torch.cuda.synchronize()
+    assert len(split_on) == 3
+    assert torch.equal(out, first)
+
+
 def _kda_run(x, kw, h0, do, dfinal):  # type: ignore[no-untyped-def]
     leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
     A = kw["A_log"].clone().requires_grad_(True)

@@ -23,12 +23,14 @@ __device__ __forceinline__ void pdl_wait_and_release_dependents() {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-serialization attribute when pdl.
+// Returns the launch error, which also stays the thread's last error either way (cudaGetLastError after
+// this sees it).
 template <class... KernelArgs, class... Args>
 cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           bool pdl, Args&&... args) {
   if (!pdl) {
     kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
-    return cudaGetLastError();
+    return cudaPeekAtLastError();  // (peek: the error stays set for a caller that reads cudaGetLastError)
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;

@@ -1,5 +1,6 @@
 // Host dispatch of the token-serial kernel: picks the tile (rows per lane) and warps per block from the
 // problem size and the device's SM count, then the template instantiation (csrc/instantiations/).
+#include <cctype>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -45,6 +46,12 @@ struct Knobs {
   int ring_variant = 1;  // 5 math warps x 4 stages: on H200 the fastest shape at B=256, B=1024 and spec decode
 };
 
+std::string lower(const char* s) {
+  std::string r(s);
+  for (char& c : r) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return r;
+}
+
 const Knobs& knobs() {
   static const Knobs k = [] {
     Knobs r;
@@ -65,14 +72,18 @@ const Knobs& knobs() {
       if (v == 1 || v == 2 || v == 4) r.max_warps_per_block = v;
     }
     if (const char* env = std::getenv("KDA_DECODE_KERNEL")) {
-      r.ring = std::string(env) != "serial";
-      r.ring_forced = std::string(env) == "ring";
+      const std::string v = lower(env);
+      r.ring = v != "serial";
+      r.ring_forced = v == "ring";
     }
     if (const char* env = std::getenv("KDA_DECODE_RING_VARIANT")) {
       const int v = std::atoi(env);
       if (v >= 0 && v < 4) r.ring_variant = v;
     }
-    if (const char* env = std::getenv("KDA_DECODE_PDL")) r.pdl = std::atoi(env) != 0;
+    if (const char* env = std::getenv("KDA_DECODE_PDL")) {
+      const std::string v = lower(env);
+      r.pdl = !(v == "0" || v == "false" || v == "off" || v == "no");
+    }
     if (const char* env = std::getenv("KDA_DECODE_RING_STATE_FIRST"))
       if (std::atoi(env) == 1) r.flags |= decode::kFlagRingStateFirst;
     return r;
@@ -122,8 +133,9 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream, bool
   if ((warps + cfg.warps_per_block - 1) / cfg.warps_per_block > INT_MAX) return cudaErrorInvalidConfiguration;
   const DType tile_dtype =
       p.state != nullptr ? p.state_dtype : (p.state_source != nullptr ? p.state_source_dtype : DType::kFloat32);
-  // The heuristic's 4-rows tile marks a latency-bound grid: the serial kernel's shorter chain wins there.
-  const bool latency_bound = kn.rows_per_lane == 0 && nr == 4;
+  // The heuristic's 4-rows tile marks a latency-bound grid (whatever tile a knob forces): the serial
+  // kernel's shorter chain wins there.
+  const bool latency_bound = recurrent_rows_per_lane(p, cfg.num_sms) == 4;
   if (kn.ring && (kn.ring_forced || !latency_bound) && tile_dtype == DType::kBFloat16 && (nr == 4 || nr == 8) &&
       ring_supported(p)) {
     // Tiles: K=128 NR 4 or 8 as chosen; K=64 always NR=4 (its NR=8 tile spills under the ring's register cap).
