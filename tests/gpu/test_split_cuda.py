@@ -151,6 +151,7 @@ def test_split_deterministic(split_on):  # type: ignore[no-untyped-def]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@cuda_only  # (auto never splits host calls)
 def test_auto_splits_long_few_heads(monkeypatch):  # type: ignore[no-untyped-def]
     """auto: a 32768-token sequence on 2 value heads is split (and agrees with the unsplit call); 64
     value heads of 2048 tokens are not."""
@@ -172,6 +173,17 @@ def test_auto_splits_long_few_heads(monkeypatch):  # type: ignore[no-untyped-def
     assert len(calls) == 1
 
 
+def _capture(fn):  # type: ignore[no-untyped-def]
+    """fn() captured into a CUDA graph on a side stream (the usual warm-up is the caller's eager call)."""
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph
+
+
 @cuda_only
 def test_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def]
     """Capture takes the unsplit path (the split allocates scratch), and the replay matches eager."""
@@ -180,12 +192,7 @@ def test_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def
     call(x, kw, output=out)  # eager warm-up (split)
     assert len(split_on) == 1
     eager = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        call(x, kw, output=out)
-    torch.cuda.current_stream().wait_stream(s)
+    graph = _capture(lambda: call(x, kw, output=out))
     graph.replay()
     torch.cuda.synchronize()
     assert len(split_on) == 1
@@ -202,12 +209,7 @@ def test_capture_does_not_cache_past_the_split(split_on):  # type: ignore[no-unt
     call(x, kw, output=out)
     first = out.clone()
     assert len(split_on) == 1
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        call(x, kw, output=out)
-    torch.cuda.current_stream().wait_stream(s)
+    _capture(lambda: call(x, kw, output=out))
     assert len(split_on) == 1
     for _ in range(2):
         call(x, kw, output=out)
