@@ -414,83 +414,79 @@ def recurrent_kda(
         final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device)
 
     # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, auto by default)
-    if _split.MODE != "0" and S == 0 and not disable_state_update and _split.try_run(
-        d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2, logit,
-        backend_code, n_ck, ck, source, src_idx,
-    ):  # fmt: skip
-        final_ret = (pool if pool is not None else final) if out_final else None
-        if n_ck > 0:
-            assert ck is not None
-            if ck_caller is not None:  # (a bf16 buffer without a pool, as below)
-                ck_caller.copy_(ck)
-                ck = ck_caller
-            return out, final_ret, ck
-        return out, final_ret
-    if (
-        key is not None
-        and n_ck == 0
-        and ws is None
-        and d.dev_type != "meta"
-        and A_hv is A_log
-        and dtb_hv is dt_bias
-        and pool is initial_state
-        and ssm_idx is ssm_state_indices
-        and n_acc is num_accepted_tokens
-        and (output is None or out is output)
-        # a captured call never splits while the same call eager may: caching it would send later eager
-        # calls of this key past the split
-        and not (d.on_cuda and V.capturing(d.device))
-    ):
-        _remember(
-            key,
-            (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ssm_idx, n_acc),
-            output,
-            pool,
-            d=d,
-            gate_mode=gate_mode,
-            lb=lb,
-            sc=sc,
-            l2=l2,
-            logit=logit,
-            S=S,
-            backend_code=backend_code,
-            zero_uncovered=zero_uncovered,
-            need_order=order is not None,
-            alloc_final=final is not None,
-            out_final=out_final,
-        )
-
-    _recurrent_kda_op(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_hv,
-        dtb_hv,
-        pool,
-        source,
-        src_idx,
-        cu_seqlens,
-        ssm_idx,
-        n_acc,
-        order,
-        out,
-        final,
-        ck,
-        ck_starts,
-        ws,
-        sc,
-        gate_mode,
-        lb,
-        l2,
-        logit,
-        S,
-        n_ck,
-        backend_code,
-        zero_uncovered,
-        disable_state_update,
+    split = (
+        _split.MODE != "0"
+        and S == 0
+        and not disable_state_update
+        and _split.try_run(
+            d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2,
+            logit, backend_code, n_ck, ck, source, src_idx,
+        )  # fmt: skip
     )
+    if not split:
+        if (
+            key is not None
+            and n_ck == 0
+            and ws is None
+            and d.dev_type != "meta"
+            and A_hv is A_log
+            and dtb_hv is dt_bias
+            and pool is initial_state
+            and ssm_idx is ssm_state_indices
+            and n_acc is num_accepted_tokens
+            and (output is None or out is output)
+            # a captured call never splits while the same call eager may: caching it would send later eager
+            # calls of this key past the split
+            and not (d.on_cuda and V.capturing(d.device))
+        ):
+            _remember(
+                key,
+                pool,
+                d=d,
+                gate_mode=gate_mode,
+                lb=lb,
+                sc=sc,
+                l2=l2,
+                logit=logit,
+                S=S,
+                backend_code=backend_code,
+                zero_uncovered=zero_uncovered,
+                need_order=order is not None,
+                alloc_final=final is not None,
+                out_final=out_final,
+            )
+
+        _recurrent_kda_op(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_hv,
+            dtb_hv,
+            pool,
+            source,
+            src_idx,
+            cu_seqlens,
+            ssm_idx,
+            n_acc,
+            order,
+            out,
+            final,
+            ck,
+            ck_starts,
+            ws,
+            sc,
+            gate_mode,
+            lb,
+            l2,
+            logit,
+            S,
+            n_ck,
+            backend_code,
+            zero_uncovered,
+            disable_state_update,
+        )
     final_ret = (pool if pool is not None else final) if out_final else None
     if n_ck > 0:
         assert ck is not None
@@ -501,13 +497,11 @@ def recurrent_kda(
     return out, final_ret
 
 
-def _remember(key, reads, output, pool, **decided: Any) -> None:
+def _remember(key, pool, **decided: Any) -> None:
     """Store what the full path decided for `key` (a validated call of the decode-like family): the
     `decided` fields of _FastEntry (d, gate_mode, lb, sc, l2, logit, S, backend_code, zero_uncovered,
-    need_order, alloc_final, out_final). Only plain tensors (real memory: data_ptr) are cached."""
-    for t in (*reads, output, pool):
-        if t is not None and type(t) is not _Tensor and type(t) is not torch.nn.Parameter:
-            return
+    need_order, alloc_final, out_final). Only calls of plain tensors (real memory: data_ptr) have a key:
+    tensor_call_key returns None for any other tensor type."""
     d = decided["d"]
     e = _FastEntry(
         **decided,
