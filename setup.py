@@ -1,7 +1,8 @@
 """Build of the ``kda_ops._C`` extension.
 
 Environment:
-  KDA_CUDA_ARCHS  auto (default: the visible GPU, else 90a) | all (90a,100a,103a,120a) | none (CPU only)
+  KDA_CUDA_ARCHS  auto (default: the visible GPU, else 90a, else CPU only without a CUDA toolkit)
+                  | all (90a,100a,103a,120a) | none (CPU only)
                   | a comma list such as ``90a,100a``
   MAX_JOBS        parallel compile jobs (ninja)
   NVCC_THREADS    ``--threads`` for nvcc (default 1)

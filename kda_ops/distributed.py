@@ -32,7 +32,7 @@ Cost per rank, relative to the local single-process work: a rank that starts no 
 backward; other ranks run every token once each way. Exchanged: (HV·K·K + HV·V·K) state-dtype values
 per rank in the forward, HV·V·K in the backward, times the group size (all_gather).
 
-The computation is the training contract of :func:`kda_ops.kda` (the path with a backward): L2 norm on
+The computation is the default mode of :func:`kda_ops.kda` (the path with a backward): L2 norm on
 q and k, the lower-bound gate ``a = λ sigmoid(exp(A_log)(g + dt_bias))`` with λ in [-5, 0), logit
 beta ``β = sigmoid(beta)``, GQA (HV % H == 0). Token dtypes and head dims as that path: bf16 with
 K == V == 128 on CUDA; bf16/fp32/fp64 and any K, V on CPU.
