@@ -49,9 +49,9 @@ L2_BYTES = 60 * 2**20
 # read once per process by the launcher (csrc/kda/decode/recurrent_launch.cu): compare configurations by
 # running this script once per environment (scripts/device_decode.sh does), with --tag to keep the result
 # files apart. KERNEL names the configuration in the tables.
-_KNOBS = ("KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_PDL", "KDA_RECURRENT_ROWS_PER_LANE",
-          "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_CARVEOUT",
-          "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_DIAG")
+_KNOBS = ("KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_RING_FP32", "KDA_DECODE_PDL",
+          "KDA_RECURRENT_ROWS_PER_LANE", "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_WARPS_PER_BLOCK",
+          "KDA_RECURRENT_CARVEOUT", "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_DIAG")
 KERNEL = " ".join([os.environ.get("KDA_DECODE_KERNEL", "auto")] +
                   [f"{k.replace('KDA_', '').lower()}={os.environ[k]}" for k in _KNOBS if k in os.environ])
 CASES = "bf16:1,bf16:8,bf16:64,bf16:256,bf16:1024,fp32:1,fp32:8,fp32:64,fp32:256,fp32:1024,spec-bf16:64,spec-fp32:64"
@@ -219,6 +219,11 @@ def main() -> None:
                 extra.append([f"B=1 {name}: graph of 1 step, per replay (launch-bound)", fmt(t1, 2), fmt(tf, 2),
                               ratio(tf, t1)])
                 records.append(dict(case=f"graph1 B=1 {name}", kernel=KERNEL, ours_us=t1, fla_us=tf))
+            # the floor of a graph step: one trivial kernel per step (a 1-element in-place add, no PDL), R = 180
+            x = torch.zeros(1, device="cuda")
+            tfl, _ = try_call(lambda x=x: graph_time_us([lambda: x.add_(1.0)] * 180))
+            extra.append(["graph floor: one 1-element kernel per step (per step, graph of 180)", fmt(tfl, 2), "", ""])
+            records.append(dict(case="graph floor per step", kernel=KERNEL, ours_us=tfl, fla_us=None))
             continue
         kind, _, bs = case.partition(":")
         B = int(bs)

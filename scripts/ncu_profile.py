@@ -1,5 +1,6 @@
 """Workloads for Nsight Compute (scripts/device_check.sh stages `ncu`, `ncu_chunked`, `ncu_train`): the hot
-kernels at the benchmark shapes (cases decode_bf16 | decode_fp32 | prefill_<H>_<T> | train_<H>_<T>).
+kernels at the benchmark shapes (cases decode_bf16 | decode_fp32 | decode<B>_<dtype> | prefill_<H>_<T> |
+train_<H>_<T>).
 
   ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 --section SpeedOfLight ... \
       python3 scripts/ncu_profile.py decode_bf16
@@ -36,8 +37,8 @@ elif case.startswith("train"):  # train_<H>_<T>: kda_ops.kda forward + backward,
     for _ in range(3):
         o, _ = kda_ops.kda(q, k, v, g, beta, A_log, dt_bias, h0, lower_bound=-5.0)
         o.backward(do)
-elif case.startswith("decode"):
-    B = 256
+elif case.startswith("decode"):  # decode_bf16 | decode_fp32 (B = 256), decode<B>_<dtype> (e.g. decode1_bf16)
+    B = int(case[len("decode"):].split("_")[0] or 256)
     dt = torch.bfloat16 if case.endswith("bf16") else torch.float32
     r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16)  # noqa: E731
     q, k, v, g, beta = r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H)

@@ -301,7 +301,7 @@ def test_scenarios_reference(K, state_dtype):
 
 KNOB_NAMES = ("KDA_DECODE_KERNEL", ROWS_ENV, "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_CARVEOUT",
               "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_DIAG",
-              "KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_PDL")
+              "KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_PDL", "KDA_DECODE_RING_FP32")
 RING = {"KDA_DECODE_KERNEL": "ring"}
 SERIAL = {"KDA_DECODE_KERNEL": "serial"}
 CONFIGS = [
@@ -321,6 +321,9 @@ CONFIGS = [
     dict(SERIAL, **{ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
     dict(SERIAL, **{"KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "4"}),
     dict(SERIAL, KDA_RECURRENT_CARVEOUT="default", KDA_RECURRENT_L1_PREFETCH="1"),
+    # fp32 pools through the ring kernel (4-rows tile): on bandwidth-bound grids, and forced everywhere
+    dict(KDA_DECODE_RING_FP32="1"),
+    dict(RING, KDA_DECODE_RING_FP32="1"),
 ]
 
 

@@ -607,12 +607,13 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
 // Persistent warps: warp w of the grid handles items w, w + W, w + 2W, ... (W = warps in the grid); an item
 // is (sequence, value head, row tile). Per item: wait for its ring slot, read the start state into
 // registers, refill the slot with the item kStages ahead, then run the item's tokens.
-// Register budget (__launch_bounds__ min blocks of 128 threads). sm_90a compiles every tile at <= 168
-// registers unforced (3 blocks = 12 warps per SM). sm_100a/103a ptxas takes 255 for bf16 NR=8 unforced
-// (2 blocks per SM), so there the cap of 3 blocks (168 registers) is set explicitly.
+// Register budget (__launch_bounds__ min blocks of 128 threads): 3 blocks = 12 warps per SM, 168 registers a
+// thread, on sm_90+. Unforced, nvcc 13.0 gives the NR=8 tiles 212-222 registers on sm_90a (2 blocks, 8 warps
+// per SM) and up to 255 on sm_100a/103a; at the cap every tile compiles without spills (sm_90a: NR=8 168,
+// NR=4 158-160, NR=2 157, NR=1 148).
 template <class Tile>
 constexpr int recurrent_min_blocks() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   return 3;
 #else
   return 1;
@@ -654,8 +655,11 @@ __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
   int stage = 0;
   int64_t j = 0;
   for (int64_t item = first; item < total; item += stride, ++j, stage = stage + 1 == kStages ? 0 : stage + 1) {
-    cp_async_wait<kStages - 1>();  // this item's group (the oldest) has landed
-    __syncwarp();
+    // The item's metadata was resolved when its copy was issued (the table is complete after
+    // resolve_items' __syncwarp), so everything that does not need the state is loaded BEFORE waiting for
+    // the state copy: the first token's q, k, g, v, beta, (spec decode) the slot row, A_log and, for the
+    // warp's first item, an L1 prefetch of dt_bias. A warp with one item (small batches: the chain is
+    // slot lookup -> state -> math -> store) then waits for one global round trip instead of two.
     const ItemMeta m = *meta_at(j);
     const bool skip = m.kind == kNoItem;
     const int tile = m.tile, hv = m.hv;
@@ -665,13 +669,24 @@ __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
     const int h = hv / (p.HV / p.H);             // GQA: contiguous groups of value heads per q/k head
     const int64_t head_off = int64_t(hv) * K * K;
 
-    // First-token inputs and (spec decode) the slot row: L1 hits, prefetched with the state.
     TokenRaw cur;
     int32_t spec_slot = -1;  // lane t holds the write slot of token t (t <= S < 32)
+    float A = 0.f;           // exp(A_log[hv]): the gate constant of this value head
+    const float* dtb = nullptr;
     if (!skip && m.kind >= 0 && m.len > 0) {
       load_token<Tile>(p, m.batch, m.bos, h, hv, kl, my_row, cur);
       if (S > 0 && S < 32 && lane <= S) spec_slot = p.ssm_state_indices[n * (S + 1) + lane];
+      if (p.gate_mode != GateMode::kPrecomputed) A = __expf(__ldg(p.A_log + hv));
+      if (p.dt_bias != nullptr) {
+        dtb = p.dt_bias + int64_t(hv) * K;
+        if (j == 0 && p.gate_mode != GateMode::kPrecomputed) {
+#pragma unroll
+          for (int c = 0; c < Tile::kChunks; ++c) prefetch_l1(dtb + Tile::chunk_offset(kl, c));
+        }
+      }
     }
+    cp_async_wait<kStages - 1>();  // this item's state copy (the oldest group) has landed
+    __syncwarp();
     float s[NR][8];
     if (!skip && m.kind == 1 && m.len > 0) {
       unpack_ring_tile<Tile>(ring + stage * kTileU4, lane, s);
@@ -694,9 +709,7 @@ __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
         for (int64_t t = 0; t < m.len; ++t) out[(m.bos + t) * p.out_token_stride] = 0;
       continue;
     }
-    // Gate constant of this value head (dt_bias is re-read per token from L1 instead of held in registers).
-    const float A = p.gate_mode != GateMode::kPrecomputed ? __expf(p.A_log[hv]) : 0.f;
-    const float* dtb = p.dt_bias != nullptr ? p.dt_bias + int64_t(hv) * K : nullptr;
+    // (dt_bias is re-read per token from L1 instead of held in registers)
     run_item_tokens<Tile>(p, flags, m, lane, cur, spec_slot, A, dtb, s);
 
     // A zero-length sequence leaves its slot bit-identical.
