@@ -466,6 +466,23 @@ __device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
   return dtb != nullptr ? dtb[Tile::chunk_offset(kl, e / Tile::kVec) + e % Tile::kVec] : 0.f;
 }
 
+// A short multi-token item (speculative decode: 1+S tokens) is a chain of tokens whose inputs would each come
+// from L2 or HBM one token ahead of their use, behind the previous token's math: the ring kernel's producer
+// prefetches its later tokens' rows into L1 when it issues the item, so those loads hit L1
+// (kFlagNoSpecPrefetch turns it off; the serial kernel does not: at its 168-register cap the prefetch spilled).
+// Line l of [0, 3 * K/64 + 2), one 128-byte line per token: q, k, g rows (K bf16 each), the tile's v values
+// (from row0), beta.
+template <int K>
+__device__ __forceinline__ void prefetch_later_tokens(const RecurrentParams& p, const ItemMeta& m, int row0, int l) {
+  constexpr int kLines = K * 2 / 128;
+  const int which = l / kLines, line = l % kLines;
+  const TokenTensor& src = which == 0 ? p.q : which == 1 ? p.k : which == 2 ? p.g : which == 3 ? p.v : p.beta;
+  const int head = which < 2 ? m.hv / (p.HV / p.H) : m.hv;
+  const int64_t col = which < 3 ? line * 64 : which == 3 ? row0 : 0;  // bf16 elements into the row
+  const auto* base = src.row<__nv_bfloat16>(m.batch, m.bos, head) + col;
+  for (int64_t t = 1; t < m.len; ++t) prefetch_l1(base + t * src.token_stride);
+}
+
 // ---------------------------------------------------------------------------------------------------
 
 // The token loop of one item (docs/contract.md "Recurrence" per token; checkpoints; speculative per-token

@@ -26,12 +26,14 @@ int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMult
 //   grid is bandwidth-bound (the 8-rows-per-lane heuristic tile: on H200 it moved bf16 decode from 2.3-2.4
 //   to 3.5-3.7 TB/s at B=256/1024) and the serial kernel where it is latency-bound (the 4-rows tile, small
 //   batches: B=1 took 5.1 us a step serial against 7.0 us on the ring); `ring` forces the ring kernel
-//   wherever it applies, `serial` turns it off. The same bits either way; fp32 tiles always take the
-//   serial kernel, which already streams them at ~3.4-3.7 TB/s, unless KDA_DECODE_RING_FP32=1 (below);
+//   wherever it applies, `serial` turns it off. The same bits either way. fp32 tiles take the serial
+//   kernel on latency-bound grids and at K=64, the ring kernel's 4-rows tile otherwise (below);
 //   KDA_DECODE_RING_VARIANT=0..3: the ring kernel's block shape for the K=128 NR=8 tile (default 1; RingShape in
 //   recurrent_ring_kernel.cuh; other tiles use shape 0); KDA_DECODE_RING_STATE_FIRST=1: the producer
-//   issues the state copy before the token rows; KDA_DECODE_PDL=0|1 (default 1 on sm_90+): programmatic
-//   dependent launch (kda/common/pdl.cuh), so back-to-back decode steps overlap one's launch with the
+//   issues the state copy before the token rows; KDA_DECODE_RING_DT_BIAS=stage|global: dt_bias bulk-copied
+//   into each stage (default) or read by the math warps from global memory (L1); KDA_DECODE_SPEC_PREFETCH=0:
+//   no L1 prefetch of a speculative item's later tokens; KDA_DECODE_RING_FP32=0: fp32 pools stay serial;
+//   KDA_DECODE_PDL=0|1 (default 1 on sm_90+): programmatic dependent launch (kda/common/pdl.cuh), so back-to-back decode steps overlap one's launch with the
 //   other's run (H200, B=1 bf16 per step in a graph 5.2 -> 4.6 us, a one-step graph replay 15.0 -> 9.6 us,
 //   an eager call 16.4 -> 10.5 us; large batches unchanged).
 struct Knobs {
@@ -44,7 +46,7 @@ struct Knobs {
   bool ring_forced = false;  // KDA_DECODE_KERNEL=ring: also on latency-bound grids
   bool pdl = true;  // KDA_DECODE_PDL=0 turns it off
   int ring_variant = 1;  // 5 math warps x 4 stages: on H200 the fastest shape at B=256, B=1024 and spec decode
-  bool ring_fp32 = false;  // KDA_DECODE_RING_FP32=1: fp32 pools at K=128 on bandwidth-bound grids take the ring
+  bool ring_fp32 = true;  // KDA_DECODE_RING_FP32=0: fp32 pools keep the serial kernel everywhere
 };
 
 std::string lower(const char* s) {
@@ -85,7 +87,13 @@ const Knobs& knobs() {
       const std::string v = lower(env);
       r.pdl = !(v == "0" || v == "false" || v == "off" || v == "no");
     }
-    if (const char* env = std::getenv("KDA_DECODE_RING_FP32")) r.ring_fp32 = std::atoi(env) == 1;
+    if (const char* env = std::getenv("KDA_DECODE_RING_FP32")) r.ring_fp32 = std::atoi(env) != 0;
+    if (const char* env = std::getenv("KDA_DECODE_RING_DT_BIAS")) {  // stage (default) | global
+      if (lower(env) == "global") r.flags |= decode::kFlagRingDtBiasGlobal;
+    }
+    if (const char* env = std::getenv("KDA_DECODE_SPEC_PREFETCH")) {  // 1 (default) | 0
+      if (std::atoi(env) == 0) r.flags |= decode::kFlagNoSpecPrefetch;
+    }
     if (const char* env = std::getenv("KDA_DECODE_RING_STATE_FIRST"))
       if (std::atoi(env) == 1) r.flags |= decode::kFlagRingStateFirst;
     return r;
@@ -155,9 +163,9 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream, bool
     }
     return cudaGetLastError();
   }
-  // fp32 pools (KDA_DECODE_RING_FP32=1): the ring kernel with the 4-rows tile, whose 4 KB of fp32 state per
-  // item fill a stage as the bf16 8-rows tile does; K=128, on bandwidth-bound grids (everywhere with
-  // KDA_DECODE_KERNEL=ring).
+  // fp32 pools: the ring kernel with the 4-rows tile, whose 4 KB of fp32 state per item fill a stage as the
+  // bf16 8-rows tile does; K=128, on bandwidth-bound grids (everywhere with KDA_DECODE_KERNEL=ring). On H200
+  // B=256 fp32 316 -> 278 us (3.39 -> 3.86 TB/s), B=1024 1153 -> 1088 us. KDA_DECODE_RING_FP32=0: serial.
   if (kn.ring && kn.ring_fp32 && (kn.ring_forced || !latency_bound) && tile_dtype == DType::kFloat32 &&
       p.K == 128 && (kn.rows_per_lane == 0 || kn.rows_per_lane == 4) && ring_supported(p)) {
     decode::run_recurrent_ring_<128, float, 4, 1>(p, cfg, stream);

@@ -188,6 +188,9 @@ __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingI
     cute::SM90_BULK_COPY_G2S::copy(p.v.row<__nv_bfloat16>(b, t, m.hv) + m.tile * Tile::kRowsPerWarp, full,
                                    stage + Stage::kV, Stage::kVBytes);
     if (dtb) cute::SM90_BULK_COPY_G2S::copy(p.dt_bias + int64_t(m.hv) * K, full, stage + Stage::kDtBias, K * 4);
+    // a short multi-token item: its later tokens' rows into L1 (the SM's, shared with the math warps)
+    if (m.len > 1 && m.len <= 8 && !(flags & kFlagNoSpecPrefetch))
+      for (int l = 0; l < 3 * (K / 64) + 2; ++l) prefetch_later_tokens<K>(p, m, m.tile * Tile::kRowsPerWarp, l);
   }
   if (!state_first) state_copy();
   *reinterpret_cast<RingItemMeta*>(stage + Stage::kMeta) = r;
