@@ -50,7 +50,7 @@ L2_BYTES = 60 * 2**20
 # running this script once per environment (scripts/device_decode.sh does), with --tag to keep the result
 # files apart. KERNEL names the configuration in the tables.
 _KNOBS = ("KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_RING_FP32", "KDA_DECODE_PDL",
-          "KDA_DECODE_RING_DT_BIAS", "KDA_DECODE_SPEC_PREFETCH",
+          "KDA_DECODE_RING_DT_BIAS", "KDA_DECODE_RING_PRODUCER",
           "KDA_RECURRENT_ROWS_PER_LANE", "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_WARPS_PER_BLOCK",
           "KDA_RECURRENT_CARVEOUT", "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_DIAG")
 KERNEL = " ".join([os.environ.get("KDA_DECODE_KERNEL", "auto")] +

@@ -294,7 +294,7 @@ def test_scenarios_reference(K, state_dtype):
 # Launch configurations: the kernel switch (KDA_DECODE_KERNEL=ring|serial; unset: ring on bandwidth-bound grids of
 # bf16 tiles and of fp32 tiles at K=128 on sm_90+), the ring kernel's block shapes and issue order
 # (KDA_DECODE_RING_VARIANT, KDA_DECODE_RING_STATE_FIRST, KDA_DECODE_RING_DT_BIAS) and the schedule knobs (tile,
-# blocks per SM, carveout, L1 prefetch, speculative-token prefetch, warps per block) change only the schedule, so
+# blocks per SM, carveout, L1 prefetch, warps per block) change only the schedule, so
 # every configuration must give the same bits. The launcher reads them
 # once per process (csrc/kda/decode/recurrent_launch.cu), so each configuration runs the scenarios in a
 # child process and saves its results; this process compares them with its own. Running this whole file
@@ -303,7 +303,7 @@ def test_scenarios_reference(K, state_dtype):
 KNOB_NAMES = ("KDA_DECODE_KERNEL", ROWS_ENV, "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_CARVEOUT",
               "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_DIAG",
               "KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_PDL", "KDA_DECODE_RING_FP32",
-              "KDA_DECODE_RING_DT_BIAS", "KDA_DECODE_SPEC_PREFETCH")
+              "KDA_DECODE_RING_DT_BIAS", "KDA_DECODE_RING_PRODUCER")
 RING = {"KDA_DECODE_KERNEL": "ring"}
 SERIAL = {"KDA_DECODE_KERNEL": "serial"}
 CONFIGS = [
@@ -328,8 +328,8 @@ CONFIGS = [
     dict(KDA_DECODE_RING_FP32="0"),
     # dt_bias read from global memory by the math warps instead of bulk-copied into the stage
     dict(RING, KDA_DECODE_RING_DT_BIAS="global"),
-    # speculative items without the L1 prefetch of their later tokens
-    dict(RING, KDA_DECODE_SPEC_PREFETCH="0"),
+    # the producer lanes each on its own (default: in step)
+    dict(RING, KDA_DECODE_RING_PRODUCER="diverged"),
 ]
 
 

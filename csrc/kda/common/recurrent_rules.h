@@ -37,6 +37,10 @@ KDA_HD SeqRange seq_range(const RecurrentParams& p, int64_t n) {
 
 KDA_HD bool slot_in_pool(int64_t slot, int64_t n_pool) { return slot >= 0 && slot < n_pool; }
 
+// GQA: the q/k head of value head hv (contiguous groups of HV / H value heads). Without GQA (the common case)
+// no integer division: in the decode kernels the two divisions cost ~45 instructions an item.
+KDA_HD int qk_head(const RecurrentParams& p, int hv) { return p.HV == p.H ? hv : hv / (p.HV / p.H); }
+
 // Pool slot that receives the state after token t of sequence n (-1 when there is no pool).
 KDA_HD int64_t write_slot(const RecurrentParams& p, int64_t n, int64_t t) {
   if (p.state == nullptr) return -1;

@@ -28,9 +28,9 @@ constexpr int kFlagNoStateUpdate = 8;
 // ones).
 constexpr int kFlagRingDtBiasGlobal = 16;
 constexpr int kFlagRingStateFirst = 32;
-// kFlagNoSpecPrefetch (KDA_DECODE_SPEC_PREFETCH=0, a schedule choice): the ring kernel's producer no longer
-// prefetches the later tokens' q, k, g, v, beta of an item of 2..8 tokens (speculative decode) into L1.
-constexpr int kFlagNoSpecPrefetch = 64;
+// kFlagRingProducerDiverged (KDA_DECODE_RING_PRODUCER=diverged, a schedule choice): the producer lanes run
+// their math warps' rings independently instead of in step (see the producer loop).
+constexpr int kFlagRingProducerDiverged = 64;
 
 // How to launch: chosen by csrc/kda/decode/recurrent_launch.cu (benchmark knobs come from the environment).
 struct RecurrentLaunch {

@@ -421,7 +421,7 @@ __device__ __forceinline__ void prefetch_item(const RecurrentParams& p, const It
       cp_async_commit();
       return;
     }
-    const int h = m.hv / (p.HV / p.H);
+    const int h = qk_head(p, m.hv);
     const int64_t b = m.batch, t = m.bos;
     const auto* q = p.q.row<__nv_bfloat16>(b, t, h);
     const auto* k = p.k.row<__nv_bfloat16>(b, t, h);
@@ -466,23 +466,6 @@ __device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
   return dtb != nullptr ? dtb[Tile::chunk_offset(kl, e / Tile::kVec) + e % Tile::kVec] : 0.f;
 }
 
-// A short multi-token item (speculative decode: 1+S tokens) is a chain of tokens whose inputs would each come
-// from L2 or HBM one token ahead of their use, behind the previous token's math: the ring kernel's producer
-// prefetches its later tokens' rows into L1 when it issues the item, so those loads hit L1
-// (kFlagNoSpecPrefetch turns it off; the serial kernel does not: at its 168-register cap the prefetch spilled).
-// Line l of [0, 3 * K/64 + 2), one 128-byte line per token: q, k, g rows (K bf16 each), the tile's v values
-// (from row0), beta.
-template <int K>
-__device__ __forceinline__ void prefetch_later_tokens(const RecurrentParams& p, const ItemMeta& m, int row0, int l) {
-  constexpr int kLines = K * 2 / 128;
-  const int which = l / kLines, line = l % kLines;
-  const TokenTensor& src = which == 0 ? p.q : which == 1 ? p.k : which == 2 ? p.g : which == 3 ? p.v : p.beta;
-  const int head = which < 2 ? m.hv / (p.HV / p.H) : m.hv;
-  const int64_t col = which < 3 ? line * 64 : which == 3 ? row0 : 0;  // bf16 elements into the row
-  const auto* base = src.row<__nv_bfloat16>(m.batch, m.bos, head) + col;
-  for (int64_t t = 1; t < m.len; ++t) prefetch_l1(base + t * src.token_stride);
-}
-
 // ---------------------------------------------------------------------------------------------------
 
 // The token loop of one item (docs/contract.md "Recurrence" per token; checkpoints; speculative per-token
@@ -507,7 +490,7 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
   const int64_t n = m.n;
   const int row0 = m.tile * Tile::kRowsPerWarp;
   const int my_row = row0 + my_idx * RP + rg;
-  const int h = hv / (p.HV / p.H);
+  const int h = qk_head(p, hv);
   const int64_t head_off = int64_t(hv) * K * K;
   uint16_t* out = static_cast<uint16_t*>(p.out) + int64_t(m.batch) * p.out_batch_stride +
                   int64_t(hv) * p.out_head_stride + my_row;
@@ -683,7 +666,7 @@ __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
     const int64_t n = m.n;
     const int row0 = tile * Tile::kRowsPerWarp;
     const int my_row = row0 + my_idx * RP + rg;  // row this lane reduces and writes
-    const int h = hv / (p.HV / p.H);             // GQA: contiguous groups of value heads per q/k head
+    const int h = qk_head(p, hv);                // GQA: contiguous groups of value heads per q/k head
     const int64_t head_off = int64_t(hv) * K * K;
 
     TokenRaw cur;

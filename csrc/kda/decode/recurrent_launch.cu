@@ -31,8 +31,9 @@ int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMult
 //   KDA_DECODE_RING_VARIANT=0..3: the ring kernel's block shape for the K=128 NR=8 tile (default 1; RingShape in
 //   recurrent_ring_kernel.cuh; other tiles use shape 0); KDA_DECODE_RING_STATE_FIRST=1: the producer
 //   issues the state copy before the token rows; KDA_DECODE_RING_DT_BIAS=stage|global: dt_bias bulk-copied
-//   into each stage (default) or read by the math warps from global memory (L1); KDA_DECODE_SPEC_PREFETCH=0:
-//   no L1 prefetch of a speculative item's later tokens; KDA_DECODE_RING_FP32=0: fp32 pools stay serial;
+//   into each stage (default) or read by the math warps from global memory (L1);
+//   KDA_DECODE_RING_PRODUCER=converged|diverged: the producer lanes in step (default) or each on its own;
+//   KDA_DECODE_RING_FP32=0: fp32 pools stay serial;
 //   KDA_DECODE_PDL=0|1 (default 1 on sm_90+): programmatic dependent launch (kda/common/pdl.cuh), so back-to-back decode steps overlap one's launch with the
 //   other's run (H200, B=1 bf16 per step in a graph 5.2 -> 4.6 us, a one-step graph replay 15.0 -> 9.6 us,
 //   an eager call 16.4 -> 10.5 us; large batches unchanged).
@@ -91,8 +92,8 @@ const Knobs& knobs() {
     if (const char* env = std::getenv("KDA_DECODE_RING_DT_BIAS")) {  // stage (default) | global
       if (lower(env) == "global") r.flags |= decode::kFlagRingDtBiasGlobal;
     }
-    if (const char* env = std::getenv("KDA_DECODE_SPEC_PREFETCH")) {  // 1 (default) | 0
-      if (std::atoi(env) == 0) r.flags |= decode::kFlagNoSpecPrefetch;
+    if (const char* env = std::getenv("KDA_DECODE_RING_PRODUCER")) {  // converged (default) | diverged
+      if (lower(env) == "diverged") r.flags |= decode::kFlagRingProducerDiverged;
     }
     if (const char* env = std::getenv("KDA_DECODE_RING_STATE_FIRST"))
       if (std::atoi(env) == 1) r.flags |= decode::kFlagRingStateFirst;

@@ -179,7 +179,7 @@ __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingI
   if (tokens) {
     cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, 3 * Stage::kTokenBytes + Stage::kVBytes +
                                                                            (dtb ? K * 4 : 0));
-    const int h = m.hv / (p.HV / p.H);
+    const int h = qk_head(p, m.hv);
     const int64_t b = m.batch, t = m.bos;
     cute::SM90_BULK_COPY_G2S::copy(p.q.row<__nv_bfloat16>(b, t, h), full, stage + Stage::kQ, Stage::kTokenBytes);
     cute::SM90_BULK_COPY_G2S::copy(p.k.row<__nv_bfloat16>(b, t, h), full, stage + Stage::kKey, Stage::kTokenBytes);
@@ -188,9 +188,6 @@ __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingI
     cute::SM90_BULK_COPY_G2S::copy(p.v.row<__nv_bfloat16>(b, t, m.hv) + m.tile * Tile::kRowsPerWarp, full,
                                    stage + Stage::kV, Stage::kVBytes);
     if (dtb) cute::SM90_BULK_COPY_G2S::copy(p.dt_bias + int64_t(m.hv) * K, full, stage + Stage::kDtBias, K * 4);
-    // a short multi-token item: its later tokens' rows into L1 (the SM's, shared with the math warps)
-    if (m.len > 1 && m.len <= 8 && !(flags & kFlagNoSpecPrefetch))
-      for (int l = 0; l < 3 * (K / 64) + 2; ++l) prefetch_later_tokens<K>(p, m, m.tile * Tile::kRowsPerWarp, l);
   }
   if (!state_first) state_copy();
   *reinterpret_cast<RingItemMeta*>(stage + Stage::kMeta) = r;
@@ -253,15 +250,29 @@ __global__ void __launch_bounds__(RingKernelLayout<Tile, Shape>::kThreads, ring_
     ring_resolve<Tile>(p, first, total, cur);
     ring_scalars<Tile>(p, cur);
     ring_resolve<Tile>(p, first + stride, total, nxt);
+    // In step (default): every lane waits for its own math warp's stage, then the lanes meet (__syncwarp)
+    // and issue their items together, so one instruction of the slot lookups and copies serves all the
+    // lanes. Each on its own (kFlagRingProducerDiverged): the lanes leave their waits at different times and
+    // the warp runs the same instructions once per group of lanes that happen to be together (on H200, B=256
+    // bf16: ~2.6 of 5 lanes per instruction). In step couples the rings only loosely: a lane waits for the
+    // slowest math warp's stage release, and each ring is kStages items deep.
+    const bool in_step = !(flags & kFlagRingProducerDiverged);
+    constexpr unsigned kLanes = kRingMathWarps >= 32 ? 0xffffffffu : (1u << kRingMathWarps) - 1u;
     int stage = 0;
     uint32_t phase = 0;
-    for (int64_t item = first; item < total; item += stride) {
-      cutlass::arch::ClusterBarrier::wait(empty_bar(w, stage), phase ^ 1u);  // the math warp released it
-      ring_issue<Tile, Stage>(p, cur, flags, ring + stage * Stage::kBytes, full_bar(w, stage));
-      cur = nxt;
-      ring_scalars<Tile>(p, cur);                               // item j+1: used at the next issue
-      ring_resolve<Tile>(p, item + 2 * stride, total, nxt);     // item j+2
-      if (++stage == kStages) stage = 0, phase ^= 1u;
+    // lane 0 has the most items: every lane runs its trip count, lanes past their last item only meet
+    for (int64_t base = int64_t(blockIdx.x) * kRingMathWarps; base < total; base += stride) {
+      const int64_t item = base + w;
+      const bool mine = item < total;
+      if (mine) cutlass::arch::ClusterBarrier::wait(empty_bar(w, stage), phase ^ 1u);  // the math warp released it
+      if (in_step) __syncwarp(kLanes);
+      if (mine) {
+        ring_issue<Tile, Stage>(p, cur, flags, ring + stage * Stage::kBytes, full_bar(w, stage));
+        cur = nxt;
+        ring_scalars<Tile>(p, cur);                               // item j+1: used at the next issue
+        ring_resolve<Tile>(p, item + 2 * stride, total, nxt);     // item j+2
+        if (++stage == kStages) stage = 0, phase ^= 1u;
+      }
     }
     return;
   }
