@@ -120,6 +120,14 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
             rec["split auto-plan"], err = try_call(lambda: cuda_time_ms(with_split("1", 0, base)))
             if err:
                 print(f"[split] {name}: {err}", flush=True)
+            # the same with the end-state passes writing outputs (KDA_SEQUENCE_SPLIT_STATE_ONLY=0)
+            _split.STATE_ONLY = False
+            try:
+                rec["split auto-plan, passes with outputs"], err = try_call(
+                    lambda: cuda_time_ms(with_split("1", 0, base))
+                )
+            finally:
+                _split.STATE_ONLY = True
             best = None
             for Ls in [x for x in SWEEP if x < max(lens)] + ([ls_auto] if ls_auto not in SWEEP else []):
                 t, err = try_call(lambda Ls=Ls: cuda_time_ms(with_split("1", Ls, base)))
@@ -163,6 +171,7 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
                 fmt(rec["unsplit eager"]),
                 fmt(rec["unsplit graph"]),
                 f"{fmt(rec['split auto-plan'])} (Ls={ls_auto})",
+                fmt(rec["split auto-plan, passes with outputs"]),
                 f"{fmt(rec['split best'])} (Ls={rec['best Ls']})",
                 ratio(unsplit_best, rec["split best"]),
                 fmt(rec["one pass"]),
@@ -176,7 +185,8 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
         d.clear()  # frees the tensors before the next case
         torch.cuda.empty_cache()
     header = [
-        "case", "unsplit eager ms", "unsplit graph ms", "split auto-plan ms", "split best ms",
+        "case", "unsplit eager ms", "unsplit graph ms", "split auto-plan ms", "passes with outputs ms",
+        "split best ms",
         "unsplit / split", "one pass ms", "cudnn fp32 ms", "cudnn bf16 ms", "flash_kda ms", "split vs unsplit",
     ]  # fmt: skip
     notes = [
@@ -184,6 +194,7 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
         "K=V=128, lower-bound gate -5, logit beta, L2 norm, bf16 tokens, bf16 pool, preallocated output",
         "ms = median of 10 CUDA-event timings; split timings are eager (no split under graph capture)",
         "unsplit / split > 1: the split is faster; one pass = the plan's segments as independent sequences",
+        "passes with outputs = the auto-plan split whose Q and P passes write outputs (not state-only calls)",
         f"cudnn importable: {cudnn_kda is not None}; flash_kda importable: {fkda is not None}",
     ]
     write_results(args.out, "bench_split", header, rows, records, notes)

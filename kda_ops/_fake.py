@@ -104,7 +104,11 @@ def _recurrent_kda_fake(
     _check_tokens(q, k, v, g, beta)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    torch._check(tuple(output.shape) == tuple(v.shape), lambda: f"output must have the shape of v, got {output.shape}")
+    # (a 1-D empty output: a state-only call, as the C++ op accepts)
+    torch._check(
+        tuple(output.shape) == tuple(v.shape) or tuple(output.shape) == (0,),
+        lambda: f"output must have the shape of v, got {output.shape}",
+    )
     torch._check(output.dtype == q.dtype, lambda: f"output must be {q.dtype}, got {output.dtype}")
     torch._check(gate_mode in (0, 1, 2), lambda: f"gate_mode must be 0, 1 or 2, got {gate_mode}")
     torch._check(backend in (0, 1, 2), lambda: f"backend must be 0, 1 or 2, got {backend}")

@@ -17,6 +17,8 @@ use are picked with ssm_state_indices, and segments a pass does not need are ina
   2. P: segments 1..P_n-2, from the identity ([K, K] states) with v = 0 (head dim K);
   3. outputs and final states of every segment from the exact start states (scan in between: one
      batched ``baddbmm`` per segment index, in fp32, over all split sequences and heads at once).
+Passes 1 and 2 are state-only calls (``output`` a 1-D empty tensor: the chunked kernel skips the output
+product; ``KDA_SEQUENCE_SPLIT_STATE_ONLY=0`` makes them write outputs, which pass 3 overwrites).
 Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens, on N·HV·P_n chains
 instead of N·HV, so the split pays when N·HV is small against the SM count and the sequences are long.
 
@@ -81,6 +83,9 @@ SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
 AUTO_MIN_TOKENS = 16384
 MODE = _read_mode()
 SEGMENT_TOKENS = _read_tokens()
+# passes 1 and 2 as state-only calls (a 1-D empty output: the chunked kernel skips the output product);
+# KDA_SEQUENCE_SPLIT_STATE_ONLY=0 has them write (and pass 3 overwrite) the outputs, as before (A/B)
+STATE_ONLY = os.environ.get("KDA_SEQUENCE_SPLIT_STATE_ONLY", "1").strip() != "0"
 _NOMINAL_SMS = 132  # CPU (tests) and meta: plan as for an H200
 
 _sms_cache: dict[Any, int] = {}
@@ -305,6 +310,9 @@ def _run(
     sdt = torch.float64 if f64 else torch.float32  # (fp64 only on the CPU path)
     M, mp = pl.M, pl.maxP
     cu = _device_tensor(pl.cu, torch.int64, dev)
+    # passes 1 and 2 need only end states: a 1-D empty output makes them state-only calls (the chunked
+    # kernel skips the output product; the CPU loop and the token-serial kernels write a scratch output)
+    no_out = out.new_empty(0) if STATE_ONLY else out
 
     # start states, read before anything is written (inactive sequences: zeros, never written back)
     # valid: active sequences (None: all); slot: each sequence's pool slot (clamped into the pool)
@@ -342,14 +350,14 @@ def _run(
         Qv[0] = start0.index_select(0, split_ids).view(M * HV, Vd, K)
         S[0] = Qv[0]
         rows = _device_tensor(pl.q_rows, torch.int32, dev)
-        op(q, k, v, g, beta, A, dtb, Qp, None, None, cu, rows, None, None, out, None, None, None, None,
+        op(q, k, v, g, beta, A, dtb, Qp, None, None, cu, rows, None, None, no_out, None, None, None, None,
            sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
         Pv = None
         if pl.needs_p:
             # pass 2: P_j, the [K, K] state from the identity with v = 0
             Pp = torch.eye(K, dtype=sdt, device=dev).expand(M * mp, HV, K, K).contiguous()
             v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
-            o0 = out if Vd == K else torch.empty((1, v.shape[1], HV, K), dtype=out.dtype, device=dev)
+            o0 = no_out if STATE_ONLY or Vd == K else torch.empty((1, v.shape[1], HV, K), dtype=out.dtype, device=dev)
             rows = _device_tensor(pl.p_rows, torch.int32, dev)
             op(q, k, v0, g, beta, A, dtb, Pp, None, None, cu, rows, None, None, o0, None, None, None, None,
                sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip

@@ -274,3 +274,45 @@ def gate_kwargs(x: dict, gate: str = "lower_bound") -> dict:
     if kw["use_gate_in_kernel"]:
         kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
     return kw
+
+
+# ---------------------------------------------------------------------------------------------------
+# state-only calls of the op (a 1-D empty output): the sequence split's end-state passes
+
+
+def state_only_case(device, K=16, dtype=torch.float32, HV=2, lens=(70, 0, 33, 129), seed=7):  # type: ignore[no-untyped-def]
+    """Packed inputs (a zero-length sequence among them), precomputed gate, a pool and slots with one inactive
+    sequence, for the state-only checks (tests/test_split.py, tests/gpu/test_split_cuda.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    x = dict(q=rnd(1, T, 1, K), k=rnd(1, T, 1, K), v=rnd(1, T, HV, K), beta=rnd(1, T, HV))
+    x["g"] = (-torch.nn.functional.softplus(torch.randn(1, T, HV, K, generator=gen)) * 0.2).to(dtype).to(device)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    pool = (torch.randn(len(lens) + 2, HV, K, K, generator=gen) * 0.3).to(device)
+    slots = torch.tensor([3, 0, -1, 1], dtype=torch.int32, device=device)  # one inactive sequence
+    return x, cu, pool, slots
+
+
+def state_only_matches(device, K=16, dtype=torch.float32, backend=0, HV=2):  # type: ignore[no-untyped-def]
+    """The pool and the final states of a state-only call equal (bit for bit) those of the same call with an
+    output, on the pool and the no-pool path, for the given backend."""
+    from _raw_ops import raw_recurrent
+
+    x, cu, pool, slots = state_only_case(device, K, dtype, HV)
+    tok = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(cu_seqlens=cu, gate_mode=0, backend=backend, use_qk_l2norm=True, beta_is_logit=True)
+    pa, pb = pool.clone(), pool.clone()
+    raw_recurrent(*tok, state=pa, ssm_state_indices=slots, output=torch.empty_like(x["v"]), **kw)
+    raw_recurrent(*tok, state=pb, ssm_state_indices=slots, output=x["v"].new_empty(0), **kw)
+    assert torch.equal(pa, pb)
+    assert torch.equal(pb[2], pool[2]) and torch.equal(pb[4], pool[4])  # slots no sequence writes
+    N, Vd = len(cu) - 1, x["v"].shape[-1]
+    fa = torch.zeros(N, HV, Vd, K, device=device)
+    fb = torch.zeros(N, HV, Vd, K, device=device)
+    raw_recurrent(*tok, final_state=fa, output=torch.empty_like(x["v"]), **kw)
+    raw_recurrent(*tok, final_state=fb, output=x["v"].new_empty(0), **kw)
+    assert torch.equal(fa, fb) and fa.abs().sum() > 0

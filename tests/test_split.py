@@ -12,7 +12,14 @@ import math
 
 import pytest
 import torch
-from conftest import force_split, recurrent_call, recurrent_reference, split_then_unsplit
+from conftest import (
+    force_split,
+    recurrent_call,
+    recurrent_reference,
+    split_then_unsplit,
+    state_only_case,
+    state_only_matches,
+)
 
 import kda_ops
 from kda_ops import _split
@@ -372,3 +379,37 @@ def test_split_bf16_checkpoints_without_pool(split_on, monkeypatch):  # type: ig
     assert len(split_on) == 1
     assert res[0].abs().sum() > 0
     assert rel_rms(res[0].float(), ck0) <= 1e-2 and rel_rms(res[0].float(), res[1].float()) <= 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------
+# state-only calls (a 1-D empty output): the split's end-state passes
+
+
+def test_state_only_call_cpu():
+    state_only_matches("cpu")  # (conftest; the GPU tier runs it on CUDA per backend)
+
+
+def test_state_only_output_shape_checked():
+    """Only a 1-D empty output means state-only; another empty or wrong shape is rejected, pool untouched."""
+    from _raw_ops import raw_recurrent
+
+    x, cu, pool, slots = state_only_case("cpu")
+    tok = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    for bad in (x["v"].new_empty(0, 1), x["v"].new_empty(1, 0, 2, K), torch.empty_like(x["v"][:, 1:])):
+        p = pool.clone()
+        with pytest.raises(ValueError, match="output must have the shape of v"):
+            raw_recurrent(*tok, state=p, ssm_state_indices=slots, cu_seqlens=cu, gate_mode=0, output=bad)
+        assert torch.equal(p, pool)
+
+
+def test_split_state_only_passes_match(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """The split with its end-state passes as state-only calls (the default) gives the bits of the split whose
+    passes write outputs."""
+    x, kw = _inputs([300, 5, 190], gate="softplus", seed=3)
+    h0 = torch.randn(3, 2, V, K, generator=torch.Generator().manual_seed(1)) * 0.2
+    res = []
+    for so in (True, False):
+        monkeypatch.setattr(_split, "STATE_ONLY", so)
+        res.append(recurrent_call(x, kw, initial_state=h0.clone(), output_final_state=True))
+    assert len(split_on) == 2
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])

@@ -60,7 +60,8 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                            final_state, state_checkpoints, checkpoint_cu_starts, scale, gate_mode,
                            lower_bound, use_qk_l2norm, beta_is_logit, num_spec_tokens,
                            checkpoint_every_n_tokens};
-  const RecurrentParams p = make_recurrent_params(args);
+  RecurrentParams p = make_recurrent_params(args);
+  const at::Tensor scratch = output_scratch(p, v);  // a state-only call: the loop writes a scratch output
   KDA_CHECK_TYPE(p.token_dtype != DType::kFloat16, "q must be bfloat16, float32 or float64 on CPU, got ",
                  q.scalar_type());
   if (p.state != nullptr)
@@ -84,7 +85,7 @@ void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
   // Inactive sequences/tokens are zeroed by the loop; tokens outside every packed sequence (a broken
   // cu_seqlens contract) keep their values, as on CUDA, unless zero_uncovered asks for zeros.
-  if (zero_uncovered && p.cu_seqlens != nullptr) zero_uncovered_tokens(p, output);
+  if (zero_uncovered && p.cu_seqlens != nullptr && !scratch.defined()) zero_uncovered_tokens(p, output);
   run_forward(p, x);
 }
 

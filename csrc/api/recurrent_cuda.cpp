@@ -83,7 +83,7 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
                            final_state, state_checkpoints, checkpoint_cu_starts, scale, gate_mode,
                            lower_bound, use_qk_l2norm, beta_is_logit, num_spec_tokens,
                            checkpoint_every_n_tokens};
-  const RecurrentParams p = make_recurrent_params(args);
+  RecurrentParams p = make_recurrent_params(args);
   check_state_buffer(state, "initial_state", p.state_slot_stride, true);
   check_state_buffer(state_source, "initial_state_source", p.source_slot_stride, true);
   check_state_buffer(state_checkpoints, "state_checkpoints", 0, false);
@@ -105,8 +105,11 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     // A verify pass writes no pool slot: only the token-serial kernel has that mode.
     chunked = !disable_state_update && chunked_preferred(p);
   }
+  // A state-only call (1-D empty output): the chunked kernel skips the output product; the token-serial
+  // kernels write a scratch output instead.
+  const Tensor scratch = chunked ? Tensor() : output_scratch(p, v);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (zero_uncovered && p.cu_seqlens != nullptr) {
+  if (zero_uncovered && p.cu_seqlens != nullptr && p.out != nullptr && !scratch.defined()) {
     // A freshly allocated output (torch.empty): tokens outside every sequence must read as zero. Only
     // they are written, found on the device from cu_seqlens (no sync); the main kernel writes the rest.
     const cudaError_t zerr = launch_zero_uncovered_tokens(p, stream);

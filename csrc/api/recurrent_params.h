@@ -105,8 +105,11 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
             "g must be [B, T, HV, K], got ", a.g.sizes());
   KDA_CHECK(a.beta.size(0) == p.B && a.beta.size(1) == p.T && a.beta.size(2) == p.HV,
             "beta must be [B, T, HV], got ", a.beta.sizes());
-  KDA_CHECK(a.output.sizes() == a.v.sizes(), "output must have the shape of v ", a.v.sizes(), ", got ",
-            a.output.sizes());
+  // A 1-D empty output: the caller needs only the states (the sequence split's end-state passes); the
+  // chunked kernel then skips the output product, the other paths write a scratch buffer (output_scratch).
+  const bool no_output = a.output.dim() == 1 && a.output.numel() == 0;
+  KDA_CHECK(no_output || a.output.sizes() == a.v.sizes(), "output must have the shape of v ", a.v.sizes(),
+            " (or be a 1-D empty tensor when only the states are needed), got ", a.output.sizes());
   p.token_dtype = to_kda_dtype(a.q.scalar_type(), "q");
   for (const at::Tensor* t : {&a.k, &a.v, &a.g, &a.beta, &a.output})
     KDA_CHECK_TYPE(t->scalar_type() == a.q.scalar_type(), "token tensors must share q's dtype ",
@@ -119,11 +122,13 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
   p.beta.batch_stride = a.beta.stride(0);
   p.beta.token_stride = a.beta.stride(1);
   p.beta.head_stride = a.beta.stride(2);
-  KDA_CHECK_LASTDIM_CONTIGUOUS(a.output, "output");
-  p.out = a.output.data_ptr();
-  p.out_batch_stride = a.output.stride(0);
-  p.out_token_stride = a.output.stride(1);
-  p.out_head_stride = a.output.stride(2);
+  if (!no_output) {
+    KDA_CHECK_LASTDIM_CONTIGUOUS(a.output, "output");
+    p.out = a.output.data_ptr();
+    p.out_batch_stride = a.output.stride(0);
+    p.out_token_stride = a.output.stride(1);
+    p.out_head_stride = a.output.stride(2);
+  }  // else p.out stays null
 
   p.gate_mode = static_cast<GateMode>(a.gate_mode);
   if (p.gate_mode != GateMode::kPrecomputed) {
@@ -216,6 +221,18 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
   p.use_qk_l2norm = a.use_qk_l2norm;
   p.beta_is_logit = a.beta_is_logit;
   return p;
+}
+
+// A state-only call (1-D empty output, p.out null) on a path that writes outputs anyway: a scratch output of
+// v's shape for it to write, held by the returned tensor for the call.
+inline at::Tensor output_scratch(RecurrentParams& p, const at::Tensor& v) {
+  if (p.out != nullptr) return {};
+  at::Tensor scratch = at::empty(v.sizes(), v.options());
+  p.out = scratch.data_ptr();
+  p.out_batch_stride = scratch.stride(0);
+  p.out_token_stride = scratch.stride(1);
+  p.out_head_stride = scratch.stride(2);
+  return scratch;
 }
 
 }  // namespace kda

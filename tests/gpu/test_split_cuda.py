@@ -26,6 +26,7 @@ from conftest import (
     recurrent_call,
     recurrent_reference,
     split_then_unsplit,
+    state_only_matches,
 )
 
 import kda_ops
@@ -310,3 +311,27 @@ def test_training_context_split(split_on, monkeypatch):  # type: ignore[no-untyp
     assert_close_rms(t_s, t_u, TOL_STATE_FP32, "tapes")
     for name, a, b in zip(kda_ops.interface.GRAD_NAMES, g_s, g_u, strict=True):
         assert_close_rms(a, b, 1e-2, name)
+
+
+@cuda_only
+@pytest.mark.parametrize("backend", [0, 1, 2])
+@pytest.mark.parametrize("HV", [2, 80])
+def test_state_only_call_cuda(backend, HV):  # type: ignore[no-untyped-def]
+    """A state-only call (1-D empty output): the chunked kernel's state-only variant (VB=64 at HV=2, VB=128 at
+    HV=80) and the token-serial kernels' scratch output give the pool and final states of the call with an
+    output, bit for bit; inactive and unwritten slots untouched."""
+    state_only_matches("cuda", K=K, dtype=torch.bfloat16, backend=backend, HV=HV)
+
+
+def test_split_state_only_passes_match(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """The split whose end-state passes are state-only calls (the default) gives the bits of the split whose
+    passes write outputs."""
+    lens = [2000, 3, 1500, 700]
+    x, kw = make(lens, gate="lower_bound", slow=True, seed=6)
+    h0 = (torch.randn(4, 2, K, K, generator=torch.Generator().manual_seed(2)) * 0.3).to(DEV)
+    res = []
+    for so in (True, False):
+        monkeypatch.setattr(_split, "STATE_ONLY", so)
+        res.append(call(x, kw, initial_state=h0.clone(), output_final_state=True))
+    assert len(split_on) == 2
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])

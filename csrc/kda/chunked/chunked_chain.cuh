@@ -20,7 +20,9 @@ struct alignas(16) ChainStorage {  // per warp: v of the ring's chunks and the o
   alignas(16) __nv_bfloat16 ostage[VB / 16][kChunk * 16];
 };
 
-template <class Cfg, bool BWD, class Smem>
+// kOut = false (the state-only forward kernel, p.out null: the sequence split's end-state passes): the
+// output product O = S Q⁺ᵀ + R Mqkᵀ and its store are left out; the state path is the same arithmetic.
+template <class Cfg, bool BWD, bool kOut = true, class Smem>
 __device__ __forceinline__ void chunked_chain(const RecurrentParams& p, Smem& sm, const ChunkedTask<BWD>& task,
                                               const int lane, const int warp, const bool out_vec16,
                                               const int diag) {
@@ -198,13 +200,13 @@ __device__ __forceinline__ void chunked_chain(const RecurrentParams& p, Smem& sm
     {
       uint32_t bk[2][4], bq[2][4];
       ldsm_x4(op.kp + toff_b.at(0), bk[0]);
-      ldsm_x4(op.qp + toff_b.at(0), bq[0]);
+      if constexpr (kOut) ldsm_x4(op.qp + toff_b.at(0), bq[0]);
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) {
         const int cur = ks & 1;
         if (ks + 1 < K / 16) {
           ldsm_x4(op.kp + toff_b.at(ks + 1), bk[cur ^ 1]);
-          ldsm_x4(op.qp + toff_b.at(ks + 1), bq[cur ^ 1]);
+          if constexpr (kOut) ldsm_x4(op.qp + toff_b.at(ks + 1), bq[cur ^ 1]);
         }
         const uint32_t a[4] = {pack_bf16x2(s[2 * ks][0], s[2 * ks][1]), pack_bf16x2(s[2 * ks][2], s[2 * ks][3]),
                                pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
@@ -213,8 +215,10 @@ __device__ __forceinline__ void chunked_chain(const RecurrentParams& p, Smem& sm
         float(&o)[2][4] = cur ? ao2 : ao;
         mma_bf16(x[0], a, bk[cur][0], bk[cur][1]);
         mma_bf16(x[1], a, bk[cur][2], bk[cur][3]);
-        mma_bf16(o[0], a, bq[cur][0], bq[cur][1]);
-        mma_bf16(o[1], a, bq[cur][2], bq[cur][3]);
+        if constexpr (kOut) {
+          mma_bf16(o[0], a, bq[cur][0], bq[cur][1]);
+          mma_bf16(o[1], a, bq[cur][2], bq[cur][3]);
+        }
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -244,7 +248,7 @@ __device__ __forceinline__ void chunked_chain(const RecurrentParams& p, Smem& sm
     }
     const uint32_t ra[4] = {pack_f16(ar[0][0], ar[0][1]), pack_f16(ar[0][2], ar[0][3]), pack_f16(ar[1][0], ar[1][1]),
                             pack_f16(ar[1][2], ar[1][3])};
-    {
+    if constexpr (kOut) {
       uint32_t bm[4];
       load_b16x16(op.mqk, lane, bm);
       mma_f16(ao[0], ra, bm[0], bm[1]);

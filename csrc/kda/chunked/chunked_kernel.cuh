@@ -84,7 +84,7 @@ struct ChunkedSmem {
 // p.v carries dO, p.state_source dfinal_state (null: zeros), p.final_state receives dinitial_state and
 // p.state_checkpoints receives dS at the END of every 16-token chunk (the chain gradient entering it from the
 // right), row (every / 16) * checkpoint_cu_starts[n] + chunk: every / 16 sub-rows per checkpoint row.
-template <int VB, int STAGES, int RAW_STAGES, bool BWD>
+template <int VB, int STAGES, int RAW_STAGES, bool BWD, bool kOut = true>
 __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
     kda_chunked_kernel(const RecurrentParams p, const bool out_vec16, const int diag) {
   using Cfg = ChunkedConfig<VB, STAGES, RAW_STAGES>;
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
   const auto out_row = [&](int64_t t) { return chunked_out_row(p, sr, hv, v0, t); };
 
   if (st.kind < 0) {  // inactive: zero output, no state read or write (never in the backward chain)
-    if (!BWD && warp < NW)
+    if (!BWD && kOut && warp < NW)
       for (int64_t t = lane; t < sr.len * 2; t += 32) {
         __nv_bfloat16* o = out_row(sr.bos + t / 2) + (t % 2) * 8;
 #pragma unroll
@@ -138,17 +138,18 @@ __global__ void __launch_bounds__(ChunkedConfig<VB, STAGES, RAW_STAGES>::NT, 1)
     chunked_prep<Cfg, BWD>(p, sm, task, tid, diag);
     return;
   }
-  chunked_chain<Cfg, BWD>(p, sm, task, lane, warp, out_vec16, diag);
+  chunked_chain<Cfg, BWD, kOut>(p, sm, task, lane, warp, out_vec16, diag);
 }
 
 }  // namespace kda::prefill
 
 namespace kda::prefill {
 
-template <int VB, int STAGES, int RAW_STAGES, bool BWD>
+template <int VB, int STAGES, int RAW_STAGES, bool BWD, bool kOut>
 cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, int diag, cudaStream_t stream) {
+  static_assert(kOut || !BWD, "the state-only kernel is a forward kernel");
   using Cfg = ChunkedConfig<VB, STAGES, RAW_STAGES>;
-  auto kernel = kda_chunked_kernel<VB, STAGES, RAW_STAGES, BWD>;
+  auto kernel = kda_chunked_kernel<VB, STAGES, RAW_STAGES, BWD, kOut>;
   constexpr int smem = static_cast<int>(sizeof(ChunkedSmem<VB, STAGES, RAW_STAGES>));
   // The shared-memory opt-in, once per device. Concurrent first calls may both set it (the same value:
   // harmless); an atomic flag makes the check itself race-free.

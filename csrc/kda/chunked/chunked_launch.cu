@@ -85,12 +85,18 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   const bool out_vec16 = al(p.out) && p.out_token_stride % 8 == 0 && p.out_head_stride % 8 == 0 &&
                          (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
   const int diag = knobs.diag;
-  if (vb == 128) return prefill::run_chunked_<128, 3, 4, false>(p, out_vec16, diag, stream);
+  const bool state_only = p.out == nullptr;  // the state-only kernels (no output product)
+  if (vb == 128)
+    return state_only ? prefill::run_chunked_<128, 3, 4, false, false>(p, out_vec16, diag, stream)
+                      : prefill::run_chunked_<128, 3, 4, false>(p, out_vec16, diag, stream);
   // Less shared memory per block than the default pipeline needs (sm_120: 99 KB): shallower pipeline.
   // KDA_CHUNKED_PIPELINE=small forces it anywhere (tests: the same arithmetic, bit-identical results).
   const bool small = kSmem64 > optin || knobs.small_pipeline;
-  if (small) return prefill::run_chunked_<64, 2, 2, false>(p, out_vec16, diag, stream);
-  return prefill::run_chunked_<64, 3, 4, false>(p, out_vec16, diag, stream);
+  if (small)
+    return state_only ? prefill::run_chunked_<64, 2, 2, false, false>(p, out_vec16, diag, stream)
+                      : prefill::run_chunked_<64, 2, 2, false>(p, out_vec16, diag, stream);
+  return state_only ? prefill::run_chunked_<64, 3, 4, false, false>(p, out_vec16, diag, stream)
+                    : prefill::run_chunked_<64, 3, 4, false>(p, out_vec16, diag, stream);
 }
 
 // BackwardChainParams -> the RecurrentParams fields the chunked kernel reads in BWD mode: v carries dO, the
