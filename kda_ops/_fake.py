@@ -311,3 +311,13 @@ def _backward_fake(
     if dfinal_state is not None:
         _check_state(dfinal_state, "dfinal_state", N, HV, V, K)
     return _grads(q, k, v, g, beta, A_log, dt_bias, N, initial_state.dtype)
+
+
+@torch.library.register_fake("kda::segment_state_scan")
+def _segment_state_scan_fake(S, Q, P, first):
+    # mutates S in place: nothing to allocate; the shape rules of the real op
+    torch._check(S.dim() == 4, lambda: f"S must be [J, batch, V, K], got {S.shape}")
+    torch._check(tuple(Q.shape) == tuple(S.shape), lambda: f"Q must have the shape of S, got {Q.shape}")
+    J, Bt, _, K = S.shape
+    torch._check(tuple(P.shape) == (J, Bt, K, K), lambda: f"P must be [J, batch, K, K], got {P.shape}")
+    torch._check(first >= 1, lambda: f"first must be >= 1, got {first}")

@@ -15,8 +15,9 @@ tokens of a sequence's segments are contiguous, so only cu_seqlens changes; the 
 use are picked with ssm_state_indices, and segments a pass does not need are inactive there):
   1. Q: segments 0..P_n-2 of every split sequence, segment 0 from the real start state, others from 0;
   2. P: segments 1..P_n-2, from the identity ([K, K] states) with v = 0 (head dim K);
-  3. outputs and final states of every segment from the exact start states (scan in between: one
-     batched ``baddbmm`` per segment index, in fp32, over all split sequences and heads at once).
+  3. outputs and final states of every segment from the exact start states (the scan in between:
+     ``torch.ops.kda.segment_state_scan``, in fp32, over all split sequences and heads at once: one launch
+     on CUDA, one batched matmul per segment index on the CPU).
 Passes 1 and 2 are state-only calls (``output`` a 1-D empty tensor: the chunked kernel skips the output
 product; ``KDA_SEQUENCE_SPLIT_STATE_ONLY=0`` makes them write outputs, which pass 3 overwrites).
 Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens, on N·HV·P_n chains
@@ -366,9 +367,11 @@ def _run(
         # segment compute unused values from zeros)
         if mp >= 2:
             S[1] = Qv[0]
-        for j in range(2, mp):
+        if mp >= 3:
             assert Pv is not None
-            torch.baddbmm(Qv[j - 1], S[j - 1], Pv[j - 1], out=S[j])
+            # S[j] = S[j-1] P[j-1] + Q[j-1], j = 2 .. mp-1: one launch on CUDA (one batched matmul per j on
+            # the CPU); on the GPU the per-j matmuls were host-bound (~30 us a launch, ~1 ms at H=4 T=64K)
+            torch.ops.kda.segment_state_scan(S, Qv, Pv, 2)
 
     # pass 3: outputs and final states from the exact start states
     rows = _device_tensor(pl.o_rows, torch.int32, dev)

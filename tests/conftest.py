@@ -316,3 +316,20 @@ def state_only_matches(device, K=16, dtype=torch.float32, backend=0, HV=2):  # t
     raw_recurrent(*tok, final_state=fa, output=torch.empty_like(x["v"]), **kw)
     raw_recurrent(*tok, final_state=fb, output=x["v"].new_empty(0), **kw)
     assert torch.equal(fa, fb) and fa.abs().sum() > 0
+
+
+def scan_case(J, Bt, Vd, Kd, device, seed=0):  # type: ignore[no-untyped-def]
+    """Random S, Q [J, Bt, Vd, Kd] and P [J, Bt, Kd, Kd] (fp32) for torch.ops.kda.segment_state_scan."""
+    gen = torch.Generator().manual_seed(seed)
+    S = (torch.randn(J, Bt, Vd, Kd, generator=gen) * 0.5).to(device)
+    Q = (torch.randn(J, Bt, Vd, Kd, generator=gen) * 0.5).to(device)
+    P = (torch.randn(J, Bt, Kd, Kd, generator=gen) / Kd**0.5).to(device)
+    return S, Q, P
+
+
+def scan_reference(S, Q, P, first):  # type: ignore[no-untyped-def]
+    """fp64 loop: S[j] = S[j-1] P[j-1] + Q[j-1] for j >= first."""
+    R = S.double().clone()
+    for j in range(first, S.shape[0]):
+        R[j] = R[j - 1] @ P[j - 1].double() + Q[j - 1].double()
+    return R

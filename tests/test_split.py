@@ -16,6 +16,8 @@ from conftest import (
     force_split,
     recurrent_call,
     recurrent_reference,
+    scan_case,
+    scan_reference,
     split_then_unsplit,
     state_only_case,
     state_only_matches,
@@ -413,3 +415,39 @@ def test_split_state_only_passes_match(split_on, monkeypatch):  # type: ignore[n
         res.append(recurrent_call(x, kw, initial_state=h0.clone(), output_final_state=True))
     assert len(split_on) == 2
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# the scan of segment start states (torch.ops.kda.segment_state_scan)
+
+
+@pytest.mark.parametrize("J,Bt,Vd,Kd,first", [(6, 3, 5, 4, 2), (1, 2, 3, 3, 2), (4, 1, 16, 16, 1), (9, 2, 7, 11, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segment_state_scan_cpu(J, Bt, Vd, Kd, first, dtype):  # type: ignore[no-untyped-def]
+    S, Q, P = (x.to(dtype) for x in scan_case(J, Bt, Vd, Kd, "cpu"))
+    want = scan_reference(S, Q, P, first)
+    S0 = S.clone()
+    torch.ops.kda.segment_state_scan(S, Q, P, first)
+    assert torch.equal(S[:first], S0[:first])  # inputs untouched
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel_rms(S, want.to(dtype)) < tol
+
+
+def test_segment_state_scan_errors():
+    S, Q, P = scan_case(4, 2, 3, 5, "cpu")
+    for args, msg in [
+        ((S, Q[:, :1], P, 2), "Q must have the shape of S"),
+        ((S, Q, P[..., :4], 2), "P must be"),
+        ((S, Q, P, 0), "first must be >= 1"),
+        ((S, Q.double(), P, 2), "share one dtype"),
+        ((S.transpose(2, 3), Q.transpose(2, 3), P, 2), "P must be"),
+    ]:
+        before = S.clone()
+        with pytest.raises((ValueError, TypeError), match=msg):
+            torch.ops.kda.segment_state_scan(*args)
+        assert torch.equal(S, before)
+
+
+def test_segment_state_scan_opcheck():
+    S, Q, P = scan_case(5, 2, 4, 4, "cpu")
+    torch.library.opcheck(torch.ops.kda.segment_state_scan.default, (S, Q, P, 2))

@@ -69,4 +69,9 @@ TORCH_LIBRARY(kda, m) {
       "float scale, float lower_bound, int gate_mode=2, bool use_qk_l2norm=True, bool beta_is_logit=True) -> "
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, "
       "Tensor dinitial_state)");
+
+  // The exact sequence split's scan of segment start states (kda_ops/_split.py): S, Q [J, batch, V, K], P
+  // [J, batch, K, K], one dtype (CUDA: fp32, K <= 128), contiguous; for j = first .. J-1 in order,
+  // S[j] = S[j-1] P[j-1] + Q[j-1] (S[0 .. first) are inputs). One launch on CUDA.
+  m.def("segment_state_scan(Tensor(a!) S, Tensor Q, Tensor P, int first) -> ()");
 }

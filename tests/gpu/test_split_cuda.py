@@ -25,6 +25,8 @@ from conftest import (
     lengths_to_cu,
     recurrent_call,
     recurrent_reference,
+    scan_case,
+    scan_reference,
     split_then_unsplit,
     state_only_matches,
 )
@@ -335,3 +337,20 @@ def test_split_state_only_passes_match(split_on, monkeypatch):  # type: ignore[n
         res.append(call(x, kw, initial_state=h0.clone(), output_final_state=True))
     assert len(split_on) == 2
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+@cuda_only
+@pytest.mark.parametrize("J,Bt,Vd,Kd,first", [(33, 4, 128, 128, 2), (17, 8, 64, 64, 2), (5, 3, 20, 128, 1)])
+def test_segment_state_scan_cuda(J, Bt, Vd, Kd, first):  # type: ignore[no-untyped-def]
+    """The one-launch CUDA scan against the fp64 loop (fp32 sums in another order: 1e-5), deterministic."""
+    from kda_ops.reference import rel_rms
+
+    S, Q, P = scan_case(J, Bt, Vd, Kd, "cuda", seed=J)
+    want = scan_reference(S.cpu(), Q.cpu(), P.cpu(), first)
+    S0 = S.clone()
+    torch.ops.kda.segment_state_scan(S, Q, P, first)
+    assert torch.equal(S[:first], S0[:first])
+    assert rel_rms(S.cpu(), want.float()) < 1e-5
+    S2 = S0.clone()
+    torch.ops.kda.segment_state_scan(S2, Q, P, first)
+    assert torch.equal(S, S2)

@@ -1,0 +1,30 @@
+// CUDA implementation of kda::segment_state_scan: one launch of csrc/kda/common/segment_scan.cu (fp32, K <= 128).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "api/segment_scan_checks.h"
+#include "kda/common/segment_scan.h"
+
+namespace kda {
+namespace {
+
+void segment_state_scan_cuda(const at::Tensor& S, const at::Tensor& Q, const at::Tensor& P, int64_t first) {
+  check_segment_state_scan(S, Q, P, first);
+  KDA_CHECK_TYPE(S.scalar_type() == at::kFloat, "CUDA segment_state_scan needs float32, got ", S.scalar_type());
+  KDA_CHECK(S.size(3) <= 128 && S.size(2) <= (int64_t(1) << 30), "CUDA segment_state_scan needs K <= 128, got K=",
+            S.size(3));
+  if (S.numel() == 0) return;
+  c10::cuda::CUDAGuard guard(S.device());
+  const cudaError_t err = launch_segment_state_scan(S.data_ptr<float>(), Q.data_ptr<float>(), P.data_ptr<float>(),
+                                                    S.size(0), S.size(1), static_cast<int>(S.size(2)),
+                                                    static_cast<int>(S.size(3)), first,
+                                                    c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "kda segment_state_scan kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace kda
+
+TORCH_LIBRARY_IMPL(kda, CUDA, m) { m.impl("segment_state_scan", &kda::segment_state_scan_cuda); }
