@@ -249,6 +249,18 @@ def split_then_unsplit(monkeypatch, fn) -> list:  # type: ignore[no-untyped-def]
     return res
 
 
+def state_only_then_not(monkeypatch, fn) -> list:  # type: ignore[no-untyped-def]
+    """[fn() with the split's end-state passes as state-only calls (the default), fn() with them writing
+    outputs] (kda_ops/_split.py STATE_ONLY True, then False)."""
+    from kda_ops import _split
+
+    res = []
+    for so in (True, False):
+        monkeypatch.setattr(_split, "STATE_ONLY", so)
+        res.append(fn())
+    return res
+
+
 def recurrent_call(x: dict, kw: dict, **extra):  # type: ignore[no-untyped-def]
     """kda_ops.recurrent_kda on the per-token inputs of `x` with the keywords `kw`, `extra` on top."""
     return kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **{**kw, **extra})

@@ -21,6 +21,7 @@ from conftest import (
     split_then_unsplit,
     state_only_case,
     state_only_matches,
+    state_only_then_not,
 )
 
 import kda_ops
@@ -409,10 +410,9 @@ def test_split_state_only_passes_match(split_on, monkeypatch):  # type: ignore[n
     passes write outputs."""
     x, kw = _inputs([300, 5, 190], gate="softplus", seed=3)
     h0 = torch.randn(3, 2, V, K, generator=torch.Generator().manual_seed(1)) * 0.2
-    res = []
-    for so in (True, False):
-        monkeypatch.setattr(_split, "STATE_ONLY", so)
-        res.append(recurrent_call(x, kw, initial_state=h0.clone(), output_final_state=True))
+    res = state_only_then_not(
+        monkeypatch, lambda: recurrent_call(x, kw, initial_state=h0.clone(), output_final_state=True)
+    )
     assert len(split_on) == 2
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
 

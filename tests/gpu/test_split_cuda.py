@@ -29,6 +29,7 @@ from conftest import (
     scan_reference,
     split_then_unsplit,
     state_only_matches,
+    state_only_then_not,
 )
 
 import kda_ops
@@ -331,10 +332,7 @@ def test_split_state_only_passes_match(split_on, monkeypatch):  # type: ignore[n
     lens = [2000, 3, 1500, 700]
     x, kw = make(lens, gate="lower_bound", slow=True, seed=6)
     h0 = (torch.randn(4, 2, K, K, generator=torch.Generator().manual_seed(2)) * 0.3).to(DEV)
-    res = []
-    for so in (True, False):
-        monkeypatch.setattr(_split, "STATE_ONLY", so)
-        res.append(call(x, kw, initial_state=h0.clone(), output_final_state=True))
+    res = state_only_then_not(monkeypatch, lambda: call(x, kw, initial_state=h0.clone(), output_final_state=True))
     assert len(split_on) == 2
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
 
