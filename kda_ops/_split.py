@@ -84,9 +84,18 @@ SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
 AUTO_MIN_TOKENS = 16384
 MODE = _read_mode()
 SEGMENT_TOKENS = _read_tokens()
+
+
+def _read_state_only() -> bool:
+    s = os.environ.get("KDA_SEQUENCE_SPLIT_STATE_ONLY", "1").strip().lower()
+    if s not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+        raise ValueError(f"KDA_SEQUENCE_SPLIT_STATE_ONLY must be 1 or 0 (true/false, on/off, yes/no), got {s!r}")
+    return s in ("1", "true", "on", "yes")
+
+
 # passes 1 and 2 as state-only calls (a 1-D empty output: the chunked kernel skips the output product);
 # KDA_SEQUENCE_SPLIT_STATE_ONLY=0 has them write (and pass 3 overwrite) the outputs, as before (A/B)
-STATE_ONLY = os.environ.get("KDA_SEQUENCE_SPLIT_STATE_ONLY", "1").strip() != "0"
+STATE_ONLY = _read_state_only()
 _NOMINAL_SMS = 132  # CPU (tests) and meta: plan as for an H200
 
 _sms_cache: dict[Any, int] = {}

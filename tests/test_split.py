@@ -448,6 +448,25 @@ def test_segment_state_scan_errors():
         assert torch.equal(S, before)
 
 
+def test_segment_state_scan_contiguity():
+    S, Q, P = scan_case(4, 2, 5, 5, "cpu")  # V == K: a transposed S keeps the shape
+    for args, name in [((S.transpose(2, 3), Q, P, 2), "S"), ((S, Q.transpose(2, 3), P, 2), "Q"),
+                       ((S, Q, P.transpose(2, 3), 2), "P")]:  # fmt: skip
+        before = args[0].clone()
+        with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+            torch.ops.kda.segment_state_scan(*args)
+        assert torch.equal(args[0], before)
+
+
+def test_state_only_switch_parsed(monkeypatch):  # type: ignore[no-untyped-def]
+    for v, want in [("0", False), ("off", False), ("FALSE", False), ("1", True), ("yes", True)]:
+        monkeypatch.setenv("KDA_SEQUENCE_SPLIT_STATE_ONLY", v)
+        assert _split._read_state_only() is want
+    monkeypatch.setenv("KDA_SEQUENCE_SPLIT_STATE_ONLY", "maybe")
+    with pytest.raises(ValueError, match="KDA_SEQUENCE_SPLIT_STATE_ONLY"):
+        _split._read_state_only()
+
+
 def test_segment_state_scan_opcheck():
     S, Q, P = scan_case(5, 2, 4, 4, "cpu")
     torch.library.opcheck(torch.ops.kda.segment_state_scan.default, (S, Q, P, 2))

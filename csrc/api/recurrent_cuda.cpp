@@ -8,7 +8,8 @@
 // keeps them as they were.
 // disable_state_update (speculative verify): the token-serial kernel with pool writes off (backend auto
 // picks it; chunked refuses the flag).
-// No host sync and no allocation on the normal path, so calls can be captured in a CUDA graph.
+// No host sync and no allocation on the normal path, so calls can be captured in a CUDA graph (a state-only
+// call, a 1-D empty output, that takes a token-serial kernel allocates a scratch output).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>

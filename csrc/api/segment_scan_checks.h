@@ -21,7 +21,12 @@ inline void check_segment_state_scan(const at::Tensor& S, const at::Tensor& Q, c
                  P.scalar_type());
   KDA_CHECK_SAME_DEVICE(Q, S, "Q");
   KDA_CHECK_SAME_DEVICE(P, S, "P");
-  KDA_CHECK(S.is_contiguous() && Q.is_contiguous() && P.is_contiguous(), "S, Q and P must be contiguous");
+  const auto contiguous = [](const at::Tensor& t, const char* name) {
+    KDA_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+  };
+  contiguous(S, "S");
+  contiguous(Q, "Q");
+  contiguous(P, "P");
   KDA_CHECK(first >= 1, "first must be >= 1, got ", first);
 }
 

@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdint>
+
 #include "api/segment_scan_checks.h"
 #include "kda/common/segment_scan.h"
 
@@ -13,8 +15,9 @@ namespace {
 void segment_state_scan_cuda(const at::Tensor& S, const at::Tensor& Q, const at::Tensor& P, int64_t first) {
   check_segment_state_scan(S, Q, P, first);
   KDA_CHECK_TYPE(S.scalar_type() == at::kFloat, "CUDA segment_state_scan needs float32, got ", S.scalar_type());
-  KDA_CHECK(S.size(3) <= 128 && S.size(2) <= (int64_t(1) << 30), "CUDA segment_state_scan needs K <= 128, got K=",
-            S.size(3));
+  KDA_CHECK(S.size(3) <= 128, "CUDA segment_state_scan needs K <= 128, got K=", S.size(3));
+  KDA_CHECK(S.size(2) <= int64_t(65535) * 8 && S.size(1) <= INT32_MAX,
+            "CUDA segment_state_scan needs V <= 524280 and batch < 2^31, got V=", S.size(2), ", batch=", S.size(1));
   if (S.numel() == 0) return;
   c10::cuda::CUDAGuard guard(S.device());
   const cudaError_t err = launch_segment_state_scan(S.data_ptr<float>(), Q.data_ptr<float>(), P.data_ptr<float>(),

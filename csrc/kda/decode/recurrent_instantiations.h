@@ -53,7 +53,7 @@ void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaSt
 // and store the tile back by bulk copy. Same bits as run_recurrent_. kVariant: the block shape (math warps,
 // stages, blocks per SM: RingShape in recurrent_ring_kernel.cuh). Instantiated for bf16 tiles: K=128 NR 4
 // and 8, K=64 NR 4 in shape 0 (csrc/instantiations/recurrent_ring_k<K>_bf16_nr<NR>.cu), and K=128 NR 8 in
-// shapes 1-3 (..._nr8_v<shape>.cu).
+// shapes 1-3 (..._nr8_v<shape>.cu); for fp32 tiles K=128 NR 4 in shape 1 (recurrent_ring_k128_f32_nr4_v1.cu).
 template <int K, typename StateT, int NR, int kVariant>
 void run_recurrent_ring_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
 

@@ -88,7 +88,10 @@ const Knobs& knobs() {
       const std::string v = lower(env);
       r.pdl = !(v == "0" || v == "false" || v == "off" || v == "no");
     }
-    if (const char* env = std::getenv("KDA_DECODE_RING_FP32")) r.ring_fp32 = std::atoi(env) != 0;
+    if (const char* env = std::getenv("KDA_DECODE_RING_FP32")) {  // off: 0/false/off/no, as KDA_DECODE_PDL
+      const std::string v = lower(env);
+      r.ring_fp32 = !(v == "0" || v == "false" || v == "off" || v == "no");
+    }
     if (const char* env = std::getenv("KDA_DECODE_RING_DT_BIAS")) {  // stage (default) | global
       if (lower(env) == "global") r.flags |= decode::kFlagRingDtBiasGlobal;
     }
