@@ -1,11 +1,14 @@
-// Token-serial KDA kernel, warp-specialised variant (sm_90+; KDA_DECODE_KERNEL=ring in the launcher).
+// Token-serial KDA kernel, warp-specialised variant (sm_90+): the launcher's default on bandwidth-bound
+// grids for bf16 tiles and for fp32 tiles at K=128 (the 4-rows tile, 4 KB of state per stage as the bf16
+// 8-rows tile); KDA_DECODE_KERNEL=ring forces it, =serial turns it off.
 //
 // Why: in kda_recurrent_kernel every warp runs its items' chain serially (slot lookup -> state copy ->
 // token loads -> math -> store) and hides the latency only by having other warps in flight. A bf16 item
 // carries half the bytes of an fp32 one for the same chain, so at 12 warps per SM the chain's latency is no
 // longer covered and bf16 decode stays near 2.9 TB/s. Here the memory side runs ahead of the math:
 //
-//  * a block is one producer warp and kMathWarps math warps. Lane w of the producer warp feeds math warp w:
+//  * a block is one producer warp and kMathWarps math warps. Lane w of the producer warp feeds math warp w
+//    (the lanes issue in step: they meet after their stage waits, see the producer loop):
 //    it resolves the warp's items (sequence range, start slot, write slot: the shared rules of
 //    recurrent_rules.h) two items ahead in registers, loads the per-item scalars (beta, A_log) one item
 //    ahead, and for each item issues 1-D bulk copies (cp.async.bulk ... mbarrier::complete_tx, the TMA
