@@ -77,6 +77,13 @@ def _read_tokens() -> int:
     return n
 
 
+def _read_state_only() -> bool:
+    s = os.environ.get("KDA_SEQUENCE_SPLIT_STATE_ONLY", "1").strip().lower()
+    if s not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+        raise ValueError(f"KDA_SEQUENCE_SPLIT_STATE_ONLY must be 1 or 0 (true/false, on/off, yes/no), got {s!r}")
+    return s in ("1", "true", "on", "yes")
+
+
 SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
 # ``auto`` leaves sequences shorter than this unsplit (the cost model has no term for the split's fixed
 # cost: its extra launches and the scan; the split was measured from 64K tokens, and declined at 8K). A call
@@ -84,14 +91,6 @@ SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
 AUTO_MIN_TOKENS = 16384
 MODE = _read_mode()
 SEGMENT_TOKENS = _read_tokens()
-
-
-def _read_state_only() -> bool:
-    s = os.environ.get("KDA_SEQUENCE_SPLIT_STATE_ONLY", "1").strip().lower()
-    if s not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
-        raise ValueError(f"KDA_SEQUENCE_SPLIT_STATE_ONLY must be 1 or 0 (true/false, on/off, yes/no), got {s!r}")
-    return s in ("1", "true", "on", "yes")
-
 
 # passes 1 and 2 as state-only calls (a 1-D empty output: the chunked kernel skips the output product);
 # KDA_SEQUENCE_SPLIT_STATE_ONLY=0 has them write (and pass 3 overwrite) the outputs, as before (A/B)

@@ -1,41 +1,25 @@
 """Where does the exact sequence split's time go? (device diagnostic, not a test)
 
-One split prefill call (kda_ops/_split.py, forced on, the automatic plan) at H heads x T tokens (K = V = 128,
-bf16 pool), profiled with torch.profiler: the wall time of the call (host, to the end of its last kernel),
-the GPU time of every kernel (the three chunked passes, the scan's baddbmm, copies), and the idle GPU time
-in between (host overhead between launches). Also the same call with KDA_SEQUENCE_SPLIT_STATE_ONLY's two
-settings.
+One split prefill call (kda_ops/_split.py, forced on, the automatic plan) at H heads x T tokens, the call
+and inputs of benchmarks/bench_split.py (K = V = 128, bf16 pool), profiled with torch.profiler: the wall
+time of an unprofiled call (host, to the end of its last kernel), the GPU time of every kernel of a
+profiled one (the three chunked passes, the scan, copies) and the idle GPU time in between (host overhead
+between launches). Both settings of KDA_SEQUENCE_SPLIT_STATE_ONLY.
 
   python3 scripts/split_profile.py [8,4] [65536]
 """
 
+import os
 import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import kda_ops
-from kda_ops import _split
-
-
-def inputs(H: int, T: int) -> tuple:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)  # noqa: E731
-    q, k, v, g, beta = r(1, T, H, 128), r(1, T, H, 128), r(1, T, H, 128), r(1, T, H, 128), r(1, T, H)
-    A_log = torch.rand(H, device="cuda") * 0.5
-    dtb = torch.randn(H, 128, device="cuda") * 0.1
-    pool = torch.zeros(1, H, 128, 128, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(v)
-    return (q, k, v, g, beta), dict(
-        A_log=A_log,
-        dt_bias=dtb,
-        initial_state=pool,
-        output=out,
-        use_gate_in_kernel=True,
-        lower_bound=-5.0,
-        beta_is_logit=True,
-    )
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kda_ops  # noqa: E402
+from benchmarks.bench_split import make, ours  # noqa: E402  (the benchmark's inputs and call)
+from kda_ops import _split  # noqa: E402
 
 
 def main() -> None:
@@ -43,20 +27,20 @@ def main() -> None:
     T = int(sys.argv[2]) if len(sys.argv) > 2 else 65536
     _split.MODE = "1"
     for H in heads:
-        tok, kw = inputs(H, T)
+        call = ours(kda_ops, make(H, [T], False))
         for so in (True, False):
             _split.STATE_ONLY = so
             for _ in range(3):
-                kda_ops.recurrent_kda(*tok, **kw)
+                call()
             torch.cuda.synchronize()
             walls = []
             for _ in range(5):
                 t0 = time.perf_counter()
-                kda_ops.recurrent_kda(*tok, **kw)
+                call()
                 torch.cuda.synchronize()
                 walls.append((time.perf_counter() - t0) * 1e3)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                kda_ops.recurrent_kda(*tok, **kw)
+                call()
                 torch.cuda.synchronize()
             ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             ev.sort(key=lambda e: e.time_range.start)

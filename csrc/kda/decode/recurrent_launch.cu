@@ -34,9 +34,10 @@ int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMult
 //   into each stage (default) or read by the math warps from global memory (L1);
 //   KDA_DECODE_RING_PRODUCER=converged|diverged: the producer lanes in step (default) or each on its own;
 //   KDA_DECODE_RING_FP32=0: fp32 pools stay serial;
-//   KDA_DECODE_PDL=0|1 (default 1 on sm_90+): programmatic dependent launch (kda/common/pdl.cuh), so back-to-back decode steps overlap one's launch with the
-//   other's run (H200, B=1 bf16 per step in a graph 5.2 -> 4.6 us, a one-step graph replay 15.0 -> 9.6 us,
-//   an eager call 16.4 -> 10.5 us; large batches unchanged).
+//   KDA_DECODE_PDL=0|1 (default 1 on sm_90+): programmatic dependent launch (kda/common/pdl.cuh), so
+//   back-to-back decode steps overlap one's launch with the other's run (H200, B=1 bf16 per step in a graph
+//   5.2 -> 4.6 us, a one-step graph replay 15.0 -> 9.6 us, an eager call 16.4 -> 10.5 us; large batches
+//   unchanged).
 struct Knobs {
   int rows_per_lane = 0;  // 0: the heuristic
   int max_blocks_per_sm = 0;
@@ -168,8 +169,9 @@ cudaError_t launch_recurrent(const RecurrentParams& p, cudaStream_t stream, bool
     return cudaGetLastError();
   }
   // fp32 pools: the ring kernel with the 4-rows tile, whose 4 KB of fp32 state per item fill a stage as the
-  // bf16 8-rows tile does; K=128, on bandwidth-bound grids (everywhere with KDA_DECODE_KERNEL=ring). On H200
-  // B=256 fp32 316 -> 278 us (3.39 -> 3.86 TB/s), B=1024 1153 -> 1088 us. KDA_DECODE_RING_FP32=0: serial.
+  // bf16 8-rows tile does; K=128, on bandwidth-bound grids (everywhere with KDA_DECODE_KERNEL=ring). On H200,
+  // serial -> ring in processes of the same position of a run: B=256 fp32 316.4 -> 310.6 us and 286.6 ->
+  // 278.0 us, B=1024 1153 -> 1088 us. KDA_DECODE_RING_FP32=0: serial.
   if (kn.ring && kn.ring_fp32 && (kn.ring_forced || !latency_bound) && tile_dtype == DType::kFloat32 &&
       p.K == 128 && (kn.rows_per_lane == 0 || kn.rows_per_lane == 4) && ring_supported(p)) {
     decode::run_recurrent_ring_<128, float, 4, 1>(p, cfg, stream);
