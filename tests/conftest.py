@@ -168,9 +168,13 @@ def state_tol(dtype: torch.dtype) -> float:
 def load_golden(name: str) -> dict:
     path = os.path.join(GOLDEN_DIR, name + ".pt")
     if not os.path.exists(path):
+        where = (
+            f"in {GOLDEN_DIR} (the first existing folder of {GOLDEN_SEARCH})"
+            if os.path.isdir(GOLDEN_DIR)
+            else f"(none of {GOLDEN_SEARCH} exists)"
+        )
         pytest.skip(
-            f"golden file {name}.pt not found in {GOLDEN_DIR} (the first existing folder of {GOLDEN_SEARCH}; "
-            "set KDA_GOLDEN_DIR to the folder that holds the golden files)"
+            f"golden file {name}.pt not found {where}; set KDA_GOLDEN_DIR to the folder that holds the golden files"
         )
     return torch.load(path)
 
