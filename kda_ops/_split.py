@@ -38,7 +38,10 @@ pool. The pool is read once (before any write) and written once.
 Training (:func:`kda_ops.kda`, eager autograd; :class:`_TrainingSplit`): the same three passes with the
 training forward op (the output pass keeps its per-segment tapes), and a backward of two training
 backward passes over the segments: G (zero end-state gradients), a reverse scan
-``dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)``, then the gradients from the exact end-state gradients.
+``dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)``, then the gradients from the exact end-state gradients. Both
+scans are one ``segment_state_scan`` each (fp32; fp64 states stay fp64) over a [maxP, M·HV] grid of the
+split sequences' segments (:class:`_SegmentIndex`; the reverse one on each sequence's segments in reverse
+order with Pᵀ), gathered from and scattered back to the segments' token order.
 
 Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``auto`` (default: split CUDA calls when a cost
 model of the shapes says it pays, :func:`split_pays`: the unsplit critical path against 3 passes over
@@ -423,7 +426,11 @@ def _run(
 
 
 class _SegmentIndex:
-    """Segments in token order, grouped by segment index over the split sequences (host lists)."""
+    """Segments in token order and the grid of the training scans (host lists).
+
+    The scans run over a [maxP, M·HV] grid of segments (``segment_state_scan``'s layout): segment j of
+    split sequence m at row j, column m (grid position j·M + m); the cells past a sequence's last segment
+    are padding (zeros, never read back)."""
 
     def __init__(self, pl: _Plan) -> None:
         self.first, self.last = [], []  # per sequence: its first and last segment (token order)
@@ -433,8 +440,34 @@ class _SegmentIndex:
             self.last.append(s + P - 1)
             s += P
         self.nseg_total = s
-        # by_j[j]: the segments j of the split sequences that have more than j segments
-        self.by_j = [[self.first[n] + j for n in pl.split_ids if pl.nseg[n] > j] for j in range(pl.maxP)]
+        M = pl.M
+        # the cells of the split sequences' segments, row-major (row 0 first: the first M entries), with
+        # the segment of each cell in the forward scan (segment j at row j) and in the reverse scan (the
+        # sequence's segments in reverse order: its last segment at row 0)
+        self.grid_pos, self.fwd_seg, self.rev_seg = [], [], []
+        for j in range(pl.maxP):
+            for m, n in enumerate(pl.split_ids):
+                if pl.nseg[n] > j:
+                    self.grid_pos.append(j * M + m)
+                    self.fwd_seg.append(self.first[n] + j)
+                    self.rev_seg.append(self.last[n] - j)
+
+
+def _scan_dtype(dt: torch.dtype) -> torch.dtype:
+    """The scans accumulate in fp32 (fp64 states, CPU only, stay fp64)."""
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+def _to_grid(x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, mp: int, M: int, dt: torch.dtype,
+             transpose: bool = False) -> torch.Tensor:  # fmt: skip
+    """Segment rows ``x[seg]`` (transposed in the last two dims on request) at grid positions ``pos`` of a
+    zero [mp, M·HV, ...] grid of dtype ``dt``."""
+    rows = x.index_select(0, seg)
+    if transpose:
+        rows = rows.transpose(-1, -2)
+    grid = torch.zeros((mp * M, *rows.shape[1:]), dtype=dt, device=x.device)
+    grid.index_copy_(0, pos, rows.to(dt))
+    return grid.view(mp, M * rows.shape[1], *rows.shape[2:])
 
 
 def _train_fwd(q, k, v, g, beta, A, dtb, h0, cu, sc, lb):  # type: ignore[no-untyped-def]
@@ -461,21 +494,21 @@ def _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: igno
         v0 = torch.zeros((1, v1.shape[1], HV, K), dtype=v1.dtype, device=dev)
         eye = torch.eye(K, dtype=pdt, device=dev).expand(S_tot, HV, K, K).contiguous()
         _, Ps, _, _ = _train_fwd(q1, k1, v0, g1, b1, A, dtb, eye, cu, sc, lb)
-    # scan over segment indices, batched over the split sequences
-    S = start_q.clone()
-    for j in range(1, pl.maxP):
-        cur = _device_tensor(si.by_j[j], torch.int64, dev)
-        prev = _device_tensor([x - 1 for x in si.by_j[j]], torch.int64, dev)  # segment j - 1: the one before
-        if j == 1:
-            nxt = Qs.index_select(0, prev)
-        else:
+    S = start_q  # (read-only in the Q pass) the segment start states: the first from h0, the rest below
+    if pl.M > 0:
+        # scan over the grid of segments, all split sequences and heads at once: S_1 = Q_0, then
+        # S_j = S_{j-1} P_{j-1} + Q_{j-1} (j >= 2) as one segment_state_scan
+        M, mp, sdt = pl.M, pl.maxP, _scan_dtype(pdt)
+        pos = _device_tensor(si.grid_pos, torch.int64, dev)
+        seg = _device_tensor(si.fwd_seg, torch.int64, dev)
+        Qg = _to_grid(Qs, pos, seg, mp, M, sdt)
+        Sg = torch.empty_like(Qg)  # row 0 (the start states from h0) is never read: the scan starts at 2
+        Sg[1] = Qg[0]
+        if mp >= 3:
             assert Ps is not None
-            nxt = torch.baddbmm(
-                Qs.index_select(0, prev).view(-1, Vd, K),
-                S.index_select(0, prev).view(-1, Vd, K),
-                Ps.index_select(0, prev).view(-1, K, K),
-            ).view(-1, HV, Vd, K)
-        S.index_copy_(0, cur, nxt)
+            torch.ops.kda.segment_state_scan(Sg, Qg, _to_grid(Ps, pos, seg, mp, M, sdt), 2)
+        # back to the segments: the cells of rows >= 1 (the entries after the first M)
+        S.index_copy_(0, seg[M:], Sg.view(mp * M, HV, Vd, K).index_select(0, pos[M:]).to(pdt))
     # output pass from the exact start states (tapes per segment, for the backward)
     o, fs_seg, tapes, starts = _train_fwd(q1, k1, v1, g1, b1, A, dtb, S, cu, sc, lb)
     fs = fs_seg.index_select(0, _device_tensor(si.last, torch.int64, dev))
@@ -517,16 +550,17 @@ def _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, pl, si, d, do, dfs,
         # G pass: every segment's start-state gradient with a zero end-state gradient
         zero = torch.zeros_like(dS_end)
         G = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, zero, sc, lb)[7]
-        # reverse scan: dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)
-        for j in range(pl.maxP - 2, -1, -1):
-            nxt = _device_tensor(si.by_j[j + 1], torch.int64, dev)
-            cur = _device_tensor([x - 1 for x in si.by_j[j + 1]], torch.int64, dev)
-            val = torch.baddbmm(
-                G.index_select(0, nxt).view(-1, Vd, K),
-                dS_end.index_select(0, nxt).view(-1, Vd, K),
-                Ps.index_select(0, nxt).view(-1, K, K).transpose(-1, -2),
-            ).view(-1, HV, Vd, K)
-            dS_end.index_copy_(0, cur, val)
+        # reverse scan dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1) as one segment_state_scan over the grid of
+        # segments in reverse order (row r: segment P_m - 1 - r of split sequence m), from the final-state
+        # gradients at row 0
+        M, mp, sdt = pl.M, pl.maxP, _scan_dtype(S.dtype)
+        pos = _device_tensor(si.grid_pos, torch.int64, dev)
+        seg = _device_tensor(si.rev_seg, torch.int64, dev)
+        Gg = _to_grid(G, pos, seg, mp, M, sdt)
+        Dg = torch.empty_like(Gg)
+        Dg[0] = dfs.index_select(0, _device_tensor(pl.split_ids, torch.int64, dev)).view(M * HV, Vd, K)
+        torch.ops.kda.segment_state_scan(Dg, Gg, _to_grid(Ps, pos, seg, mp, M, sdt, transpose=True), 1)
+        dS_end.index_copy_(0, seg[M:], Dg.view(mp * M, HV, Vd, K).index_select(0, pos[M:]).to(dS_end.dtype))
     dq, dk, dv, dg, dbeta, dA, ddtb, dinit = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, dS_end, sc, lb)
     dh0 = dinit.index_select(0, _device_tensor(si.first, torch.int64, dev))
     return dq, dk, dv, dg, dbeta, dA, ddtb, dh0

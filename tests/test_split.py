@@ -297,6 +297,30 @@ def test_training_split_runs(split_on, monkeypatch):  # type: ignore[no-untyped-
     assert len(calls) == 1 and calls[0].nseg == [5, 1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_training_split_scans_one_op_each(split_on, monkeypatch, dtype):  # type: ignore[no-untyped-def]
+    """The training split's forward scan and reverse scan are one segment_state_scan each, over the grid
+    of all split sequences (rows: segment indices, columns: sequences x heads), with sequences of 11, 4
+    and 8 segments among unsplit short ones; forward and gradients match the unsplit call."""
+    scans = []
+    real = torch.ops.kda.segment_state_scan
+
+    def counting(S, Q, P, first):  # type: ignore[no-untyped-def]
+        scans.append((tuple(S.shape), tuple(P.shape), S.dtype, first))
+        return real(S, Q, P, first)
+
+    monkeypatch.setattr(torch.ops.kda, "segment_state_scan", counting)
+    x, cu, e = _training_case([700, 64, 200, 1, 450, 0], dtype=dtype, seed=19)
+    got = _training_run(x, cu, e)
+    assert scans == [((11, 3 * 2, V, K), (11, 3 * 2, K, K), dtype, 2), ((11, 3 * 2, V, K), (11, 3 * 2, K, K), dtype, 1)]
+    monkeypatch.setattr(_split, "MODE", "0")
+    ref = _training_run(x, cu, e)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for key in ref:
+        assert got[key].shape == ref[key].shape, key
+        assert rel_rms(got[key], ref[key]) <= tol, (key, rel_rms(got[key], ref[key]))
+
+
 @pytest.mark.parametrize("n_ck,tokens", [(32, 64), (64, 64), (48, 0)])
 def test_split_checkpoints(split_on, monkeypatch, n_ck, tokens):  # type: ignore[no-untyped-def]
     """Checkpoints every n tokens from the output pass: each segment writes its own rows (n = 48 with the
