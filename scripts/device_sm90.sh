@@ -9,9 +9,9 @@
 #   OUT=/tmp/out bash scripts/device_sm90.sh          # build smoke tests bench
 #   STAGES="smoke tests" bash scripts/device_sm90.sh  # a subset (after a build)
 #
-# Success: smoke.log (the default variant 1) and smoke_v0.log (KDA_SM90_VARIANT=0) end with "smoke: OK" (every
-# case "OK ... ran=True"), tests.log, tests_v0.log and tests_shared.log with "N passed" and no failures,
-# bench.log has the table (sm90 v0 / v1 vs mma ms per call, "sm90 ran" True) and the two profile tables
+# Success: smoke.log (the default variant 1) and smoke_v2.log (KDA_SM90_VARIANT=2) end with "smoke: OK" (every
+# case "OK ... ran=True"), tests.log, tests_v2.log and tests_shared.log with "N passed" and no failures,
+# bench.log has the table (sm90 v1 / v2 vs mma ms per call, "sm90 ran" True) and the two profile tables
 # ("kda_chunked_sm90 profile, variant V": cycles per chunk per segment of each role in CTA 0).
 # On failure: smoke.log's "FAIL"/"ERROR" line and the diagnosis block after it, the "kda_chunked_sm90:" lines
 # (tensor-map encode results, grid, launch error), smoke_memcheck.log.
@@ -44,8 +44,8 @@ for s in $STAGES; do
       grep -E "kda_chunked_sm90_kernel|C7517" -A2 "$OUT/build.log" | grep -E "Function properties|injected|spill|registers" \
         | sed 's/.*kda_chunked_sm90_kernelI/kernel</' | head -16 ;;
     smoke)
-      # the first version of the kernel (KDA_SM90_VARIANT=0) first, then the default (1)
-      TAIL=30 KDA_SM90_VARIANT=0 run smoke_v0 60 python3 scripts/sm90_smoke.py
+      # the two-prep-warpgroup design (KDA_SM90_VARIANT=2) first, then the default (1)
+      TAIL=30 KDA_SM90_VARIANT=2 run smoke_v2 60 python3 scripts/sm90_smoke.py
       rm -f "$OUT/smoke_first_fail"
       TAIL=100 SMOKE_FIRST_FAIL="$OUT/smoke_first_fail" run smoke 90 python3 scripts/sm90_smoke.py
       SMOKE_RC=$?
@@ -60,7 +60,7 @@ for s in $STAGES; do
         echo "== $s: skipped (the smoke call hung)"; continue; fi ;;&
     tests)  # this path's own tests first, then the shared chunked tests re-run on it
       run tests 75 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper tests/gpu/test_chunked_sm90.py
-      KDA_SM90_VARIANT=0 run tests_v0 75 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper \
+      KDA_SM90_VARIANT=2 run tests_v2 75 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper \
         tests/gpu/test_chunked_sm90.py
       run tests_shared 90 python3 -m pytest -q -rf --maxfail=10 -p no:cacheprovider -k "not hopper" \
         tests/gpu/test_chunked_sm90.py ;;

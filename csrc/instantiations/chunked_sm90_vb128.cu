@@ -78,12 +78,13 @@ chunked_sm90::TmaToken token_tma(const RecurrentParams& p, const TokenTensor& t,
                                       t.head_stride, bs);
 }
 
-// KDA_SM90_VARIANT=0|1 (read per call, default 1): which version of the kernel (chunked_sm90_kernel.cuh,
-// kVariant), so one process can time both. KDA_SM90_PROFILE=1: the profile instantiation, then a stream sync
+// KDA_SM90_VARIANT=1|2 (read per call, default 1): which design of the kernel (chunked_sm90_kernel.cuh, Cfg:
+// 1 = a producer warpgroup and one prep warpgroup, 2 = two prep warpgroups loading their own chunks; 2 has not
+// run on a GPU yet), so one process can time both. KDA_SM90_PROFILE=1: the profile instantiation, then a stream sync
 // and the per-segment cycle table of CTA 0 on stderr (a debugging aid: not for graph capture).
 int sm90_variant() {
   const char* e = std::getenv("KDA_SM90_VARIANT");
-  return (e != nullptr && e[0] == '0') ? 0 : 1;
+  return (e != nullptr && e[0] == '2' && e[1] == '\0') ? 2 : 1;
 }
 bool sm90_profile() {
   const char* e = std::getenv("KDA_SM90_PROFILE");
@@ -93,8 +94,8 @@ bool sm90_profile() {
 using KernelFn = void (*)(const chunked_sm90::KernelArgs);
 KernelFn kernel_for(bool profile, int variant) {
   using namespace chunked_sm90;
-  if (profile) return variant == 0 ? kda_chunked_sm90_kernel<true, 0> : kda_chunked_sm90_kernel<true, 1>;
-  return variant == 0 ? kda_chunked_sm90_kernel<false, 0> : kda_chunked_sm90_kernel<false, 1>;
+  if (profile) return variant == 1 ? kda_chunked_sm90_kernel<true, 1> : kda_chunked_sm90_kernel<true, 2>;
+  return variant == 1 ? kda_chunked_sm90_kernel<false, 1> : kda_chunked_sm90_kernel<false, 2>;
 }
 
 void print_profile(int variant) {
@@ -104,7 +105,11 @@ void print_profile(int variant) {
     std::fprintf(stderr, "kda_chunked_sm90 profile: read failed\n");
     return;
   }
-  static const char* const roles[kProfRoles] = {"producer", "prep (warp 0)", "chain WG2", "chain WG3"};
+  static const char* const roles1[kProfRoles] = {"producer", "prep (warp 0)", "chain WG2", "chain WG3"};
+  static const char* const roles2[kProfRoles] = {"prep WG0 (w0)", "prep WG1 (w4)", "chain WG2", "chain WG3"};
+  const char* const* roles = variant == 1 ? roles1 : roles2;
+  static const char* const prep_segs[kProfSegs] = {"acq op",     "wait raw", "named bar+TMA", "gate+norm",
+                                                   "operands",   "L+Mqk",    "inverse",       "commit+loop"};
   static const char* const segs[kProfRoles][kProfSegs] = {
       {"acq raw", "TMA qkg", "acq v", "TMA v", "-", "-", "-", "-"},
       {"acq op", "wait raw", "named bar", "gate+norm", "operands", "L+Mqk", "inverse", "commit+loop"},
@@ -117,8 +122,9 @@ void print_profile(int variant) {
     unsigned long long tot = 0;
     for (int s = 0; s < kProfSegs; ++s) tot += h[r][s];
     std::fprintf(stderr, "  %-14s chunks %llu total/chunk %7.0f |", roles[r], h[r][kProfSegs], double(tot) / nc);
+    const char* const* sg = (variant == 2 && r == 0) ? prep_segs : segs[r];
     for (int s = 0; s < kProfSegs; ++s)
-      if (segs[r][s][0] != '-') std::fprintf(stderr, " %s %.0f", segs[r][s], double(h[r][s]) / nc);
+      if (sg[s][0] != '-') std::fprintf(stderr, " %s %.0f", sg[s], double(h[r][s]) / nc);
     std::fprintf(stderr, "\n");
   }
 }
@@ -138,7 +144,7 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream) {
   const bool profile = sm90_profile();
   const int variant = sm90_variant();
   const KernelFn fn = kernel_for(profile, variant);
-  const int which = (profile ? 2 : 0) + variant;
+  const int which = (profile ? 2 : 0) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
   static std::atomic<bool> attr_set[64][4] = {};

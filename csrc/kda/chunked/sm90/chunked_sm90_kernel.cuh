@@ -1,47 +1,45 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
-// chunk, K = V = 128, with the Hopper machinery:
-//   * WG0, warp 0, one thread: TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g
-//     tiles [16 tokens][128] into a ring guarded by cutlass::PipelineTmaAsync (consumer: the prep WG), and of
-//     the v tiles into a second ring (consumers: the two chain WGs). Packed input uses per-sequence
-//     coordinates into the packed tensor (domain_offset); rows past a sequence's end are real tokens of the
-//     next sequence (or TMA's zero fill at the tensor's end) and are masked by the consumers.
-//   * WG1, prep: gate + in-chunk prefix (fp32), L2 norms, β, the decayed operands written as swizzled wgmma B
-//     tiles (K⁺, Q⁺ bf16 K-major, Kr fp16 MN-major), L and Mqk (one warp of mma.sync m16n8k16 with relative
+// chunk, K = V = 128, with the Hopper machinery. Two designs (template kVariant, Cfg below; KDA_SM90_VARIANT
+// per call, default 1; variant 2 compiles without spills but has not run on a GPU yet):
+//   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
+//     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
+//     WGs. Packed input uses per-sequence coordinates into the packed tensor (domain_offset); rows past a
+//     sequence's end are real tokens of the next sequence (or TMA's zero fill at the tensor's end) and are
+//     masked by the consumers. Variant 1: one thread of a producer WG issues every load. Variant 2: no producer
+//     WG; each prep WG's thread 0 issues the loads of its own chunks.
+//   * Prep (variant 1: WG1 for every chunk; variant 2: WG0 for the even chunks, WG1 for the odd ones, each
+//     with its own raw ring, scratch and named barrier; a chunk's prep depends on nothing before it): gate +
+//     in-chunk prefix (fp32), L2 norms, β, the decayed operands written as swizzled wgmma B tiles (K⁺, Q⁺
+//     bf16 K-major, Kr fp16 MN-major), L and Mqk (one warp each of mma.sync m16n8k16 with relative
 //     exponents; exact pairwise exponentials on CUDA cores when an in-chunk decay span is too wide), the
 //     16x16 unit-lower inverse in fp32 (8x8 blocks by forward substitution, then the off-diagonal block),
 //     INVb = INV diag(β) and Mqk as fp16 B tiles. Hands the chunk's operands to the chain through a
-//     cutlass::PipelineAsync ring kOpStages deep (prep runs up to kOpStages chunks ahead).
+//     cutlass::PipelineAsync ring kOpStages deep (chunk c in stage c mod kOpStages, whichever WG made it).
 //   * WG2 / WG3, chain: value rows 0-63 / 64-127 of the state S[V, K] as an fp32 wgmma accumulator
 //     (64 registers per thread) for the whole sequence. Per chunk (ᵀ: value rows first):
-//       Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ   (RS wgmma m64n16k16 x 8, A = bf16(S) converted in registers)
-//       Yᵀ = Vᵀ - Xᵀ (padding tokens 0),  Uᵀ = Yᵀ INVbᵀ   (RS m64n16k16, fp16)
+//       Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ   (RS wgmma m64n16k16 x 8, A = bf16(S) converted in registers; two
+//                                       batches, v read while they run)
+//       Yᵀ = Vᵀ - Xᵀ (padding tokens 0),  Uᵀ = Yᵀ INVbᵀ   (RS m64n16k16, fp16; S ⊙ γ_C while U runs)
 //       S = S ⊙ γ_C + Uᵀ Kr              (RS m64n128k16, fp16, accumulating into the state registers)
 //       Oᵀ = O_interᵀ + Uᵀ Mqkᵀ          (RS m64n16k16) -> bf16, registers to global
 //     The two chain WGs share only read-only pipeline stages; each stage is released after both consumed it.
-//   * setmaxnreg: the producer WG gives its registers to the chain WGs.
+//   * setmaxnreg: variant 1: producer 40, prep 128, chain 168; variant 2: prep 112, chain 144 (ptxas: no
+//     spill in either).
 // Numerics: fp32 state and accumulators, bf16 operands for S and the unbounded factors, fp16 for the bounded
-// R path (as the mma.sync kernel).
+// R path (as the mma.sync kernel). Both variants give the same bits.
 // Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): inference prefill, bf16 tokens,
 // fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32 pool slots with
 // inactive slots, zero or pool start state, final state to the pool or to final_state, seq_order. Everything else
 // (checkpoints, tapes, the backward chain, initial_state_source) runs on the mma.sync kernel. seq_order (the
 // longest-first task order the Python layer sets for packed calls) maps blockIdx to the sequence.
-// Variants (template kVariant, chosen per call by KDA_SM90_VARIANT, default 1) and the profile instantiation
-// (kProfile, KDA_SM90_PROFILE=1: clock64 cycles per role and segment of CTA 0 into kda_sm90_prof):
-//   0: the first version;
-//   1: shared-memory accesses in the shared address space (the first version's aligned base lost it, so every
-//      scratch access was a generic 64-bit LD.E/ST.E with 260 B of spills in prep), 16-byte stores of the
-//      swizzled operand tiles at offsets computed by swz_offset, and in the chain X and O_inter as two wgmma
-//      batches with the γ scaling and the v loads between issue and wait.
-// Known limits of the first version, in the order they are expected to matter for speed (the first run: one
-// CTA's serial chain of ~10k cycles per 16-token chunk is the limit, independent of the head count):
-//   * prep is one warpgroup doing G (gate, norms, operands) and then W (L, Mqk, inverse) for each chunk in
-//     sequence; the mma.sync kernel overlaps them on separate warps (needs double-buffered prep scratch);
-//   * operand tiles are written element by element through the swizzled CuTe tensors (variant 1: 16 bytes);
-//   * prep runs on one warp per scheduler, so each of its ~3k instructions per chunk pays its latency;
-//   * X and O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile), and the output goes
-//     registers -> global as 2-byte stores (TMA store from a staging tile planned);
+// The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock64 cycles per role and segment of CTA 0 into
+// kda_sm90_prof.
+// Known limits, in the order they are expected to matter for speed:
+//   * variant 1: prep (one WG, ~6k cycles per chunk) is the limit; the chain waits half of each chunk for it;
+//   * the chain's own ~2.9k cycles per chunk: the output goes registers -> global as 2-byte stores (a TMA
+//     store from a staging tile is planned) and X / O_inter are two N=16 GEMMs (could be one N=32 over a
+//     stacked [K⁺; Q⁺] tile);
 //   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
 #pragma once
 #include <cuda_bf16.h>
@@ -75,16 +73,35 @@ using f16_t = cutlass::half_t;
 
 constexpr int kC = 16;    // tokens per chunk
 constexpr int kD = 128;   // K = V
-constexpr int kRawStages = 4;  // raw q/k/g ring (TMA -> prep)
-constexpr int kVStages = 4;    // raw v ring (TMA -> chain)
-constexpr int kOpStages = 3;   // operand ring (prep -> chain)
+// The two designs (template kVariant, KDA_SM90_VARIANT, default 1):
+//   1: a producer warpgroup (one thread issues every TMA load) and one prep warpgroup for all chunks;
+//   2: two prep warpgroups, each for every other chunk (prep of a chunk depends on nothing before it), each
+//      issuing the TMA loads of its own chunks (raw q/k/g into its own ring, v into the shared v ring); no
+//      producer warpgroup. Prep throughput doubles; registers: prep 112, chain 144 (v1: producer 40, prep 128,
+//      chain 168).
+template <int kVariant>
+struct Cfg;
+template <>
+struct Cfg<1> {
+  static constexpr int kPrepWGs = 1, kRawStages = 4;  // one raw ring of 4 stages
+  static constexpr int kPrepRegs = 128, kChainRegs = 168, kProducerRegs = 40;
+};
+template <>
+struct Cfg<2> {
+  static constexpr int kPrepWGs = 2, kRawStages = 2;  // a raw ring of 2 stages per prep warpgroup
+  static constexpr int kPrepRegs = 112, kChainRegs = 144, kProducerRegs = 0;
+};
+constexpr int kRawSlots = 4;   // raw q/k/g tile slots in shared memory (all prep warpgroups together)
+constexpr int kVStages = 8;    // raw v ring (TMA -> chain)
+constexpr int kOpStages = 4;   // operand ring (prep -> chain)
 constexpr int kThreads = 512;  // 4 warpgroups
-constexpr int kBarPrep = 1;  // named barrier of the prep WG (0 is __syncthreads)
+constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 
 // ---- shared-memory layouts
 // raw token tiles as TMA writes them: [16 tokens][128] row-major, no swizzle (read by CUDA cores)
 using LayoutRaw = Layout<Shape<_16, _128>, Stride<_128, _1>>;
-using LayoutRawRing = Layout<Shape<_16, _128, Int<kRawStages>>, Stride<_128, _1, _2048>>;
+template <int kStages>
+using LayoutRawRing = Layout<Shape<_16, _128, Int<kStages>>, Stride<_128, _1, _2048>>;
 using LayoutVRing = Layout<Shape<_16, _128, Int<kVStages>>, Stride<_128, _1, _2048>>;
 // wgmma B tiles. K⁺, Q⁺: (N = 16 tokens, K = 128 channels), K-major, 128-byte swizzle.
 using LayoutKd = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_16, _128, Int<kOpStages>>{}));
@@ -105,9 +122,20 @@ CUTE_HOST_DEVICE int swz_offset(L, Is... is) {
   return static_cast<int>(get_swizzle_portion(L{})(bytes)) / kBytes;
 }
 
-using PipeRaw = cutlass::PipelineTmaAsync<kRawStages>;
+template <int kVariant>
+using PipeRaw = cutlass::PipelineTmaAsync<Cfg<kVariant>::kRawStages>;
 using PipeV = cutlass::PipelineTmaAsync<kVStages>;
 using PipeOp = cutlass::PipelineAsync<kOpStages>;
+
+// prep-only scratch of one prep warpgroup (one chunk at a time; that warpgroup's named barrier orders it)
+struct PrepScratch {
+  alignas(16) __nv_bfloat16 km[kC * kD], qm[kC * kD], kn[kC * kD];  // XOR-swizzled for ldmatrix
+  alignas(16) float gp[kC * kD];  // Γ' = Γ - Γ_0 (log2 units)
+  alignas(16) float e0[kD], ecp[kD], a0[kD], gc[kD];
+  alignas(16) float rq[kC], rk[kC], beta[kC];
+  alignas(16) float ap[kC * kC];  // A' = diag(β) strict_tril(L)
+  alignas(16) float i2s[8 * 8];
+};
 
 struct SharedStorage {
   // prep -> chain operands (ring of kOpStages)
@@ -117,22 +145,20 @@ struct SharedStorage {
   alignas(1024) f16_t invb[cosize_v<LayoutT16>];
   alignas(1024) f16_t mqk[cosize_v<LayoutT16>];
   alignas(16) float gamma[kOpStages][kD];  // e^{Γ_C} per channel
-  // TMA destinations
-  alignas(128) bf16_t q[cosize_v<LayoutRawRing>];
-  alignas(128) bf16_t k[cosize_v<LayoutRawRing>];
-  alignas(128) bf16_t g[cosize_v<LayoutRawRing>];
+  // TMA destinations: raw q/k/g slots (variant 1: one ring of all of them; 2: a ring of half of them per
+  // prep warpgroup), the v ring
+  alignas(128) bf16_t q[kRawSlots * kC * kD];
+  alignas(128) bf16_t k[kRawSlots * kC * kD];
+  alignas(128) bf16_t g[kRawSlots * kC * kD];
   alignas(128) bf16_t v[cosize_v<LayoutVRing>];
-  // prep-only scratch (one chunk at a time; the prep WG's barriers order it)
-  alignas(16) __nv_bfloat16 km[kC * kD], qm[kC * kD], kn[kC * kD];  // XOR-swizzled for ldmatrix
-  alignas(16) float gp[kC * kD];  // Γ' = Γ - Γ_0 (log2 units)
-  alignas(16) float e0[kD], ecp[kD], a0[kD], gc[kD];
-  alignas(16) float rq[kC], rk[kC], beta[kC];
-  alignas(16) float ap[kC * kC];  // A' = diag(β) strict_tril(L)
-  alignas(16) float i2s[8 * 8];
-  alignas(16) typename PipeRaw::SharedStorage pipe_raw;
+  PrepScratch prep[2];
+  alignas(16) typename PipeRaw<1>::SharedStorage pipe_raw1;
+  alignas(16) typename PipeRaw<2>::SharedStorage pipe_raw2[2];
   alignas(16) typename PipeV::SharedStorage pipe_v;
   alignas(16) typename PipeOp::SharedStorage pipe_op;
 };
+static_assert(Cfg<1>::kRawStages * Cfg<1>::kPrepWGs == kRawSlots && Cfg<2>::kRawStages * Cfg<2>::kPrepWGs == kRawSlots,
+              "raw slots");
 
 // ---- TMA of one token tensor [B, T, heads, 128] (bf16): gmem modes (T, 128, heads, B), box (16, 128).
 inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts, int64_t hs, int64_t bs) {
@@ -225,24 +251,22 @@ struct Prof {
   }
 };
 
-// kProfile: the profile instantiation (segment clocks of CTA 0 into kda_sm90_prof). kVariant 0: the first
-// version; 1: 16-byte stores of the swizzled operand tiles in prep; in the chain, X and O_inter as two
-// batches (Y waits only for X), the γ scaling of the state and the v loads while the X product runs.
+// kProfile: the profile instantiation (segment clocks of CTA 0 into kda_sm90_prof). kVariant: the design (Cfg
+// above). In the chain, X and O_inter run as two wgmma batches (Y waits only for X), with the γ scaling of the
+// state and the v loads while the X product runs.
 template <bool kProfile, int kVariant>
 __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(KDA_SM90_DEVICE)
+  using Cf = Cfg<kVariant>;
+  constexpr int kPrepWGs = Cf::kPrepWGs, kRawStages = Cf::kRawStages;
+  using PipeR = PipeRaw<kVariant>;
   const RecurrentParams& p = args.p;
   extern __shared__ char smem_raw[];
-  // The 1024-byte alignment of the swizzled tiles. Variant 1 aligns by an offset from the __shared__ array, so
-  // the compiler keeps the shared address space (LDS/STS with 32-bit addresses); the first version's integer
-  // round trip made every scratch access a generic 64-bit LD.E/ST.E.
-  char* smem_base;
-  if constexpr (kVariant >= 1) {
-    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-    smem_base = smem_raw + ((1024u - (a & 1023u)) & 1023u);
-  } else {
-    smem_base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  }
+  // The 1024-byte alignment of the swizzled tiles, as an offset from the __shared__ array, so the compiler keeps
+  // the shared address space (LDS/STS with 32-bit addresses; an integer round trip of the pointer would make
+  // every scratch access a generic 64-bit LD.E/ST.E).
+  const uint32_t smem_a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  char* smem_base = smem_raw + ((1024u - (smem_a & 1023u)) & 1023u);
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_base);
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
@@ -268,82 +292,108 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   }
   if (sr.len == 0 && p.final_state == nullptr) return;  // a zero-length sequence leaves its slot untouched
 
+  // ---- roles: variant 1: WG0 producer, WG1 prep; variant 2: WG0 / WG1 prep of the even / odd chunks, their
+  // thread 0 issuing the TMA loads of those chunks. WG2 / WG3: chain.
+  const bool is_prep = kPrepWGs == 2 ? wg <= 1 : wg == 1;
+  const int pw = kPrepWGs == 2 ? wg : 0;  // which prep warpgroup (and raw ring)
+  const bool raw_leader = kPrepWGs == 2 ? (wg <= 1 && (tid & 127) == 0) : tid == 0;  // issues raw q/k/g loads
+
   // ---- pipelines (barriers initialised by warp 0, visible to all after the __syncthreads below)
-  typename PipeRaw::Params prp;
+  typename PipeR::Params prp;
   prp.transaction_bytes = 3 * kC * kD * sizeof(bf16_t);
-  prp.role = wg == 0 ? PipeRaw::ThreadCategory::Producer
-                     : (wg == 1 ? PipeRaw::ThreadCategory::Consumer : PipeRaw::ThreadCategory::NonParticipant);
-  prp.is_leader = tid == 0;
+  if constexpr (kPrepWGs == 2)
+    prp.role = !is_prep ? PipeR::ThreadCategory::NonParticipant
+                        : (raw_leader ? PipeR::ThreadCategory::ProducerConsumer : PipeR::ThreadCategory::Consumer);
+  else
+    prp.role = wg == 0 ? PipeR::ThreadCategory::Producer
+                       : (wg == 1 ? PipeR::ThreadCategory::Consumer : PipeR::ThreadCategory::NonParticipant);
+  prp.is_leader = raw_leader;
   prp.num_consumers = 128;
-  PipeRaw pipe_raw(ss.pipe_raw, prp, Shape<_1, _1, _1>{});
+  // variant 2: each prep warpgroup's ring, initialised by that warpgroup's first warp (0 or 4)
+  auto raw_storage = [&](int w) -> typename PipeR::SharedStorage& {
+    if constexpr (kPrepWGs == 2) return ss.pipe_raw2[w];
+    else return ss.pipe_raw1;
+  };
+  prp.initializing_warp = kPrepWGs == 2 && wg == 1 ? 4 : 0;
+  PipeR pipe_raw(raw_storage(pw), prp, Shape<_1, _1, _1>{});
   typename PipeV::Params pvp;
   pvp.transaction_bytes = kC * kD * sizeof(bf16_t);
-  pvp.role = wg == 0 ? PipeV::ThreadCategory::Producer
-                     : (wg >= 2 ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
-  pvp.is_leader = tid == 0;
+  pvp.role = raw_leader ? PipeV::ThreadCategory::Producer
+                        : (wg >= 2 ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
+  pvp.is_leader = raw_leader;
   pvp.num_consumers = 256;
   PipeV pipe_v(ss.pipe_v, pvp, Shape<_1, _1, _1>{});
   typename PipeOp::Params pop;
-  pop.role = wg == 1 ? PipeOp::ThreadCategory::Producer
+  pop.role = is_prep ? PipeOp::ThreadCategory::Producer
                      : (wg >= 2 ? PipeOp::ThreadCategory::Consumer : PipeOp::ThreadCategory::NonParticipant);
-  pop.producer_arv_count = 128;
+  pop.producer_arv_count = 128;  // one prep warpgroup fills a stage
   pop.consumer_arv_count = 256;
   PipeOp pipe_op(ss.pipe_op, pop);
   __syncthreads();
 
-  if (wg == 0) {
-    // ================================ producer ================================
-    cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (tid == 0 && n_chunks > 0) {
-      cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(args.tma_g.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
-      const int T = static_cast<int>(p.T), B = static_cast<int>(p.B), bos = static_cast<int>(sr.bos);
-      const int b = static_cast<int>(sr.batch);
-      auto tiles = [&](const TmaToken& tma, int heads, int head) {
-        Tensor m = tma.get_tma_tensor(make_shape(T, Int<kD>{}, heads, B));
-        Tensor ms = domain_offset(make_coord(bos, _0{}), m(_, _, head, b));  // this sequence's tokens
-        return local_tile(ms, Shape<_16, _128>{}, make_coord(_, _0{}));     // (16, 128, chunk)
-      };
-      Tensor gQ = tiles(args.tma_q, p.H, h), gK = tiles(args.tma_k, p.H, h);
-      Tensor gG = tiles(args.tma_g, p.HV, hv), gV = tiles(args.tma_v, p.HV, hv);
-      Tensor sQ = make_tensor(make_smem_ptr(ss.q), LayoutRawRing{});
-      Tensor sK = make_tensor(make_smem_ptr(ss.k), LayoutRawRing{});
-      Tensor sG = make_tensor(make_smem_ptr(ss.g), LayoutRawRing{});
-      Tensor sV = make_tensor(make_smem_ptr(ss.v), LayoutVRing{});
-      auto [tQg, tQs] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tGg, tGs] = tma_partition(args.tma_g, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sG), group_modes<0, 2>(gG));
-      auto [tVg, tVs] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      auto st_raw = cutlass::make_producer_start_state<PipeRaw>();
-      auto st_v = cutlass::make_producer_start_state<PipeV>();
-      Prof<kProfile> prof;
-      prof.start(true);
-      for (int64_t c = 0; c < n_chunks; ++c) {
-        pipe_raw.producer_acquire(st_raw);
-        prof.mark(0);
-        auto* bar = pipe_raw.producer_get_barrier(st_raw);
-        const int s = st_raw.index();
-        copy(args.tma_q.with(*bar), tQg(_, c), tQs(_, s));
-        copy(args.tma_k.with(*bar), tKg(_, c), tKs(_, s));
-        copy(args.tma_g.with(*bar), tGg(_, c), tGs(_, s));
-        ++st_raw;
-        prof.mark(1);
-        pipe_v.producer_acquire(st_v);
-        prof.mark(2);
-        copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v)), tVg(_, c), tVs(_, st_v.index()));
-        ++st_v;
-        prof.mark(3);
+  // ---- TMA issue (variant 1: the producer's loop; variant 2: each prep warpgroup's thread 0, for its chunks)
+  // This sequence's [16, 128] tiles of q, k (head h), g, v (head hv) and the ring slots of raw ring `w`.
+  auto tiles = [&](const TmaToken& tma, int heads, int head) {
+    Tensor m = tma.get_tma_tensor(make_shape(static_cast<int>(p.T), Int<kD>{}, heads, static_cast<int>(p.B)));
+    Tensor ms = domain_offset(make_coord(static_cast<int>(sr.bos), _0{}), m(_, _, head, static_cast<int>(sr.batch)));
+    return local_tile(ms, Shape<_16, _128>{}, make_coord(_, _0{}));  // (16, 128, chunk)
+  };
+  auto raw_part = [&](const TmaToken& tma, bf16_t* ring, int heads, int head) {
+    Tensor s_ = make_tensor(make_smem_ptr(ring + pw * kRawStages * kC * kD), LayoutRawRing<kRawStages>{});
+    return tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_), group_modes<0, 2>(tiles(tma, heads, head)));
+  };
+  auto v_part = [&] {
+    Tensor s_ = make_tensor(make_smem_ptr(ss.v), LayoutVRing{});
+    return tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_), group_modes<0, 2>(tiles(args.tma_v, p.HV, hv)));
+  };
+  auto prefetch_maps = [&] {
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_g.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+  };
+  if constexpr (kPrepWGs == 1) {
+    if (wg == 0) {
+      // ================================ producer (variant 1) ================================
+      cutlass::arch::warpgroup_reg_dealloc<Cf::kProducerRegs>();
+      if (tid == 0 && n_chunks > 0) {
+        prefetch_maps();
+        auto tq = raw_part(args.tma_q, ss.q, p.H, h);
+        auto tk = raw_part(args.tma_k, ss.k, p.H, h);
+        auto tg = raw_part(args.tma_g, ss.g, p.HV, hv);
+        auto tv = v_part();
+        auto st_raw = cutlass::make_producer_start_state<PipeR>();
+        auto st_v = cutlass::make_producer_start_state<PipeV>();
+        Prof<kProfile> prof;
+        prof.start(true);
+        for (int64_t c = 0; c < n_chunks; ++c) {
+          pipe_raw.producer_acquire(st_raw);
+          prof.mark(0);
+          auto* bar = pipe_raw.producer_get_barrier(st_raw);
+          const int s = st_raw.index();
+          copy(args.tma_q.with(*bar), get<0>(tq)(_, c), get<1>(tq)(_, s));
+          copy(args.tma_k.with(*bar), get<0>(tk)(_, c), get<1>(tk)(_, s));
+          copy(args.tma_g.with(*bar), get<0>(tg)(_, c), get<1>(tg)(_, s));
+          ++st_raw;
+          prof.mark(1);
+          pipe_v.producer_acquire(st_v);
+          prof.mark(2);
+          copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v)), get<0>(tv)(_, c), get<1>(tv)(_, st_v.index()));
+          ++st_v;
+          prof.mark(3);
+        }
+        prof.finish(0, n_chunks);
       }
-      prof.finish(0, n_chunks);
+      return;
     }
-    return;
   }
 
-  if (wg == 1) {
+  if (is_prep) {
     // ================================ prep ================================
-    const int ptid = tid - 128, d = ptid, pwarp = ptid >> 5;
+    if constexpr (kPrepWGs == 2) cutlass::arch::warpgroup_reg_dealloc<Cf::kPrepRegs>();
+    PrepScratch& sc = ss.prep[pw];
+    const int bar = kBarPrep + pw;
+    const int ptid = tid & 127, d = ptid, pwarp = ptid >> 5;
     const bool in_gate = p.gate_mode != GateMode::kPrecomputed;
     const float A = in_gate ? __expf(p.A_log[hv]) : 0.f;
     const float dtb = (in_gate && p.dt_bias != nullptr) ? p.dt_bias[int64_t(hv) * kD + d] : 0.f;
@@ -355,37 +405,64 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       if (ptid < kC && c < n_chunks && c * kC + ptid < sr.len) bv = bsrc[(sr.bos + c * kC + ptid) * p.beta.token_stride];
       return bv;
     };
-    Tensor sKd = make_tensor(make_smem_ptr(ss.kd), LayoutKd{});
-    Tensor sQd = make_tensor(make_smem_ptr(ss.qd), LayoutKd{});
-    Tensor sKr = make_tensor(make_smem_ptr(ss.kr), LayoutKr{});
-    Tensor sInv = make_tensor(make_smem_ptr(ss.invb), LayoutT16{});
-    Tensor sMqk = make_tensor(make_smem_ptr(ss.mqk), LayoutT16{});
-    // element references into the 16x16 tiles (variant 1: offsets from the shared arrays, see swz_offset)
-    auto mqk_ref = [&](int i, int j, int s) -> f16_t& {
-      if constexpr (kVariant >= 1) return ss.mqk[swz_offset(LayoutT16{}, i, j, s)];
-      else return sMqk(i, j, s);
+    // element references into the 16x16 tiles (offsets from the shared arrays, see swz_offset)
+    auto mqk_ref = [&](int i, int j, int s) -> f16_t& { return ss.mqk[swz_offset(LayoutT16{}, i, j, s)]; };
+    auto inv_ref = [&](int i, int j, int s) -> f16_t& { return ss.invb[swz_offset(LayoutT16{}, i, j, s)]; };
+    // variant 2: this warpgroup's thread 0 loads its chunks c = pw, pw + 2, ... (raw ring kRawStages deep, v into
+    // the shared ring at stage c mod kVStages); the partitions are rebuilt per issue (no registers held)
+    auto st_raw_p = cutlass::make_producer_start_state<PipeR>();
+    auto st_v_p = cutlass::make_producer_start_state<PipeV>();
+    st_v_p.advance(pw);
+    int64_t c_issue = pw;
+    auto issue = [&] {
+      pipe_raw.producer_acquire(st_raw_p);
+      auto* rbar = pipe_raw.producer_get_barrier(st_raw_p);
+      const int s = st_raw_p.index();
+      {
+        auto t = raw_part(args.tma_q, ss.q, p.H, h);
+        copy(args.tma_q.with(*rbar), get<0>(t)(_, c_issue), get<1>(t)(_, s));
+      }
+      {
+        auto t = raw_part(args.tma_k, ss.k, p.H, h);
+        copy(args.tma_k.with(*rbar), get<0>(t)(_, c_issue), get<1>(t)(_, s));
+      }
+      {
+        auto t = raw_part(args.tma_g, ss.g, p.HV, hv);
+        copy(args.tma_g.with(*rbar), get<0>(t)(_, c_issue), get<1>(t)(_, s));
+      }
+      ++st_raw_p;
+      pipe_v.producer_acquire(st_v_p);
+      {
+        auto t = v_part();
+        copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v_p)), get<0>(t)(_, c_issue), get<1>(t)(_, st_v_p.index()));
+      }
+      st_v_p.advance(kPrepWGs);
+      c_issue += kPrepWGs;
     };
-    auto inv_ref = [&](int i, int j, int s) -> f16_t& {
-      if constexpr (kVariant >= 1) return ss.invb[swz_offset(LayoutT16{}, i, j, s)];
-      else return sInv(i, j, s);
-    };
-    typename PipeRaw::PipelineState st_raw;  // consumer: stage 0, phase 0
+    if constexpr (kPrepWGs == 2) {
+      if (raw_leader) {
+        prefetch_maps();
+        for (int i = 0; i < kRawStages && c_issue < n_chunks; ++i) issue();
+      }
+    }
+    typename PipeR::PipelineState st_raw;  // consumer: stage 0, phase 0
     auto st_op = cutlass::make_producer_start_state<PipeOp>();
-    __nv_bfloat16 beta_next = load_beta(0);
+    st_op.advance(pw);  // chunk c fills operand stage c mod kOpStages
+    __nv_bfloat16 beta_next = load_beta(pw);
     Prof<kProfile> prof;
     prof.start(ptid == 0);
-    for (int64_t c = 0; c < n_chunks; ++c) {
+    for (int64_t c = pw; c < n_chunks; c += kPrepWGs) {
       const int cl = chunk_len(c);
       const __nv_bfloat16 beta_raw = beta_next;
-      beta_next = load_beta(c + 1);
+      beta_next = load_beta(c + kPrepWGs);
       prof.mark(7);
       pipe_op.producer_acquire(st_op);
       prof.mark(0);
       pipe_raw.consumer_wait(st_raw);
       prof.mark(1);
-      named_sync(kBarPrep, 128);  // the previous chunk's scratch readers are done
+      named_sync(bar, 128);  // the previous chunk's scratch readers are done
       prof.mark(2);
-      const int rs = st_raw.index(), os = st_op.index();
+      const int rs = pw * kRawStages + st_raw.index(), os = st_op.index();
       const bf16_t* rq_ = ss.q + rs * kC * kD;
       const bf16_t* rk_ = ss.k + rs * kC * kD;
       const bf16_t* rg_ = ss.g + rs * kC * kD;
@@ -394,11 +471,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
 
       // ---- gate prefix of channel d, L2 norms, β
       float a0 = 0.f, gc = 0.f;
-      gate_prefix_of(p.gate_mode, rg_, ss.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
-      ss.e0[d] = exp2f(a0);
-      ss.ecp[d] = exp2f(gc);
-      ss.a0[d] = a0;
-      ss.gc[d] = gc;
+      gate_prefix_of(p.gate_mode, rg_, sc.gp, d, cl, A2, Adtb, dtb, lb2, a0, gc);
+      sc.e0[d] = exp2f(a0);
+      sc.ecp[d] = exp2f(gc);
+      sc.a0[d] = a0;
+      sc.gc[d] = gc;
       ss.gamma[os][d] = exp2f(a0 + gc);
       const int wide = !(-gc <= kSpanLimit);
       {
@@ -408,17 +485,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
         if (part4 == 0) {
           const float r = p.use_qk_l2norm ? rsqrtf(sq + kL2NormEps) : 1.f;
           if (row < kC)
-            ss.rq[row] = r * p.scale;
+            sc.rq[row] = r * p.scale;
           else
-            ss.rk[row - kC] = r;
+            sc.rk[row - kC] = r;
         }
       }
       if (ptid < kC) {
         const float x = bfv(beta_raw);
-        ss.beta[ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
+        sc.beta[ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
       }
       prof.mark(3);
-      const bool pairwise = named_sync_or(kBarPrep, 128, wide);
+      const bool pairwise = named_sync_or(bar, 128, wide);
       prof.mark(2);
 
       // ---- decayed operand tiles: 2 items of (row i, 8 channels) per thread
@@ -426,13 +503,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       for (int u = 0; u < 2; ++u) {
         const int idx = ptid + 128 * u, i = idx >> 4, pc = idx & 15, d0 = pc * 8;
         float gi[8];
-        load8f(ss.gp + i * kD + d0, gi);
+        load8f(sc.gp + i * kD + d0, gi);
         const uint4 kw = *reinterpret_cast<const uint4*>(rkb + i * kD + d0);
         const uint4 qw = *reinterpret_cast<const uint4*>(rqb + i * kD + d0);
         const uint32_t kws[4] = {kw.x, kw.y, kw.z, kw.w}, qws[4] = {qw.x, qw.y, qw.z, qw.w};
         float kk[8], qq[8];
         const bool live = i < cl;  // rows past the end: zero operands (no effect on the state or outputs)
-        const float rk = live ? ss.rk[i] : 0.f, rq = live ? ss.rq[i] : 0.f;
+        const float rk = live ? sc.rk[i] : 0.f, rq = live ? sc.rq[i] : 0.f;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           kk[2 * e] = bf16_lo(kws[e]) * rk, kk[2 * e + 1] = bf16_hi(kws[e]) * rk;
@@ -445,8 +522,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
         float kp[8], qp[8], kr[8];
         if (!pairwise) {
           float e0v[8], ecv[8], km[8], qm[8], kn[8];
-          load8f(ss.e0 + d0, e0v);
-          load8f(ss.ecp + d0, ecv);
+          load8f(sc.e0 + d0, e0v);
+          load8f(sc.ecp + d0, ecv);
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const float ex = exp2f(gi[e]), ei = __fdividef(1.f, ex);
@@ -454,34 +531,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
             kp[e] = km[e] * e0v[e], qp[e] = qm[e] * e0v[e], kr[e] = kn[e] * ecv[e];
           }
           const int o = swz(i, pc);
-          *reinterpret_cast<uint4*>(ss.km + o) = pack8_bf16(km);
-          *reinterpret_cast<uint4*>(ss.qm + o) = pack8_bf16(qm);
-          *reinterpret_cast<uint4*>(ss.kn + o) = pack8_bf16(kn);
+          *reinterpret_cast<uint4*>(sc.km + o) = pack8_bf16(km);
+          *reinterpret_cast<uint4*>(sc.qm + o) = pack8_bf16(qm);
+          *reinterpret_cast<uint4*>(sc.kn + o) = pack8_bf16(kn);
         } else {
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            const float e1 = exp2f(ss.a0[d0 + e] + gi[e]);
+            const float e1 = exp2f(sc.a0[d0 + e] + gi[e]);
             kp[e] = kk[e] * e1, qp[e] = qq[e] * e1;
-            kr[e] = kk[e] * exp2f(ss.gc[d0 + e] - gi[e]);
+            kr[e] = kk[e] * exp2f(sc.gc[d0 + e] - gi[e]);
           }
         }
-        if constexpr (kVariant >= 1) {
-          // 8 consecutive channels are 16 contiguous, 16-byte aligned bytes in both swizzled layouts
-          // (K-major SW128: a row's 64-element atom row, permuted in 8-element pieces; MN-major SW128 likewise
-          // along the channels); scripts/sm90_layout_check.cu checks this on the host.
+        // 8 consecutive channels are 16 contiguous, 16-byte aligned bytes in both swizzled layouts (K-major SW128:
+        // a row's 64-element atom row, permuted in 8-element pieces; MN-major SW128 likewise along the channels);
+        // scripts/sm90_layout_check.cu checks this on the host.
 #pragma unroll
-          for (int e = 0; e < 8; ++e) kr[e] = sat_f16(kr[e]);
-          *reinterpret_cast<uint4*>(ss.kd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kp);
-          *reinterpret_cast<uint4*>(ss.qd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(qp);
-          *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_f16(kr);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            sKd(i, d0 + e, os) = bf16_t(kp[e]);
-            sQd(i, d0 + e, os) = bf16_t(qp[e]);
-            sKr(d0 + e, i, os) = f16_t(sat_f16(kr[e]));
-          }
-        }
+        for (int e = 0; e < 8; ++e) kr[e] = sat_f16(kr[e]);
+        *reinterpret_cast<uint4*>(ss.kd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kp);
+        *reinterpret_cast<uint4*>(ss.qd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(qp);
+        *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_f16(kr);
       }
       if (pairwise) {
         // exact Σ_d k̂_i k̂_j e^{Γ_i - Γ_j} on CUDA cores; masked pairs never exponentiated
@@ -490,27 +558,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
           float l = 0.f, mq = 0.f;
           if (jj <= i && i < cl) {
             for (int dd = 0; dd < kD; ++dd) {
-              const float w = exp2f(ss.gp[i * kD + dd] - ss.gp[jj * kD + dd]) * bfv(rkb[jj * kD + dd]);
+              const float w = exp2f(sc.gp[i * kD + dd] - sc.gp[jj * kD + dd]) * bfv(rkb[jj * kD + dd]);
               l = fmaf(bfv(rkb[i * kD + dd]), w, l);
               mq = fmaf(bfv(rqb[i * kD + dd]), w, mq);
             }
-            l *= ss.rk[i] * ss.rk[jj];
-            mq *= ss.rq[i] * ss.rk[jj];
+            l *= sc.rk[i] * sc.rk[jj];
+            mq *= sc.rq[i] * sc.rk[jj];
           }
-          ss.ap[e] = jj < i ? ss.beta[i] * l : 0.f;
+          sc.ap[e] = jj < i ? sc.beta[i] * l : 0.f;
           mqk_ref(i, jj, os) = f16_t(sat_f16(mq));
         }
       }
       pipe_raw.consumer_release(st_raw);  // done with the raw tiles
       ++st_raw;
       prof.mark(4);
-      named_sync(kBarPrep, 128);  // Km/Qm/Kn (or A', Mqk) complete
+      named_sync(bar, 128);  // Km/Qm/Kn (or A', Mqk) complete
       prof.mark(2);
+      if constexpr (kPrepWGs == 2) {
+        // every thread of this warpgroup released the raw stage: its leader refills it with its next chunk
+        if (raw_leader && c_issue < n_chunks) issue();
+      }
 
       if (pwarp <= 1 && !pairwise) {
         // warp 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); warp 1 at the same time: Mqk = tril(Qm Knᵀ).
         // (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
-        const __nv_bfloat16* asrc = pwarp == 0 ? ss.km : ss.qm;
+        const __nv_bfloat16* asrc = pwarp == 0 ? sc.km : sc.qm;
         const int gq = lane >> 2, cq = lane & 3;
         const TileOffsets toff_a(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);
         const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);
@@ -519,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
         for (int ks = 0; ks < kD / 16; ++ks) {
           uint32_t fa[4], fn[4];
           ldsm_x4(asrc + toff_a.at(ks), fa);
-          ldsm_x4(ss.kn + toff_b.at(ks), fn);
+          ldsm_x4(sc.kn + toff_b.at(ks), fn);
           float(&x)[2][4] = (ks & 1) ? al2 : al;
           ptx::mma_bf16(x[0], fa, fn[0], fn[1]);
           ptx::mma_bf16(x[1], fa, fn[2], fn[3]);
@@ -531,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
             const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
             const float x = al[nt][e] + al2[nt][e];
             if (pwarp == 0)
-              ss.ap[i * kC + jj] = jj < i ? ss.beta[i] * x : 0.f;
+              sc.ap[i * kC + jj] = jj < i ? sc.beta[i] * x : 0.f;
             else
               mqk_ref(i, jj, os) = f16_t(jj <= i ? sat_f16(x) : 0.f);
           }
@@ -540,21 +612,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       prof.mark(5);
       if (pwarp == 0) {
         // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
-        unit_lower_inverse16(ss.ap, ss.i2s, ss.beta, lane,
+        unit_lower_inverse16(sc.ap, sc.i2s, sc.beta, lane,
                              [&](int r, int c, float x) { inv_ref(r, c, os) = f16_t(sat_f16(x)); });
       }
       // generic-proxy writes of the operand tiles -> visible to wgmma (async proxy), then publish
       prof.mark(6);
       cutlass::arch::fence_view_async_shared();
       pipe_op.producer_commit(st_op);
-      ++st_op;
+      st_op.advance(kPrepWGs);
     }
-    prof.finish(1, n_chunks);
+    prof.finish(kPrepWGs == 2 ? pw : 1, (n_chunks - pw + kPrepWGs - 1) / kPrepWGs);
     return;
   }
 
   // ================================ chain (WG2: value rows 0-63, WG3: 64-127) ================================
-  cutlass::arch::warpgroup_reg_alloc<168>();
+  cutlass::arch::warpgroup_reg_alloc<Cf::kChainRegs>();
   const int cw = wg - 2, ctid = tid - 256 - 128 * cw, v0 = 64 * cw;
   using MmaX = SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
   using MmaU = SM90::GMMA::MMA_64x16x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>;
@@ -623,10 +695,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     prof.mark(7);
     pipe_op.consumer_wait(st_op);
     prof.mark(0);
-    if constexpr (kVariant == 0) {
-      pipe_v.consumer_wait(st_v);
-      prof.mark(1);
-    }
     const int os = st_op.index();
 
     // ---- Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ
@@ -650,38 +718,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       pipe_v.consumer_release(st_v);
       ++st_v;
     };
-    if constexpr (kVariant >= 1) {
-      // two batches: Y needs X only; O_inter completes while Y and U are computed
-      warpgroup_arrive();
-      gemm(mma_x, aS, bKd(_, _, _, os), accX);
-      warpgroup_commit_batch();
-      gemm(mma_x, aS, bQd(_, _, _, os), accO);
-      warpgroup_commit_batch();
-      prof.mark(2);
-      // while the products run: S ⊙ γ_C (accS is not an operand of them: A is its bf16 copy aS) and v
-      warpgroup_fence_operand(accS);
-#pragma unroll
-      for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
-      warpgroup_fence_operand(accS);
-      prof.mark(3);
-      pipe_v.consumer_wait(st_v);
-      prof.mark(1);
-      take_v();
-      prof.mark(3);
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(accX);
-      prof.mark(2);
-    } else {
-      warpgroup_arrive();
-      gemm(mma_x, aS, bKd(_, _, _, os), accX);
-      gemm(mma_x, aS, bQd(_, _, _, os), accO);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accX);
-      warpgroup_fence_operand(accO);
-      prof.mark(2);
-      take_v();
-    }
+    // two batches: Y needs X only; O_inter completes while Y and U are computed
+    warpgroup_arrive();
+    gemm(mma_x, aS, bKd(_, _, _, os), accX);
+    warpgroup_commit_batch();
+    gemm(mma_x, aS, bQd(_, _, _, os), accO);
+    warpgroup_commit_batch();
+    prof.mark(2);
+    prof.mark(3);
+    pipe_v.consumer_wait(st_v);
+    prof.mark(1);
+    take_v();
+    prof.mark(3);
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accX);
+    prof.mark(2);
 
     // ---- Yᵀ = Vᵀ - Xᵀ (tokens past the end: 0)
 #pragma unroll
@@ -698,7 +749,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     warpgroup_arrive();
     gemm(mma_u, aY, bInv(_, _, _, os), accU);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();  // (variant 1: also O_inter, long done by now)
+    // while U runs: S ⊙ γ_C (accS is no operand of the products in flight; scaling it while X and O_inter
+    // ran made ptxas insert a wait for them, C7517)
+    warpgroup_fence_operand(accS);
+#pragma unroll
+    for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
+    warpgroup_fence_operand(accS);
+    warpgroup_wait<0>();  // (also O_inter, long done by now)
     warpgroup_fence_operand(accU);
     warpgroup_fence_operand(accO);
 #pragma unroll
@@ -706,10 +763,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     prof.mark(4);
 
     // ---- S = S ⊙ γ_C + Uᵀ Kr;  Oᵀ = O_interᵀ + Uᵀ Mqkᵀ
-    if constexpr (kVariant == 0) {
-#pragma unroll
-      for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
-    }
     warpgroup_fence_operand(aU);
     warpgroup_fence_operand(accS);
     warpgroup_fence_operand(accO);
