@@ -27,8 +27,11 @@ bool chunked_sm90_supported(const RecurrentParams& p) {
     return false;
   if (major != 9 || minor != 0) return false;
   if (p.K != chunked_sm90::kD || p.V != chunked_sm90::kD || p.token_dtype != DType::kBFloat16) return false;
-  if (p.num_spec_tokens > 0 || p.checkpoint_every_n_tokens > 0 || p.state_source != nullptr) return false;
-  if (p.out == nullptr) return false;  // a state-only call: the mma.sync kernel skips the output product
+  if (p.num_spec_tokens > 0 || p.checkpoint_every_n_tokens % chunked_sm90::kC != 0) return false;
+  if (p.state_source != nullptr && p.state_source_dtype != DType::kFloat32 && p.state_source_dtype != DType::kBFloat16)
+    return false;
+  if (p.checkpoint_every_n_tokens > 0 && p.checkpoint_dtype != DType::kFloat32 && p.checkpoint_dtype != DType::kBFloat16)
+    return false;
   if (p.state != nullptr && p.state_dtype != DType::kFloat32 && p.state_dtype != DType::kBFloat16) return false;
   if (p.T <= 0 || p.T >= (int64_t(1) << 31) || p.B >= (int64_t(1) << 31) || p.N * p.HV >= (int64_t(1) << 31))
     return false;

@@ -1,8 +1,9 @@
 """GPU tier: the Hopper (sm_90a) chunked prefill kernel, selected with KDA_CHUNKED_KERNEL=sm90.
 
 Every test of this module runs with the variable set, so ``backend="chunked"`` takes the Hopper kernel for
-the cases it covers (inference prefill: no checkpoints or start-state source) and the mma.sync
-kernel for the rest. Checked here:
+the cases it covers (prefill with TMA-aligned bf16 tokens, K = V = 128: pools, start-state sources,
+checkpoints, the training forward's tapes, state-only calls) and the mma.sync kernel for the rest.
+KDA_SM90_VARIANT selects the design under test (scripts/device_sm90.sh runs this module for both). Checked here:
   * that the Hopper kernel really runs (its name in the profiler's kernel list; and for every covered call of
     every test here, its launch line on stderr) and that an uncovered case falls back;
   * the shared sweep and feature tests of tests/gpu/test_chunked_cuda.py, re-run on this path (fp64
@@ -20,16 +21,31 @@ import os
 import pytest
 import test_chunked_cuda as base
 import torch
-from conftest import GATES, TOL_STATE_FP32, assert_close_rms, assert_output, bits, check_pool, state_tol
+from conftest import (
+    GATES,
+    TOL_STATE_FP32,
+    assert_close_rms,
+    assert_output,
+    bits,
+    check_pool,
+    state_only_matches,
+    state_tol,
+)
 from test_chunked_cuda import (  # noqa: F401  (collected again here, on the Hopper path)
+    test_backends_agree,
     test_causality,
+    test_checkpoints,
     test_cuda_graph_packed_prefill,
+    test_deterministic,
     test_extreme_inputs_finite_and_accurate,
     test_final_state_without_pool,
     test_padded_slot_stride_and_strided_tokens,
     test_split_prefill_matches_one_call,
+    test_state_source,
     test_sweep,
 )
+
+import kda_ops
 
 is_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [
@@ -53,7 +69,7 @@ def hopper_covers(kw) -> bool:
         return False
     if q.shape[-1] != K or kw["v"].shape[-1] != K:
         return False
-    if kw.get("checkpoint_every_n_tokens") or kw.get("initial_state_source") is not None:
+    if (kw.get("checkpoint_every_n_tokens") or 0) % 16 != 0:
         return False
     if kw.get("num_spec_tokens") or kw.get("num_accepted_tokens") is not None:
         return False
@@ -100,12 +116,60 @@ def test_hopper_kernel_runs_and_falls_back():
     t, g = base.tok(x), base.gkw(x)
     names = kernel_names(lambda: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
     assert any("kda_chunked_sm90" in n for n in names), names
-    # checkpoints are not covered: the mma.sync kernel runs
     pool = x["initial_state"].clone()
     names = kernel_names(lambda: base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"],
                                            checkpoint_every_n_tokens=16))
+    assert any("kda_chunked_sm90" in n for n in names), names
+    # a q view that is not 16-byte aligned is not covered (TMA): the mma.sync kernel runs
+    buf = torch.empty(t["q"].numel() + 8, dtype=t["q"].dtype, device="cuda")
+    q1 = buf[1 : 1 + t["q"].numel()].view(t["q"].shape)
+    q1.copy_(t["q"])
+    assert not _tma_ok(q1)
+    names = kernel_names(lambda: base.call(dict(t, q=q1), g, cu_seqlens=x["cu_seqlens"]))
     assert not any("kda_chunked_sm90" in n for n in names), names
     assert any("kda_chunked_kernel" in n for n in names), names
+
+
+def _training_forward(x, kernel, monkeypatch):
+    """(output, final state, tapes) of the training forward on `kernel`, and whether the Hopper kernel ran."""
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+    t, g = base.tok(x), base.gkw(x)
+    N = x["initial_state"].shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h0 = torch.randn(N, x["v"].shape[2], K, K, device="cuda", generator=gen) * 0.1
+    res = []
+
+    def one():
+        res.append(kda_ops.recurrent_kda_training_forward(
+            t["q"], t["k"], t["v"], t["g"], t["beta"], g["A_log"], g["dt_bias"], h0, cu_seqlens=x.get("cu_seqlens"),
+            lower_bound=g["lower_bound"]))
+
+    ran = any("kda_chunked_sm90" in n for n in kernel_names(one))
+    o, fs, ctx = res[0]
+    return o, fs, ctx.tapes, ran
+
+
+@pytest.mark.parametrize("lengths", [[300, 1, 130, 64, 65, 0], None], ids=["packed", "fixed"])
+def test_hopper_training_forward_tapes(lengths, monkeypatch):
+    """The training forward (tapes = checkpoints every 64 tokens after the first) on the Hopper kernel vs the
+    mma.sync kernel: output, final state and tapes."""
+    if lengths is None:
+        x = base.make(B=2, T=200, H=2, HV=4, seed=91)
+    else:
+        x = base.make(H=2, HV=4, lengths=lengths, seed=91)
+    o9, f9, tp9, ran9 = _training_forward(x, "sm90", monkeypatch)
+    om, fm, tpm, ranm = _training_forward(x, "mma", monkeypatch)
+    assert ran9 and not ranm
+    assert tp9.shape == tpm.shape and tp9.shape[0] > 0
+    assert_output(o9, om, "sm90 vs mma training output")
+    assert_close_rms(f9, fm, TOL_STATE_FP32, "sm90 vs mma final state")
+    assert_close_rms(tp9, tpm, TOL_STATE_FP32, "sm90 vs mma tapes")
+
+
+def test_hopper_state_only_call():
+    """A state-only call (1-D empty output) on the Hopper kernel: pool and final states equal, bit for bit,
+    those of the same call with an output."""
+    state_only_matches("cuda", K=K, dtype=BF16, backend=1)
 
 
 def _run(t, g, m, kernel, monkeypatch, **kw):

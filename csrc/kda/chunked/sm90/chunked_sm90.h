@@ -1,6 +1,6 @@
 // Host entry of the Hopper (sm_90a) chunked prefill kernel (csrc/kda/chunked/sm90/chunked_sm90_kernel.cuh):
-// TMA loads, wgmma with the state as a register-resident fp32 accumulator, mbarrier pipelines between a
-// producer warp, a prep warpgroup and two chain warpgroups. No torch types.
+// TMA loads, wgmma with the state as a register-resident fp32 accumulator, mbarrier pipelines between the TMA
+// issue, prep warpgroups and two chain warpgroups. No torch types.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -12,9 +12,10 @@ namespace kda {
 // compare both kernels in one process; any other value or none: the mma.sync kernel).
 bool chunked_sm90_requested();
 
-// Whether the Hopper kernel covers `p` on the current device: compute capability 9.0, an inference prefill
-// (no checkpoints, tapes, start-state source or speculative decode; seq_order is followed), bf16 tokens with 16-byte
-// aligned rows and strides that are multiples of 8 elements (TMA), K = V = 128.
+// Whether the Hopper kernel covers `p` on the current device: compute capability 9.0, a prefill (checkpoints
+// every multiple of 16 tokens, tapes, start-state source and state-only calls included; no speculative decode;
+// seq_order is followed), bf16 tokens with 16-byte aligned rows and strides that are multiples of 8 elements
+// (TMA), K = V = 128.
 bool chunked_sm90_supported(const RecurrentParams& p);
 
 // Launches one CTA per (sequence, value head) on `stream`; no host sync, no allocation. The TMA tensor

@@ -28,11 +28,14 @@
 //     spill in either).
 // Numerics: fp32 state and accumulators, bf16 operands for S and the unbounded factors, fp16 for the bounded
 // R path (as the mma.sync kernel). Both variants give the same bits.
-// Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): inference prefill, bf16 tokens,
-// fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32 pool slots with
-// inactive slots, zero or pool start state, final state to the pool or to final_state, seq_order. Everything else
-// (checkpoints, tapes, the backward chain, initial_state_source) runs on the mma.sync kernel. seq_order (the
-// longest-first task order the Python layer sets for packed calls) maps blockIdx to the sequence.
+// Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): the prefill calls of the chunked
+// kernel, bf16 tokens, fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32
+// pool slots with inactive slots, zero, pool or read-only source (initial_state_source) start states, final
+// state to the pool or to final_state, checkpoints every multiple of 16 tokens (and so the training forward's
+// tapes), state-only calls (no output: the products run, the store is skipped), seq_order. The backward chain
+// runs on the mma.sync kernel. seq_order (the longest-first task order the Python layer sets for packed calls)
+// maps blockIdx to the sequence. (Checkpoints, source start states and state-only calls were added after the
+// last GPU run: not yet run on a GPU.)
 // The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock64 cycles per role and segment of CTA 0 into
 // kda_sm90_prof.
 // Known limits, in the order they are expected to matter for speed:
@@ -286,8 +289,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
            int64_t(hv) * p.out_head_stride;
   };
 
-  if (st.kind < 0) {  // inactive slot: zero output, the pool untouched
-    for (int64_t e = tid; e < sr.len * kD; e += kThreads) out_ptr(sr.bos + e / kD)[e % kD] = __float2bfloat16_rn(0.f);
+  if (st.kind < 0) {  // inactive slot: zero output (none in a state-only call), the pool untouched
+    if (p.out != nullptr)
+      for (int64_t e = tid; e < sr.len * kD; e += kThreads) out_ptr(sr.bos + e / kD)[e % kD] = __float2bfloat16_rn(0.f);
     return;
   }
   if (sr.len == 0 && p.final_state == nullptr) return;  // a zero-length sequence leaves its slot untouched
@@ -665,7 +669,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
                 "16-token fragment sizes");
   static_assert(decltype(size<2>(aS))::value == 8 && decltype(size<0>(aS))::value == 8, "A = S k-blocks");
 
-  // start state (pool slot, bf16 or fp32; zeros without a pool or for a zero-length row)
+  // start state (pool slot or read-only source slot, bf16 or fp32; zeros without either or for a zero-length
+  // row of the pool)
   const int64_t head_off = int64_t(hv) * kD * kD;
   const int64_t inner = int64_t(p.HV) * kD * kD;
   {
@@ -673,6 +678,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     DType dt = DType::kFloat32;
     int64_t off = 0;
     if (st.kind == 1 && sr.len > 0) base = p.state, dt = p.state_dtype, off = st.slot * p.state_slot_stride;
+    if (st.kind == 2) base = p.state_source, dt = p.state_source_dtype, off = st.slot * p.source_slot_stride;
 #pragma unroll
     for (int i = 0; i < size(accS); ++i) {
       const int m = get<0>(cS(i)), c = get<1>(cS(i));
@@ -686,12 +692,32 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     }
   }
 
+  auto store_state = [&](void* base, DType dt, int64_t off) {
+#pragma unroll
+    for (int i = 0; i < size(accS); ++i) {
+      const int m = get<0>(cS(i)), c = get<1>(cS(i));
+      const int64_t e = off + head_off + int64_t(v0 + m) * kD + c;
+      if (dt == DType::kBFloat16)
+        static_cast<__nv_bfloat16*>(base)[e] = __float2bfloat16_rn(accS(i));
+      else
+        static_cast<float*>(base)[e] = accS(i);
+    }
+  };
+  // checkpoints: row checkpoint_cu_starts[n] + j - checkpoint_first holds the state before token j * every
+  // (every a multiple of 16, chunked_supported; the training forward's tapes: every = 64, first = 1)
+  const int every = p.checkpoint_every_n_tokens;
+  const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
+
   typename PipeV::PipelineState st_v;
   typename PipeOp::PipelineState st_op;
   Prof<kProfile> prof;
   prof.start(ctid == 0);
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int cl = chunk_len(c);
+    if (every > 0 && (c * kC) % every == 0 && (c * kC) / every >= p.checkpoint_first) {
+      const int64_t row = ckpt_row0 + (c * kC) / every - p.checkpoint_first;
+      if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
+    }
     prof.mark(7);
     pipe_op.consumer_wait(st_op);
     prof.mark(0);
@@ -777,28 +803,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     ++st_op;
     prof.mark(5);
 
-    // ---- output rows of this chunk (registers -> global)
-    const int64_t t0 = sr.bos + c * kC;
+    // ---- output rows of this chunk (registers -> global; none in a state-only call, p.out null)
+    if (p.out != nullptr) {
+      const int64_t t0 = sr.bos + c * kC;
 #pragma unroll
-    for (int i = 0; i < size(accO); ++i) {
-      const int m = get<0>(cX(i)), t = get<1>(cX(i));
-      if (t < cl) out_ptr(t0 + t)[v0 + m] = __float2bfloat16_rn(accO(i));
+      for (int i = 0; i < size(accO); ++i) {
+        const int m = get<0>(cX(i)), t = get<1>(cX(i));
+        if (t < cl) out_ptr(t0 + t)[v0 + m] = __float2bfloat16_rn(accO(i));
+      }
     }
     prof.mark(6);
   }
   prof.finish(2 + cw, n_chunks);
 
-  auto store_state = [&](void* base, DType dt, int64_t off) {
-#pragma unroll
-    for (int i = 0; i < size(accS); ++i) {
-      const int m = get<0>(cS(i)), c = get<1>(cS(i));
-      const int64_t e = off + head_off + int64_t(v0 + m) * kD + c;
-      if (dt == DType::kBFloat16)
-        static_cast<__nv_bfloat16*>(base)[e] = __float2bfloat16_rn(accS(i));
-      else
-        static_cast<float*>(base)[e] = accS(i);
-    }
-  };
   if (p.state != nullptr && sr.len > 0) store_state(p.state, p.state_dtype, write_slot(p, n, 0) * p.state_slot_stride);
   if (p.final_state != nullptr) store_state(p.final_state, DType::kFloat32, n * inner);
 #endif  // KDA_SM90_DEVICE
