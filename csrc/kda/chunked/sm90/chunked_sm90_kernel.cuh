@@ -99,6 +99,8 @@ constexpr int kVStages = 8;    // raw v ring (TMA -> chain)
 constexpr int kOpStages = 4;   // operand ring (prep -> chain)
 constexpr int kThreads = 512;  // 4 warpgroups
 constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
+constexpr int kBarOut = 3;   // named barrier of chain warpgroup w (output staging): kBarOut + w
+constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
 
 // ---- shared-memory layouts
 // raw token tiles as TMA writes them: [16 tokens][128] row-major, no swizzle (read by CUDA cores)
@@ -155,6 +157,8 @@ struct SharedStorage {
   alignas(128) bf16_t g[kRawSlots * kC * kD];
   alignas(128) bf16_t v[cosize_v<LayoutVRing>];
   PrepScratch prep[2];
+  // output staging of the chain WGs: O[token][value row] of a chunk's 64 value rows, double-buffered
+  alignas(16) __nv_bfloat16 ostage[2][2][kC * kOStride];
   alignas(16) typename PipeRaw<1>::SharedStorage pipe_raw1;
   alignas(16) typename PipeRaw<2>::SharedStorage pipe_raw2[2];
   alignas(16) typename PipeV::SharedStorage pipe_v;
@@ -673,40 +677,50 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   // row of the pool)
   const int64_t head_off = int64_t(hv) * kD * kD;
   const int64_t inner = int64_t(p.HV) * kD * kD;
+  using LayoutRows = Layout<Shape<_64, Int<kD>>, Stride<Int<kD>, _1>>;  // this WG's 64 state rows
   {
     const void* base = nullptr;
     DType dt = DType::kFloat32;
     int64_t off = 0;
     if (st.kind == 1 && sr.len > 0) base = p.state, dt = p.state_dtype, off = st.slot * p.state_slot_stride;
     if (st.kind == 2) base = p.state_source, dt = p.state_source_dtype, off = st.slot * p.source_slot_stride;
+    const int64_t o = off + head_off + int64_t(v0) * kD;
+    if (base == nullptr) {
+      clear(accS);
+    } else if (dt == DType::kBFloat16) {
+      Tensor t = thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<const __nv_bfloat16*>(base) + o), LayoutRows{}));
 #pragma unroll
-    for (int i = 0; i < size(accS); ++i) {
-      const int m = get<0>(cS(i)), c = get<1>(cS(i));
-      float x = 0.f;
-      if (base != nullptr) {
-        const int64_t e = off + head_off + int64_t(v0 + m) * kD + c;
-        x = dt == DType::kBFloat16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(base)[e])
-                                   : static_cast<const float*>(base)[e];
-      }
-      accS(i) = x;
+      for (int i = 0; i < size(accS); ++i) accS(i) = __bfloat162float(t(i));
+    } else {
+      Tensor t = thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<const float*>(base) + o), LayoutRows{}));
+#pragma unroll
+      for (int i = 0; i < size(accS); ++i) accS(i) = t(i);
     }
   }
 
+  // The state rows of this WG to a [V, K] state at element offset `off` (+ this head), fp32 or bf16: CuTe's
+  // accumulator partition of the row block, so every element is the thread's base address + a constant.
   auto store_state = [&](void* base, DType dt, int64_t off) {
+    const int64_t o = off + head_off + int64_t(v0) * kD;
+    if (dt == DType::kBFloat16) {
+      Tensor t = thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<__nv_bfloat16*>(base) + o), LayoutRows{}));
 #pragma unroll
-    for (int i = 0; i < size(accS); ++i) {
-      const int m = get<0>(cS(i)), c = get<1>(cS(i));
-      const int64_t e = off + head_off + int64_t(v0 + m) * kD + c;
-      if (dt == DType::kBFloat16)
-        static_cast<__nv_bfloat16*>(base)[e] = __float2bfloat16_rn(accS(i));
-      else
-        static_cast<float*>(base)[e] = accS(i);
+      for (int i = 0; i < size(accS); ++i) t(i) = __float2bfloat16_rn(accS(i));
+    } else {
+      Tensor t = thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<float*>(base) + o), LayoutRows{}));
+#pragma unroll
+      for (int i = 0; i < size(accS); ++i) t(i) = accS(i);
     }
   };
+  // 16-byte output stores: the output view's base and strides are multiples of 16 bytes
+  const bool out_vec16 = reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_token_stride % 8 == 0 &&
+                         p.out_head_stride % 8 == 0 && (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
   // checkpoints: row checkpoint_cu_starts[n] + j - checkpoint_first holds the state before token j * every
-  // (every a multiple of 16, chunked_supported; the training forward's tapes: every = 64, first = 1)
-  const int every = p.checkpoint_every_n_tokens;
-  const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
+  // (every a multiple of 16, chunked_supported; the training forward's tapes: every = 64, first = 1), i.e.
+  // before chunk j * every / 16: the next such chunk and its row offset are counted (no division in the loop)
+  const int ck_step = p.checkpoint_every_n_tokens / kC;
+  int64_t ck_next = ck_step > 0 ? int64_t(p.checkpoint_first) * ck_step : n_chunks;
+  int64_t ck_j = 0;
 
   typename PipeV::PipelineState st_v;
   typename PipeOp::PipelineState st_op;
@@ -714,9 +728,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   prof.start(ctid == 0);
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int cl = chunk_len(c);
-    if (every > 0 && (c * kC) % every == 0 && (c * kC) / every >= p.checkpoint_first) {
-      const int64_t row = ckpt_row0 + (c * kC) / every - p.checkpoint_first;
+    if (c == ck_next) {
+      const int64_t row = p.checkpoint_cu_starts[n] + ck_j;
       if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
+      ck_next += ck_step;
+      ++ck_j;
     }
     prof.mark(7);
     pipe_op.consumer_wait(st_op);
@@ -751,14 +767,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     gemm(mma_x, aS, bQd(_, _, _, os), accO);
     warpgroup_commit_batch();
     prof.mark(2);
-    prof.mark(3);
-    pipe_v.consumer_wait(st_v);
+    pipe_v.consumer_wait(st_v);  // (the v tile, long loaded by now)
     prof.mark(1);
-    take_v();
-    prof.mark(3);
     warpgroup_wait<1>();
     warpgroup_fence_operand(accX);
     prof.mark(2);
+    take_v();  // after X: its registers are not live while X and O_inter run (the peak of the chain)
+    prof.mark(3);
 
     // ---- Yᵀ = Vᵀ - Xᵀ (tokens past the end: 0)
 #pragma unroll
@@ -803,13 +818,29 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     ++st_op;
     prof.mark(5);
 
-    // ---- output rows of this chunk (registers -> global; none in a state-only call, p.out null)
+    // ---- output rows of this chunk (none in a state-only call, p.out null): Oᵀ staged as O[t][v] in this WG's
+    // buffer of the chunk's parity, then one 16-byte store per thread (token ctid / 8, values 8 (ctid % 8) ..
+    // + 8); element stores when the output view is not 16-byte aligned. The buffer is rewritten two chunks
+    // later, after every thread passed the next chunk's barrier, so one barrier per chunk orders it.
     if (p.out != nullptr) {
-      const int64_t t0 = sr.bos + c * kC;
+      __nv_bfloat16* ost = ss.ostage[cw][c & 1];
+      {  // (value row, token) -> ost[token][value row], through the accumulator partition (constant offsets)
+        Tensor t = thr_x.partition_C(make_tensor(make_smem_ptr(ost), Layout<Shape<_64, _16>, Stride<_1, Int<kOStride>>>{}));
 #pragma unroll
-      for (int i = 0; i < size(accO); ++i) {
-        const int m = get<0>(cX(i)), t = get<1>(cX(i));
-        if (t < cl) out_ptr(t0 + t)[v0 + m] = __float2bfloat16_rn(accO(i));
+        for (int i = 0; i < size(accO); ++i) t(i) = __float2bfloat16_rn(accO(i));
+      }
+      named_sync(kBarOut + cw, 128);
+      const int t = ctid >> 3, piece = ctid & 7;
+      if (t < cl) {
+        __nv_bfloat16* dst = out_ptr(sr.bos + c * kC + t) + v0 + piece * 8;
+        const uint4 w = *reinterpret_cast<const uint4*>(ost + t * kOStride + piece * 8);
+        if (out_vec16) {
+          *reinterpret_cast<uint4*>(dst) = w;
+        } else {
+          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dst[e] = x[e];
+        }
       }
     }
     prof.mark(6);
