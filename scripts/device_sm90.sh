@@ -46,6 +46,11 @@ for s in $STAGES; do
     smoke)
       # the two-prep-warpgroup design (KDA_SM90_VARIANT=2) first, then the default (1)
       TAIL=30 KDA_SM90_VARIANT=2 run smoke_v2 60 python3 scripts/sm90_smoke.py
+      V2_RC=$?
+      if [ "$V2_RC" = 124 ] || [ "$V2_RC" = 137 ]; then  # a hung variant 2: leave it out of tests and bench
+        echo "== smoke_v2: HUNG in: $(grep -E 'calling (sm90|mma)' "$OUT/smoke_v2.log" | tail -1)"
+        export SM90_BENCH_VARIANTS=1 SKIP_V2=1
+      fi
       rm -f "$OUT/smoke_first_fail"
       TAIL=100 SMOKE_FIRST_FAIL="$OUT/smoke_first_fail" run smoke 90 python3 scripts/sm90_smoke.py
       SMOKE_RC=$?
@@ -60,7 +65,7 @@ for s in $STAGES; do
         echo "== $s: skipped (the smoke call hung)"; continue; fi ;;&
     tests)  # this path's own tests first, then the shared chunked tests re-run on it
       run tests 75 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper tests/gpu/test_chunked_sm90.py
-      KDA_SM90_VARIANT=2 run tests_v2 75 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper \
+      [ "${SKIP_V2:-0}" = 1 ] || KDA_SM90_VARIANT=2 run tests_v2 75 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper \
         tests/gpu/test_chunked_sm90.py
       run tests_shared 90 python3 -m pytest -q -rf --maxfail=10 -p no:cacheprovider -k "not hopper" \
         tests/gpu/test_chunked_sm90.py ;;

@@ -2,7 +2,8 @@
 
 One split prefill call (kda_ops/_split.py, forced on, the automatic plan) at H heads x T tokens, the call
 and inputs of benchmarks/bench_split.py (K = V = 128, bf16 pool), profiled with torch.profiler: the wall
-time of an unprofiled call (host, to the end of its last kernel), the GPU time of every kernel of a
+time of an unprofiled call (host, to the end of its last kernel), the host time to enqueue one call (no
+synchronize inside it: the split's Python plan and its op calls), the GPU time of every kernel of a
 profiled one (the three chunked passes, the scan, copies) and the idle GPU time in between (host overhead
 between launches). Both settings of KDA_SEQUENCE_SPLIT_STATE_ONLY.
 
@@ -39,6 +40,13 @@ def main() -> None:
                 call()
                 torch.cuda.synchronize()
                 walls.append((time.perf_counter() - t0) * 1e3)
+            enq = []  # host time to enqueue one call (no synchronize inside: the Python plan and the op calls)
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                call()
+                enq.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 call()
                 torch.cuda.synchronize()
@@ -48,6 +56,7 @@ def main() -> None:
             span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0
             print(
                 f"\n## H={H} T={T} state_only={so}: wall {sorted(walls)[2]:.3f} ms (median of 5), "
+                f"host enqueue {sorted(enq)[2]:.3f} ms (median of 5), "
                 f"GPU span {span / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms, "
                 f"{len(ev)} kernels"
             )

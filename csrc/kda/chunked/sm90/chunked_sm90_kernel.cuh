@@ -7,7 +7,7 @@
 //     WGs. Packed input uses per-sequence coordinates into the packed tensor (domain_offset); rows past a
 //     sequence's end are real tokens of the next sequence (or TMA's zero fill at the tensor's end) and are
 //     masked by the consumers. Variant 1: one thread of a producer WG issues every load. Variant 2: no producer
-//     WG; each prep WG's thread 0 issues the loads of its own chunks.
+//     WG; in each prep WG one thread (lane 0 of its warp 3) issues the loads of that WG's chunks.
 //   * Prep (variant 1: WG1 for every chunk; variant 2: WG0 for the even chunks, WG1 for the odd ones, each
 //     with its own raw ring, scratch and named barrier; a chunk's prep depends on nothing before it): gate +
 //     in-chunk prefix (fp32), L2 norms, β, the decayed operands written as swizzled wgmma B tiles (K⁺, Q⁺
@@ -98,6 +98,11 @@ constexpr int kRawSlots = 4;   // raw q/k/g tile slots in shared memory (all pre
 constexpr int kVStages = 8;    // raw v ring (TMA -> chain)
 constexpr int kOpStages = 4;   // operand ring (prep -> chain)
 constexpr int kThreads = 512;  // 4 warpgroups
+// Variant 2: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads of
+// chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
+// kVStages, which must be a chunk the chain already finished (it did, when operand stage c was free, for every
+// chunk up to c - kOpStages), else the leader and the chain wait on each other.
+static_assert(kVStages >= Cfg<2>::kPrepWGs * Cfg<2>::kRawStages + kOpStages, "variant 2: the v acquire must not wait");
 constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 3;   // named barrier of chain warpgroup w (output staging): kBarOut + w
 constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
@@ -259,8 +264,8 @@ struct Prof {
 };
 
 // kProfile: the profile instantiation (segment clocks of CTA 0 into kda_sm90_prof). kVariant: the design (Cfg
-// above). In the chain, X and O_inter run as two wgmma batches (Y waits only for X), with the γ scaling of the
-// state and the v loads while the X product runs.
+// above). In the chain, X and O_inter run as two wgmma batches (Y waits only for X), the γ scaling of the state
+// while U runs.
 template <bool kProfile, int kVariant>
 __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(KDA_SM90_DEVICE)
@@ -301,10 +306,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   if (sr.len == 0 && p.final_state == nullptr) return;  // a zero-length sequence leaves its slot untouched
 
   // ---- roles: variant 1: WG0 producer, WG1 prep; variant 2: WG0 / WG1 prep of the even / odd chunks, their
-  // thread 0 issuing the TMA loads of those chunks. WG2 / WG3: chain.
+  // leader (below) issuing the TMA loads of those chunks. WG2 / WG3: chain.
   const bool is_prep = kPrepWGs == 2 ? wg <= 1 : wg == 1;
-  const int pw = kPrepWGs == 2 ? wg : 0;  // which prep warpgroup (and raw ring)
-  const bool raw_leader = kPrepWGs == 2 ? (wg <= 1 && (tid & 127) == 0) : tid == 0;  // issues raw q/k/g loads
+  const int pw = kPrepWGs == 2 && is_prep ? wg : 0;  // which prep warpgroup (and raw ring); chain WGs: 0
+  // Who issues the raw q/k/g (and v) loads: variant 1 the producer's thread 0; variant 2 lane 0 of each prep
+  // warpgroup's warp 3, which is idle while warps 0 and 1 run L, Mqk and the inverse (the serial part of prep).
+  constexpr int kLeaderPtid = 96;
+  const bool raw_leader = kPrepWGs == 2 ? (is_prep && (tid & 127) == kLeaderPtid) : tid == 0;
 
   // ---- pipelines (barriers initialised by warp 0, visible to all after the __syncthreads below)
   typename PipeR::Params prp;
@@ -339,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   PipeOp pipe_op(ss.pipe_op, pop);
   __syncthreads();
 
-  // ---- TMA issue (variant 1: the producer's loop; variant 2: each prep warpgroup's thread 0, for its chunks)
+  // ---- TMA issue (variant 1: the producer's loop; variant 2: each prep warpgroup's leader, for its chunks)
   // This sequence's [16, 128] tiles of q, k (head h), g, v (head hv) and the ring slots of raw ring `w`.
   auto tiles = [&](const TmaToken& tma, int heads, int head) {
     Tensor m = tma.get_tma_tensor(make_shape(static_cast<int>(p.T), Int<kD>{}, heads, static_cast<int>(p.B)));
@@ -416,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     // element references into the 16x16 tiles (offsets from the shared arrays, see swz_offset)
     auto mqk_ref = [&](int i, int j, int s) -> f16_t& { return ss.mqk[swz_offset(LayoutT16{}, i, j, s)]; };
     auto inv_ref = [&](int i, int j, int s) -> f16_t& { return ss.invb[swz_offset(LayoutT16{}, i, j, s)]; };
-    // variant 2: this warpgroup's thread 0 loads its chunks c = pw, pw + 2, ... (raw ring kRawStages deep, v into
+    // variant 2: this warpgroup's leader loads its chunks c = pw, pw + 2, ... (raw ring kRawStages deep, v into
     // the shared ring at stage c mod kVStages); the partitions are rebuilt per issue (no registers held)
     auto st_raw_p = cutlass::make_producer_start_state<PipeR>();
     auto st_v_p = cutlass::make_producer_start_state<PipeV>();
@@ -585,6 +593,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       if constexpr (kPrepWGs == 2) {
         // every thread of this warpgroup released the raw stage: its leader refills it with its next chunk
         if (raw_leader && c_issue < n_chunks) issue();
+        prof.mark(2);
       }
 
       if (pwarp <= 1 && !pairwise) {
