@@ -14,9 +14,11 @@
 
 namespace kda {
 
-bool chunked_sm90_requested() {
+int chunked_sm90_mode() {
   const char* e = std::getenv("KDA_CHUNKED_KERNEL");
-  return e != nullptr && std::strcmp(e, "sm90") == 0;
+  if (e == nullptr) return 0;
+  if (std::strcmp(e, "sm90") == 0) return 1;
+  return std::strcmp(e, "auto") == 0 ? 2 : 0;
 }
 
 bool chunked_sm90_supported(const RecurrentParams& p) {

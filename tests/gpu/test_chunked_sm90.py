@@ -130,6 +130,18 @@ def test_hopper_kernel_runs_and_falls_back():
     assert any("kda_chunked_kernel" in n for n in names), names
 
 
+def test_auto_routes_by_grid(monkeypatch):
+    """KDA_CHUNKED_KERNEL=auto: the Hopper kernel where the grid fills the SMs with one CTA per (sequence, value
+    head), the mma.sync kernel (two CTAs per head) on smaller grids."""
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "auto")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, want in ((sms // 2 + 1, True), (2, False)):
+        x = base.make(H=1, HV=1, lengths=[20] * n, seed=7)
+        t, g = base.tok(x), base.gkw(x)
+        names = kernel_names(lambda t=t, g=g, x=x: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
+        assert any("kda_chunked_sm90" in nm for nm in names) == want, (n, sorted(set(names)))
+
+
 def _training_forward(x, kernel, monkeypatch):
     """(output, final state, tapes) of the training forward on `kernel`, and whether the Hopper kernel ran."""
     monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)

@@ -69,10 +69,13 @@ bool chunked_preferred(const RecurrentParams& p) {
 
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  // KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the cases it covers (inference prefill), else this one.
-  if (chunked_sm90_requested() && chunked_sm90_supported(p)) return launch_chunked_sm90(p, stream);
   const ChunkedKnobs& knobs = chunked_knobs();
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
+  // KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the calls it covers; =auto: those whose grid would take
+  // 128 value rows per CTA here (chunked_sm90.h); else this kernel.
+  const int sm90 = chunked_sm90_mode();
+  if (sm90 != 0 && (sm90 == 1 || p.N * p.HV * 2 > int64_t(sms)) && chunked_sm90_supported(p))
+    return launch_chunked_sm90(p, stream);
   // One CTA per SM fits (registers). When the (sequence, head) tasks fill at most half of the SMs, split
   // the value rows over two CTAs: the chain is latency-bound, so two CTAs per head halve its per-chunk
   // work at the cost of repeating the per-chunk prep.
