@@ -97,8 +97,9 @@ bool sm90_profile() {
 }
 
 using KernelFn = void (*)(const chunked_sm90::KernelArgs);
-KernelFn kernel_for(bool profile, int variant) {
+KernelFn kernel_for(bool profile, int variant, bool bwd) {
   using namespace chunked_sm90;
+  if (bwd) return variant == 1 ? kda_chunked_sm90_kernel<false, 1, true> : kda_chunked_sm90_kernel<false, 2, true>;
   if (profile) return variant == 1 ? kda_chunked_sm90_kernel<true, 1> : kda_chunked_sm90_kernel<true, 2>;
   return variant == 1 ? kda_chunked_sm90_kernel<false, 1> : kda_chunked_sm90_kernel<false, 2>;
 }
@@ -134,7 +135,7 @@ void print_profile(int variant) {
 }
 }  // namespace
 
-cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream) {
+cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, bool backward_chain) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   using namespace chunked_sm90;
   if (check_token_map("q", p, p.q, p.H) != CUDA_SUCCESS ||
@@ -145,13 +146,13 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream) {
   const KernelArgs args{p, token_tma(p, p.q, p.H), token_tma(p, p.k, p.H), token_tma(p, p.g, p.HV),
                         token_tma(p, p.v, p.HV)};
   constexpr int smem = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment of the 1024-byte swizzle
-  const bool profile = sm90_profile();
+  const bool profile = sm90_profile() && !backward_chain;  // (no profile instantiation of the backward chain)
   const int variant = sm90_variant();
-  const KernelFn fn = kernel_for(profile, variant);
-  const int which = (profile ? 2 : 0) + variant - 1;
+  const KernelFn fn = kernel_for(profile, variant, backward_chain);
+  const int which = (backward_chain ? 4 : (profile ? 2 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][4] = {};
+  static std::atomic<bool> attr_set[64][6] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {

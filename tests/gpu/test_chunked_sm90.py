@@ -44,6 +44,11 @@ from test_chunked_cuda import (  # noqa: F401  (collected again here, on the Hop
     test_state_source,
     test_sweep,
 )
+from test_training_cuda import (  # noqa: F401  (the training forward and the backward chain on the Hopper path)
+    test_backward_chain_and_tape_rows,
+    test_backward_chain_wide_grid,
+    test_training_ops_vs_reference,
+)
 
 import kda_ops
 
@@ -176,6 +181,34 @@ def test_hopper_training_forward_tapes(lengths, monkeypatch):
     assert_output(o9, om, "sm90 vs mma training output")
     assert_close_rms(f9, fm, TOL_STATE_FP32, "sm90 vs mma final state")
     assert_close_rms(tp9, tpm, TOL_STATE_FP32, "sm90 vs mma tapes")
+
+
+def test_hopper_backward_chain_runs(monkeypatch):
+    """The training backward's chain (dS last chunk first) takes the Hopper kernel's backward mode, and the
+    gradients equal those of the mma.sync chain within the training tolerance (the same math and operand
+    precisions; tests/gpu/test_training_cuda.py's chain tests, re-run here, check them against fp64)."""
+    import test_training_cuda as tr
+
+    x = tr._case_inputs(1, 0, 2, 4, [300, 0, 65, 1, 130], False, seed=11, with_dfinal=True)
+    c = tr._cuda(x)
+    sc = 1.0 / K**0.5
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
+    rest = (c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, -5.0)
+    grads = {}
+    for kernel in ("sm90", "mma"):
+        monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+        fwd = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, -5.0)
+        tapes, tcs = fwd[2], fwd[3]
+        out = []
+
+        def bwd(tapes=tapes, tcs=tcs, out=out):
+            out.append(torch.ops.kda.recurrent_kda_training_backward(*args, tapes, tcs, *rest))
+
+        ran = any("kda_chunked_sm90" in n for n in kernel_names(bwd))
+        assert ran == (kernel == "sm90"), kernel
+        grads[kernel] = out[0]
+    for name, a, b in zip(tr.GRADS, grads["sm90"], grads["mma"], strict=True):
+        assert_close_rms(a.float(), b.float(), tr.TOL_GRAD, f"sm90 vs mma {name}")
 
 
 def test_hopper_state_only_call():

@@ -145,6 +145,10 @@ cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStre
   const RecurrentParams p = chain_as_recurrent(c);
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
+  // KDA_CHUNKED_KERNEL=sm90 / auto: the Hopper kernel in its backward-chain mode, as in the forward
+  const int sm90 = chunked_sm90_mode();
+  if (sm90 != 0 && (sm90 == 1 || p.N * p.HV * 2 > int64_t(sms)) && chunked_sm90_supported(p))
+    return launch_chunked_sm90(p, stream, /*backward_chain=*/true);
   // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs.
   const int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
   if (vb == 128) return prefill::run_chunked_<128, 3, 4, true>(p, false, 0, stream);

@@ -22,6 +22,9 @@ bool chunked_sm90_supported(const RecurrentParams& p);
 
 // Launches one CTA per (sequence, value head) on `stream`; no host sync, no allocation. The TMA tensor
 // maps are encoded on the host on every call (kernel parameters, so a CUDA graph captures them).
-cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream);
+// backward_chain: `p` is the backward chain's (chain_as_recurrent, chunked_launch.cu: p.v holds dO, the start
+// state dfinal_state, final_state receives dinitial_state, the checkpoints dS every 16 tokens); the chunks run
+// last first.
+cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, bool backward_chain = false);
 
 }  // namespace kda

@@ -32,10 +32,11 @@
 // kernel, bf16 tokens, fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32
 // pool slots with inactive slots, zero, pool or read-only source (initial_state_source) start states, final
 // state to the pool or to final_state, checkpoints every multiple of 16 tokens (and so the training forward's
-// tapes), state-only calls (no output: the products run, the store is skipped), seq_order. The backward chain
-// runs on the mma.sync kernel. seq_order (the longest-first task order the Python layer sets for packed calls)
-// maps blockIdx to the sequence. (Checkpoints, source start states and state-only calls were added after the
-// last GPU run: not yet run on a GPU.)
+// tapes), state-only calls (no output: the products run, the store is skipped), seq_order, and the training
+// backward's chain (kBwd: the chunks last first, dRᵀ = dS Krᵀ + dOᵀ Mqk, dXᵀ = -dRᵀ INVb, dS = dS ⊙ γ_C + dOᵀ Q⁺ +
+// dXᵀ K⁺ with bf16 operands, the mma.sync kernel's BWD mode). seq_order (the longest-first task order the Python
+// layer sets for packed calls) maps blockIdx to the sequence. (Checkpoints, source start states, state-only calls
+// and the backward chain were added after the last GPU run: not yet run on a GPU.)
 // The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock64 cycles per role and segment of CTA 0 into
 // kda_sm90_prof.
 // Known limits, in the order they are expected to matter for speed:
@@ -266,7 +267,7 @@ struct Prof {
 // kProfile: the profile instantiation (segment clocks of CTA 0 into kda_sm90_prof). kVariant: the design (Cfg
 // above). In the chain, X and O_inter run as two wgmma batches (Y waits only for X), the γ scaling of the state
 // while U runs.
-template <bool kProfile, int kVariant>
+template <bool kProfile, int kVariant, bool kBwd = false>
 __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(KDA_SM90_DEVICE)
   using Cf = Cfg<kVariant>;
@@ -293,6 +294,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   const StartState st = start_state(p, n);
   const int64_t n_chunks = (sr.len + kC - 1) / kC;
   auto chunk_len = [&](int64_t c) { return static_cast<int>(sr.len - c * kC < kC ? sr.len - c * kC : kC); };
+  // the chunk the c-th step processes: c in the forward, last first in the backward chain (kBwd)
+  auto phys = [&](int64_t c) { return kBwd ? n_chunks - 1 - c : c; };
   auto out_ptr = [&](int64_t t) {  // token t (index along T), value row 0 of head hv
     return static_cast<__nv_bfloat16*>(p.out) + sr.batch * p.out_batch_stride + t * p.out_token_stride +
            int64_t(hv) * p.out_head_stride;
@@ -387,14 +390,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
           prof.mark(0);
           auto* bar = pipe_raw.producer_get_barrier(st_raw);
           const int s = st_raw.index();
-          copy(args.tma_q.with(*bar), get<0>(tq)(_, c), get<1>(tq)(_, s));
-          copy(args.tma_k.with(*bar), get<0>(tk)(_, c), get<1>(tk)(_, s));
-          copy(args.tma_g.with(*bar), get<0>(tg)(_, c), get<1>(tg)(_, s));
+          copy(args.tma_q.with(*bar), get<0>(tq)(_, phys(c)), get<1>(tq)(_, s));
+          copy(args.tma_k.with(*bar), get<0>(tk)(_, phys(c)), get<1>(tk)(_, s));
+          copy(args.tma_g.with(*bar), get<0>(tg)(_, phys(c)), get<1>(tg)(_, s));
           ++st_raw;
           prof.mark(1);
           pipe_v.producer_acquire(st_v);
           prof.mark(2);
-          copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v)), get<0>(tv)(_, c), get<1>(tv)(_, st_v.index()));
+          copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v)), get<0>(tv)(_, phys(c)), get<1>(tv)(_, st_v.index()));
           ++st_v;
           prof.mark(3);
         }
@@ -416,14 +419,24 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     const float A2 = A * kLog2e, Adtb = A2 * dtb, lb2 = p.lower_bound * kLog2e;
     const auto* bsrc = static_cast<const __nv_bfloat16*>(p.beta.ptr) + sr.batch * p.beta.batch_stride +
                        int64_t(hv) * p.beta.head_stride;
-    auto load_beta = [&](int64_t c) {
+    auto load_beta = [&](int64_t c) {  // (c: the step; its physical chunk's β)
       __nv_bfloat16 bv = __float2bfloat16_rn(0.f);
-      if (ptid < kC && c < n_chunks && c * kC + ptid < sr.len) bv = bsrc[(sr.bos + c * kC + ptid) * p.beta.token_stride];
+      if (ptid < kC && c < n_chunks) {
+        const int64_t t = phys(c) * kC + ptid;
+        if (t < sr.len) bv = bsrc[(sr.bos + t) * p.beta.token_stride];
+      }
       return bv;
     };
-    // element references into the 16x16 tiles (offsets from the shared arrays, see swz_offset)
-    auto mqk_ref = [&](int i, int j, int s) -> f16_t& { return ss.mqk[swz_offset(LayoutT16{}, i, j, s)]; };
-    auto inv_ref = [&](int i, int j, int s) -> f16_t& { return ss.invb[swz_offset(LayoutT16{}, i, j, s)]; };
+    // Mqk[i][j] and INVb[i][j] into their 16x16 B tiles (offsets from the shared arrays, see swz_offset): the
+    // forward's (n = i, k = j), fp16 saturated; the backward chain's transposes (n = j, k = i), bf16
+    auto put16 = [&](f16_t* tile, int i, int j, int s, float x) {
+      if constexpr (kBwd)
+        reinterpret_cast<bf16_t*>(tile)[swz_offset(LayoutT16{}, j, i, s)] = bf16_t(x);
+      else
+        tile[swz_offset(LayoutT16{}, i, j, s)] = f16_t(sat_f16(x));
+    };
+    auto put_mqk = [&](int i, int j, int s, float x) { put16(ss.mqk, i, j, s, x); };
+    auto put_inv = [&](int i, int j, int s, float x) { put16(ss.invb, i, j, s, x); };
     // variant 2: this warpgroup's leader loads its chunks c = pw, pw + 2, ... (raw ring kRawStages deep, v into
     // the shared ring at stage c mod kVStages); the partitions are rebuilt per issue (no registers held)
     auto st_raw_p = cutlass::make_producer_start_state<PipeR>();
@@ -436,21 +449,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       const int s = st_raw_p.index();
       {
         auto t = raw_part(args.tma_q, ss.q, p.H, h);
-        copy(args.tma_q.with(*rbar), get<0>(t)(_, c_issue), get<1>(t)(_, s));
+        copy(args.tma_q.with(*rbar), get<0>(t)(_, phys(c_issue)), get<1>(t)(_, s));
       }
       {
         auto t = raw_part(args.tma_k, ss.k, p.H, h);
-        copy(args.tma_k.with(*rbar), get<0>(t)(_, c_issue), get<1>(t)(_, s));
+        copy(args.tma_k.with(*rbar), get<0>(t)(_, phys(c_issue)), get<1>(t)(_, s));
       }
       {
         auto t = raw_part(args.tma_g, ss.g, p.HV, hv);
-        copy(args.tma_g.with(*rbar), get<0>(t)(_, c_issue), get<1>(t)(_, s));
+        copy(args.tma_g.with(*rbar), get<0>(t)(_, phys(c_issue)), get<1>(t)(_, s));
       }
       ++st_raw_p;
       pipe_v.producer_acquire(st_v_p);
       {
         auto t = v_part();
-        copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v_p)), get<0>(t)(_, c_issue), get<1>(t)(_, st_v_p.index()));
+        copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v_p)), get<0>(t)(_, phys(c_issue)), get<1>(t)(_, st_v_p.index()));
       }
       st_v_p.advance(kPrepWGs);
       c_issue += kPrepWGs;
@@ -468,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     Prof<kProfile> prof;
     prof.start(ptid == 0);
     for (int64_t c = pw; c < n_chunks; c += kPrepWGs) {
-      const int cl = chunk_len(c);
+      const int cl = chunk_len(phys(c));
       const __nv_bfloat16 beta_raw = beta_next;
       beta_next = load_beta(c + kPrepWGs);
       prof.mark(7);
@@ -561,11 +574,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
         // 8 consecutive channels are 16 contiguous, 16-byte aligned bytes in both swizzled layouts (K-major SW128:
         // a row's 64-element atom row, permuted in 8-element pieces; MN-major SW128 likewise along the channels);
         // scripts/sm90_layout_check.cu checks this on the host.
+        if constexpr (kBwd) {
+          // the backward chain's B operands, all bf16: Kr as (token, channel) K-major for dRᵀ = dS Krᵀ (in the
+          // kd tile), Q⁺ and K⁺ as (channel, token) MN-major for dS += dOᵀ Q⁺ + dXᵀ K⁺ (in the qd and kr tiles)
+          *reinterpret_cast<uint4*>(ss.kd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kr);
+          *reinterpret_cast<uint4*>(ss.qd + swz_offset(LayoutKr{}, d0, i, os)) = pack8_bf16(qp);
+          *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_bf16(kp);
+        } else {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) kr[e] = sat_f16(kr[e]);
-        *reinterpret_cast<uint4*>(ss.kd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kp);
-        *reinterpret_cast<uint4*>(ss.qd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(qp);
-        *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_f16(kr);
+          for (int e = 0; e < 8; ++e) kr[e] = sat_f16(kr[e]);
+          *reinterpret_cast<uint4*>(ss.kd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kp);
+          *reinterpret_cast<uint4*>(ss.qd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(qp);
+          *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_f16(kr);
+        }
       }
       if (pairwise) {
         // exact Σ_d k̂_i k̂_j e^{Γ_i - Γ_j} on CUDA cores; masked pairs never exponentiated
@@ -582,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
             mq *= sc.rq[i] * sc.rk[jj];
           }
           sc.ap[e] = jj < i ? sc.beta[i] * l : 0.f;
-          mqk_ref(i, jj, os) = f16_t(sat_f16(mq));
+          put_mqk(i, jj, os, mq);
         }
       }
       pipe_raw.consumer_release(st_raw);  // done with the raw tiles
@@ -622,7 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
             if (pwarp == 0)
               sc.ap[i * kC + jj] = jj < i ? sc.beta[i] * x : 0.f;
             else
-              mqk_ref(i, jj, os) = f16_t(jj <= i ? sat_f16(x) : 0.f);
+              put_mqk(i, jj, os, jj <= i ? x : 0.f);
           }
         __syncwarp();
       }
@@ -630,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       if (pwarp == 0) {
         // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
         unit_lower_inverse16(sc.ap, sc.i2s, sc.beta, lane,
-                             [&](int r, int c, float x) { inv_ref(r, c, os) = f16_t(sat_f16(x)); });
+                             [&](int r, int c, float x) { put_inv(r, c, os, x); });
       }
       // generic-proxy writes of the operand tiles -> visible to wgmma (async proxy), then publish
       prof.mark(6);
@@ -735,6 +756,101 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   typename PipeOp::PipelineState st_op;
   Prof<kProfile> prof;
   prof.start(ctid == 0);
+  if constexpr (kBwd) {
+    // ---- the backward chain: dS carried from the last chunk to the first (p.v holds dO, the start state is
+    // dfinal_state, final_state receives dinitial_state, the checkpoints dS at the end of every chunk), per chunk
+    //   dRᵀ = dS Krᵀ + dOᵀ Mqk,  dXᵀ = -dRᵀ INVb,  dS = dS ⊙ γ_C + dOᵀ Q⁺ + dXᵀ K⁺
+    // with bf16 operands and the fp32 dS as the accumulator (the mma.sync kernel's BWD mode, the same math).
+    // Prep wrote Kr into the kd tile, Q⁺ and K⁺ (channel-major) into the qd and kr tiles, Mqk and INVb
+    // transposed, all bf16.
+    using MmaSb = SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>;
+    auto mma_sb = make_tiled_mma(MmaSb{});
+    auto thr_sb = mma_sb.get_slice(ctid);
+    Tensor bMqkT = thr_x.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.mqk)), LayoutT16{}));
+    Tensor bInvT = thr_x.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.invb)), LayoutT16{}));
+    Tensor bQp = thr_sb.partition_fragment_B(make_tensor(make_smem_ptr(ss.qd), LayoutKr{}));
+    Tensor bKp = thr_sb.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.kr)), LayoutKr{}));
+    Tensor accR = partition_fragment_C(mma_x, Shape<_64, _16>{});
+    Tensor accD = partition_fragment_C(mma_x, Shape<_64, _16>{});
+    Tensor aO = make_tensor<bf16_t>(partition_shape_A(mma_x, Shape<_64, _16>{}));    // dOᵀ
+    Tensor aR = make_tensor<bf16_t>(partition_shape_A(mma_x, Shape<_64, _16>{}));    // -dRᵀ
+    Tensor aOs = make_tensor<bf16_t>(partition_shape_A(mma_sb, Shape<_64, _16>{}));  // dOᵀ, for the dS product
+    Tensor aD = make_tensor<bf16_t>(partition_shape_A(mma_sb, Shape<_64, _16>{}));   // dXᵀ
+    static_assert(decltype(size(aO))::value == 8 && decltype(size(aOs))::value == 8 && decltype(size(aD))::value == 8,
+                  "16-token fragment sizes");
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      const int64_t pc = phys(c);
+      const int cl = chunk_len(pc);
+      // dS at the end of chunk pc: row (every / 16) * checkpoint_cu_starts[n] + pc (every / 16 sub-rows per
+      // checkpoint row; the chain's checkpoints come every 16 tokens)
+      if (ck_step > 0) {
+        const int64_t row = p.checkpoint_cu_starts[n] * ck_step + pc;
+        if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
+      }
+      prof.mark(7);
+      pipe_op.consumer_wait(st_op);
+      prof.mark(0);
+      const int os = st_op.index();
+      const float* gam = ss.gamma[os];
+      pipe_v.consumer_wait(st_v);
+      prof.mark(1);
+      {  // dOᵀ of this chunk (tokens past the end: 0), then the stage back to its producer
+        const bf16_t* vt = reinterpret_cast<const bf16_t*>(ss.v) + st_v.index() * kC * kD;
+#pragma unroll
+        for (int i = 0; i < size(aO); ++i) {
+          const int m = get<0>(cX(i)), t = get<1>(cX(i));
+          aO(i) = t < cl ? vt[t * kD + v0 + m] : bf16_t(0.f);
+        }
+        pipe_v.consumer_release(st_v);
+        ++st_v;
+      }
+      // ---- dRᵀ = dS Krᵀ + dOᵀ Mqk
+#pragma unroll
+      for (int i = 0; i < size(aS); ++i) aS(i) = bf16_t(accS(i));
+      clear(accR);
+      warpgroup_fence_operand(aS);
+      warpgroup_fence_operand(aO);
+      warpgroup_fence_operand(accR);
+      warpgroup_arrive();
+      gemm(mma_x, aS, bKd(_, _, _, os), accR);
+      gemm(mma_x, aO, bMqkT(_, _, _, os), accR);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accR);
+      prof.mark(2);
+      // ---- dXᵀ = -dRᵀ INVb, with dS ⊙ γ_C while it runs
+#pragma unroll
+      for (int i = 0; i < size(aR); ++i) aR(i) = bf16_t(-accR(i));
+      clear(accD);
+      warpgroup_fence_operand(aR);
+      warpgroup_fence_operand(accD);
+      warpgroup_arrive();
+      gemm(mma_x, aR, bInvT(_, _, _, os), accD);
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(accS);
+#pragma unroll
+      for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
+      warpgroup_fence_operand(accS);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accD);
+      prof.mark(4);
+      // ---- dS += dOᵀ Q⁺ + dXᵀ K⁺
+#pragma unroll
+      for (int i = 0; i < size(aD); ++i) aD(i) = bf16_t(accD(i)), aOs(i) = aO(i);
+      warpgroup_fence_operand(aD);
+      warpgroup_fence_operand(aOs);
+      warpgroup_fence_operand(accS);
+      warpgroup_arrive();
+      gemm(mma_sb, aOs, bQp(_, _, _, os), accS);
+      gemm(mma_sb, aD, bKp(_, _, _, os), accS);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accS);
+      pipe_op.consumer_release(st_op);
+      ++st_op;
+      prof.mark(5);
+    }
+  } else {
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int cl = chunk_len(c);
     if (c == ck_next) {
@@ -854,6 +970,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
     }
     prof.mark(6);
   }
+  }  // (forward)
   prof.finish(2 + cw, n_chunks);
 
   if (p.state != nullptr && sr.len > 0) store_state(p.state, p.state_dtype, write_slot(p, n, 0) * p.state_slot_stride);
