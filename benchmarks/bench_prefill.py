@@ -95,6 +95,32 @@ def ours_call(kda_ops: Any, d: dict[str, Any], backend: str) -> Callable[[], Any
     return run
 
 
+def with_kernel(kernel: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn with the chunked kernel chosen per call: ``mma`` (KDA_CHUNKED_KERNEL unset), ``sm90:V`` / ``auto:V``
+    (KDA_CHUNKED_KERNEL=sm90 / auto, KDA_SM90_VARIANT=V); both variables are read on every call, so a graph
+    captures the kernel chosen while it is captured. The previous values are restored after each call."""
+    name, _, variant = kernel.partition(":")
+    want = {"KDA_CHUNKED_KERNEL": None if name == "mma" else name, "KDA_SM90_VARIANT": variant or None}
+
+    def run() -> Any:
+        old = {k: os.environ.get(k) for k in want}
+        try:
+            for k, v in want.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return run
+
+
 def cudnn_call(cudnn_kda: Any, d: dict[str, Any], native: bool) -> Callable[[], Any]:
     """cuDNN's KDA on the same data: packed [T, H, K]; fp32 g/beta/state when `native`, else ours (bf16)."""
     q, k, v = d["q"][0], d["k"][0], d["v"][0]
@@ -157,6 +183,12 @@ def main() -> None:
         ap.add_argument("--no-graph", action="store_true", help="eager timings only")
         ap.add_argument("--fla", action="store_true", help="also time fla chunk_kda (slow autotune)")
         ap.add_argument("--backends", default="chunked,recurrent", help="our backends to time")
+        ap.add_argument(
+            "--kernels",
+            default="",
+            help="also time the chunked backend with these kernels, e.g. mma,sm90:1,sm90:2,auto:2 (KDA_CHUNKED_KERNEL"
+            " and KDA_SM90_VARIANT per call)",
+        )
 
     args = parse_args("prefill", extra)
     import kda_ops
@@ -173,6 +205,8 @@ def main() -> None:
         d["workspace"] = kda_ops.RecurrentKDAPrefillWorkspace(device=d["q"].device)
         T = sum(lens)
         calls: dict[str, Callable[[], Any]] = {f"ours {b}": ours_call(kda_ops, d, b) for b in backends}
+        for kern in [x for x in args.kernels.split(",") if x]:
+            calls[f"ours chunked[{kern}]"] = with_kernel(kern, ours_call(kda_ops, d, "chunked"))
         if cudnn_kda is not None:
             calls["cudnn fp32"] = cudnn_call(cudnn_kda, d, native=True)
             calls["cudnn bf16"] = cudnn_call(cudnn_kda, d, native=False)
@@ -193,8 +227,8 @@ def main() -> None:
                 if err:
                     print(f"[{who} {mode}] {name}: {err}", flush=True)
                 rec[f"{who} {mode}"] = t
-        ours_best = min(
-            (rec[f"ours {b} {m}"] for b in backends for m in modes if rec.get(f"ours {b} {m}") is not None),
+        ours_best = min(  # (every column of ours: the backends and the --kernels choices)
+            (v for key, v in rec.items() if v is not None and key.startswith("ours ") and key.endswith(tuple(modes))),
             default=None,
         )
         rec["tflops"] = None if ours_best is None else T * H * FLOPS_PER_TOKEN_HEAD / (ours_best * 1e-3) / 1e12
