@@ -125,19 +125,19 @@ def test_hopper_kernel_runs_and_falls_back():
     names = kernel_names(lambda: base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"],
                                            checkpoint_every_n_tokens=16))
     assert any("kda_chunked_sm90" in n for n in names), names
-    # a q view that is not 16-byte aligned is not covered (TMA): the mma.sync kernel runs
-    buf = torch.empty(t["q"].numel() + 8, dtype=t["q"].dtype, device="cuda")
-    q1 = buf[1 : 1 + t["q"].numel()].view(t["q"].shape)
-    q1.copy_(t["q"])
-    assert not _tma_ok(q1)
-    names = kernel_names(lambda: base.call(dict(t, q=q1), g, cu_seqlens=x["cu_seqlens"]))
+    # KDA_CHUNKED_KERNEL=auto on a grid that fills few SMs: the mma.sync kernel runs (64 value rows per CTA)
+    os.environ["KDA_CHUNKED_KERNEL"] = "auto"
+    try:
+        names = kernel_names(lambda: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
+    finally:
+        os.environ["KDA_CHUNKED_KERNEL"] = "sm90"
     assert not any("kda_chunked_sm90" in n for n in names), names
     assert any("kda_chunked_kernel" in n for n in names), names
 
 
 def test_auto_routes_by_grid(monkeypatch):
-    """KDA_CHUNKED_KERNEL=auto: the Hopper kernel where the grid fills the SMs with one CTA per (sequence, value
-    head), the mma.sync kernel (two CTAs per head) on smaller grids."""
+    """KDA_CHUNKED_KERNEL=auto: the Hopper kernel where N·HV > SMs / 2 (the mma.sync kernel would take 128 value
+    rows per CTA too), the mma.sync kernel (two CTAs per head) on smaller grids."""
     monkeypatch.setenv("KDA_CHUNKED_KERNEL", "auto")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, want in ((sms // 2 + 1, True), (2, False)):
@@ -151,15 +151,16 @@ def _training_forward(x, kernel, monkeypatch):
     """(output, final state, tapes) of the training forward on `kernel`, and whether the Hopper kernel ran."""
     monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
     t, g = base.tok(x), base.gkw(x)
-    N = x["initial_state"].shape[0]
+    cu = x.get("cu_seqlens")
+    N = x["q"].shape[0] if cu is None else cu.numel() - 1
     gen = torch.Generator(device="cuda").manual_seed(3)
     h0 = torch.randn(N, x["v"].shape[2], K, K, device="cuda", generator=gen) * 0.1
     res = []
 
     def one():
         res.append(kda_ops.recurrent_kda_training_forward(
-            t["q"], t["k"], t["v"], t["g"], t["beta"], g["A_log"], g["dt_bias"], h0, cu_seqlens=x.get("cu_seqlens"),
-            lower_bound=g["lower_bound"]))
+            t["q"], t["k"], t["v"], t["g"], t["beta"], g["A_log"], g["dt_bias"], h0, cu_seqlens=cu,
+            cu_seqlens_cpu=None if cu is None else cu.cpu(), lower_bound=g["lower_bound"]))
 
     ran = any("kda_chunked_sm90" in n for n in kernel_names(one))
     o, fs, ctx = res[0]
@@ -214,7 +215,8 @@ def test_hopper_backward_chain_runs(monkeypatch):
 def test_hopper_state_only_call():
     """A state-only call (1-D empty output) on the Hopper kernel: pool and final states equal, bit for bit,
     those of the same call with an output."""
-    state_only_matches("cuda", K=K, dtype=BF16, backend=1)
+    names = kernel_names(lambda: state_only_matches("cuda", K=K, dtype=BF16, backend=1))
+    assert any("kda_chunked_sm90" in n for n in names), sorted(set(names))
 
 
 def _run(t, g, m, kernel, monkeypatch, **kw):

@@ -9,9 +9,9 @@
 namespace kda {
 
 // How the Hopper kernel is asked for, KDA_CHUNKED_KERNEL (read on every call, so a test can compare the
-// kernels in one process): 1 = `sm90` (every call it covers), 2 = `auto` (the calls it covers whose grid
-// fills the SMs with one CTA per (sequence, value head); smaller grids keep the mma.sync kernel, which splits
-// the value rows over two CTAs there), 0 = unset or anything else (the mma.sync kernel).
+// kernels in one process): 1 = `sm90` (every call it covers), 2 = `auto` (the calls it covers with N·HV > SMs
+// / 2, where the mma.sync kernel takes 128 value rows per CTA too; smaller grids keep the mma.sync kernel,
+// which splits the value rows over two CTAs there), 0 = unset or anything else (the mma.sync kernel).
 int chunked_sm90_mode();
 
 // Whether the Hopper kernel covers `p` on the current device: compute capability 9.0, a prefill (checkpoints

@@ -41,9 +41,9 @@
 // kda_sm90_prof.
 // Known limits, in the order they are expected to matter for speed:
 //   * variant 1: prep (one WG, ~6k cycles per chunk) is the limit; the chain waits half of each chunk for it;
-//   * the chain's own ~2.9k cycles per chunk: the output goes registers -> global as 2-byte stores (a TMA
-//     store from a staging tile is planned) and X / O_inter are two N=16 GEMMs (could be one N=32 over a
-//     stacked [K⁺; Q⁺] tile);
+//   * the chain's own ~2.9k cycles per chunk (variant 1's profile, before the output staging and the γ move):
+//     X / O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile); the backward chain
+//     stores dS every chunk as scalar stores (the checkpoints of the sweep);
 //   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
 #pragma once
 #include <cuda_bf16.h>
