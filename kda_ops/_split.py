@@ -23,6 +23,13 @@ product; ``KDA_SEQUENCE_SPLIT_STATE_ONLY=0`` makes them write outputs, which pas
 Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens, on N·HV·P_n chains
 instead of N·HV, so the split pays when N·HV is small against the SM count and the sequences are long.
 
+Host side: the plan and its index tensors on the device (two host-to-device copies from pinned memory)
+are kept in a small LRU cache (:func:`_cached_plan`, 16 plans, keyed on the lengths, the segment length,
+the checkpoint period, the device and the current CUDA stream); the cached tensors are only ever read
+(the op's cu_seqlens, ssm_state_indices and checkpoint_cu_starts are read-only) and hold no data of a
+call. With a pool read in order a call then launches 8 small kernels besides the three passes and
+the scan (12 kernels in all, 26 before).
+
 Scope (everything else takes the unsplit path, results identical up to floating point):
   - prefill without speculative decode; checkpoints every n tokens when the
     segments can be a multiple of n (the output pass writes them, each segment at its own rows);
@@ -56,6 +63,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -184,10 +193,12 @@ def _auto_splits(d: V.Dims, lens: list[int], sms: int, Ls: int) -> bool:
 
 
 class _Plan:
-    """Host plan of one split call: segments in token order and their pool rows per pass."""
+    """Host plan of one split call: segments in token order and their pool rows per pass. ``index``: the
+    same on the device (:class:`_DeviceIndex`, set by :func:`_cached_plan` for the prefill split)."""
 
-    def __init__(self, lens: list[int], Ls: int) -> None:
+    def __init__(self, lens: list[int], Ls: int, n_ck: int = 0) -> None:
         self.lens, self.Ls = lens, Ls
+        self.index: _DeviceIndex | None = None
         self.nseg = [max(1, -(-L // Ls)) for L in lens]  # zero-length: one empty segment
         self.split_ids = [n for n, p in enumerate(self.nseg) if p >= 2]
         self.M = len(self.split_ids)
@@ -214,6 +225,76 @@ class _Plan:
         self.cu, self.q_rows, self.p_rows, self.o_rows = cu, q_rows, p_rows, o_rows
         self.seq_of_seg, self.final_rows = seq_of_seg, final_rows
         self.needs_p = any(r >= 0 for r in p_rows)
+        self.ck_starts: list[int] | None = None
+        if n_ck > 0:
+            # segment j of sequence n writes the rows of its checkpoints: the sequence's first row + j Ls / n
+            per = Ls // n_ck
+            seq_rows, starts = [0], []
+            for L in lens:
+                seq_rows.append(seq_rows[-1] + -(-L // n_ck))
+            for n, P in enumerate(self.nseg):
+                starts += [seq_rows[n] + j * per for j in range(P)]
+            self.ck_starts = starts + [seq_rows[-1]]
+
+
+class _DeviceIndex:
+    """The index tensors of a prefill plan on its device: two host-to-device copies in all (one int64 and
+    one int32 buffer; the tensors are views of them). Kept in the plan cache, so they are only ever read:
+    the op's cu_seqlens, ssm_state_indices and checkpoint_cu_starts are read-only arguments, and the
+    others are read by index_select / where. ``eye(K, dtype)``: a [K, K] identity, the source the P
+    pass's start states are copied from. Nothing of a call's data is kept."""
+
+    def __init__(self, pl: _Plan, device: torch.device) -> None:
+        self.device = device
+        parts64 = [pl.cu, pl.split_ids, pl.seq_of_seg, pl.final_rows, pl.ck_starts or []]
+        parts32 = [pl.q_rows, pl.p_rows, pl.o_rows]
+        b64 = _device_tensor([x for part in parts64 for x in part], torch.int64, device)
+        b32 = _device_tensor([x for part in parts32 for x in part], torch.int32, device)
+        v64, v32 = _slices(b64, parts64), _slices(b32, parts32)
+        self.cu, self.split_ids, self.seq_of_seg, self.final_rows, ck = v64
+        self.ck_starts = ck if pl.ck_starts is not None else None
+        self.q_rows, self.p_rows, self.o_rows = v32
+        self._eye: dict[torch.dtype, torch.Tensor] = {}
+
+    def eye(self, K: int, dtype: torch.dtype) -> torch.Tensor:
+        e = self._eye.get(dtype)
+        if e is None or e.shape[0] != K:
+            e = self._eye[dtype] = torch.eye(K, dtype=dtype, device=self.device)
+        return e
+
+
+def _slices(buf: torch.Tensor, parts: list[list[int]]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for part in parts:
+        out.append(buf[at : at + len(part)])
+        at += len(part)
+    return out
+
+
+# Plans of recent prefill split calls with their device index tensors, least recently used first. Keyed
+# on the lengths, the segment length, the checkpoint period, the device and (CUDA) the current stream: an
+# entry's tensors are copied to the device on the stream of its first call and used only on that stream
+# (no cross-stream hazard when it is evicted and freed).
+_PLAN_CACHE_SIZE = 16
+_plan_cache: OrderedDict[tuple, _Plan] = OrderedDict()
+_plan_cache_lock = threading.Lock()
+
+
+def _cached_plan(lens: list[int], Ls: int, n_ck: int, device: torch.device) -> _Plan:
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    key = (tuple(lens), Ls, n_ck, device, stream)
+    with _plan_cache_lock:
+        pl = _plan_cache.get(key)
+        if pl is not None:
+            _plan_cache.move_to_end(key)
+            return pl
+    pl = _Plan(lens, Ls, n_ck)
+    pl.index = _DeviceIndex(pl, device)
+    with _plan_cache_lock:
+        _plan_cache[key] = pl
+        while len(_plan_cache) > _PLAN_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return pl
 
 
 def _host_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None) -> list[int] | None:
@@ -244,10 +325,9 @@ def _split_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Te
 
 
 def _device_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":  # pinned + non_blocking: a copy queued on the stream, no host wait
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype)
 
 
 def _packed_view(x: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
@@ -306,7 +386,7 @@ def try_run(
     if any(x is None for x in views):
         return False
     q1, k1, v1, g1, b1, o1 = views
-    pl = _Plan(lens, Ls)
+    pl = _cached_plan(lens, Ls, n_ck, d.device)
     _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code,
          n_ck, ck, source, src_idx)  # fmt: skip
     return True
@@ -321,63 +401,61 @@ def _run(
     f64 = d.dtype == torch.float64 or any(t is not None and t.dtype == torch.float64 for t in (pool, source))
     sdt = torch.float64 if f64 else torch.float32  # (fp64 only on the CPU path)
     M, mp = pl.M, pl.maxP
-    cu = _device_tensor(pl.cu, torch.int64, dev)
+    ix = pl.index  # the plan's device tensors (cached with it: only ever read)
     # passes 1 and 2 need only end states: a 1-D empty output makes them state-only calls (the chunked
     # kernel skips the output product; the CPU loop and the token-serial kernels write a scratch output)
     no_out = out.new_empty(0) if STATE_ONLY else out
 
     # start states, read before anything is written (inactive sequences: zeros, never written back)
-    # valid: active sequences (None: all); slot: each sequence's pool slot (clamped into the pool)
-    valid = slot = None
-    if pool is not None:
-        if ssm_idx is None:
-            slot = torch.arange(N, device=dev)
-        else:
-            idx = ssm_idx.to(torch.int64)
-            valid = (idx >= 0) & (idx < pool.shape[0])
-            slot = torch.where(valid, idx, torch.zeros_like(idx))
+    # valid: active sequences (None: all); slot: each sequence's pool slot (clamped into the pool; None:
+    # slot n); start0: the start states (None: all zero; a view of the pool when it is read in order)
+    valid = slot = start0 = None
+    if pool is not None and ssm_idx is not None:
+        idx = ssm_idx.to(torch.int64)
+        valid = (idx >= 0) & (idx < pool.shape[0])
+        slot = torch.where(valid, idx, 0)
     if source is not None:  # start states from the read-only source (out of range: inactive)
         si = src_idx.to(torch.int64)
         ok = (si >= 0) & (si < source.shape[0])
-        src_rows = source.index_select(0, torch.where(ok, si, torch.zeros_like(si)))
+        src_rows = source.index_select(0, torch.where(ok, si, 0))
         start0 = torch.where(ok.view(-1, 1, 1, 1), src_rows.to(sdt), 0.0)
         valid = ok if valid is None else valid & ok
-    elif pool is None:
-        start0 = torch.zeros((N, HV, Vd, K), dtype=sdt, device=dev)
-    elif ssm_idx is None:
-        start0 = pool[:N].to(sdt)
-    else:
+    elif pool is not None and ssm_idx is None:
+        start0 = pool[:N]  # (copied into fp32 rows below, before any write)
+    elif pool is not None:
         start0 = torch.where(valid.view(-1, 1, 1, 1), pool.index_select(0, slot).to(sdt), 0.0)
 
     # pass 3's pool: row j*M + m for segment j of split sequence m (segment-major, so that one segment
-    # index of all split sequences is one contiguous batch for the scan), then one row per sequence
-    states = torch.zeros((M * mp + N, HV, Vd, K), dtype=sdt, device=dev)
-    states[M * mp :] = start0
+    # index of all split sequences is one contiguous batch for the scan), then one row per sequence (read
+    # for the unsplit ones). Every row that is read gets written before: the grid rows by the start states
+    # (row 0) and the scan, the others from start0; all zero without start states.
+    states = (torch.zeros if start0 is None else torch.empty)((M * mp + N, HV, Vd, K), dtype=sdt, device=dev)
     S = states[: M * mp].view(mp, M * HV, Vd, K)
+    if start0 is not None:
+        if M < N:
+            states[M * mp :].copy_(start0)
+        if M > 0:  # (every sequence split: split_ids = 0 .. N-1)
+            states[:M].copy_(start0 if M == N else start0.index_select(0, ix.split_ids))
     if M > 0:
-        split_ids = _device_tensor(pl.split_ids, torch.int64, dev)
-        # pass 1: Q_j (segment 0 from the real start state)
+        # pass 1: Q_j (segment 0 from the real start state, the others from 0)
         Qp = torch.zeros((M * mp, HV, Vd, K), dtype=sdt, device=dev)
         Qv = Qp.view(mp, M * HV, Vd, K)
-        Qv[0] = start0.index_select(0, split_ids).view(M * HV, Vd, K)
-        S[0] = Qv[0]
-        rows = _device_tensor(pl.q_rows, torch.int32, dev)
-        op(q, k, v, g, beta, A, dtb, Qp, None, None, cu, rows, None, None, no_out, None, None, None, None,
+        if start0 is not None:
+            Qp[:M].copy_(states[:M])
+        op(q, k, v, g, beta, A, dtb, Qp, None, None, ix.cu, ix.q_rows, None, None, no_out, None, None, None, None,
            sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
         Pv = None
         if pl.needs_p:
             # pass 2: P_j, the [K, K] state from the identity with v = 0
-            Pp = torch.eye(K, dtype=sdt, device=dev).expand(M * mp, HV, K, K).contiguous()
+            Pp = ix.eye(K, sdt).expand(M * mp, HV, K, K).contiguous()
             v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
             o0 = no_out if STATE_ONLY or Vd == K else torch.empty((1, v.shape[1], HV, K), dtype=out.dtype, device=dev)
-            rows = _device_tensor(pl.p_rows, torch.int32, dev)
-            op(q, k, v0, g, beta, A, dtb, Pp, None, None, cu, rows, None, None, o0, None, None, None, None,
+            op(q, k, v0, g, beta, A, dtb, Pp, None, None, ix.cu, ix.p_rows, None, None, o0, None, None, None, None,
                sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
             Pv = Pp.view(mp, M * HV, K, K)
         # scan, in segment order, all split sequences and heads batched (rows past a sequence's last
         # segment compute unused values from zeros)
-        if mp >= 2:
-            S[1] = Qv[0]
+        S[1] = Qv[0]
         if mp >= 3:
             assert Pv is not None
             # S[j] = S[j-1] P[j-1] + Q[j-1], j = 2 .. mp-1: one launch on CUDA (one batched matmul per j on
@@ -385,36 +463,27 @@ def _run(
             torch.ops.kda.segment_state_scan(S, Qv, Pv, 2)
 
     # pass 3: outputs and final states from the exact start states
-    rows = _device_tensor(pl.o_rows, torch.int32, dev)
+    rows = ix.o_rows
     if valid is not None:
-        seg_seq = _device_tensor(pl.seq_of_seg, torch.int64, dev)
-        rows = torch.where(valid.index_select(0, seg_seq), rows, torch.full_like(rows, -1))
-    ck_starts = None
-    if n_ck > 0:
-        # segment j of sequence n writes the rows of its checkpoints: the sequence's first row + j Ls / n
-        per = pl.Ls // n_ck
-        seq_rows, starts = [0], []
-        for L in pl.lens:
-            seq_rows.append(seq_rows[-1] + -(-L // n_ck))
-        for n, P in enumerate(pl.nseg):
-            starts += [seq_rows[n] + j * per for j in range(P)]
-        ck_starts = _device_tensor(starts + [seq_rows[-1]], torch.int64, dev)
-    op(q, k, v, g, beta, A, dtb, states, None, None, cu, rows, None, None, out, None, ck, ck_starts,
+        rows = torch.where(valid.index_select(0, ix.seq_of_seg), rows, -1)
+    op(q, k, v, g, beta, A, dtb, states, None, None, ix.cu, rows, None, None, out, None, ck, ix.ck_starts,
        None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, False)  # fmt: skip
 
-    fin = states.index_select(0, _device_tensor(pl.final_rows, torch.int64, dev))
+    fin = states.index_select(0, ix.final_rows)
     if final is not None:  # (no pool) inactive sequences keep the zeros of the new final state
         final.copy_(fin if valid is None else torch.where(valid.view(-1, 1, 1, 1), fin, 0.0))
     if pool is not None:
         if valid is None:
-            pool[:N] = fin.to(pool.dtype)
+            pool[:N].copy_(fin)
         else:
             # Every row writes its slot; an inactive row whose (clamped) slot is also written by an active
             # one writes that one's value, else the slot's own: identical values per slot, so the result
             # does not depend on the order of the writes.
+            if slot is None:
+                slot = torch.arange(N, device=dev)
             owner = torch.full((pool.shape[0],), -1, dtype=torch.int64, device=dev)
             ar = torch.arange(N, device=dev)
-            owner.scatter_reduce_(0, slot, torch.where(valid, ar, torch.full_like(ar, -1)), "amax")
+            owner.scatter_reduce_(0, slot, torch.where(valid, ar, -1), "amax")
             m = owner.index_select(0, slot)
             keep = pool.index_select(0, slot)
             vals = torch.where((m >= 0).view(-1, 1, 1, 1), fin.index_select(0, m.clamp_min(0)).to(pool.dtype), keep)

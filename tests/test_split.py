@@ -152,6 +152,55 @@ def test_split_deterministic(split_on):  # type: ignore[no-untyped-def]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("with_pool", [True, False])
+def test_split_plan_cache(split_on, monkeypatch, with_pool):  # type: ignore[no-untyped-def]
+    """The plan cache: a second call with the same plan and other data is served from the cache and
+    matches the unsplit call (no data kept between calls); the cached index tensors are never written;
+    other lengths or another segment length make a new plan; the cache is bounded (least recently used
+    out)."""
+    monkeypatch.setattr(_split, "_plan_cache", type(_split._plan_cache)())
+    monkeypatch.setattr(_split, "_PLAN_CACHE_SIZE", 3)
+    gen = torch.Generator().manual_seed(21)
+
+    def run(lens, seed):  # type: ignore[no-untyped-def]
+        x, kw = _inputs(lens, gate="lower_bound", slow=True, seed=seed)
+        N = len(lens)
+        base = torch.randn(N + 2, 2, V, K, generator=gen) * 0.3
+        slots = torch.tensor([N + 1, -1] + list(range(N - 2)), dtype=torch.int32)  # sequence 1 inactive
+        res = []
+        for mode in ("1", "0"):
+            monkeypatch.setattr(_split, "MODE", mode)
+            extra = dict(initial_state=base.clone(), ssm_state_indices=slots) if with_pool else {}
+            o, fs = _call(x, kw, output_final_state=True, **extra)
+            res.append((o, fs.clone()))
+        (o_s, f_s), (o_u, f_u) = res
+        assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
+        return o_s
+
+    lens = [260, 40, 190, 5]
+    o1 = run(lens, seed=22)
+    assert len(split_on) == 1
+    pl = split_on[0]
+    ix = pl.index
+    saved = {n: t.clone() for n, t in vars(ix).items() if isinstance(t, torch.Tensor)}
+    o2 = run(lens, seed=23)  # same plan, other data
+    assert len(split_on) == 2 and split_on[1] is pl and len(_split._plan_cache) == 1
+    assert not torch.equal(o1, o2)
+    for n, t in saved.items():
+        assert torch.equal(getattr(ix, n), t), n
+    run([260, 40, 191, 5], seed=24)  # other lengths: a new plan
+    assert split_on[2] is not pl and split_on[2].lens == [260, 40, 191, 5] and len(_split._plan_cache) == 2
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 128)
+    run(lens, seed=25)  # the same lengths in 128-token segments: a new plan
+    assert split_on[3] is not pl and split_on[3].Ls == 128 and len(_split._plan_cache) == 3
+    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
+    run(lens, seed=26)  # the first plan again (now the most recent)
+    assert split_on[4] is pl
+    run([300, 40, 190, 5], seed=27)  # a fourth plan evicts the least recently used: [260, 40, 191, 5]
+    assert len(_split._plan_cache) == 3
+    assert [k[0] for k in _split._plan_cache] == [(260, 40, 190, 5), (260, 40, 190, 5), (300, 40, 190, 5)]
+
+
 def test_split_falls_back(split_on):  # type: ignore[no-untyped-def]
     """Checkpoints at a period the segments are not a multiple of (48 vs 64-token segments) take the
     unsplit path; short sequences are not split."""
