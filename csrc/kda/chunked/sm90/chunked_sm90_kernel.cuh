@@ -732,14 +732,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   // accumulator partition of the row block, so every element is the thread's base address + a constant.
   auto store_state = [&](void* base, DType dt, int64_t off) {
     const int64_t o = off + head_off + int64_t(v0) * kD;
+    // elements 2j, 2j + 1 of the accumulator are two adjacent channels of one row (an even channel): pairs
+    static_assert(decltype(stride<0, 0>(thr_s.partition_C(make_tensor(make_gmem_ptr((float*)nullptr), LayoutRows{}))))::value == 1,
+                  "accumulator pairs are adjacent channels");
     if (dt == DType::kBFloat16) {
       Tensor t = thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<__nv_bfloat16*>(base) + o), LayoutRows{}));
 #pragma unroll
-      for (int i = 0; i < size(accS); ++i) t(i) = __float2bfloat16_rn(accS(i));
+      for (int i = 0; i < size(accS); i += 2)
+        *reinterpret_cast<__nv_bfloat162*>(&t(i)) = __floats2bfloat162_rn(accS(i), accS(i + 1));
     } else {
       Tensor t = thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<float*>(base) + o), LayoutRows{}));
 #pragma unroll
-      for (int i = 0; i < size(accS); ++i) t(i) = accS(i);
+      for (int i = 0; i < size(accS); i += 2) *reinterpret_cast<float2*>(&t(i)) = make_float2(accS(i), accS(i + 1));
     }
   };
   // 16-byte output stores: the output view's base and strides are multiples of 16 bytes
