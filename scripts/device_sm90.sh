@@ -9,8 +9,8 @@
 #   OUT=/tmp/out bash scripts/device_sm90.sh          # build smoke tests bench
 #   STAGES="smoke tests" bash scripts/device_sm90.sh  # a subset (after a build)
 #
-# Success: smoke.log (the default variant 1) and smoke_v2.log (KDA_SM90_VARIANT=2) end with "smoke: OK" (every
-# case "OK ... ran=True"), tests.log, tests_v2.log and tests_shared.log with "N passed" and no failures,
+# Success: smoke.log (the default variant 2) and smoke_v2.log (KDA_SM90_VARIANT=2, first: a hang there skips the rest of v2) end with "smoke: OK" (every
+# case "OK ... ran=True"), tests.log, tests_v1.log (KDA_SM90_VARIANT=1) and tests_shared.log with "N passed" and no failures,
 # bench.log has the table (sm90 v1 / v2 vs mma ms per call, "sm90 ran" True) and the two profile tables
 # ("kda_chunked_sm90 profile, variant V": cycles per chunk per segment of each role in CTA 0).
 # On failure: smoke.log's "FAIL"/"ERROR" line and the diagnosis block after it, the "kda_chunked_sm90:" lines
@@ -44,12 +44,12 @@ for s in $STAGES; do
       grep -E "kda_chunked_sm90_kernel|C7517" -A2 "$OUT/build.log" | grep -E "Function properties|injected|spill|registers" \
         | sed 's/.*kda_chunked_sm90_kernelI/kernel</' | head -16 ;;
     smoke)
-      # the two-prep-warpgroup design (KDA_SM90_VARIANT=2) first, then the default (1)
+      # the two-prep-warpgroup design (KDA_SM90_VARIANT=2, the default) alone first, then the default run
       TAIL=30 KDA_SM90_VARIANT=2 run smoke_v2 60 python3 scripts/sm90_smoke.py
       V2_RC=$?
-      if [ "$V2_RC" = 124 ] || [ "$V2_RC" = 137 ]; then  # a hung variant 2: leave it out of tests and bench
+      if [ "$V2_RC" = 124 ] || [ "$V2_RC" = 137 ]; then  # a hung variant 2: the rest on variant 1
         echo "== smoke_v2: HUNG in: $(grep -E 'calling (sm90|mma)' "$OUT/smoke_v2.log" | tail -1)"
-        export SM90_BENCH_VARIANTS=1 SKIP_V2=1
+        export KDA_SM90_VARIANT=1 SM90_BENCH_VARIANTS=1 SKIP_V1=1  # the rest on variant 1 only
       fi
       rm -f "$OUT/smoke_first_fail"
       TAIL=100 SMOKE_FIRST_FAIL="$OUT/smoke_first_fail" run smoke 90 python3 scripts/sm90_smoke.py
@@ -65,11 +65,14 @@ for s in $STAGES; do
         echo "== $s: skipped (the smoke call hung)"; continue; fi ;;&
     tests)  # this path's own tests first (both variants), then the shared chunked and training tests re-run on it
       XD=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-      run tests 150 python3 -m pytest -q -rf -x -p no:cacheprovider -k hopper tests/gpu/test_chunked_sm90.py
-      [ "${SKIP_V2:-0}" = 1 ] || KDA_SM90_VARIANT=2 run tests_v2 200 python3 -m pytest -q -rf --maxfail=10 \
-        -p no:cacheprovider $XD -k "hopper or backward_chain or training or auto" tests/gpu/test_chunked_sm90.py
-      run tests_shared 240 python3 -m pytest -q -rf --maxfail=10 -p no:cacheprovider $XD -k "not hopper" \
-        tests/gpu/test_chunked_sm90.py ;;
+      # (--timeout names a hanging test; pytest-timeout is installed on the GPU machine)
+      run tests 150 python3 -m pytest -q -rfE --timeout=100 --durations=10 --maxfail=5 -p no:cacheprovider $XD -k hopper \
+        tests/gpu/test_chunked_sm90.py
+      [ "${SKIP_V1:-0}" = 1 ] || KDA_SM90_VARIANT=1 run tests_v1 200 python3 -m pytest -q -rfE --timeout=100 \
+        --durations=10 --maxfail=10 -p no:cacheprovider $XD -k "hopper or backward_chain or training or auto" \
+        tests/gpu/test_chunked_sm90.py
+      run tests_shared 240 python3 -m pytest -q -rfE --timeout=150 --durations=10 --maxfail=10 -p no:cacheprovider \
+        $XD -k "not hopper" tests/gpu/test_chunked_sm90.py ;;
     bench) TAIL=60 run bench 90 python3 scripts/sm90_bench.py ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -83,13 +83,13 @@ chunked_sm90::TmaToken token_tma(const RecurrentParams& p, const TokenTensor& t,
                                       t.head_stride, bs);
 }
 
-// KDA_SM90_VARIANT=1|2 (read per call, default 1): which design of the kernel (chunked_sm90_kernel.cuh, Cfg:
-// 1 = a producer warpgroup and one prep warpgroup, 2 = two prep warpgroups loading their own chunks; 2 has not
-// run on a GPU yet), so one process can time both. KDA_SM90_PROFILE=1: the profile instantiation, then a stream sync
+// KDA_SM90_VARIANT=1|2 (read per call, default 2): which design of the kernel (chunked_sm90_kernel.cuh, Cfg:
+// 1 = a producer warpgroup and one prep warpgroup, 2 = two prep warpgroups loading their own chunks, the faster
+// one), so one process can time both. KDA_SM90_PROFILE=1: the profile instantiation, then a stream sync
 // and the per-segment cycle table of CTA 0 on stderr (a debugging aid: not for graph capture).
 int sm90_variant() {
   const char* e = std::getenv("KDA_SM90_VARIANT");
-  return (e != nullptr && e[0] == '2' && e[1] == '\0') ? 2 : 1;
+  return (e != nullptr && e[0] == '1' && e[1] == '\0') ? 1 : 2;
 }
 bool sm90_profile() {
   const char* e = std::getenv("KDA_SM90_PROFILE");

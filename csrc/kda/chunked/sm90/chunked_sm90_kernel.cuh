@@ -1,7 +1,7 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
 // chunk, K = V = 128, with the Hopper machinery. Two designs (template kVariant, Cfg below; KDA_SM90_VARIANT
-// per call, default 1; variant 2 compiles without spills but has not run on a GPU yet):
+// per call, default 2, the faster: docs/performance.md):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
 //     WGs. Packed input uses per-sequence coordinates into the packed tensor (domain_offset); rows past a
@@ -36,14 +36,15 @@
 // backward's chain (kBwd: the chunks last first, dRᵀ = dS Krᵀ + dOᵀ Mqk, dXᵀ = -dRᵀ INVb, dS = dS ⊙ γ_C + dOᵀ Q⁺ +
 // dXᵀ K⁺ with bf16 operands, the mma.sync kernel's BWD mode). seq_order (the longest-first task order the Python
 // layer sets for packed calls) maps blockIdx to the sequence. (Checkpoints, source start states, state-only calls
-// and the backward chain were added after the last GPU run: not yet run on a GPU.)
+// and the backward chain have not yet passed their GPU tests: their first run did not finish, docs/design.md.)
 // The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock64 cycles per role and segment of CTA 0 into
 // kda_sm90_prof.
-// Known limits, in the order they are expected to matter for speed:
-//   * variant 1: prep (one WG, ~6k cycles per chunk) is the limit; the chain waits half of each chunk for it;
-//   * the chain's own ~2.9k cycles per chunk (variant 1's profile, before the output staging and the γ move):
-//     X / O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile); the backward chain
-//     stores dS every chunk as scalar stores (the checkpoints of the sweep);
+// Known limits (profile of H=96 T=8192 on the H200, docs/performance.md), in the order they matter for speed:
+//   * prep is still the limit in variant 2: each prep WG takes ~8.5k cycles per chunk (two chunks in flight,
+//     so ~4.2k a chunk), the chain ~2.9k of its own and ~1.4k waiting for operands; variant 1: prep ~5.8k a
+//     chunk, the chain waits ~3.3k of it. The largest prep parts: gate + norms ~2.3k, operand tiles ~2.4k,
+//     the inverse (one warp) ~1.8k, L / Mqk ~1.1k;
+//   * the chain: X / O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile);
 //   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
 #pragma once
 #include <cuda_bf16.h>
@@ -77,7 +78,7 @@ using f16_t = cutlass::half_t;
 
 constexpr int kC = 16;    // tokens per chunk
 constexpr int kD = 128;   // K = V
-// The two designs (template kVariant, KDA_SM90_VARIANT, default 1):
+// The two designs (template kVariant, KDA_SM90_VARIANT, default 2):
 //   1: a producer warpgroup (one thread issues every TMA load) and one prep warpgroup for all chunks;
 //   2: two prep warpgroups, each for every other chunk (prep of a chunk depends on nothing before it), each
 //      issuing the TMA loads of its own chunks (raw q/k/g into its own ring, v into the shared v ring); no
