@@ -102,21 +102,20 @@ def with_kernel(kernel: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     name, _, variant = kernel.partition(":")
     want = {"KDA_CHUNKED_KERNEL": None if name == "mma" else name, "KDA_SM90_VARIANT": variant or None}
 
+    def put(values: dict[str, str | None]) -> None:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     def run() -> Any:
         old = {k: os.environ.get(k) for k in want}
         try:
-            for k, v in want.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            put(want)
             return fn()
         finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            put(old)
 
     return run
 

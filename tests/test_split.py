@@ -321,6 +321,16 @@ def _training_run(x, cu, e):  # type: ignore[no-untyped-def]
     return res
 
 
+def _matches_unsplit_training(got, x, cu, e, dtype, monkeypatch):  # type: ignore[no-untyped-def]
+    """The split training run's results `got` against the same run with the split off."""
+    monkeypatch.setattr(_split, "MODE", "0")
+    ref = _training_run(x, cu, e)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for key in ref:
+        assert got[key].shape == ref[key].shape, key
+        assert rel_rms(got[key], ref[key]) <= tol, (key, rel_rms(got[key], ref[key]))
+
+
 @pytest.mark.parametrize(
     "lens,B,dtype",
     [(LONG_AMONG_SHORT, 1, torch.float32), (None, 2, torch.float32), ([130, 257, 3], 1, torch.float64)],
@@ -329,12 +339,7 @@ def test_training_split_matches_unsplit(split_on, monkeypatch, lens, B, dtype): 
     x, cu, e = _training_case(lens, B=B, dtype=dtype, seed=11)
     got = _training_run(x, cu, e)
     assert len(split_on) == 0  # the prefill counter: the training split has its own path
-    monkeypatch.setattr(_split, "MODE", "0")
-    ref = _training_run(x, cu, e)
-    tol = 1e-10 if dtype == torch.float64 else 2e-5
-    for key in ref:
-        assert got[key].shape == ref[key].shape, key
-        assert rel_rms(got[key], ref[key]) <= tol, (key, rel_rms(got[key], ref[key]))
+    _matches_unsplit_training(got, x, cu, e, dtype, monkeypatch)
 
 
 def test_training_split_runs(split_on, monkeypatch):  # type: ignore[no-untyped-def]
@@ -362,12 +367,7 @@ def test_training_split_scans_one_op_each(split_on, monkeypatch, dtype):  # type
     x, cu, e = _training_case([700, 64, 200, 1, 450, 0], dtype=dtype, seed=19)
     got = _training_run(x, cu, e)
     assert scans == [((11, 3 * 2, V, K), (11, 3 * 2, K, K), dtype, 2), ((11, 3 * 2, V, K), (11, 3 * 2, K, K), dtype, 1)]
-    monkeypatch.setattr(_split, "MODE", "0")
-    ref = _training_run(x, cu, e)
-    tol = 1e-10 if dtype == torch.float64 else 2e-5
-    for key in ref:
-        assert got[key].shape == ref[key].shape, key
-        assert rel_rms(got[key], ref[key]) <= tol, (key, rel_rms(got[key], ref[key]))
+    _matches_unsplit_training(got, x, cu, e, dtype, monkeypatch)
 
 
 @pytest.mark.parametrize("n_ck,tokens", [(32, 64), (64, 64), (48, 0)])
