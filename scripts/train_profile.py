@@ -1,7 +1,7 @@
 """Where does the CUDA training backward spend its time? (device diagnostic, not a test)
 
-For recurrent_kda_training_backward at the benchmark shapes (H=96 and H=32, T=8192) prints the CUDA kernels of one call from
-torch.profiler (name, calls, total µs), so the backward chain, the chunk-parallel sweep and the finishing
+For recurrent_kda_training_backward at the benchmark shapes (H=96 and H=32, T=8192) prints the CUDA kernels of
+one call from torch.profiler (name, calls, total µs), so the backward chain, the chunk-parallel sweep and the finishing
 kernels can be told apart.
 
   python3 scripts/train_profile.py [96,32]     (comma-separated head counts)
