@@ -65,6 +65,9 @@ for s in $STAGES; do
         echo "== $s: skipped (the smoke call hung)"; continue; fi ;;&
     tests)  # this path's own tests first (both variants), then the shared chunked and training tests re-run on it
       XD=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+      # 8 workers on 16 cores: 2 threads each for the fp64 CPU references (torch's default, one per core,
+      # oversubscribes the machine 8-fold)
+      export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
       # (--timeout names a hanging test; pytest-timeout is installed on the GPU machine)
       run tests 150 python3 -m pytest -q -rfE --timeout=100 --durations=10 --maxfail=5 -p no:cacheprovider $XD -k hopper \
         tests/gpu/test_chunked_sm90.py
