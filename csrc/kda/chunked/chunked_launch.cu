@@ -7,6 +7,7 @@
 #include "kda/chunked/chunked_kernel.cuh"  // (sizeof the shared-memory layouts only)
 #include "kda/chunked/chunked_launch.h"
 #include "kda/chunked/sm90/chunked_sm90.h"
+#include "kda/common/recurrent_rules.h"  // out_rows_vec16
 
 namespace kda {
 namespace {
@@ -45,6 +46,13 @@ const ChunkedKnobs& chunked_knobs() {
   return knobs;
 }
 
+// KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the calls it covers; =auto: those whose grid takes 128
+// value rows per CTA here too (chunked_sm90.h); else this kernel. The forward and the backward chain alike.
+bool hopper_takes(const RecurrentParams& p, int sms) {
+  const int mode = chunked_sm90_mode();
+  return mode != 0 && (mode == 1 || p.N * p.HV * 2 > int64_t(sms)) && chunked_sm90_supported(p);
+}
+
 }  // namespace
 
 bool chunked_supported(const RecurrentParams& p, const char** why) {
@@ -71,11 +79,7 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const ChunkedKnobs& knobs = chunked_knobs();
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
-  // KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the calls it covers; =auto: those whose grid would take
-  // 128 value rows per CTA here (chunked_sm90.h); else this kernel.
-  const int sm90 = chunked_sm90_mode();
-  if (sm90 != 0 && (sm90 == 1 || p.N * p.HV * 2 > int64_t(sms)) && chunked_sm90_supported(p))
-    return launch_chunked_sm90(p, stream);
+  if (hopper_takes(p, sms)) return launch_chunked_sm90(p, stream);
   // One CTA per SM fits (registers). When the (sequence, head) tasks fill at most half of the SMs, split
   // the value rows over two CTAs: the chain is latency-bound, so two CTAs per head halve its per-chunk
   // work at the cost of repeating the per-chunk prep.
@@ -84,9 +88,7 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   const int optin = max_smem_optin();
   if (vb == 128 && kSmem128 > optin) vb = 64;
   if (knobs.small_pipeline) vb = 64;
-  auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const bool out_vec16 = al(p.out) && p.out_token_stride % 8 == 0 && p.out_head_stride % 8 == 0 &&
-                         (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
+  const bool out_vec16 = out_rows_vec16(p);
   const int diag = knobs.diag;
   const bool state_only = p.out == nullptr;  // the state-only kernels (no output product)
   if (vb == 128)
@@ -145,10 +147,7 @@ cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStre
   const RecurrentParams p = chain_as_recurrent(c);
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
-  // KDA_CHUNKED_KERNEL=sm90 / auto: the Hopper kernel in its backward-chain mode, as in the forward
-  const int sm90 = chunked_sm90_mode();
-  if (sm90 != 0 && (sm90 == 1 || p.N * p.HV * 2 > int64_t(sms)) && chunked_sm90_supported(p))
-    return launch_chunked_sm90(p, stream, /*backward_chain=*/true);
+  if (hopper_takes(p, sms)) return launch_chunked_sm90(p, stream, /*backward_chain=*/true);  // (its BWD mode)
   // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs.
   const int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
   if (vb == 128) return prefill::run_chunked_<128, 3, 4, true>(p, false, 0, stream);

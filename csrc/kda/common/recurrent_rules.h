@@ -41,6 +41,13 @@ KDA_HD bool slot_in_pool(int64_t slot, int64_t n_pool) { return slot >= 0 && slo
 // no integer division: in the decode kernels the two divisions cost ~45 instructions an item.
 KDA_HD int qk_head(const RecurrentParams& p, int hv) { return p.HV == p.H ? hv : hv / (p.HV / p.H); }
 
+// Whether the output view takes 16-byte stores of 8 consecutive values: its base and its token, head and
+// (fixed layout) batch strides are multiples of 16 bytes (bf16 output).
+KDA_HD bool out_rows_vec16(const RecurrentParams& p) {
+  return reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_token_stride % 8 == 0 && p.out_head_stride % 8 == 0 &&
+         (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
+}
+
 // Pool slot that receives the state after token t of sequence n (-1 when there is no pool).
 KDA_HD int64_t write_slot(const RecurrentParams& p, int64_t n, int64_t t) {
   if (p.state == nullptr) return -1;

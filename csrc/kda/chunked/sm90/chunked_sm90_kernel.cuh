@@ -747,9 +747,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       for (int i = 0; i < size(accS); i += 2) *reinterpret_cast<float2*>(&t(i)) = make_float2(accS(i), accS(i + 1));
     }
   };
-  // 16-byte output stores: the output view's base and strides are multiples of 16 bytes
-  const bool out_vec16 = reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_token_stride % 8 == 0 &&
-                         p.out_head_stride % 8 == 0 && (p.cu_seqlens != nullptr || p.out_batch_stride % 8 == 0);
+  const bool out_vec16 = out_rows_vec16(p);  // 16-byte output stores (recurrent_rules.h)
   // checkpoints: row checkpoint_cu_starts[n] + j - checkpoint_first holds the state before token j * every
   // (every a multiple of 16, chunked_supported; the training forward's tapes: every = 64, first = 1), i.e.
   // before chunk j * every / 16: the next such chunk and its row offset are counted (no division in the loop)
