@@ -96,11 +96,11 @@ def ours_call(kda_ops: Any, d: dict[str, Any], backend: str) -> Callable[[], Any
 
 
 def with_kernel(kernel: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """fn with the chunked kernel chosen per call: ``mma`` (KDA_CHUNKED_KERNEL unset), ``sm90:V`` / ``auto:V``
+    """fn with the chunked kernel chosen per call: ``mma`` (KDA_CHUNKED_KERNEL=mma), ``sm90:V`` / ``auto:V``
     (KDA_CHUNKED_KERNEL=sm90 / auto, KDA_SM90_VARIANT=V); both variables are read on every call, so a graph
     captures the kernel chosen while it is captured. The previous values are restored after each call."""
     name, _, variant = kernel.partition(":")
-    want = {"KDA_CHUNKED_KERNEL": None if name == "mma" else name, "KDA_SM90_VARIANT": variant or None}
+    want = {"KDA_CHUNKED_KERNEL": name, "KDA_SM90_VARIANT": variant or None}
 
     def put(values: dict[str, str | None]) -> None:
         for k, v in values.items():

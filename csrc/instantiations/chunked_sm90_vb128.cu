@@ -16,9 +16,8 @@ namespace kda {
 
 int chunked_sm90_mode() {
   const char* e = std::getenv("KDA_CHUNKED_KERNEL");
-  if (e == nullptr) return 0;
-  if (std::strcmp(e, "sm90") == 0) return 1;
-  return std::strcmp(e, "auto") == 0 ? 2 : 0;
+  if (e == nullptr || e[0] == '\0' || std::strcmp(e, "auto") == 0) return 2;
+  return std::strcmp(e, "sm90") == 0 ? 1 : 0;
 }
 
 bool chunked_sm90_supported(const RecurrentParams& p) {

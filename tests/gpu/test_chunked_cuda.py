@@ -46,6 +46,14 @@ DEV = os.environ.get("KDA_CHUNKED_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu] if DEV == "cuda" else []
 cuda_only = pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available(), reason="CUDA-specific")
 
+
+@pytest.fixture(autouse=True)
+def _mma_kernel(monkeypatch):  # type: ignore[no-untyped-def]
+    """The tests of this file pin the portable mma.sync kernel (KDA_CHUNKED_KERNEL=mma); the default on sm_90a
+    routes large grids to the Hopper kernel, and tests/gpu/test_chunked_sm90.py collects these tests again
+    with that kernel forced."""
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "mma")
+
 K = 128  # the chunked path takes K = V = 128 only
 F32, BF16 = torch.float32, torch.bfloat16
 # decode rows, zero-length rows and long prefill rows in one packed call

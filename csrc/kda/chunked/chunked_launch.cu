@@ -46,11 +46,18 @@ const ChunkedKnobs& chunked_knobs() {
   return knobs;
 }
 
-// KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the calls it covers; =auto: those whose grid takes 128
-// value rows per CTA here too (chunked_sm90.h); else this kernel. The forward and the backward chain alike.
+// KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the calls it covers; auto (the default): those whose grid
+// takes 128 value rows per CTA here too (chunked_sm90.h), unless one of this kernel's own switches is set
+// (KDA_CHUNKED_VB/_PIPELINE/_DIAG ask for this kernel); mma: this kernel. The forward and the backward chain
+// alike.
 bool hopper_takes(const RecurrentParams& p, int sms) {
   const int mode = chunked_sm90_mode();
-  return mode != 0 && (mode == 1 || p.N * p.HV * 2 > int64_t(sms)) && chunked_sm90_supported(p);
+  if (mode == 0) return false;
+  if (mode == 2) {
+    const ChunkedKnobs& k = chunked_knobs();
+    if (k.vb != 0 || k.small_pipeline || k.diag != 0 || p.N * p.HV * 2 <= int64_t(sms)) return false;
+  }
+  return chunked_sm90_supported(p);
 }
 
 }  // namespace

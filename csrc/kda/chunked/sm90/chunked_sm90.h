@@ -8,10 +8,11 @@
 
 namespace kda {
 
-// How the Hopper kernel is asked for, KDA_CHUNKED_KERNEL (read on every call, so a test can compare the
-// kernels in one process): 1 = `sm90` (every call it covers), 2 = `auto` (the calls it covers with N·HV > SMs
-// / 2, where the mma.sync kernel takes 128 value rows per CTA too; smaller grids keep the mma.sync kernel,
-// which splits the value rows over two CTAs there), 0 = unset or anything else (the mma.sync kernel).
+// Which chunked kernel a call takes, KDA_CHUNKED_KERNEL (read on every call, so a test can compare the
+// kernels in one process): 2 = unset, empty or `auto` (the default: the Hopper kernel for the calls it covers
+// with N·HV > SMs / 2, where the mma.sync kernel takes 128 value rows per CTA too; smaller grids keep the
+// mma.sync kernel, which splits the value rows over two CTAs there and is faster on them), 1 = `sm90` (the
+// Hopper kernel for every call it covers), 0 = `mma` or anything else (the mma.sync kernel always).
 int chunked_sm90_mode();
 
 // Whether the Hopper kernel covers `p` on the current device: compute capability 9.0, a prefill (checkpoints
