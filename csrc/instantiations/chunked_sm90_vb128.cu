@@ -82,13 +82,15 @@ chunked_sm90::TmaToken token_tma(const RecurrentParams& p, const TokenTensor& t,
                                       t.head_stride, bs);
 }
 
-// KDA_SM90_VARIANT=1|2 (read per call, default 2): which design of the kernel (chunked_sm90_kernel.cuh, Cfg:
-// 1 = a producer warpgroup and one prep warpgroup, 2 = two prep warpgroups loading their own chunks, the faster
-// one), so one process can time both. KDA_SM90_PROFILE=1: the profile instantiation, then a stream sync
-// and the per-segment cycle table of CTA 0 on stderr (a debugging aid: not for graph capture).
+// KDA_SM90_VARIANT=1|2|3 (read per call, default 2): which design of the kernel (chunked_sm90_kernel.cuh, Cfg:
+// 1 = a producer warpgroup and one prep warpgroup, 2 = two prep warpgroups loading their own chunks, 3 = three
+// of them), so one process can time them. The backward chain has variants 1 and 2 (3 runs it on 2).
+// KDA_SM90_PROFILE=1: the profile instantiation, then a stream sync and the per-segment cycle table of CTA 0
+// on stderr (a debugging aid: not for graph capture).
 int sm90_variant() {
   const char* e = std::getenv("KDA_SM90_VARIANT");
-  return (e != nullptr && e[0] == '1' && e[1] == '\0') ? 1 : 2;
+  if (e == nullptr || e[0] == '\0' || e[1] != '\0') return 2;
+  return e[0] == '1' ? 1 : (e[0] == '3' ? 3 : 2);
 }
 bool sm90_profile() {
   const char* e = std::getenv("KDA_SM90_PROFILE");
@@ -99,9 +101,22 @@ using KernelFn = void (*)(const chunked_sm90::KernelArgs);
 KernelFn kernel_for(bool profile, int variant, bool bwd) {
   using namespace chunked_sm90;
   if (bwd) return variant == 1 ? kda_chunked_sm90_kernel<false, 1, true> : kda_chunked_sm90_kernel<false, 2, true>;
-  if (profile) return variant == 1 ? kda_chunked_sm90_kernel<true, 1> : kda_chunked_sm90_kernel<true, 2>;
-  return variant == 1 ? kda_chunked_sm90_kernel<false, 1> : kda_chunked_sm90_kernel<false, 2>;
+  if (profile)
+    return variant == 1 ? kda_chunked_sm90_kernel<true, 1>
+                        : (variant == 3 ? kda_chunked_sm90_kernel<true, 3> : kda_chunked_sm90_kernel<true, 2>);
+  return variant == 1 ? kda_chunked_sm90_kernel<false, 1>
+                      : (variant == 3 ? kda_chunked_sm90_kernel<false, 3> : kda_chunked_sm90_kernel<false, 2>);
 }
+// Threads and dynamic shared memory of a variant (+ 1024: the alignment of the 1024-byte swizzled tiles)
+template <int V>
+constexpr int smem_of() {
+  return static_cast<int>(sizeof(chunked_sm90::SharedStorage<V>)) + 1024;
+}
+int threads_of(int variant) {
+  using namespace chunked_sm90;
+  return variant == 3 ? Cfg<3>::kThreads : (variant == 1 ? Cfg<1>::kThreads : Cfg<2>::kThreads);
+}
+int smem_bytes_of(int variant) { return variant == 3 ? smem_of<3>() : (variant == 1 ? smem_of<1>() : smem_of<2>()); }
 
 void print_profile(int variant) {
   using namespace chunked_sm90;
@@ -111,7 +126,7 @@ void print_profile(int variant) {
     return;
   }
   static const char* const roles1[kProfRoles] = {"producer", "prep (warp 0)", "chain WG2", "chain WG3"};
-  static const char* const roles2[kProfRoles] = {"prep WG0 (w0)", "prep WG1 (w4)", "chain WG2", "chain WG3"};
+  static const char* const roles2[kProfRoles] = {"prep WG0 (w0)", "prep WG1 (w4)", "chain WG A", "chain WG B"};
   // (variant 2 profiles warp 0 of each prep WG; the TMA issue of its leader, warp 3, is not on that warp)
   const char* const* roles = variant == 1 ? roles1 : roles2;
   static const char* const segs[kProfRoles][kProfSegs] = {
@@ -126,7 +141,7 @@ void print_profile(int variant) {
     unsigned long long tot = 0;
     for (int s = 0; s < kProfSegs; ++s) tot += h[r][s];
     std::fprintf(stderr, "  %-14s chunks %llu total/chunk %7.0f |", roles[r], h[r][kProfSegs], double(tot) / nc);
-    const char* const* sg = (variant == 2 && r == 0) ? segs[1] : segs[r];  // (variant 2: two prep rows)
+    const char* const* sg = (variant >= 2 && r == 0) ? segs[1] : segs[r];  // (variants 2, 3: two prep rows)
     for (int s = 0; s < kProfSegs; ++s)
       if (sg[s][0] != '-') std::fprintf(stderr, " %s %.0f", sg[s], double(h[r][s]) / nc);
     std::fprintf(stderr, "\n");
@@ -144,14 +159,15 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
     return cudaErrorInvalidValue;
   const KernelArgs args{p, token_tma(p, p.q, p.H), token_tma(p, p.k, p.H), token_tma(p, p.g, p.HV),
                         token_tma(p, p.v, p.HV)};
-  constexpr int smem = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + alignment of the 1024-byte swizzle
   const bool profile = sm90_profile() && !backward_chain;  // (no profile instantiation of the backward chain)
-  const int variant = sm90_variant();
+  int variant = sm90_variant();
+  if (backward_chain && variant == 3) variant = 2;  // (the backward chain has variants 1 and 2)
   const KernelFn fn = kernel_for(profile, variant, backward_chain);
-  const int which = (backward_chain ? 4 : (profile ? 2 : 0)) + variant - 1;
+  const int smem = smem_bytes_of(variant), threads = threads_of(variant);
+  const int which = (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][6] = {};
+  static std::atomic<bool> attr_set[64][9] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
@@ -160,11 +176,11 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
     attr_set[dev][which].store(true, std::memory_order_release);
   }
   const int64_t blocks = p.N * p.HV;
-  fn<<<dim3(static_cast<unsigned>(blocks)), kThreads, smem, stream>>>(args);
+  fn<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(args);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || verbose())
     std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d%s: %s\n",
-                 static_cast<long long>(blocks), kThreads, smem, static_cast<long long>(p.N), static_cast<int>(p.HV),
+                 static_cast<long long>(blocks), threads, smem, static_cast<long long>(p.N), static_cast<int>(p.HV),
                  static_cast<long long>(p.T), static_cast<long long>(p.B), p.seq_order != nullptr ? " seq_order" : "",
                  variant, profile ? " profile" : "", cudaGetErrorString(e));
   if (e == cudaSuccess && profile) {

@@ -78,35 +78,51 @@ using f16_t = cutlass::half_t;
 
 constexpr int kC = 16;    // tokens per chunk
 constexpr int kD = 128;   // K = V
-// The two designs (template kVariant, KDA_SM90_VARIANT, default 2):
+// The designs (template kVariant, KDA_SM90_VARIANT, default 2):
 //   1: a producer warpgroup (one thread issues every TMA load) and one prep warpgroup for all chunks;
 //   2: two prep warpgroups, each for every other chunk (prep of a chunk depends on nothing before it), each
 //      issuing the TMA loads of its own chunks (raw q/k/g into its own ring, v into the shared v ring); no
 //      producer warpgroup. Prep throughput doubles; registers: prep 112, chain 144 (v1: producer 40, prep 128,
 //      chain 168).
+//   3: three prep warpgroups (chunk c on warpgroup c mod 3, a raw ring of one stage each), 640 threads; prep
+//      is latency-bound (a warpgroup issues a small part of the cycles it takes per chunk), so a third one
+//      in flight raises its throughput; registers: prep 72, chain 144.
 template <int kVariant>
 struct Cfg;
 template <>
 struct Cfg<1> {
   static constexpr int kPrepWGs = 1, kRawStages = 4;  // one raw ring of 4 stages
   static constexpr int kPrepRegs = 128, kChainRegs = 168, kProducerRegs = 40;
+  static constexpr int kThreads = 512;  // producer, prep, 2 chain warpgroups
+  static constexpr int kChainWG0 = 2;   // the first chain warpgroup
 };
 template <>
 struct Cfg<2> {
   static constexpr int kPrepWGs = 2, kRawStages = 2;  // a raw ring of 2 stages per prep warpgroup
   static constexpr int kPrepRegs = 112, kChainRegs = 144, kProducerRegs = 0;
+  static constexpr int kThreads = 512;  // 2 prep, 2 chain warpgroups
+  static constexpr int kChainWG0 = 2;
 };
-constexpr int kRawSlots = 4;   // raw q/k/g tile slots in shared memory (all prep warpgroups together)
+template <>
+struct Cfg<3> {
+  static constexpr int kPrepWGs = 3, kRawStages = 1;  // a raw ring of 1 stage per prep warpgroup
+  static constexpr int kPrepRegs = 72, kChainRegs = 144, kProducerRegs = 0;
+  static constexpr int kThreads = 640;  // 3 prep, 2 chain warpgroups
+  static constexpr int kChainWG0 = 3;
+};
 constexpr int kVStages = 8;    // raw v ring (TMA -> chain)
 constexpr int kOpStages = 4;   // operand ring (prep -> chain)
-constexpr int kThreads = 512;  // 4 warpgroups
-// Variant 2: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads of
-// chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
+// Variants 2 and 3: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads
+// of chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
 // kVStages, which must be a chunk the chain already finished (it did, when operand stage c was free, for every
 // chunk up to c - kOpStages), else the leader and the chain wait on each other.
 static_assert(kVStages >= Cfg<2>::kPrepWGs * Cfg<2>::kRawStages + kOpStages, "variant 2: the v acquire must not wait");
+static_assert(kVStages >= Cfg<3>::kPrepWGs * Cfg<3>::kRawStages + kOpStages, "variant 3: the v acquire must not wait");
+// registers: every warpgroup's setmaxnreg count together within the 64K registers of the SM
+static_assert(Cfg<2>::kPrepWGs * Cfg<2>::kPrepRegs * 128 + 2 * Cfg<2>::kChainRegs * 128 <= 65536, "variant 2 registers");
+static_assert(Cfg<3>::kPrepWGs * Cfg<3>::kPrepRegs * 128 + 2 * Cfg<3>::kChainRegs * 128 <= 65536, "variant 3 registers");
 constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
-constexpr int kBarOut = 3;   // named barrier of chain warpgroup w (output staging): kBarOut + w
+constexpr int kBarOut = 4;   // named barrier of chain warpgroup w (output staging): kBarOut + w
 constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
 
 // ---- shared-memory layouts
@@ -149,7 +165,10 @@ struct PrepScratch {
   alignas(16) float i2s[8 * 8];
 };
 
+template <int kVariant>
 struct SharedStorage {
+  static constexpr int kRawSlots = Cfg<kVariant>::kPrepWGs * Cfg<kVariant>::kRawStages;  // raw q/k/g tile slots
+  static constexpr int kPrepWGs = Cfg<kVariant>::kPrepWGs;
   // prep -> chain operands (ring of kOpStages)
   alignas(1024) bf16_t kd[cosize_v<LayoutKd>];
   alignas(1024) bf16_t qd[cosize_v<LayoutKd>];
@@ -163,16 +182,16 @@ struct SharedStorage {
   alignas(128) bf16_t k[kRawSlots * kC * kD];
   alignas(128) bf16_t g[kRawSlots * kC * kD];
   alignas(128) bf16_t v[cosize_v<LayoutVRing>];
-  PrepScratch prep[2];
+  PrepScratch prep[kPrepWGs];
   // output staging of the chain WGs: O[token][value row] of a chunk's 64 value rows, double-buffered
   alignas(16) __nv_bfloat16 ostage[2][2][kC * kOStride];
-  alignas(16) typename PipeRaw<1>::SharedStorage pipe_raw1;
-  alignas(16) typename PipeRaw<2>::SharedStorage pipe_raw2[2];
+  alignas(16) typename PipeRaw<kVariant>::SharedStorage pipe_raw[kPrepWGs];  // one raw ring per prep warpgroup
   alignas(16) typename PipeV::SharedStorage pipe_v;
   alignas(16) typename PipeOp::SharedStorage pipe_op;
 };
-static_assert(Cfg<1>::kRawStages * Cfg<1>::kPrepWGs == kRawSlots && Cfg<2>::kRawStages * Cfg<2>::kPrepWGs == kRawSlots,
-              "raw slots");
+static_assert(sizeof(SharedStorage<1>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<2>) + 1024 <= 227 * 1024 &&
+                  sizeof(SharedStorage<3>) + 1024 <= 227 * 1024,
+              "shared memory per block (227 KB on sm_90)");
 
 // ---- TMA of one token tensor [B, T, heads, 128] (bf16): gmem modes (T, 128, heads, B), box (16, 128).
 inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts, int64_t hs, int64_t bs) {
@@ -269,10 +288,11 @@ struct Prof {
 // above). In the chain, X and O_inter run as two wgmma batches (Y waits only for X), the γ scaling of the state
 // while U runs.
 template <bool kProfile, int kVariant, bool kBwd = false>
-__global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
+__global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1) kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(KDA_SM90_DEVICE)
   using Cf = Cfg<kVariant>;
-  constexpr int kPrepWGs = Cf::kPrepWGs, kRawStages = Cf::kRawStages;
+  constexpr int kPrepWGs = Cf::kPrepWGs, kRawStages = Cf::kRawStages, kThreads = Cf::kThreads;
+  constexpr bool kMultiPrep = kPrepWGs >= 2;  // variants 2, 3: prep warpgroups that load their own chunks
   using PipeR = PipeRaw<kVariant>;
   const RecurrentParams& p = args.p;
   extern __shared__ char smem_raw[];
@@ -281,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   // every scratch access a generic 64-bit LD.E/ST.E).
   const uint32_t smem_a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   char* smem_base = smem_raw + ((1024u - (smem_a & 1023u)) & 1023u);
-  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_base);
+  SharedStorage<kVariant>& ss = *reinterpret_cast<SharedStorage<kVariant>*>(smem_base);
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
   const int hv = static_cast<int>(blockIdx.x % p.HV);
@@ -309,19 +329,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
   }
   if (sr.len == 0 && p.final_state == nullptr) return;  // a zero-length sequence leaves its slot untouched
 
-  // ---- roles: variant 1: WG0 producer, WG1 prep; variant 2: WG0 / WG1 prep of the even / odd chunks, their
-  // leader (below) issuing the TMA loads of those chunks. WG2 / WG3: chain.
-  const bool is_prep = kPrepWGs == 2 ? wg <= 1 : wg == 1;
-  const int pw = kPrepWGs == 2 && is_prep ? wg : 0;  // which prep warpgroup (and raw ring); chain WGs: 0
+  // ---- roles: variant 1: WG0 producer, WG1 prep; variants 2, 3: WG w < kPrepWGs prep of the chunks c with
+  // c mod kPrepWGs = w, their leader (below) issuing the TMA loads of those chunks. The last two WGs: chain.
+  const bool is_prep = kMultiPrep ? wg < kPrepWGs : wg == 1;
+  const int pw = kMultiPrep && is_prep ? wg : 0;  // which prep warpgroup (and raw ring); chain WGs: 0
+  const bool is_chain = wg >= Cf::kChainWG0;
   // Who issues the raw q/k/g (and v) loads: variant 1 the producer's thread 0; variant 2 lane 0 of each prep
   // warpgroup's warp 3, which is idle while warps 0 and 1 run L, Mqk and the inverse (the serial part of prep).
   constexpr int kLeaderPtid = 96;
-  const bool raw_leader = kPrepWGs == 2 ? (is_prep && (tid & 127) == kLeaderPtid) : tid == 0;
+  const bool raw_leader = kMultiPrep ? (is_prep && (tid & 127) == kLeaderPtid) : tid == 0;
 
   // ---- pipelines (barriers initialised by warp 0, visible to all after the __syncthreads below)
   typename PipeR::Params prp;
   prp.transaction_bytes = 3 * kC * kD * sizeof(bf16_t);
-  if constexpr (kPrepWGs == 2)
+  if constexpr (kMultiPrep)
     prp.role = !is_prep ? PipeR::ThreadCategory::NonParticipant
                         : (raw_leader ? PipeR::ThreadCategory::ProducerConsumer : PipeR::ThreadCategory::Consumer);
   else
@@ -329,23 +350,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
                        : (wg == 1 ? PipeR::ThreadCategory::Consumer : PipeR::ThreadCategory::NonParticipant);
   prp.is_leader = raw_leader;
   prp.num_consumers = 128;
-  // variant 2: each prep warpgroup's ring, initialised by that warpgroup's first warp (0 or 4)
-  auto raw_storage = [&](int w) -> typename PipeR::SharedStorage& {
-    if constexpr (kPrepWGs == 2) return ss.pipe_raw2[w];
-    else return ss.pipe_raw1;
-  };
-  prp.initializing_warp = kPrepWGs == 2 && wg == 1 ? 4 : 0;
-  PipeR pipe_raw(raw_storage(pw), prp, Shape<_1, _1, _1>{});
+  // variants 2, 3: each prep warpgroup's ring, initialised by that warpgroup's first warp (4 w)
+  prp.initializing_warp = 4 * pw;
+  PipeR pipe_raw(ss.pipe_raw[pw], prp, Shape<_1, _1, _1>{});
   typename PipeV::Params pvp;
   pvp.transaction_bytes = kC * kD * sizeof(bf16_t);
   pvp.role = raw_leader ? PipeV::ThreadCategory::Producer
-                        : (wg >= 2 ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
+                        : (is_chain ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
   pvp.is_leader = raw_leader;
   pvp.num_consumers = 256;
   PipeV pipe_v(ss.pipe_v, pvp, Shape<_1, _1, _1>{});
   typename PipeOp::Params pop;
   pop.role = is_prep ? PipeOp::ThreadCategory::Producer
-                     : (wg >= 2 ? PipeOp::ThreadCategory::Consumer : PipeOp::ThreadCategory::NonParticipant);
+                     : (is_chain ? PipeOp::ThreadCategory::Consumer : PipeOp::ThreadCategory::NonParticipant);
   pop.producer_arv_count = 128;  // one prep warpgroup fills a stage
   pop.consumer_arv_count = 256;
   PipeOp pipe_op(ss.pipe_op, pop);
@@ -410,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
 
   if (is_prep) {
     // ================================ prep ================================
-    if constexpr (kPrepWGs == 2) cutlass::arch::warpgroup_reg_dealloc<Cf::kPrepRegs>();
+    if constexpr (kMultiPrep) cutlass::arch::warpgroup_reg_dealloc<Cf::kPrepRegs>();
     PrepScratch& sc = ss.prep[pw];
     const int bar = kBarPrep + pw;
     const int ptid = tid & 127, d = ptid, pwarp = ptid >> 5;
@@ -469,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       st_v_p.advance(kPrepWGs);
       c_issue += kPrepWGs;
     };
-    if constexpr (kPrepWGs == 2) {
+    if constexpr (kMultiPrep) {
       if (raw_leader) {
         prefetch_maps();
         for (int i = 0; i < kRawStages && c_issue < n_chunks; ++i) issue();
@@ -612,7 +629,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       prof.mark(4);
       named_sync(bar, 128);  // Km/Qm/Kn (or A', Mqk) complete
       prof.mark(2);
-      if constexpr (kPrepWGs == 2) {
+      if constexpr (kMultiPrep) {
         // every thread of this warpgroup released the raw stage: its leader refills it with its next chunk
         if (raw_leader && c_issue < n_chunks) issue();
         prof.mark(2);
@@ -660,13 +677,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_chunked_sm90_kernel(const __g
       pipe_op.producer_commit(st_op);
       st_op.advance(kPrepWGs);
     }
-    prof.finish(kPrepWGs == 2 ? pw : 1, (n_chunks - pw + kPrepWGs - 1) / kPrepWGs);
+    // (profile rows: variant 1 row 1; variants 2, 3 rows 0 and 1 for prep warpgroups 0 and 1)
+    if (pw < 2) prof.finish(kMultiPrep ? pw : 1, (n_chunks - pw + kPrepWGs - 1) / kPrepWGs);
     return;
   }
 
   // ================================ chain (WG2: value rows 0-63, WG3: 64-127) ================================
   cutlass::arch::warpgroup_reg_alloc<Cf::kChainRegs>();
-  const int cw = wg - 2, ctid = tid - 256 - 128 * cw, v0 = 64 * cw;
+  const int cw = wg - Cf::kChainWG0, ctid = tid - 128 * wg, v0 = 64 * cw;
   using MmaX = SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
   using MmaU = SM90::GMMA::MMA_64x16x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>;
   using MmaS = SM90::GMMA::MMA_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>;
