@@ -86,7 +86,7 @@ constexpr int kD = 128;   // K = V
 //      chain 168).
 //   3: three prep warpgroups (chunk c on warpgroup c mod 3, a raw ring of one stage each), 640 threads; prep
 //      is latency-bound (a warpgroup issues a small part of the cycles it takes per chunk), so a third one
-//      in flight raises its throughput; registers: prep 72, chain 144.
+//      in flight raises its throughput; registers: prep 64, chain 144 (the pool of 640 threads x 96).
 template <int kVariant>
 struct Cfg;
 template <>
@@ -106,7 +106,7 @@ struct Cfg<2> {
 template <>
 struct Cfg<3> {
   static constexpr int kPrepWGs = 3, kRawStages = 1;  // a raw ring of 1 stage per prep warpgroup
-  static constexpr int kPrepRegs = 72, kChainRegs = 144, kProducerRegs = 0;
+  static constexpr int kPrepRegs = 64, kChainRegs = 144, kProducerRegs = 0;
   static constexpr int kThreads = 640;  // 3 prep, 2 chain warpgroups
   static constexpr int kChainWG0 = 3;
 };
@@ -118,9 +118,15 @@ constexpr int kOpStages = 4;   // operand ring (prep -> chain)
 // chunk up to c - kOpStages), else the leader and the chain wait on each other.
 static_assert(kVStages >= Cfg<2>::kPrepWGs * Cfg<2>::kRawStages + kOpStages, "variant 2: the v acquire must not wait");
 static_assert(kVStages >= Cfg<3>::kPrepWGs * Cfg<3>::kRawStages + kOpStages, "variant 3: the v acquire must not wait");
-// registers: every warpgroup's setmaxnreg count together within the 64K registers of the SM
-static_assert(Cfg<2>::kPrepWGs * Cfg<2>::kPrepRegs * 128 + 2 * Cfg<2>::kChainRegs * 128 <= 65536, "variant 2 registers");
-static_assert(Cfg<3>::kPrepWGs * Cfg<3>::kPrepRegs * 128 + 2 * Cfg<3>::kChainRegs * 128 <= 65536, "variant 3 registers");
+// registers: setmaxnreg moves registers within the CTA's pool, the registers it was launched with (65536 /
+// threads per thread, rounded down to a multiple of 8): the warpgroups' counts together must fit in it, else
+// the chain's increase waits forever
+template <int V>
+constexpr bool regs_fit() {
+  using C = Cfg<V>;
+  return C::kPrepWGs * C::kPrepRegs + 2 * C::kChainRegs <= (C::kThreads / 128) * ((65536 / C::kThreads) / 8 * 8);
+}
+static_assert(regs_fit<2>() && regs_fit<3>(), "setmaxnreg counts exceed the CTA's register pool");
 constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;   // named barrier of chain warpgroup w (output staging): kBarOut + w
 constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
