@@ -1,22 +1,23 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
-// chunk, K = V = 128, with the Hopper machinery. Two designs (template kVariant, Cfg below; KDA_SM90_VARIANT
-// per call, default 2, the faster: docs/performance.md):
+// chunk, K = V = 128, with the Hopper machinery. Three designs (template kVariant, Cfg below; KDA_SM90_VARIANT
+// per call, default 2, the fastest measured: docs/performance.md; 3 is experimental):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
 //     WGs. Packed input uses per-sequence coordinates into the packed tensor (domain_offset); rows past a
 //     sequence's end are real tokens of the next sequence (or TMA's zero fill at the tensor's end) and are
-//     masked by the consumers. Variant 1: one thread of a producer WG issues every load. Variant 2: no producer
-//     WG; in each prep WG one thread (lane 0 of its warp 3) issues the loads of that WG's chunks.
-//   * Prep (variant 1: WG1 for every chunk; variant 2: WG0 for the even chunks, WG1 for the odd ones, each
-//     with its own raw ring, scratch and named barrier; a chunk's prep depends on nothing before it): gate +
+//     masked by the consumers. Variant 1: one thread of a producer WG issues every load. Variants 2, 3: no
+//     producer WG; in each prep WG one thread (lane 0 of its warp 3) issues the loads of that WG's chunks.
+//   * Prep (variant 1: WG1 for every chunk; variant 2: WG0 for the even chunks, WG1 for the odd ones; variant
+//     3: WG w for the chunks c = w mod 3; each with its own raw ring, scratch and named barrier; a chunk's prep
+//     depends on nothing before it): gate +
 //     in-chunk prefix (fp32), L2 norms, β, the decayed operands written as swizzled wgmma B tiles (K⁺, Q⁺
 //     bf16 K-major, Kr fp16 MN-major), L and Mqk (one warp each of mma.sync m16n8k16 with relative
 //     exponents; exact pairwise exponentials on CUDA cores when an in-chunk decay span is too wide), the
 //     16x16 unit-lower inverse in fp32 (8x8 blocks by forward substitution, then the off-diagonal block),
 //     INVb = INV diag(β) and Mqk as fp16 B tiles. Hands the chunk's operands to the chain through a
 //     cutlass::PipelineAsync ring kOpStages deep (chunk c in stage c mod kOpStages, whichever WG made it).
-//   * WG2 / WG3, chain: value rows 0-63 / 64-127 of the state S[V, K] as an fp32 wgmma accumulator
+//   * the last two WGs (WG2 / WG3; variant 3: WG3 / WG4), chain: value rows 0-63 / 64-127 of the state S[V, K] as an fp32 wgmma accumulator
 //     (64 registers per thread) for the whole sequence. Per chunk (ᵀ: value rows first):
 //       Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ   (RS wgmma m64n16k16 x 8, A = bf16(S) converted in registers; two
 //                                       batches, v read while they run)
@@ -25,9 +26,10 @@
 //       Oᵀ = O_interᵀ + Uᵀ Mqkᵀ          (RS m64n16k16) -> bf16, registers to global
 //     The two chain WGs share only read-only pipeline stages; each stage is released after both consumed it.
 //   * setmaxnreg: variant 1: producer 40, prep 128, chain 168; variant 2: prep 112, chain 144 (ptxas: no
-//     spill in either).
+//     spill in either); variant 3: prep 64 (ptxas: 78 bytes of spills), chain 144.
 // Numerics: fp32 state and accumulators, bf16 operands for S and the unbounded factors, fp16 for the bounded
-// R path (as the mma.sync kernel). Both variants give the same bits.
+// R path (as the mma.sync kernel). Variants 1 and 2 give the same bits (3 does the same operations in the
+// same order per chunk; it has not run yet).
 // Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): the prefill calls of the chunked
 // kernel, bf16 tokens, fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32
 // pool slots with inactive slots, zero, pool or read-only source (initial_state_source) start states, final
@@ -35,8 +37,7 @@
 // tapes), state-only calls (no output: the products run, the store is skipped), seq_order, and the training
 // backward's chain (kBwd: the chunks last first, dRᵀ = dS Krᵀ + dOᵀ Mqk, dXᵀ = -dRᵀ INVb, dS = dS ⊙ γ_C + dOᵀ Q⁺ +
 // dXᵀ K⁺ with bf16 operands, the mma.sync kernel's BWD mode). seq_order (the longest-first task order the Python
-// layer sets for packed calls) maps blockIdx to the sequence. (Checkpoints, source start states, state-only calls
-// and the backward chain have not yet passed their GPU tests: their first run did not finish, docs/design.md.)
+// layer sets for packed calls) maps blockIdx to the sequence.
 // The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock64 cycles per role and segment of CTA 0 into
 // kda_sm90_prof.
 // Known limits (profile of H=96 T=8192 on the H200, docs/performance.md), in the order they matter for speed:
