@@ -117,6 +117,10 @@ int threads_of(int variant) {
   return variant == 3 ? Cfg<3>::kThreads : (variant == 1 ? Cfg<1>::kThreads : Cfg<2>::kThreads);
 }
 int smem_bytes_of(int variant) { return variant == 3 ? smem_of<3>() : (variant == 1 ? smem_of<1>() : smem_of<2>()); }
+int setmaxnreg_sum_of(int variant) {
+  using namespace chunked_sm90;
+  return variant == 3 ? setmaxnreg_sum<3>() : (variant == 1 ? setmaxnreg_sum<1>() : setmaxnreg_sum<2>());
+}
 
 void print_profile(int variant) {
   using namespace chunked_sm90;
@@ -171,6 +175,17 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
+    // setmaxnreg only moves registers within the CTA's launch allocation (ptxas's count x threads): if the
+    // warpgroups' counts exceed it, the chain's increase would wait forever, so refuse the launch instead
+    cudaFuncAttributes fa{};
+    const cudaError_t ea = cudaFuncGetAttributes(&fa, fn);
+    if (ea != cudaSuccess) return ea;
+    if (fa.numRegs * (threads / 128) < setmaxnreg_sum_of(variant)) {
+      std::fprintf(stderr, "kda_chunked_sm90: variant %d was compiled with %d registers per thread, fewer than its "
+                           "setmaxnreg counts need (%d per thread over %d warpgroups): not launched\n",
+                   variant, fa.numRegs, setmaxnreg_sum_of(variant), threads / 128);
+      return cudaErrorLaunchOutOfResources;
+    }
     const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     attr_set[dev][which].store(true, std::memory_order_release);

@@ -122,12 +122,17 @@ static_assert(kVStages >= Cfg<3>::kPrepWGs * Cfg<3>::kRawStages + kOpStages, "va
 // registers: setmaxnreg moves registers within the CTA's pool, the registers it was launched with (65536 /
 // threads per thread, rounded down to a multiple of 8): the warpgroups' counts together must fit in it, else
 // the chain's increase waits forever
+// (the launcher also checks the count ptxas chose, cudaFuncGetAttributes' numRegs, against setmaxnreg_sum)
+template <int V>
+constexpr int setmaxnreg_sum() {  // per thread of each warpgroup, summed over the warpgroups
+  using C = Cfg<V>;
+  return (V == 1 ? C::kProducerRegs : 0) + C::kPrepWGs * C::kPrepRegs + 2 * C::kChainRegs;
+}
 template <int V>
 constexpr bool regs_fit() {
-  using C = Cfg<V>;
-  return C::kPrepWGs * C::kPrepRegs + 2 * C::kChainRegs <= (C::kThreads / 128) * ((65536 / C::kThreads) / 8 * 8);
+  return setmaxnreg_sum<V>() <= (Cfg<V>::kThreads / 128) * ((65536 / Cfg<V>::kThreads) / 8 * 8);
 }
-static_assert(regs_fit<2>() && regs_fit<3>(), "setmaxnreg counts exceed the CTA's register pool");
+static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>(), "setmaxnreg counts exceed the CTA's register pool");
 constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;   // named barrier of chain warpgroup w (output staging): kBarOut + w
 constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
