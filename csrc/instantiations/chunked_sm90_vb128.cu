@@ -138,7 +138,7 @@ void print_profile(int variant) {
       {"acq op", "wait raw", "named bar", "gate+norm", "operands", "L+Mqk", "inverse", "commit+loop"},
       {"wait op", "wait v", "X(+Oi)", "v+Y", "U+gamma", "S+O", "out", "loop+ckpt"},
       {"wait op", "wait v", "X(+Oi)", "v+Y", "U+gamma", "S+O", "out", "loop+ckpt"}};
-  std::fprintf(stderr, "kda_chunked_sm90 profile, variant %d, CTA 0: clock64 cycles per chunk per segment (thread 0 of each role)\n",
+  std::fprintf(stderr, "kda_chunked_sm90 profile, variant %d, CTA 0: clock cycles per chunk per segment (thread 0 of each role)\n",
                variant);
   for (int r = 0; r < kProfRoles; ++r) {
     const unsigned long long nc = h[r][kProfSegs] > 0 ? h[r][kProfSegs] : 1;

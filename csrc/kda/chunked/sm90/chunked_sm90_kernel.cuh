@@ -38,7 +38,7 @@
 // backward's chain (kBwd: the chunks last first, dRᵀ = dS Krᵀ + dOᵀ Mqk, dXᵀ = -dRᵀ INVb, dS = dS ⊙ γ_C + dOᵀ Q⁺ +
 // dXᵀ K⁺ with bf16 operands, the mma.sync kernel's BWD mode). seq_order (the longest-first task order the Python
 // layer sets for packed calls) maps blockIdx to the sequence.
-// The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock64 cycles per role and segment of CTA 0 into
+// The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock cycles per role and segment of CTA 0 into
 // kda_sm90_prof.
 // Known limits (profile of H=96 T=8192 on the H200, docs/performance.md), in the order they matter for speed:
 //   * prep is still the limit in variant 2: each prep WG takes ~8.5k cycles per chunk (two chunks in flight,
@@ -252,21 +252,24 @@ __device__ __forceinline__ uint4 pack8_f16(const float (&x)[8]) {
 }
 
 // ---- profile instantiation: per role (producer, prep, chain WG2, chain WG3) and per segment of the chunk loop,
-// the clock64() cycles summed over the chunks of CTA 0, measured by the first thread of each role. Segments
+// the clock cycles summed over the chunks of CTA 0, measured by the first thread of each role. Segments
 // named in kProfNames (csrc/instantiations/chunked_sm90_vb128.cu prints them). Slot [role][kProfSegs] holds
 // the chunk count.
 constexpr int kProfRoles = 4, kProfSegs = 8;
+// 32-bit clock and sums (half the registers of 64-bit ones, which matters in the 64-register prep warpgroups of
+// variant 3): a difference of two clock() reads is exact modulo 2^32, and a segment's sum stays below 2^32
+// cycles up to ~500k chunks of ~8k cycles.
 struct ProfClock {
-  unsigned long long acc[kProfSegs];
-  long long t;
+  unsigned acc[kProfSegs];
+  unsigned t;
   __device__ __forceinline__ void start() {
 #pragma unroll
     for (int i = 0; i < kProfSegs; ++i) acc[i] = 0;
-    t = clock64();
+    t = static_cast<unsigned>(clock());
   }
   __device__ __forceinline__ void mark(int seg) {  // the time since the last mark goes to `seg`
-    const long long now = clock64();
-    acc[seg] += static_cast<unsigned long long>(now - t);
+    const unsigned now = static_cast<unsigned>(clock());
+    acc[seg] += now - t;
     t = now;
   }
 };
