@@ -79,6 +79,18 @@ def wheel_metadata(archs: list[str]) -> list[str]:
     return ["torch>=2.11"]
 
 
+def link_flags() -> list[str]:
+    """Linker flags of the extension.
+
+    On Linux, the symbols of any static archive linked in stay local (``--exclude-libs,ALL``): a toolchain that
+    links libstdc++ statically (one whose g++ has no shared libstdc++) would otherwise export its copy's
+    STB_GNU_UNIQUE data (the locale facet ids), which the dynamic linker merges with the libstdc++.so that
+    torch loaded; two runtimes then share facet indices, and formatting a number in an error message
+    crashes. With dynamic libstdc++ (the usual case) no archive is linked and the flag changes nothing.
+    """
+    return ["-Wl,--exclude-libs,ALL"] if sys.platform.startswith("linux") else []
+
+
 def main() -> None:
     archs = resolve_archs()
     cxx_flags = ["-O3"]
@@ -126,10 +138,17 @@ def main() -> None:
             sources,
             include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx_flags + ["-DKDA_WITH_CUDA"], "nvcc": nvcc_flags},
+            extra_link_args=link_flags(),
         )
     else:
         print("kda_ops: building the CPU-only extension (KDA_CUDA_ARCHS=none)", flush=True)
-        ext = CppExtension("kda_ops._C", cpp_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+        ext = CppExtension(
+            "kda_ops._C",
+            cpp_sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags(),
+        )
     # The build directory as an option, not as a `build` command on the command line: that command would
     # run on its own before bdist_wheel's, and the second build_ext run sees the compile flags torch's
     # BuildExtension appended in the first (changed commands: ninja recompiles everything).
