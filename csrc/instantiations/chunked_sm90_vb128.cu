@@ -98,28 +98,24 @@ bool sm90_profile() {
 }
 
 using KernelFn = void (*)(const chunked_sm90::KernelArgs);
-KernelFn kernel_for(bool profile, int variant, bool bwd) {
+// One instantiation of the kernel with what its launch needs: threads, dynamic shared memory (+ 1024: the
+// alignment of the 1024-byte swizzled tiles) and the sum of its warpgroups' setmaxnreg counts.
+struct Design {
+  KernelFn fn;
+  int threads, smem, setmaxnreg_sum;
+};
+template <bool kProfile, int V, bool kBwd>
+Design design_of() {
   using namespace chunked_sm90;
-  if (bwd) return variant == 1 ? kda_chunked_sm90_kernel<false, 1, true> : kda_chunked_sm90_kernel<false, 2, true>;
-  if (profile)
-    return variant == 1 ? kda_chunked_sm90_kernel<true, 1>
-                        : (variant == 3 ? kda_chunked_sm90_kernel<true, 3> : kda_chunked_sm90_kernel<true, 2>);
-  return variant == 1 ? kda_chunked_sm90_kernel<false, 1>
-                      : (variant == 3 ? kda_chunked_sm90_kernel<false, 3> : kda_chunked_sm90_kernel<false, 2>);
+  return {kda_chunked_sm90_kernel<kProfile, V, kBwd>, Cfg<V>::kThreads,
+          static_cast<int>(sizeof(SharedStorage<V>)) + 1024, setmaxnreg_sum<V>()};
 }
-// Threads and dynamic shared memory of a variant (+ 1024: the alignment of the 1024-byte swizzled tiles)
-template <int V>
-constexpr int smem_of() {
-  return static_cast<int>(sizeof(chunked_sm90::SharedStorage<V>)) + 1024;
-}
-int threads_of(int variant) {
-  using namespace chunked_sm90;
-  return variant == 3 ? Cfg<3>::kThreads : (variant == 1 ? Cfg<1>::kThreads : Cfg<2>::kThreads);
-}
-int smem_bytes_of(int variant) { return variant == 3 ? smem_of<3>() : (variant == 1 ? smem_of<1>() : smem_of<2>()); }
-int setmaxnreg_sum_of(int variant) {
-  using namespace chunked_sm90;
-  return variant == 3 ? setmaxnreg_sum<3>() : (variant == 1 ? setmaxnreg_sum<1>() : setmaxnreg_sum<2>());
+// (the backward chain has variants 1 and 2, and no profile instantiation)
+Design design_for(bool profile, int variant, bool bwd) {
+  if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
+  if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
+  if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
+  return profile ? design_of<true, 2, false>() : design_of<false, 2, false>();
 }
 
 void print_profile(int variant) {
@@ -166,8 +162,9 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
   const bool profile = sm90_profile() && !backward_chain;  // (no profile instantiation of the backward chain)
   int variant = sm90_variant();
   if (backward_chain && variant == 3) variant = 2;  // (the backward chain has variants 1 and 2)
-  const KernelFn fn = kernel_for(profile, variant, backward_chain);
-  const int smem = smem_bytes_of(variant), threads = threads_of(variant);
+  const Design dz = design_for(profile, variant, backward_chain);
+  const KernelFn fn = dz.fn;
+  const int smem = dz.smem, threads = dz.threads;
   const int which = (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
@@ -180,10 +177,10 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
     cudaFuncAttributes fa{};
     const cudaError_t ea = cudaFuncGetAttributes(&fa, fn);
     if (ea != cudaSuccess) return ea;
-    if (fa.numRegs * (threads / 128) < setmaxnreg_sum_of(variant)) {
+    if (fa.numRegs * (threads / 128) < dz.setmaxnreg_sum) {
       std::fprintf(stderr, "kda_chunked_sm90: variant %d was compiled with %d registers per thread, fewer than its "
                            "setmaxnreg counts need (%d per thread over %d warpgroups): not launched\n",
-                   variant, fa.numRegs, setmaxnreg_sum_of(variant), threads / 128);
+                   variant, fa.numRegs, dz.setmaxnreg_sum, threads / 128);
       return cudaErrorLaunchOutOfResources;
     }
     const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

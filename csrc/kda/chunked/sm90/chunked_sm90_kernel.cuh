@@ -8,17 +8,17 @@
 //     sequence's end are real tokens of the next sequence (or TMA's zero fill at the tensor's end) and are
 //     masked by the consumers. Variant 1: one thread of a producer WG issues every load. Variants 2, 3: no
 //     producer WG; in each prep WG one thread (lane 0 of its warp 3) issues the loads of that WG's chunks.
-//   * Prep (variant 1: WG1 for every chunk; variant 2: WG0 for the even chunks, WG1 for the odd ones; variant
-//     3: WG w for the chunks c = w mod 3; each with its own raw ring, scratch and named barrier; a chunk's prep
-//     depends on nothing before it): gate +
-//     in-chunk prefix (fp32), L2 norms, β, the decayed operands written as swizzled wgmma B tiles (K⁺, Q⁺
-//     bf16 K-major, Kr fp16 MN-major), L and Mqk (one warp each of mma.sync m16n8k16 with relative
-//     exponents; exact pairwise exponentials on CUDA cores when an in-chunk decay span is too wide), the
-//     16x16 unit-lower inverse in fp32 (8x8 blocks by forward substitution, then the off-diagonal block),
-//     INVb = INV diag(β) and Mqk as fp16 B tiles. Hands the chunk's operands to the chain through a
-//     cutlass::PipelineAsync ring kOpStages deep (chunk c in stage c mod kOpStages, whichever WG made it).
-//   * the last two WGs (WG2 / WG3; variant 3: WG3 / WG4), chain: value rows 0-63 / 64-127 of the state S[V, K] as an fp32 wgmma accumulator
-//     (64 registers per thread) for the whole sequence. Per chunk (ᵀ: value rows first):
+//   * Prep (variant 1: WG1 for every chunk; variant 2: WG0 for the even chunks, WG1 for the odd ones; variant 3: WG w
+//     for the chunks c = w mod 3; each with its own raw ring, scratch and named barrier; a chunk's prep depends on
+//     nothing before it): gate + in-chunk prefix (fp32), L2 norms, β, the decayed operands written as swizzled wgmma B
+//     tiles (K⁺, Q⁺ bf16 K-major, Kr fp16 MN-major), L and Mqk (one warp each of mma.sync m16n8k16 with relative
+//     exponents; exact pairwise exponentials on CUDA cores when an in-chunk decay span is too wide), the 16x16
+//     unit-lower inverse in fp32 (8x8 blocks by forward substitution, then the off-diagonal block), INVb = INV diag(β)
+//     and Mqk as fp16 B tiles. Hands the chunk's operands to the chain through a cutlass::PipelineAsync ring kOpStages
+//     deep (chunk c in stage c mod kOpStages, whichever WG made it).
+//   * the last two WGs (WG2 / WG3; variant 3: WG3 / WG4), chain: value rows 0-63 / 64-127 of the state
+//     S[V, K] as an fp32 wgmma accumulator (64 registers per thread) for the whole sequence. Per chunk
+//     (ᵀ: value rows first):
 //       Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ   (RS wgmma m64n16k16 x 8, A = bf16(S) converted in registers; two
 //                                       batches, v read while they run)
 //       Yᵀ = Vᵀ - Xᵀ (padding tokens 0),  Uᵀ = Yᵀ INVbᵀ   (RS m64n16k16, fp16; S ⊙ γ_C while U runs)
@@ -126,7 +126,7 @@ static_assert(kVStages >= Cfg<3>::kPrepWGs * Cfg<3>::kRawStages + kOpStages, "va
 template <int V>
 constexpr int setmaxnreg_sum() {  // per thread of each warpgroup, summed over the warpgroups
   using C = Cfg<V>;
-  return (V == 1 ? C::kProducerRegs : 0) + C::kPrepWGs * C::kPrepRegs + 2 * C::kChainRegs;
+  return C::kProducerRegs + C::kPrepWGs * C::kPrepRegs + 2 * C::kChainRegs;
 }
 template <int V>
 constexpr bool regs_fit() {
@@ -303,7 +303,8 @@ struct Prof {
 // above). In the chain, X and O_inter run as two wgmma batches (Y waits only for X), the γ scaling of the state
 // while U runs.
 template <bool kProfile, int kVariant, bool kBwd = false>
-__global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1) kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
+__global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
+    kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(KDA_SM90_DEVICE)
   using Cf = Cfg<kVariant>;
   constexpr int kPrepWGs = Cf::kPrepWGs, kRawStages = Cf::kRawStages, kThreads = Cf::kThreads;
