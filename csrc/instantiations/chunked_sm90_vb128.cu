@@ -93,6 +93,14 @@ int sm90_variant() {
   if (e == nullptr || e[0] == '\0' || e[1] != '\0') return 3;
   return e[0] == '1' ? 1 : (e[0] == '2' ? 2 : 3);
 }
+// KDA_SM90_SCHEDULE=0..3 (read per call, default 3): the prep warpgroups' schedule bits (KernelArgs::schedule:
+// 1 = the serial role warps rotated per warpgroup, 2 = the operand stage acquired after the gate and the
+// norms); the same results bit for bit in every setting.
+int sm90_schedule() {
+  const char* e = std::getenv("KDA_SM90_SCHEDULE");
+  if (e == nullptr || e[0] < '0' || e[0] > '3' || e[1] != '\0') return chunked_sm90::kRotateRoles | chunked_sm90::kLateOpAcquire;
+  return e[0] - '0';
+}
 bool sm90_profile() {
   const char* e = std::getenv("KDA_SM90_PROFILE");
   return e != nullptr && e[0] != '\0' && e[0] != '0';
@@ -159,7 +167,7 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
       check_token_map("v", p, p.v, p.HV) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
   const KernelArgs args{p, token_tma(p, p.q, p.H), token_tma(p, p.k, p.H), token_tma(p, p.g, p.HV),
-                        token_tma(p, p.v, p.HV)};
+                        token_tma(p, p.v, p.HV), sm90_schedule()};
   const bool profile = sm90_profile() && !backward_chain;  // (no profile instantiation of the backward chain)
   int variant = sm90_variant();
   if (backward_chain && variant == 3) variant = 2;  // (the backward chain has variants 1 and 2)

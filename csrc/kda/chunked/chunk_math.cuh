@@ -75,13 +75,16 @@ __device__ __forceinline__ void gate_prefix_of(GateMode mode, const Bf16* graw, 
     gate_prefix<GateMode::kPrecomputed>(graw, gp, d, cl, A, Adtb, dtb, lb, a0, gc);
 }
 
-// Σ x² of one 128-element bf16 row split over 4 consecutive lanes (each passes its 32 elements, 16-byte
-// aligned); all 4 lanes return the row's total.
-__device__ __forceinline__ float row_sumsq_quad(const __nv_bfloat16* src) {
+// Σ x² of one 128-element bf16 row `row` (16-byte aligned, rows 256 bytes apart) split over 4 consecutive lanes
+// (part4 = 0..3; lane part4 takes the 16-byte pieces part4, 4 + part4, 8 + part4, 12 + part4); all 4 lanes
+// return the row's total. The pieces are visited in an order rotated by the row's parity, so that the 8 lanes of
+// one shared-memory wavefront (two rows) read the two halves of the 32 banks: conflict-free.
+__device__ __forceinline__ float row_sumsq_quad(const __nv_bfloat16* row, int part4, int row_parity) {
   float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-  for (int e = 0; e < 32; e += 8) {
-    const uint4 w = *reinterpret_cast<const uint4*>(src + e);
+  for (int e = 0; e < 4; ++e) {
+    const int piece = ((e + row_parity) & 3) * 4 + part4;
+    const uint4 w = *reinterpret_cast<const uint4*>(row + piece * 8);
     const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int u = 0; u < 4; ++u) {

@@ -121,8 +121,8 @@ __device__ __forceinline__ void chunked_prep(const RecurrentParams& p, Smem& sm,
     const int wide = !(-gc <= kSpanLimit);  // (NaN counts as wide)
     {
       const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements each
-      const __nv_bfloat16* src = (row < kChunk ? rb.q + row * K : rb.k + (row - kChunk) * K) + part4 * 32;
-      const float ss = row_sumsq_quad(src);
+      const __nv_bfloat16* src = row < kChunk ? rb.q + row * K : rb.k + (row - kChunk) * K;
+      const float ss = row_sumsq_quad(src, part4, row & 1);
       if (part4 == 0) {
         const float r = p.use_qk_l2norm ? rsqrtf(ss + kL2NormEps) : 1.f;
         if (row < kChunk)

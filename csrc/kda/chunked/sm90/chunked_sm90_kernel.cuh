@@ -213,9 +213,16 @@ inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts,
 }
 using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8), int64_t(8)));
 
+// schedule: bit 0 (kRotateRoles): prep warpgroup w runs its serial roles (L and the inverse; Mqk; the TMA
+// leader) on warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial parts of the prep warpgroups run on
+// different SM sub-partitions (warp i issues from sub-partition i mod 4); bit 1 (kLateOpAcquire): a prep
+// warpgroup acquires its operand stage after the gate and the norms (its first write into the stage), so the
+// stage is held for less of the chunk's preparation. KDA_SM90_SCHEDULE, default both.
+constexpr int kRotateRoles = 1, kLateOpAcquire = 2;
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
+  int schedule;
 };
 
 // ---- small device helpers
@@ -352,8 +359,10 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   const bool is_chain = wg >= Cf::kChainWG0;
   // Who issues the raw q/k/g (and v) loads: variant 1 the producer's thread 0; variant 2 lane 0 of each prep
   // warpgroup's warp 3, which is idle while warps 0 and 1 run L, Mqk and the inverse (the serial part of prep).
-  constexpr int kLeaderPtid = 96;
-  const bool raw_leader = kMultiPrep ? (is_prep && (tid & 127) == kLeaderPtid) : tid == 0;
+  // (kRotateRoles: warpgroup w's role warps shifted by w, the leader on warp (w + 3) mod 4)
+  const int role_shift = kMultiPrep && (args.schedule & kRotateRoles) ? pw : 0;
+  const int leader_ptid = 32 * ((3 + role_shift) & 3);
+  const bool raw_leader = kMultiPrep ? (is_prep && (tid & 127) == leader_ptid) : tid == 0;
 
   // ---- pipelines (barriers initialised by warp 0, visible to all after the __syncthreads below)
   typename PipeR::Params prp;
@@ -447,6 +456,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     PrepScratch& sc = ss.prep[pw];
     const int bar = kBarPrep + pw;
     const int ptid = tid & 127, d = ptid, pwarp = ptid >> 5;
+    const int role = (pwarp - role_shift) & 3;  // 0: L and the inverse, 1: Mqk, 3: the TMA leader (lane 0)
+    const bool late_acquire = (args.schedule & kLateOpAcquire) != 0;
     const bool in_gate = p.gate_mode != GateMode::kPrecomputed;
     const float A = in_gate ? __expf(p.A_log[hv]) : 0.f;
     const float dtb = (in_gate && p.dt_bias != nullptr) ? p.dt_bias[int64_t(hv) * kD + d] : 0.f;
@@ -513,13 +524,13 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     st_op.advance(pw);  // chunk c fills operand stage c mod kOpStages
     __nv_bfloat16 beta_next = load_beta(pw);
     Prof<kProfile> prof;
-    prof.start(ptid == 0);
+    prof.start(role == 0 && (ptid & 31) == 0);  // (the serial warp's lane 0)
     for (int64_t c = pw; c < n_chunks; c += kPrepWGs) {
       const int cl = chunk_len(phys(c));
       const __nv_bfloat16 beta_raw = beta_next;
       beta_next = load_beta(c + kPrepWGs);
       prof.mark(7);
-      pipe_op.producer_acquire(st_op);
+      if (!late_acquire) pipe_op.producer_acquire(st_op);
       prof.mark(0);
       pipe_raw.consumer_wait(st_raw);
       prof.mark(1);
@@ -539,12 +550,12 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       sc.ecp[d] = exp2f(gc);
       sc.a0[d] = a0;
       sc.gc[d] = gc;
-      ss.gamma[os][d] = exp2f(a0 + gc);
+      const float gamma_d = exp2f(a0 + gc);
       const int wide = !(-gc <= kSpanLimit);
       {
         const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements
-        const __nv_bfloat16* src = (row < kC ? rqb + row * kD : rkb + (row - kC) * kD) + part4 * 32;
-        const float sq = row_sumsq_quad(src);
+        const __nv_bfloat16* src = row < kC ? rqb + row * kD : rkb + (row - kC) * kD;
+        const float sq = row_sumsq_quad(src, part4, row & 1);
         if (part4 == 0) {
           const float r = p.use_qk_l2norm ? rsqrtf(sq + kL2NormEps) : 1.f;
           if (row < kC)
@@ -558,6 +569,9 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         sc.beta[ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
       }
       prof.mark(3);
+      if (late_acquire) pipe_op.producer_acquire(st_op);  // (before the leader's next issue: see kVStages)
+      ss.gamma[os][d] = gamma_d;
+      prof.mark(0);
       const bool pairwise = named_sync_or(bar, 128, wide);
       prof.mark(2);
 
@@ -651,10 +665,10 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         prof.mark(2);
       }
 
-      if (pwarp <= 1 && !pairwise) {
+      if (role <= 1 && !pairwise) {
         // warp 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); warp 1 at the same time: Mqk = tril(Qm Knᵀ).
         // (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
-        const __nv_bfloat16* asrc = pwarp == 0 ? sc.km : sc.qm;
+        const __nv_bfloat16* asrc = role == 0 ? sc.km : sc.qm;
         const int gq = lane >> 2, cq = lane & 3;
         const TileOffsets toff_a(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);
         const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);
@@ -674,7 +688,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
           for (int e = 0; e < 4; ++e) {
             const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
             const float x = al[nt][e] + al2[nt][e];
-            if (pwarp == 0)
+            if (role == 0)
               sc.ap[i * kC + jj] = jj < i ? sc.beta[i] * x : 0.f;
             else
               put_mqk(i, jj, os, jj <= i ? x : 0.f);
@@ -682,7 +696,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         __syncwarp();
       }
       prof.mark(5);
-      if (pwarp == 0) {
+      if (role == 0) {
         // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
         unit_lower_inverse16(sc.ap, sc.i2s, sc.beta, lane,
                              [&](int r, int c, float x) { put_inv(r, c, os, x); });
