@@ -1,7 +1,7 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
 // chunk, K = V = 128, with the Hopper machinery. Three designs (template kVariant, Cfg below; KDA_SM90_VARIANT
-// per call, default 2, the fastest measured: docs/performance.md; 3 is experimental):
+// per call, default 3, the fastest measured: docs/performance.md; the backward chain runs 2):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
 //     WGs. Packed input uses per-sequence coordinates into the packed tensor (domain_offset); rows past a
@@ -26,10 +26,10 @@
 //       Oᵀ = O_interᵀ + Uᵀ Mqkᵀ          (RS m64n16k16) -> bf16, registers to global
 //     The two chain WGs share only read-only pipeline stages; each stage is released after both consumed it.
 //   * setmaxnreg: variant 1: producer 40, prep 128, chain 168; variant 2: prep 112, chain 144 (ptxas: no
-//     spill in either); variant 3: prep 64 (ptxas: 78 bytes of spills), chain 144.
+//     spill in either); variant 3: prep 64 (ptxas: ~100 bytes of spills), chain 144.
 // Numerics: fp32 state and accumulators, bf16 operands for S and the unbounded factors, fp16 for the bounded
 // R path (as the mma.sync kernel). Variants 1 and 2 give the same bits (3 does the same operations in the
-// same order per chunk; it has not run yet).
+// same order per chunk: the same bits as 2 on the benchmark shapes).
 // Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): the prefill calls of the chunked
 // kernel, bf16 tokens, fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32
 // pool slots with inactive slots, zero, pool or read-only source (initial_state_source) start states, final
@@ -40,11 +40,14 @@
 // layer sets for packed calls) maps blockIdx to the sequence.
 // The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock cycles per role and segment of CTA 0 into
 // kda_sm90_prof.
-// Known limits (profile of H=96 T=8192 on the H200, docs/performance.md), in the order they matter for speed:
-//   * prep is still the limit in variant 2: each prep WG takes ~8.5k cycles per chunk (two chunks in flight,
-//     so ~4.2k a chunk), the chain ~2.9k of its own and ~1.4k waiting for operands; variant 1: prep ~5.8k a
-//     chunk, the chain waits ~3.3k of it. The largest prep parts: gate + norms ~2.3k, operand tiles ~2.4k,
-//     the inverse (one warp) ~1.8k, L / Mqk ~1.1k;
+// Known limits (profile and Nsight Compute of H=96 T=8192 on the H200, docs/performance.md), in the order they
+// matter for speed:
+//   * prep is still the limit in variant 3: each prep WG takes ~12.7k cycles per chunk (three chunks in flight,
+//     so ~4.2k a chunk), the chain ~2.6k of its own and ~1.7k waiting for operands. The largest prep parts:
+//     operand tiles ~2.8k, the inverse (one warp) ~2.4k, gate + norms ~2.0k, L / Mqk ~1.7k, waits at the
+//     warpgroup's named barrier ~1.3k. ncu: 2.2 instructions issued per cycle per SM (of 4), one eligible warp
+//     per scheduler, the mbarrier waits the largest stall;
+//   * shared memory: the chain's v read (16-bit loads across token rows) has 4-way bank conflicts;
 //   * the chain: X / O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile);
 //   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
 #pragma once
@@ -79,7 +82,7 @@ using f16_t = cutlass::half_t;
 
 constexpr int kC = 16;    // tokens per chunk
 constexpr int kD = 128;   // K = V
-// The designs (template kVariant, KDA_SM90_VARIANT, default 2):
+// The designs (template kVariant, KDA_SM90_VARIANT, default 3; the backward chain: 1 or 2, default 2):
 //   1: a producer warpgroup (one thread issues every TMA load) and one prep warpgroup for all chunks;
 //   2: two prep warpgroups, each for every other chunk (prep of a chunk depends on nothing before it), each
 //      issuing the TMA loads of its own chunks (raw q/k/g into its own ring, v into the shared v ring); no
@@ -213,12 +216,13 @@ inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts,
 }
 using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8), int64_t(8)));
 
-// schedule: bit 0 (kRotateRoles): prep warpgroup w runs its serial roles (L and the inverse; Mqk; the TMA
-// leader) on warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial parts of the prep warpgroups run on
-// different SM sub-partitions (warp i issues from sub-partition i mod 4); bit 1 (kLateOpAcquire): a prep
-// warpgroup acquires its operand stage after the gate and the norms (its first write into the stage), so the
-// stage is held for less of the chunk's preparation. KDA_SM90_SCHEDULE, default both.
-constexpr int kRotateRoles = 1, kLateOpAcquire = 2;
+// schedule (KDA_SM90_SCHEDULE, default kRotateRoles): with kRotateRoles, prep warpgroup w runs its serial roles
+// (L and the inverse; Mqk; the TMA leader) on warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial
+// parts of the prep warpgroups issue from different SM sub-partitions (warp i issues from sub-partition i mod 4;
+// unrotated, every L/inverse warp shared sub-partition 0). Measured on the H200 (docs/performance.md): 5-6%
+// faster at H=96. (Acquiring the operand stage after the gate and norms instead of before them measured no
+// gain and was removed.)
+constexpr int kRotateRoles = 1;
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
@@ -457,7 +461,6 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     const int bar = kBarPrep + pw;
     const int ptid = tid & 127, d = ptid, pwarp = ptid >> 5;
     const int role = (pwarp - role_shift) & 3;  // 0: L and the inverse, 1: Mqk, 3: the TMA leader (lane 0)
-    const bool late_acquire = (args.schedule & kLateOpAcquire) != 0;
     const bool in_gate = p.gate_mode != GateMode::kPrecomputed;
     const float A = in_gate ? __expf(p.A_log[hv]) : 0.f;
     const float dtb = (in_gate && p.dt_bias != nullptr) ? p.dt_bias[int64_t(hv) * kD + d] : 0.f;
@@ -530,7 +533,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       const __nv_bfloat16 beta_raw = beta_next;
       beta_next = load_beta(c + kPrepWGs);
       prof.mark(7);
-      if (!late_acquire) pipe_op.producer_acquire(st_op);
+      pipe_op.producer_acquire(st_op);
       prof.mark(0);
       pipe_raw.consumer_wait(st_raw);
       prof.mark(1);
@@ -550,7 +553,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       sc.ecp[d] = exp2f(gc);
       sc.a0[d] = a0;
       sc.gc[d] = gc;
-      const float gamma_d = exp2f(a0 + gc);
+      const float gamma_d = exp2f(a0 + gc);  // e^{Γ_C}, for the chain's S ⊙ γ_C
       const int wide = !(-gc <= kSpanLimit);
       {
         const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements
@@ -569,9 +572,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         sc.beta[ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
       }
       prof.mark(3);
-      if (late_acquire) pipe_op.producer_acquire(st_op);  // (before the leader's next issue: see kVStages)
       ss.gamma[os][d] = gamma_d;
-      prof.mark(0);
       const bool pairwise = named_sync_or(bar, 128, wide);
       prof.mark(2);
 
