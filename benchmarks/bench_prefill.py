@@ -2,6 +2,9 @@
 
 K = V = 128, lower-bound gate λ = -5, logit beta, L2 norm, bf16 token tensors, bf16 state pool,
 preallocated output. Every call is timed eagerly and as a CUDA-graph replay (capture after warm-up).
+Ours gets the host copy of cu_seqlens (`cu_seqlens_cpu`, as a serving engine has it), so its eager calls
+take the exact sequence split where `KDA_SEQUENCE_SPLIT=auto` splits (long sequences on few heads); the
+split does not run under graph capture, so the graph columns are unsplit.
 
 Peers, when importable (neither peer's code is part of this repository):
 - cuDNN Frontend (`cudnn.linear_attention.kimi_delta_attention`, packed [T, H, K] tensors, `cu_seqlens`,
@@ -63,7 +66,8 @@ def make(H: int, lens: list[int], dev: str = "cuda") -> dict[str, Any]:
     d: dict[str, Any] = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H))
     d["A_log"] = torch.rand(H, device=dev, generator=gen) * 0.5
     d["dt_bias"] = torch.randn(H, K, device=dev, generator=gen) * 0.1
-    d["cu"] = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), device=dev, dtype=torch.int64)
+    d["cu_cpu"] = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int64)
+    d["cu"] = d["cu_cpu"].to(dev)
     d["state"] = torch.zeros(len(lens), H, V, K, device=dev, dtype=torch.bfloat16)
     d["out"] = torch.empty_like(d["v"])
     return d
@@ -88,7 +92,8 @@ def ours_call(kda_ops: Any, d: dict[str, Any], backend: str) -> Callable[[], Any
         return kda_ops.recurrent_kda(
             d["q"], d["k"], d["v"], d["g"], d["beta"],
             A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=d["state"], cu_seqlens=d["cu"],
-            use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True, output=d["out"],
+            cu_seqlens_cpu=d["cu_cpu"], use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True,
+            output=d["out"],
             prefill_workspace=d.get("workspace"), backend=backend,
         )  # fmt: skip
 

@@ -222,7 +222,8 @@ using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8
 // unrotated, every L/inverse warp shared sub-partition 0). Measured on the H200 (docs/performance.md): 5-6%
 // faster at H=96. (Acquiring the operand stage after the gate and norms instead of before them measured no
 // gain and was removed.)
-constexpr int kRotateRoles = 1;
+// kVectorInverse: the 16x16 inverse reads its rows with 16-byte loads (chunk_math.cuh).
+constexpr int kRotateRoles = 1, kVectorInverse = 2;
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
@@ -699,8 +700,11 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       prof.mark(5);
       if (role == 0) {
         // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
-        unit_lower_inverse16(sc.ap, sc.i2s, sc.beta, lane,
-                             [&](int r, int c, float x) { put_inv(r, c, os, x); });
+        auto put = [&](int r, int c, float x) { put_inv(r, c, os, x); };
+        if (args.schedule & kVectorInverse)
+          unit_lower_inverse16<true>(sc.ap, sc.i2s, sc.beta, lane, put);
+        else
+          unit_lower_inverse16<false>(sc.ap, sc.i2s, sc.beta, lane, put);
       }
       // generic-proxy writes of the operand tiles -> visible to wgmma (async proxy), then publish
       prof.mark(6);
