@@ -135,8 +135,9 @@ void print_profile(int variant) {
     return;
   }
   static const char* const roles1[kProfRoles] = {"producer", "prep (warp 0)", "chain WG2", "chain WG3"};
-  static const char* const roles2[kProfRoles] = {"prep WG0 (w0)", "prep WG1 (w4)", "chain WG A", "chain WG B"};
-  // (variant 2 profiles warp 0 of each prep WG; the TMA issue of its leader, warp 3, is not on that warp)
+  static const char* const roles2[kProfRoles] = {"prep WG0 (L warp)", "prep WG1 (L warp)", "chain WG A", "chain WG B"};
+  // (variants 2, 3 profile lane 0 of each prep WG's L/inverse warp, warp w of WG w under the role rotation, warp
+  // 0 without it; the TMA issue of its leader warp is not on that warp)
   const char* const* roles = variant == 1 ? roles1 : roles2;
   static const char* const segs[kProfRoles][kProfSegs] = {
       {"acq raw", "TMA qkg", "acq v", "TMA v", "-", "-", "-", "-"},

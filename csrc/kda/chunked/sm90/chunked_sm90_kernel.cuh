@@ -44,9 +44,10 @@
 // matter for speed:
 //   * prep is still the limit in variant 3: each prep WG takes ~12.7k cycles per chunk (three chunks in flight,
 //     so ~4.2k a chunk), the chain ~2.6k of its own and ~1.7k waiting for operands. The largest prep parts:
-//     operand tiles ~2.8k, the inverse (one warp) ~2.4k, gate + norms ~2.0k, L / Mqk ~1.7k, waits at the
-//     warpgroup's named barrier ~1.3k. ncu: 2.2 instructions issued per cycle per SM (of 4), one eligible warp
-//     per scheduler, the mbarrier waits the largest stall;
+//     operand tiles ~2.8k, the inverse (one warp) ~2.4k before its 16-byte row loads, gate + norms ~2.0k,
+//     L / Mqk ~1.7k, waits at the warpgroup's named barrier ~1.3k. ncu: 2.2 instructions issued per cycle per SM
+//     (of 4), one eligible warp per scheduler, the mbarrier waits the largest stall. (Variant 3's profile
+//     instantiation spills ~450 bytes, which distorts its segment table; variant 2's does not spill.)
 //   * shared memory: the chain's v read (16-bit loads across token rows) has 4-way bank conflicts;
 //   * the chain: X / O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile);
 //   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
@@ -216,13 +217,13 @@ inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts,
 }
 using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8), int64_t(8)));
 
-// schedule (KDA_SM90_SCHEDULE, default kRotateRoles): with kRotateRoles, prep warpgroup w runs its serial roles
+// schedule (KDA_SM90_SCHEDULE, default both bits): with kRotateRoles, prep warpgroup w runs its serial roles
 // (L and the inverse; Mqk; the TMA leader) on warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial
 // parts of the prep warpgroups issue from different SM sub-partitions (warp i issues from sub-partition i mod 4;
 // unrotated, every L/inverse warp shared sub-partition 0). Measured on the H200 (docs/performance.md): 5-6%
 // faster at H=96. (Acquiring the operand stage after the gate and norms instead of before them measured no
-// gain and was removed.)
-// kVectorInverse: the 16x16 inverse reads its rows with 16-byte loads (chunk_math.cuh).
+// gain and was removed.) With kVectorInverse, the 16x16 inverse reads its rows with 16-byte loads
+// (chunk_math.cuh; without it, scalar loads, the earlier form): 3% faster at H=96 in variant 3, 5% in variant 2.
 constexpr int kRotateRoles = 1, kVectorInverse = 2;
 struct KernelArgs {
   RecurrentParams p;
