@@ -6,9 +6,11 @@
 //   recurrent_kda_training_backward = csrc/kda/backward from the tapes (the backward chain, i.e. the chunked
 //                                     kernel in reverse, then the chunk-parallel sweep) for the lower-bound
 //                                     gate (beta logit or plain, L2 norm on or off) at K == V == 128; the
-//                                     softplus and precomputed gates and K == V == 64 run the CPU op on host
-//                                     copies (correct, slower, with host synchronisation: not capturable)
-//                                     until the sweep covers them (see cuda_backward_covers);
+//                                     softplus and precomputed gates and K == V == 64, and every call on a GPU
+//                                     whose per-block shared memory is below the sweep's (sm_120), run the CPU
+//                                     op on host copies (correct, slower, with host synchronisation: not
+//                                     capturable) until the sweep covers them (cuda_backward_covers,
+//                                     sweep_fits_device);
 //   recurrent_kda_backward          = both.
 // Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128, the lower-bound gate. No
 // host synchronisation there (tape_cu_starts is computed on the device), so those calls can be captured in a
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -123,6 +126,17 @@ void check_cuda(cudaError_t err, const char* what) {
 // exact pairwise exponents on CUDA cores for L, Mqk and the three pair terms, with Γ itself in shared memory.)
 bool cuda_backward_covers(const TrainingShape& d, const TrainingModes& m) {
   return m.gate_mode == 2 && d.K == kBwdDim && d.V == kBwdDim;
+}
+
+// Whether the current device gives a block the shared memory the chunk-parallel sweep needs (sm_90/sm_100-class
+// GPUs allow 227 KB; sm_120 ~99 KB, where the backward runs the CPU op until the sweep has a smaller variant).
+// KDA_TRAINING_BACKWARD_HOST=1 (read on every call) takes that route on any GPU, so it can be tested where the
+// memory is there. kda_ops/interface.py mirrors this for its CUDA-graph capture check (sweep.cu asserts that
+// the sweep needs more than 128 KiB, its threshold).
+bool sweep_fits_device() {
+  const char* e = std::getenv("KDA_TRAINING_BACKWARD_HOST");
+  if (e != nullptr && e[0] == '1' && e[1] == '\0') return false;
+  return training_backward_smem_bytes() <= cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
 }
 
 // RecurrentParams of the training forward in its modes (checkpoints every kTapeChunk tokens at
@@ -287,7 +301,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   const TrainDims d =
       check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q.device());
-  if (!cuda_backward_covers(d, m)) {
+  if (!cuda_backward_covers(d, m) || !sweep_fits_device()) {
     KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
     KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
     KDA_CHECK_SAME_DEVICE(dout, q, "do");
@@ -353,11 +367,6 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
 
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(1);
-  const int64_t smem_needed = training_backward_smem_bytes();
-  const int smem_optin = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
-  TORCH_CHECK(smem_needed <= smem_optin, op, ": the CUDA training backward needs ", smem_needed,
-            " bytes of shared memory per block, this GPU allows ", smem_optin,
-            " (sm_90/sm_100-class GPUs have 227 KB; sm_120 is not supported)");
   // Tasks of the sweep: (64-token slot, value head); one parameter-gradient partial row per task row.
   const int64_t partial_rows = d.slots;
   const int64_t tasks = partial_rows * d.HV;

@@ -347,6 +347,49 @@ def test_cuda_matches_cpu_op():
     assert all(errs[n][0] <= TOL_GRAD for n in GRADS), _fmt(errs)
 
 
+def test_backward_host_route(monkeypatch):
+    """KDA_TRAINING_BACKWARD_HOST=1 takes the route of GPUs without the sweep's shared memory (sm_120): the
+    CPU op on host copies of the CUDA forward's tapes, so the gradients equal the CPU op's on those tapes bit
+    for bit, and the kernels' within tolerance."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("kda::recurrent_kda_training_backward", "CPU"):
+        pytest.skip("CPU training ops not built")
+    x = _case_inputs(1, 0, 2, 4, [70, 0, 5], False, seed=7, with_dfinal=True)
+    sc, lam = 0.2, -2.0
+    c = _cuda(x)
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
+    _, _, t, s_ = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, lam)
+    tail = (c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam)
+    g_kernels = torch.ops.kda.recurrent_kda_training_backward(*args, t, s_, *tail)
+    monkeypatch.setenv("KDA_TRAINING_BACKWARD_HOST", "1")
+    g_host = torch.ops.kda.recurrent_kda_training_backward(*args, t, s_, *tail)
+    args_cpu = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
+    g_c = torch.ops.kda.recurrent_kda_training_backward(
+        *args_cpu, t.cpu(), s_.cpu(), x["initial_state"], x["cu_seqlens"], x["do"], x["dfinal_state"], sc, lam
+    )
+    for n_, a, b in zip(GRADS, g_host, g_c, strict=True):
+        assert a.device.type == "cuda" and torch.equal(a.cpu(), b), f"{n_}: the host route differs from the CPU op"
+    errs = _errors(GRADS, g_kernels, g_host)
+    _report(f"host_route_vs_kernels: {_fmt(errs)}")
+    assert all(errs[n][0] <= TOL_GRAD for n in GRADS), _fmt(errs)
+
+
+def test_backward_host_route_refuses_capture(monkeypatch):
+    """On the host route the public backward refuses CUDA-graph capture with a clear error (a host copy cannot
+    be captured) instead of failing inside the op."""
+    x = _case_inputs(1, 0, 1, 2, [30, 0, 70], False, seed=9, with_dfinal=True)
+    c = _cuda(x)
+    pub = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"], c["initial_state"], c["do"])
+    monkeypatch.setenv("KDA_TRAINING_BACKWARD_HOST", "1")
+    kda_ops.recurrent_kda_backward(*pub, c["dfinal_state"], cu_seqlens=c["cu_seqlens"], scale=0.1, lower_bound=-4.0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="KDA_TRAINING_BACKWARD_HOST"):
+        with torch.cuda.graph(graph):
+            kda_ops.recurrent_kda_backward(
+                *pub, c["dfinal_state"], cu_seqlens=c["cu_seqlens"], scale=0.1, lower_bound=-4.0
+            )
+
+
 def test_cuda_graph_capture_backward():
     lengths = [30, 0, 70]
     x = _case_inputs(1, 0, 1, 2, lengths, False, seed=9, with_dfinal=True)
