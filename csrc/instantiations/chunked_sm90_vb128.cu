@@ -144,7 +144,7 @@ void print_profile(int variant) {
       {"acq op", "wait raw", "named bar", "gate+norm", "operands", "L+Mqk", "inverse", "commit+loop"},
       {"wait op", "wait v", "X(+Oi)", "v+Y", "U+gamma", "S+O", "out", "loop+ckpt"},
       {"wait op", "wait v", "X(+Oi)", "v+Y", "U+gamma", "S+O", "out", "loop+ckpt"}};
-  std::fprintf(stderr, "kda_chunked_sm90 profile, variant %d, CTA 0: clock cycles per chunk per segment (thread 0 of each role)\n",
+  std::fprintf(stderr, "kda_chunked_sm90 profile, variant %d, CTA 0: clock cycles per chunk per segment (lane 0 of each role's warp)\n",
                variant);
   for (int r = 0; r < kProfRoles; ++r) {
     const unsigned long long nc = h[r][kProfSegs] > 0 ? h[r][kProfSegs] : 1;
@@ -201,10 +201,10 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
   fn<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(args);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || verbose())
-    std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d%s: %s\n",
+    std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d schedule %d%s: %s\n",
                  static_cast<long long>(blocks), threads, smem, static_cast<long long>(p.N), static_cast<int>(p.HV),
                  static_cast<long long>(p.T), static_cast<long long>(p.B), p.seq_order != nullptr ? " seq_order" : "",
-                 variant, profile ? " profile" : "", cudaGetErrorString(e));
+                 variant, args.schedule, profile ? " profile" : "", cudaGetErrorString(e));
   if (e == cudaSuccess && profile) {
     const cudaError_t se = cudaStreamSynchronize(stream);
     if (se != cudaSuccess) return se;

@@ -10,7 +10,8 @@ KDA_SM90_VARIANT selects the design under test (scripts/device_sm90.sh runs this
     reference, tolerances of tests/conftest.py);
   * Hopper vs mma.sync over lengths, packed mixes with zero-length and 1-token rows, GQA, gate and β modes,
     L2 norm on/off, bf16/fp32 pools with inactive slots: both against the fp64 reference;
-  * bit-identical reruns.
+  * bit-identical reruns, and the same bits over the designs (KDA_SM90_VARIANT 2, 3) and the prep schedules
+    (KDA_SM90_SCHEDULE 0-3).
 Skipped unless the device is compute capability 9.0.
 """
 
@@ -307,3 +308,32 @@ def test_hopper_deterministic():
     for later in runs[1:]:
         for a, b in zip(runs[0], later, strict=True):
             assert torch.equal(a, b), "identical calls differ"
+
+
+def test_hopper_schedules_same_bits(monkeypatch):
+    """KDA_SM90_SCHEDULE (the prep warpgroups' role rotation, the inverse's vector loads) and KDA_SM90_VARIANT 2
+    vs 3 change the schedule only: the prefill's output and pool, and the backward chain's gradients, are
+    the same bits in every setting."""
+    import test_training_cuda as tr
+
+    x = base.make(H=2, HV=4, state_dtype=BF16, lengths=[300, 3, 1, 130, 0, 64, 1030], seed=53)
+    t, g = base.tok(x), base.gkw(x)
+    y = tr._case_inputs(1, 0, 2, 4, [300, 0, 65, 1, 130], False, seed=13, with_dfinal=True)
+    c = tr._cuda(y)
+    sc = 1.0 / K**0.5
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
+    rest = (c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, -5.0)
+    results = {}
+    for variant in ("2", "3"):
+        for schedule in ("0", "1", "2", "3"):
+            monkeypatch.setenv("KDA_SM90_VARIANT", variant)
+            monkeypatch.setenv("KDA_SM90_SCHEDULE", schedule)
+            pool = x["initial_state"].clone()
+            o, _ = base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
+            fwd = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, -5.0)
+            grads = torch.ops.kda.recurrent_kda_training_backward(*args, fwd[2], fwd[3], *rest)
+            results[(variant, schedule)] = [bits(o), bits(pool), bits(fwd[2])] + [bits(gr) for gr in grads]
+    first = results[("2", "0")]
+    for key, res in results.items():
+        for i, (a, b) in enumerate(zip(first, res, strict=True)):
+            assert torch.equal(a, b), f"variant {key[0]} schedule {key[1]}: result {i} differs from v2 schedule 0"

@@ -104,13 +104,8 @@ __device__ __forceinline__ float beta_value(float x, bool is_logit) {
   return is_logit ? __fdividef(1.f, 1.f + __expf(-x)) : x;
 }
 
-// INVb = (I + A')^{-1} diag(β) of the 16x16 unit-lower A' in fp32, by blocks: the two 8x8 diagonal blocks
-// by forward substitution (lane c of each half-warp of lanes 0-15 owns column c of its block), then the
-// off-diagonal block X = -I2 A'21 I1. ap: A' row-major [16][16] (its strictly lower part is read); i2s: 64
-// floats of scratch shared by the warp; both 16-byte aligned (the rows are read 8 floats at a time, two
-// 16-byte loads, where scalar loads took three times the load instructions on this serial path); beta[16].
-// store(r, c, x) receives every element of INVb from lanes 0-15. Called by one whole warp.
-// (kVecLoads = false: scalar loads, the earlier form, for an A/B in one build; the same bits.)
+// x = p[0..7]: two 16-byte loads (p 16-byte aligned), or with kVecLoads = false eight scalar loads, the
+// inverse's earlier form, kept for an A/B in one build (the same values either way).
 template <bool kVecLoads>
 __device__ __forceinline__ void load_row8(const float* p, float (&x)[8]) {
   if constexpr (kVecLoads) {
@@ -122,6 +117,13 @@ __device__ __forceinline__ void load_row8(const float* p, float (&x)[8]) {
     for (int e = 0; e < 8; ++e) x[e] = p[e];
   }
 }
+
+// INVb = (I + A')^{-1} diag(β) of the 16x16 unit-lower A' in fp32, by blocks: the two 8x8 diagonal blocks
+// by forward substitution (lane c of each half-warp of lanes 0-15 owns column c of its block), then the
+// off-diagonal block X = -I2 A'21 I1. ap: A' row-major [16][16] (its strictly lower part is read); i2s: 64
+// floats of scratch shared by the warp; both 16-byte aligned (the rows are read 8 floats at a time, two
+// 16-byte loads, where scalar loads took three times the load instructions on this serial path); beta[16].
+// store(r, c, x) receives every element of INVb from lanes 0-15. Called by one whole warp.
 template <bool kVecLoads = true, class Store>
 __device__ __forceinline__ void unit_lower_inverse16(const float* ap, float* i2s, const float* beta, int lane,
                                                      Store&& store) {

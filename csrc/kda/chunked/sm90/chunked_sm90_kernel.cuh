@@ -7,7 +7,8 @@
 //     WGs. Packed input uses per-sequence coordinates into the packed tensor (domain_offset); rows past a
 //     sequence's end are real tokens of the next sequence (or TMA's zero fill at the tensor's end) and are
 //     masked by the consumers. Variant 1: one thread of a producer WG issues every load. Variants 2, 3: no
-//     producer WG; in each prep WG one thread (lane 0 of its warp 3) issues the loads of that WG's chunks.
+//     producer WG; in each prep WG one thread (lane 0 of its leader warp: warp 3, or (w + 3) mod 4 in prep WG w
+//     under the role rotation, kRotateRoles) issues the loads of that WG's chunks.
 //   * Prep (variant 1: WG1 for every chunk; variant 2: WG0 for the even chunks, WG1 for the odd ones; variant 3: WG w
 //     for the chunks c = w mod 3; each with its own raw ring, scratch and named barrier; a chunk's prep depends on
 //     nothing before it): gate + in-chunk prefix (fp32), L2 norms, β, the decayed operands written as swizzled wgmma B
@@ -363,9 +364,10 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   const bool is_prep = kMultiPrep ? wg < kPrepWGs : wg == 1;
   const int pw = kMultiPrep && is_prep ? wg : 0;  // which prep warpgroup (and raw ring); chain WGs: 0
   const bool is_chain = wg >= Cf::kChainWG0;
-  // Who issues the raw q/k/g (and v) loads: variant 1 the producer's thread 0; variant 2 lane 0 of each prep
-  // warpgroup's warp 3, which is idle while warps 0 and 1 run L, Mqk and the inverse (the serial part of prep).
-  // (kRotateRoles: warpgroup w's role warps shifted by w, the leader on warp (w + 3) mod 4)
+  // Who issues the raw q/k/g (and v) loads: variant 1 the producer's thread 0; variants 2, 3 lane 0 of each prep
+  // warpgroup's leader warp (role 3), which is idle while roles 0 and 1 run L, Mqk and the inverse (the serial part
+  // of prep). The role warps are warps 0-3, or, with kRotateRoles, shifted by the warpgroup index w (role r on warp
+  // (r + w) mod 4), so the serial parts of the prep warpgroups issue from different SM sub-partitions.
   const int role_shift = kMultiPrep && (args.schedule & kRotateRoles) ? pw : 0;
   const int leader_ptid = 32 * ((3 + role_shift) & 3);
   const bool raw_leader = kMultiPrep ? (is_prep && (tid & 127) == leader_ptid) : tid == 0;
@@ -555,7 +557,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       sc.ecp[d] = exp2f(gc);
       sc.a0[d] = a0;
       sc.gc[d] = gc;
-      const float gamma_d = exp2f(a0 + gc);  // e^{Γ_C}, for the chain's S ⊙ γ_C
+      ss.gamma[os][d] = exp2f(a0 + gc);  // e^{Γ_C}, for the chain's S ⊙ γ_C
       const int wide = !(-gc <= kSpanLimit);
       {
         const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements
@@ -574,7 +576,6 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         sc.beta[ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
       }
       prof.mark(3);
-      ss.gamma[os][d] = gamma_d;
       const bool pairwise = named_sync_or(bar, 128, wide);
       prof.mark(2);
 
@@ -669,7 +670,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       }
 
       if (role <= 1 && !pairwise) {
-        // warp 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); warp 1 at the same time: Mqk = tril(Qm Knᵀ).
+        // role 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); role 1 at the same time: Mqk = tril(Qm Knᵀ).
         // (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
         const __nv_bfloat16* asrc = role == 0 ? sc.km : sc.qm;
         const int gq = lane >> 2, cq = lane & 3;
