@@ -102,10 +102,14 @@ def ours_call(kda_ops: Any, d: dict[str, Any], backend: str) -> Callable[[], Any
 
 def with_kernel(kernel: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     """fn with the chunked kernel chosen per call: ``mma`` (KDA_CHUNKED_KERNEL=mma), ``sm90:V`` / ``auto:V``
-    (KDA_CHUNKED_KERNEL=sm90 / auto, KDA_SM90_VARIANT=V); both variables are read on every call, so a graph
-    captures the kernel chosen while it is captured. The previous values are restored after each call."""
-    name, _, variant = kernel.partition(":")
-    want = {"KDA_CHUNKED_KERNEL": name, "KDA_SM90_VARIANT": variant or None}
+    (KDA_CHUNKED_KERNEL=sm90 / auto, KDA_SM90_VARIANT=V), ``sm90:VsS`` (and KDA_SM90_SCHEDULE=S); the variables
+    are read on every call, so a graph captures the kernel chosen while it is captured. The previous values
+    are restored after each call."""
+    name, _, spec = kernel.partition(":")
+    variant, _, schedule = spec.partition("s")
+    if (variant and variant not in "123") or (schedule and schedule not in "0123") or len(variant) > 1:
+        raise ValueError(f"--kernels: {kernel!r} is not mma, sm90:V, auto:V or sm90:VsS (V 1-3, S 0-3)")
+    want = {"KDA_CHUNKED_KERNEL": name, "KDA_SM90_VARIANT": variant or None, "KDA_SM90_SCHEDULE": schedule or None}
 
     def put(values: dict[str, str | None]) -> None:
         for k, v in values.items():
@@ -190,7 +194,7 @@ def main() -> None:
         ap.add_argument(
             "--kernels",
             default="",
-            help="also time the chunked backend with these kernels, e.g. mma,sm90:1,sm90:2,auto:2 (KDA_CHUNKED_KERNEL"
+            help="also time the chunked backend with these kernels, e.g. mma,sm90:2,sm90:3s0 (KDA_CHUNKED_KERNEL"
             " and KDA_SM90_VARIANT per call)",
         )
 

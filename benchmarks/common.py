@@ -20,7 +20,7 @@ def parse_args(name: str, extra: Callable[[argparse.ArgumentParser], None] | Non
     ap = argparse.ArgumentParser(description=f"kda_ops {name} benchmark")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    ap.add_argument("--no-peers", action="store_true", help="skip fla / flash_kda")
+    ap.add_argument("--no-peers", action="store_true", help="skip the peers (fla, flash_kda, cudnn)")
     if extra:
         extra(ap)
     args = ap.parse_args()

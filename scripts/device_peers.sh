@@ -37,7 +37,7 @@ wait
 echo "== builds done at $(( $(date +%s) - T0 )) s: ours rc=$rc; FlashKDA: $(tail -1 "$OUT/flashkda_build.log" 2>/dev/null)"
 [ $rc != 0 ] && { tail -30 "$OUT/build.log"; exit $rc; }
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_prefill.py --out "$OUT" --kernels "${KERNELS:-mma,sm90:2,auto:2}" \
+timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_prefill.py --out "$OUT" --kernels "${KERNELS:-mma,sm90:2,sm90:3s0}" \
   ${BENCH_ARGS:-} >"$OUT/bench_prefill.log" 2>&1
 echo "== bench_prefill rc=$? at $(( $(date +%s) - T0 )) s"
 grep -v "^kda_chunked_sm90: launch" "$OUT/bench_prefill.log" | tail -40
