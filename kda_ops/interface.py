@@ -23,7 +23,6 @@ Packed input: B == 1 and cu_seqlens [N+1] (sequence n owns tokens cu[n]:cu[n+1])
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -828,32 +827,14 @@ def _default_modes(gate_mode: int, l2: bool, logit: bool, dtb: torch.Tensor | No
     return gate_mode == V.GATE_LOWER_BOUND and l2 and logit and dtb is not None
 
 
-def _backward_sweep_fits(device: torch.device) -> bool:
-    """Whether the CUDA training backward's sweep runs on this GPU (csrc/api/training_cuda.cpp,
-    sweep_fits_device): it needs more than 128 KiB of shared memory per block, which sm_90/sm_100-class GPUs
-    give and sm_120 (~99 KiB) does not; ``KDA_TRAINING_BACKWARD_HOST=1`` routes every call to the CPU op."""
-    if os.environ.get("KDA_TRAINING_BACKWARD_HOST") == "1":
-        return False
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin > 128 * 1024
-
-
 def _check_cuda_backward_capturable(d: Any, gate_mode: int) -> None:
-    """On CUDA the backward kernels cover the lower-bound gate at K = V = 128 on GPUs with the sweep's shared
-    memory; the other calls run the CPU op on host copies (csrc/api/training_cuda.cpp), which a CUDA graph
-    cannot capture: say so before the op runs."""
-    if not (d.on_cuda and V.capturing(d.device)):
-        return
-    if gate_mode != V.GATE_LOWER_BOUND or d.K != 128:
+    """On CUDA the backward kernels cover the lower-bound gate at K = V = 128; the other calls run the CPU op on
+    host copies (csrc/api/training_cuda.cpp), which a CUDA graph cannot capture: say so before the op runs."""
+    if d.on_cuda and (gate_mode != V.GATE_LOWER_BOUND or d.K != 128) and V.capturing(d.device):
         raise RuntimeError(
             "the CUDA training backward of the softplus / precomputed gates and of K = V = 64 runs the CPU "
             "implementation (host copies) and cannot be captured in a CUDA graph; use the lower-bound gate at "
             "K = V = 128, or run this call eagerly"
-        )
-    if not _backward_sweep_fits(d.device):
-        raise RuntimeError(
-            "the CUDA training backward runs the CPU implementation (host copies) on this GPU (its sweep needs "
-            "more shared memory per block than the GPU gives, as on sm_120, or KDA_TRAINING_BACKWARD_HOST=1 "
-            "is set) and cannot be captured in a CUDA graph; run this call eagerly"
         )
 
 

@@ -131,8 +131,7 @@ bool cuda_backward_covers(const TrainingShape& d, const TrainingModes& m) {
 // Whether the current device gives a block the shared memory the chunk-parallel sweep needs (sm_90/sm_100-class
 // GPUs allow 227 KB; sm_120 ~99 KB, where the backward runs the CPU op until the sweep has a smaller variant).
 // KDA_TRAINING_BACKWARD_HOST=1 (read on every call) takes that route on any GPU, so it can be tested where the
-// memory is there. kda_ops/interface.py mirrors this for its CUDA-graph capture check (sweep.cu asserts that
-// the sweep needs more than 128 KiB, its threshold).
+// memory is there.
 bool sweep_fits_device() {
   const char* e = std::getenv("KDA_TRAINING_BACKWARD_HOST");
   if (e != nullptr && e[0] == '1' && e[1] == '\0') return false;
@@ -301,7 +300,16 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   const TrainDims d =
       check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q.device());
-  if (!cuda_backward_covers(d, m) || !sweep_fits_device()) {
+  const bool covered = cuda_backward_covers(d, m);
+  if (!covered || !sweep_fits_device()) {
+    // the host copies cannot be captured: refuse under CUDA-graph capture before anything is enqueued
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture), "cudaStreamIsCapturing");
+    TORCH_CHECK(capture == cudaStreamCaptureStatusNone, op, ": this call runs the CPU implementation on host copies (",
+                covered ? "this GPU gives a block less shared memory than the CUDA backward's sweep needs, or "
+                          "KDA_TRAINING_BACKWARD_HOST=1 is set"
+                        : "the softplus / precomputed gates and K = V = 64 have no CUDA backward kernels yet",
+                ") and cannot be captured in a CUDA graph; run it eagerly");
     KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
     KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
     KDA_CHECK_SAME_DEVICE(dout, q, "do");

@@ -185,21 +185,30 @@ def test_hopper_training_forward_tapes(lengths, monkeypatch):
     assert_close_rms(tp9, tpm, TOL_STATE_FP32, "sm90 vs mma tapes")
 
 
+def _training_case(seed):
+    """A packed training case (mixed lengths, an empty row, GQA 2) on the GPU: the token arguments of the
+    training ops, the forward's (initial_state, cu_seqlens, scale, λ) and the backward's trailing arguments."""
+    import test_training_cuda as tr
+
+    c = tr._cuda(tr._case_inputs(1, 0, 2, 4, [300, 0, 65, 1, 130], False, seed=seed, with_dfinal=True))
+    sc = 1.0 / K**0.5
+    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
+    fwd_rest = (c["initial_state"], c["cu_seqlens"], sc, -5.0)
+    bwd_rest = (c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, -5.0)
+    return args, fwd_rest, bwd_rest
+
+
 def test_hopper_backward_chain_runs(monkeypatch):
     """The training backward's chain (dS last chunk first) takes the Hopper kernel's backward mode, and the
     gradients equal those of the mma.sync chain within the training tolerance (the same math and operand
     precisions; tests/gpu/test_training_cuda.py's chain tests, re-run here, check them against fp64)."""
     import test_training_cuda as tr
 
-    x = tr._case_inputs(1, 0, 2, 4, [300, 0, 65, 1, 130], False, seed=11, with_dfinal=True)
-    c = tr._cuda(x)
-    sc = 1.0 / K**0.5
-    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
-    rest = (c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, -5.0)
+    args, fwd_rest, rest = _training_case(seed=11)
     grads = {}
     for kernel in ("sm90", "mma"):
         monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
-        fwd = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, -5.0)
+        fwd = torch.ops.kda.recurrent_kda_training_forward(*args, *fwd_rest)
         tapes, tcs = fwd[2], fwd[3]
         out = []
 
@@ -314,15 +323,9 @@ def test_hopper_schedules_same_bits(monkeypatch):
     """KDA_SM90_SCHEDULE (the prep warpgroups' role rotation, the inverse's vector loads) and KDA_SM90_VARIANT 2
     vs 3 change the schedule only: the prefill's output and pool, and the backward chain's gradients, are
     the same bits in every setting."""
-    import test_training_cuda as tr
-
     x = base.make(H=2, HV=4, state_dtype=BF16, lengths=[300, 3, 1, 130, 0, 64, 1030], seed=53)
     t, g = base.tok(x), base.gkw(x)
-    y = tr._case_inputs(1, 0, 2, 4, [300, 0, 65, 1, 130], False, seed=13, with_dfinal=True)
-    c = tr._cuda(y)
-    sc = 1.0 / K**0.5
-    args = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"])
-    rest = (c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, -5.0)
+    args, fwd_rest, rest = _training_case(seed=13)
     results = {}
     for variant in ("2", "3"):
         for schedule in ("0", "1", "2", "3"):
@@ -330,7 +333,7 @@ def test_hopper_schedules_same_bits(monkeypatch):
             monkeypatch.setenv("KDA_SM90_SCHEDULE", schedule)
             pool = x["initial_state"].clone()
             o, _ = base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
-            fwd = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, -5.0)
+            fwd = torch.ops.kda.recurrent_kda_training_forward(*args, *fwd_rest)
             grads = torch.ops.kda.recurrent_kda_training_backward(*args, fwd[2], fwd[3], *rest)
             results[(variant, schedule)] = [bits(o), bits(pool), bits(fwd[2])] + [bits(gr) for gr in grads]
     first = results[("2", "0")]

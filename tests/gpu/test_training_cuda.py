@@ -374,8 +374,8 @@ def test_backward_host_route(monkeypatch):
 
 
 def test_backward_host_route_refuses_capture(monkeypatch):
-    """On the host route the public backward refuses CUDA-graph capture with a clear error (a host copy cannot
-    be captured) instead of failing inside the op."""
+    """On the host route the op refuses CUDA-graph capture with a clear error before it enqueues anything (a
+    host copy cannot be captured), through the public backward as well."""
     x = _case_inputs(1, 0, 1, 2, [30, 0, 70], False, seed=9, with_dfinal=True)
     c = _cuda(x)
     pub = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"], c["initial_state"], c["do"])

@@ -698,9 +698,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
 
 }  // namespace
 
-// (kda_ops/interface.py routes CUDA-graph capture checks by a 128 KiB threshold: GPUs below it, sm_120's ~99 KiB,
-// cannot run this sweep)
-static_assert(sizeof(ChunkedBwdSmem) > 128 * 1024, "interface.py's shared-memory threshold for the sweep");
 int64_t training_backward_chunked_smem_bytes() { return static_cast<int64_t>(sizeof(ChunkedBwdSmem)); }
 
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream) {
