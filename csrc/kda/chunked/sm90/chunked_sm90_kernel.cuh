@@ -141,6 +141,9 @@ static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>(), "setmaxnreg count
 constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;   // named barrier of chain warpgroup w (output staging): kBarOut + w
 constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
+// per-warp output staging (kWarpOutput): [16 tokens][16 value rows], rows of 24 elements (48 bytes: 16-byte
+// aligned; the accumulator's writes, tokens 2 apart per lane quad, fall on banks 0, 24, 16, 8: no conflicts)
+constexpr int kWStride = 24, kWStage = kC * kWStride;
 
 // ---- shared-memory layouts
 // raw token tiles as TMA writes them: [16 tokens][128] row-major, no swizzle (read by CUDA cores)
@@ -206,6 +209,7 @@ struct SharedStorage {
   alignas(16) typename PipeV::SharedStorage pipe_v;
   alignas(16) typename PipeOp::SharedStorage pipe_op;
 };
+static_assert(2 * 4 * kWStage <= 2 * 2 * kC * kOStride, "the per-warp output buffers live in ostage");
 static_assert(sizeof(SharedStorage<1>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<2>) + 1024 <= 227 * 1024 &&
                   sizeof(SharedStorage<3>) + 1024 <= 227 * 1024,
               "shared memory per block (227 KB on sm_90)");
@@ -225,7 +229,9 @@ using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8
 // faster at H=96. (Acquiring the operand stage after the gate and norms instead of before them measured no
 // gain and was removed.) With kVectorInverse, the 16x16 inverse reads its rows with 16-byte loads
 // (chunk_math.cuh; without it, scalar loads, the earlier form): 3% faster at H=96 in variant 3, 5% in variant 2.
-constexpr int kRotateRoles = 1, kVectorInverse = 2;
+// With kWarpOutput, each chain warp transposes and stores its own 16 output rows (no named barrier of the chain
+// warpgroup per chunk; the chain loop below).
+constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4;
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
@@ -1001,22 +1007,43 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     ++st_op;
     prof.mark(5);
 
-    // ---- output rows of this chunk (none in a state-only call, p.out null): Oᵀ staged as O[t][v] in this WG's
-    // buffer of the chunk's parity, then one 16-byte store per thread (token ctid / 8, values 8 (ctid % 8) ..
-    // + 8); element stores when the output view is not 16-byte aligned. The buffer is rewritten two chunks
-    // later, after every thread passed the next chunk's barrier, so one barrier per chunk orders it.
+    // ---- output rows of this chunk (none in a state-only call, p.out null). Oᵀ is transposed to O[t][v] through
+    // shared memory; element stores when the output view is not 16-byte aligned.
+    //   kWarpOutput: each warp stages the 16 value rows it holds (wgmma's accumulator: warp w of the warpgroup
+    //   owns rows 16 w .. 16 w + 15) as [16 tokens][16 rows] in its own buffer and stores them with one 16-byte
+    //   store per lane (token lane / 2, rows 8 (lane % 2) .. + 8): only __syncwarp, no barrier of the warpgroup.
+    //   Otherwise: the warpgroup's 64 rows in its buffer of the chunk's parity, one named barrier, one 16-byte
+    //   store per thread (token ctid / 8, rows 8 (ctid % 8) .. + 8); the buffer is rewritten two chunks later,
+    //   after every thread passed the next chunk's barrier.
     if (p.out != nullptr) {
-      __nv_bfloat16* ost = ss.ostage[cw][c & 1];
-      {  // (value row, token) -> ost[token][value row], through the accumulator partition (constant offsets)
-        Tensor t = thr_x.partition_C(make_tensor(make_smem_ptr(ost), Layout<Shape<_64, _16>, Stride<_1, Int<kOStride>>>{}));
+      const bool warp_out = args.schedule & kWarpOutput;
+      int t, row0;
+      const __nv_bfloat16* src;
+      if (warp_out) {
+        __nv_bfloat16* wst = &ss.ostage[0][0][0] + cw * 4 * kWStage;  // this warpgroup's four warp buffers
+        // (value row m, token t) -> buffer m / 16, [t][m % 16]
+        Tensor st_ = thr_x.partition_C(make_tensor(
+            make_smem_ptr(wst), Layout<Shape<Shape<_16, _4>, _16>, Stride<Stride<_1, Int<kWStage>>, Int<kWStride>>>{}));
 #pragma unroll
-        for (int i = 0; i < size(accO); ++i) t(i) = __float2bfloat16_rn(accO(i));
+        for (int i = 0; i < size(accO); ++i) st_(i) = __float2bfloat16_rn(accO(i));
+        __syncwarp();
+        const int warp = ctid >> 5;
+        t = lane >> 1, row0 = 16 * warp + 8 * (lane & 1);
+        src = wst + warp * kWStage + t * kWStride + 8 * (lane & 1);
+      } else {
+        __nv_bfloat16* ost = ss.ostage[cw][c & 1];
+        // (value row, token) -> ost[token][value row], through the accumulator partition (constant offsets)
+        Tensor st_ = thr_x.partition_C(make_tensor(make_smem_ptr(ost), Layout<Shape<_64, _16>, Stride<_1, Int<kOStride>>>{}));
+#pragma unroll
+        for (int i = 0; i < size(accO); ++i) st_(i) = __float2bfloat16_rn(accO(i));
+        named_sync(kBarOut + cw, 128);
+        t = ctid >> 3, row0 = 8 * (ctid & 7);
+        src = ost + t * kOStride + row0;
       }
-      named_sync(kBarOut + cw, 128);
-      const int t = ctid >> 3, piece = ctid & 7;
+      const uint4 w = *reinterpret_cast<const uint4*>(src);
+      if (warp_out) __syncwarp();  // every lane read its piece before the next chunk's writes
       if (t < cl) {
-        __nv_bfloat16* dst = out_ptr(sr.bos + c * kC + t) + v0 + piece * 8;
-        const uint4 w = *reinterpret_cast<const uint4*>(ost + t * kOStride + piece * 8);
+        __nv_bfloat16* dst = out_ptr(sr.bos + c * kC + t) + v0 + row0;
         if (out_vec16) {
           *reinterpret_cast<uint4*>(dst) = w;
         } else {
