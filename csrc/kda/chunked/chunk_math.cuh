@@ -123,8 +123,10 @@ __device__ __forceinline__ void load_row8(const float* p, float (&x)[8]) {
 // off-diagonal block X = -I2 A'21 I1. ap: A' row-major [16][16] (its strictly lower part is read); i2s: 64
 // floats of scratch shared by the warp; both 16-byte aligned (the rows are read 8 floats at a time, two
 // 16-byte loads, where scalar loads took three times the load instructions on this serial path); beta[16].
-// store(r, c, x) receives every element of INVb from lanes 0-15. Called by one whole warp.
-template <bool kVecLoads = true, class Store>
+// store(r, c, x) receives every element of INVb from lanes 0-15, or, with kSplitRows, rows r mod 8 < 4 of
+// each block from lanes 0-15 and the others from lanes 16-31 (which hold the same columns: half the stores
+// and products per lane on the serial tail). Called by one whole warp.
+template <bool kVecLoads = true, bool kSplitRows = false, class Store>
 __device__ __forceinline__ void unit_lower_inverse16(const float* ap, float* i2s, const float* beta, int lane,
                                                      Store&& store) {
   constexpr int C = kChunkTokens;
@@ -164,27 +166,31 @@ __device__ __forceinline__ void unit_lower_inverse16(const float* ap, float* i2s
     tcol[r] = t0 + t1;
   }
   __syncwarp();
-  if (lane < 8) {
-    const float bc = beta[c];
+  // rows of both blocks of column c: all 8 in lanes 0-15, or (kSplitRows) the first four in lanes 0-15 and the last
+  // four in lanes 16-31, which hold the same columns (col[] indexed by constants only: a select per row)
+  const int hi = kSplitRows ? lane >> 4 : 0;
+  if (kSplitRows || lane < 16) {
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      float a[8];
-      load_row8<kVecLoads>(i2s + r * 8, a);
-      float x0 = 0.f, x1 = 0.f;
+    for (int rr = 0; rr < (kSplitRows ? 4 : 8); ++rr) {
+      const int r = 4 * hi + rr;
+      const float cr = (kSplitRows && hi) ? col[(4 + rr) & 7] : col[rr];
+      if (blk == 0) {
+        const float bc = beta[c];
+        float a[8];
+        load_row8<kVecLoads>(i2s + r * 8, a);
+        float x0 = 0.f, x1 = 0.f;
 #pragma unroll
-      for (int mm = 0; mm < 8; mm += 2) {
-        x0 = fmaf(a[mm], tcol[mm], x0);
-        x1 = fmaf(a[mm + 1], tcol[mm + 1], x1);
+        for (int mm = 0; mm < 8; mm += 2) {
+          x0 = fmaf(a[mm], tcol[mm], x0);
+          x1 = fmaf(a[mm + 1], tcol[mm + 1], x1);
+        }
+        store(r, c, cr * bc);
+        store(8 + r, c, -(x0 + x1) * bc);
+      } else {
+        const float bc = beta[8 + c];
+        store(r, 8 + c, 0.f);
+        store(8 + r, 8 + c, cr * bc);
       }
-      store(r, c, col[r] * bc);
-      store(8 + r, c, -(x0 + x1) * bc);
-    }
-  } else if (lane < 16) {
-    const float bc = beta[8 + c];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      store(r, 8 + c, 0.f);
-      store(8 + r, 8 + c, col[r] * bc);
     }
   }
   __syncwarp();  // i2s is reused by the next call

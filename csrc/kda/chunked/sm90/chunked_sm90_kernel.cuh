@@ -230,8 +230,10 @@ using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8
 // gain and was removed.) With kVectorInverse, the 16x16 inverse reads its rows with 16-byte loads
 // (chunk_math.cuh; without it, scalar loads, the earlier form): 3% faster at H=96 in variant 3, 5% in variant 2.
 // With kWarpOutput, each chain warp transposes and stores its own 16 output rows (no named barrier of the chain
-// warpgroup per chunk; the chain loop below).
-constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4;
+// warpgroup per chunk; the chain loop below). With kSplitInverseRows (which implies the vector loads), the
+// inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the rows
+// each, instead of lanes 0-15.
+constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8;
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
@@ -709,7 +711,9 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       if (role == 0) {
         // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
         auto put = [&](int r, int c, float x) { put_inv(r, c, os, x); };
-        if (args.schedule & kVectorInverse)
+        if (args.schedule & kSplitInverseRows)
+          unit_lower_inverse16<true, true>(sc.ap, sc.i2s, sc.beta, lane, put);
+        else if (args.schedule & kVectorInverse)
           unit_lower_inverse16<true>(sc.ap, sc.i2s, sc.beta, lane, put);
         else
           unit_lower_inverse16<false>(sc.ap, sc.i2s, sc.beta, lane, put);
