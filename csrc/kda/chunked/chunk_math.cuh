@@ -173,6 +173,7 @@ __device__ __forceinline__ void unit_lower_inverse16(const float* ap, float* i2s
 #pragma unroll
     for (int rr = 0; rr < (kSplitRows ? 4 : 8); ++rr) {
       const int r = 4 * hi + rr;
+      // ((4 + rr) & 7: a constant index in range also where the 8-row loop instantiates this select)
       const float cr = (kSplitRows && hi) ? col[(4 + rr) & 7] : col[rr];
       if (blk == 0) {
         const float bc = beta[c];
