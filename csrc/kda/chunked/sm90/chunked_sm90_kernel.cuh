@@ -223,8 +223,8 @@ inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts,
 using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8), int64_t(8)));
 
 // schedule (KDA_SM90_SCHEDULE, default 11: every bit but kWarpOutput, which measured no gain; it stays for when
-// the chain limits): with kRotateRoles, prep warpgroup w runs its serial roles (L and the inverse; Mqk; the TMA leader) on warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial
-// parts of the prep warpgroups issue from different SM sub-partitions (warp i issues from sub-partition i mod 4;
+// the chain limits): with kRotateRoles, prep warpgroup w runs its serial roles (L and the inverse; Mqk; the
+// TMA leader) on warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial parts of the prep warpgroups issue from different SM sub-partitions (warp i issues from sub-partition i mod 4;
 // unrotated, every L/inverse warp shared sub-partition 0). Measured on the H200 (docs/performance.md): 5-6%
 // faster at H=96. (Acquiring the operand stage after the gate and norms instead of before them measured no
 // gain and was removed.) With kVectorInverse, the 16x16 inverse reads its rows with 16-byte loads
