@@ -222,17 +222,17 @@ inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts,
 }
 using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8), int64_t(8)));
 
-// schedule (KDA_SM90_SCHEDULE, default 11: every bit but kWarpOutput, which measured no gain; it stays for when
-// the chain limits): with kRotateRoles, prep warpgroup w runs its serial roles (L and the inverse; Mqk; the
-// TMA leader) on warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial parts of the prep warpgroups issue from different SM sub-partitions (warp i issues from sub-partition i mod 4;
-// unrotated, every L/inverse warp shared sub-partition 0). Measured on the H200 (docs/performance.md): 5-6%
-// faster at H=96. (Acquiring the operand stage after the gate and norms instead of before them measured no
-// gain and was removed.) With kVectorInverse, the 16x16 inverse reads its rows with 16-byte loads
-// (chunk_math.cuh; without it, scalar loads, the earlier form): 3% faster at H=96 in variant 3, 5% in variant 2.
-// With kWarpOutput, each chain warp transposes and stores its own 16 output rows (no named barrier of the chain
-// warpgroup per chunk; the chain loop below). With kSplitInverseRows (which implies the vector loads), the
-// inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the rows
-// each, instead of lanes 0-15.
+// schedule (KDA_SM90_SCHEDULE, default 11: every bit but kWarpOutput, which measured no gain; it stays for when the
+// chain limits): with kRotateRoles, prep warpgroup w runs its serial roles (L and the inverse; Mqk; the TMA leader) on
+// warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial parts of the prep warpgroups issue from different SM
+// sub-partitions (warp i issues from sub-partition i mod 4; unrotated, every L/inverse warp shared sub-partition 0).
+// Measured on the H200 (docs/performance.md): 5-6% faster at H=96. (Acquiring the operand stage after the gate and
+// norms instead of before them measured no gain and was removed.) With kVectorInverse, the 16x16 inverse reads its rows
+// with 16-byte loads (chunk_math.cuh; without it, scalar loads, the earlier form): 3% faster at H=96 in variant 3, 5%
+// in variant 2. With kWarpOutput, each chain warp transposes and stores its own 16 output rows (no named barrier of the
+// chain warpgroup per chunk; the chain loop below). With kSplitInverseRows (which implies the vector loads), the
+// inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the rows each,
+// instead of lanes 0-15.
 constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8;
 struct KernelArgs {
   RecurrentParams p;
