@@ -35,7 +35,13 @@ Scope (everything else takes the unsplit path, results identical up to floating 
     segments can be a multiple of n (the output pass writes them, each segment at its own rows);
   - host-known lengths: fixed layout (T from the shapes), or packed with ``cu_seqlens`` on the host (the
     CPU path) or its host mirror ``cu_seqlens_cpu`` (never a device sync);
-  - not under torch.compile tracing, CUDA graph capture (the passes allocate scratch), FakeTensor/meta;
+  - not under torch.compile tracing or FakeTensor/meta;
+  - under CUDA graph capture only with the fixed layout (the plan follows from the shapes, so every replay
+    is planned right; a packed graph is replayed with new cu_seqlens values, which a captured plan would not
+    follow) and only after an eager call of the same shapes (the usual warm-up): the captured passes read that
+    call's plan, whose device index tensors then stay alive for the process (:func:`_cached_plan`; at most
+    ``_CAPTURED_PLANS_MAX`` such plans, past that a captured call runs unsplit). Its scratch (the segment
+    states, Q and P) comes from the graph's memory pool, as every op's outputs do under capture;
   - fixed layout with B > 1 only when the token tensors view as one packed row.
 Supported: every gate mode, β logits or not, L2 norm or not, GQA, a pool (bf16/fp32, any slot stride)
 with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouched), a read-only
@@ -259,7 +265,10 @@ class _DeviceIndex:
     def eye(self, K: int, dtype: torch.dtype) -> torch.Tensor:
         e = self._eye.get(dtype)
         if e is None or e.shape[0] != K:
-            e = self._eye[dtype] = torch.eye(K, dtype=dtype, device=self.device)
+            e = torch.eye(K, dtype=dtype, device=self.device)
+            # (under capture the identity is written only when the graph replays: not kept for other calls)
+            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._eye[dtype] = e
         return e
 
 
@@ -275,14 +284,33 @@ def _slices(buf: torch.Tensor, parts: list[list[int]]) -> list[torch.Tensor]:
 # on the lengths, the segment length, the checkpoint period, the device and (CUDA) the current stream: an
 # entry's tensors are copied to the device on the stream of its first call and used only on that stream
 # (no cross-stream hazard when it is evicted and freed).
+#
+# A captured call reads the plan of an eager call of the same shapes (on any stream: torch.cuda.graph
+# synchronises the device before a capture, so that plan's copies are done) and moves it to
+# ``_captured_plans``, which is never evicted: a graph holds no reference to the tensors it reads, so they
+# must outlive every graph that may replay. Only the fixed layout is captured split, so its keys are few
+# (one per shape and segment length).
 _PLAN_CACHE_SIZE = 16
+_CAPTURED_PLANS_MAX = 64
 _plan_cache: OrderedDict[tuple, _Plan] = OrderedDict()
+_captured_plans: dict[tuple, _Plan] = {}
 _plan_cache_lock = threading.Lock()
 
 
-def _cached_plan(lens: list[int], Ls: int, n_ck: int, device: torch.device) -> _Plan:
+def _cached_plan(lens: list[int], Ls: int, n_ck: int, device: torch.device, capturing: bool = False) -> _Plan | None:
+    """The plan of a split call with its device index tensors, from the cache or new; under CUDA graph capture
+    only an existing one (None when there is none, or ``_CAPTURED_PLANS_MAX`` are held already)."""
+    shape_key = (tuple(lens), Ls, n_ck, device)
+    if capturing:
+        with _plan_cache_lock:
+            pl = _captured_plans.get(shape_key)
+            if pl is None and len(_captured_plans) < _CAPTURED_PLANS_MAX:
+                pl = next((p for k, p in reversed(_plan_cache.items()) if k[:4] == shape_key), None)
+                if pl is not None:
+                    _captured_plans[shape_key] = pl
+            return pl
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
-    key = (tuple(lens), Ls, n_ck, device, stream)
+    key = (*shape_key, stream)
     with _plan_cache_lock:
         pl = _plan_cache.get(key)
         if pl is not None:
@@ -316,8 +344,8 @@ def _split_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Te
         return None
     if d.dev_type == "meta" or torch.compiler.is_compiling():
         return None
-    if d.on_cuda and torch.cuda.is_current_stream_capturing():
-        return None
+    if d.packed and d.on_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # (a packed graph replays with new cu_seqlens values: no plan from this call's values)
     lens = _host_lengths(d, cu_seqlens, cu_host)
     if lens is None or max(lens) <= SEGMENT_MULTIPLE:
         return None
@@ -386,7 +414,9 @@ def try_run(
     if any(x is None for x in views):
         return False
     q1, k1, v1, g1, b1, o1 = views
-    pl = _cached_plan(lens, Ls, n_ck, d.device)
+    pl = _cached_plan(lens, Ls, n_ck, d.device, capturing=d.on_cuda and torch.cuda.is_current_stream_capturing())
+    if pl is None:
+        return False  # captured without an eager call of the same shapes first: unsplit
     _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code,
          n_ck, ck, source, src_idx)  # fmt: skip
     return True

@@ -435,8 +435,8 @@ def recurrent_kda(
             and ssm_idx is ssm_state_indices
             and n_acc is num_accepted_tokens
             and (output is None or out is output)
-            # a captured call never splits while the same call eager may: caching it would send later eager
-            # calls of this key past the split
+            # a captured call may run unsplit where the same call eager splits (packed, or no eager plan yet):
+            # caching it would send later eager calls of this key past the split
             and not (d.on_cuda and V.capturing(d.device))
         ):
             _remember(

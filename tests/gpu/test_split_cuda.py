@@ -189,8 +189,9 @@ def _capture(fn):  # type: ignore[no-untyped-def]
 
 
 @cuda_only
-def test_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def]
-    """Capture takes the unsplit path (the split allocates scratch), and the replay matches eager."""
+def test_packed_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def]
+    """A packed call captured takes the unsplit path (its graph replays with new cu_seqlens values), and the
+    replay matches eager."""
     x, kw = make([4096, 100], gate="lower_bound", seed=9)
     out = torch.empty((1, 4196, 2, K), dtype=torch.bfloat16, device=DEV)
     call(x, kw, output=out)  # eager warm-up (split)
@@ -203,22 +204,85 @@ def test_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def
     assert_close_rms(out, eager, TOL_OUT, "captured (unsplit) vs eager (split)")
 
 
+def _fill_(x: dict, seed: int) -> None:
+    """New random values in the same input buffers (a graph replays on what they hold)."""
+    y, _ = make(None, T=x["q"].shape[1], B=x["q"].shape[0], HV=x["v"].shape[2], gate="lower_bound", seed=seed)
+    for name in x:
+        x[name].copy_(y[name])
+
+
+@cuda_only
+@pytest.mark.parametrize("pool", [False, True])
+def test_fixed_split_under_graph_capture(split_on, pool):  # type: ignore[no-untyped-def]
+    """A fixed-layout call splits inside the graph (after an eager warm-up of the same shapes); replays on new
+    inputs (and new start states in the pool) give the eager split's bits and agree with the reference."""
+    B, T, HV = 2, 1536, 2
+    x, kw = make(None, B=B, T=T, HV=HV, gate="lower_bound", seed=21)
+    out = torch.empty((B, T, HV, K), dtype=torch.bfloat16, device=DEV)
+    gen = torch.Generator().manual_seed(22)
+    h = torch.zeros(B, HV, K, K, device=DEV) if pool else None
+
+    def run():  # type: ignore[no-untyped-def]
+        args = dict(kw, output=out, output_final_state=True)
+        if h is not None:
+            args["initial_state"] = h
+        return call(x, args)
+
+    run()  # eager warm-up (split)
+    assert len(split_on) == 1
+    captured: list = []
+    graph = _capture(lambda: captured.append(run()))
+    assert len(split_on) == 2, "the captured call did not split"
+    for seed in (31, 32):
+        _fill_(x, seed)
+        h0 = (torch.randn(B, HV, K, K, generator=gen) * 0.1).to(DEV) if pool else None
+        if h is not None:
+            h.copy_(h0)
+        graph.replay()
+        torch.cuda.synchronize()
+        got_out = out.clone()
+        got_fs = (h if h is not None else captured[0][1]).clone()
+        if h is not None:
+            h.copy_(h0)
+        _, fs_eager = run()
+        torch.cuda.synchronize()
+        assert len(split_on) == 3 + (seed - 31)
+        assert torch.equal(got_out, out), "captured split vs eager split: outputs differ"
+        assert torch.equal(got_fs, fs_eager), "captured split vs eager split: final states differ"
+        r = reference(x, kw, h0)
+        assert_close_rms(got_out, r.output, TOL_OUT, "captured split output vs reference")
+        assert_close_rms(got_fs, r.final_state, TOL_STATE_FP32, "captured split final state vs reference")
+
+
+@cuda_only
+def test_cold_capture_runs_unsplit(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """Captured with no eager call of those shapes before (no plan to read): unsplit, and still right."""
+    monkeypatch.setattr(_split, "_plan_cache", type(_split._plan_cache)())
+    monkeypatch.setattr(_split, "_captured_plans", {})
+    x, kw = make(None, B=1, T=2048, HV=2, gate="lower_bound", seed=23)
+    out = torch.zeros((1, 2048, 2, K), dtype=torch.bfloat16, device=DEV)
+    graph = _capture(lambda: call(x, kw, output=out))
+    assert len(split_on) == 0
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_rms(out, reference(x, kw, None).output, TOL_OUT, "cold capture (unsplit) vs reference")
+
+
 @cuda_only
 def test_capture_does_not_cache_past_the_split(split_on):  # type: ignore[no-untyped-def]
-    """A captured call (never split) stays out of the eager validation cache: eager calls of the same
-    shapes after the capture still split and give the first eager call's bits (fixed layout, which the
-    cache serves)."""
+    """Capture leaves the eager path as it was: eager calls of the same shapes after a capture still split
+    and give the first eager call's bits (fixed layout, which the validation cache serves)."""
     x, kw = make(None, B=1, T=4096, gate="lower_bound", seed=19)
     out = torch.empty((1, 4096, 2, K), dtype=torch.bfloat16, device=DEV)
     call(x, kw, output=out)
     first = out.clone()
     assert len(split_on) == 1
     _capture(lambda: call(x, kw, output=out))
-    assert len(split_on) == 1
+    n = len(split_on)
     for _ in range(2):
         call(x, kw, output=out)
     torch.cuda.synchronize()
-    assert len(split_on) == 3
+    assert len(split_on) == n + 2
     assert torch.equal(out, first)
 
 
