@@ -2,9 +2,10 @@
 
 K = V = 128, lower-bound gate λ = -5, logit beta, L2 norm, bf16 token tensors, bf16 state pool,
 preallocated output. Every call is timed eagerly and as a CUDA-graph replay (capture after warm-up).
-Ours gets the host copy of cu_seqlens (`cu_seqlens_cpu`, as a serving engine has it), so its eager calls
-take the exact sequence split where `KDA_SEQUENCE_SPLIT=auto` splits (long sequences on few heads); the
-split does not run under graph capture, so the graph columns are unsplit.
+Ours gets the host copy of cu_seqlens (`cu_seqlens_cpu`, as a serving engine has it) for packed cases, and
+a one-sequence case as the fixed layout (no cu_seqlens, as a user calls it), so its calls take the exact
+sequence split where `KDA_SEQUENCE_SPLIT=auto` splits (long sequences on few heads): eager calls of either
+layout, graph replays of the fixed layout (a packed capture never splits).
 
 Peers, when importable (neither peer's code is part of this repository):
 - cuDNN Frontend (`cudnn.linear_attention.kimi_delta_attention`, packed [T, H, K] tensors, `cu_seqlens`,
@@ -88,11 +89,14 @@ def graph_time_ms(fn: Callable[[], Any], rep: int = 10) -> float:
 
 
 def ours_call(kda_ops: Any, d: dict[str, Any], backend: str) -> Callable[[], Any]:
+    one = d["cu_cpu"].numel() == 2  # one sequence: the fixed layout [1, T]
+    cu, cu_cpu = (None, None) if one else (d["cu"], d["cu_cpu"])
+
     def run() -> Any:
         return kda_ops.recurrent_kda(
             d["q"], d["k"], d["v"], d["g"], d["beta"],
-            A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=d["state"], cu_seqlens=d["cu"],
-            cu_seqlens_cpu=d["cu_cpu"], use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True,
+            A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=d["state"], cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu, use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True,
             output=d["out"],
             prefill_workspace=d.get("workspace"), backend=backend,
         )  # fmt: skip

@@ -4,8 +4,9 @@ one process; plus a modelled context-parallel scaling table (kda_ops.distributed
 Prefill: K = V = 128, lower-bound gate λ = -5, logit beta, L2 norm, bf16 tokens, bf16 state pool,
 preallocated output (the data of benchmarks/bench_prefill.py). Columns:
 - "unsplit": ``KDA_SEQUENCE_SPLIT=0``, eager and as a CUDA-graph replay;
-- "split auto-plan": the split forced on (``1``) with the segment length from the shapes (eager: the
-  split does not run under graph capture);
+- "split auto-plan": the split forced on (``1``) with the segment length from the shapes, eager;
+- "split graph": the same as a CUDA-graph replay, for one-sequence cases called in the fixed layout (a
+  packed call under capture never splits);
 - "split best Ls": the fastest of a sweep of segment lengths (the length is printed);
 - "one pass": the unsplit op on the plan's segments as independent sequences (zero starts): the cost
   of one of the split's three passes, for the profile of the split;
@@ -64,7 +65,8 @@ def make(H: int, lens: list[int], slow: bool) -> dict[str, Any]:
     return d
 
 
-def ours(kda_ops: Any, d: dict[str, Any], cu: torch.Tensor | None = None, cu_cpu: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+def ours(kda_ops: Any, d: dict[str, Any], cu: torch.Tensor | None = None, cu_cpu: torch.Tensor | None = None,
+         fixed: bool = False):  # type: ignore[no-untyped-def]  # fmt: skip
     cu = d["cu"] if cu is None else cu
     cu_cpu = d["cu_cpu"] if cu_cpu is None else cu_cpu
     state = d["state"] if cu is d["cu"] else torch.zeros(cu.numel() - 1, *d["state"].shape[1:], dtype=d["state"].dtype,
@@ -73,9 +75,9 @@ def ours(kda_ops: Any, d: dict[str, Any], cu: torch.Tensor | None = None, cu_cpu
     def run() -> Any:
         return kda_ops.recurrent_kda(
             d["q"], d["k"], d["v"], d["g"], d["beta"],
-            A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=state, cu_seqlens=cu,
+            A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=state, cu_seqlens=None if fixed else cu,
             use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True, output=d["out"],
-            cu_seqlens_cpu=cu_cpu,
+            cu_seqlens_cpu=None if fixed else cu_cpu,
         )  # fmt: skip
 
     return run
@@ -120,6 +122,12 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
             rec["split auto-plan"], err = try_call(lambda: cuda_time_ms(with_split("1", 0, base)))
             if err:
                 print(f"[split] {name}: {err}", flush=True)
+            rec["split graph"] = None
+            if len(lens) == 1:  # the fixed layout, which splits under capture
+                fixed = ours(kda_ops, d, fixed=True)
+                rec["split graph"], err = try_call(lambda: graph_time_ms(with_split("1", 0, fixed)))
+                if err:
+                    print(f"[split graph] {name}: {err}", flush=True)
             # the same with the end-state passes writing outputs (KDA_SEQUENCE_SPLIT_STATE_ONLY=0)
             _split.STATE_ONLY = False
             try:
@@ -171,6 +179,7 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
                 fmt(rec["unsplit eager"]),
                 fmt(rec["unsplit graph"]),
                 f"{fmt(rec['split auto-plan'])} (Ls={ls_auto})",
+                fmt(rec["split graph"]) if len(lens) == 1 else "n/a (packed)",
                 fmt(rec["split auto-plan, passes with outputs"]),
                 f"{fmt(rec['split best'])} (Ls={rec['best Ls']})",
                 ratio(unsplit_best, rec["split best"]),
@@ -185,14 +194,14 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
         d.clear()  # frees the tensors before the next case
         torch.cuda.empty_cache()
     header = [
-        "case", "unsplit eager ms", "unsplit graph ms", "split auto-plan ms", "passes with outputs ms",
-        "split best ms",
+        "case", "unsplit eager ms", "unsplit graph ms", "split auto-plan ms", "split graph ms",
+        "passes with outputs ms", "split best ms",
         "unsplit / split", "one pass ms", "cudnn fp32 ms", "cudnn bf16 ms", "flash_kda ms", "split vs unsplit",
     ]  # fmt: skip
     notes = [
         f"# exact sequence split, {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}",
         "K=V=128, lower-bound gate -5, logit beta, L2 norm, bf16 tokens, bf16 pool, preallocated output",
-        "ms = median of 10 CUDA-event timings; split timings are eager (no split under graph capture)",
+        "ms = median of 10 CUDA-event timings; split timings are eager but 'split graph' (fixed layout, a replay)",
         "unsplit / split > 1: the split is faster; one pass = the plan's segments as independent sequences",
         "passes with outputs = the auto-plan split whose Q and P passes write outputs (not state-only calls)",
         f"cudnn importable: {cudnn_kda is not None}; flash_kda importable: {fkda is not None}",

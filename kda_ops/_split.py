@@ -104,9 +104,14 @@ def _read_state_only() -> bool:
 
 SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
 # ``auto`` leaves sequences shorter than this unsplit (the cost model has no term for the split's fixed
-# cost: its extra launches and the scan; the split was measured from 64K tokens, and declined at 8K). A call
-# with fewer tokens in all is rejected before any planning, which keeps the decode path free of it.
-AUTO_MIN_TOKENS = 16384
+# cost: its extra launches and the scan; on the H200 the split won from 8K tokens at 32 heads, eager and in
+# graphs). A call with fewer tokens in all is rejected before any planning, which keeps the decode path free
+# of it.
+AUTO_MIN_TOKENS = 8192
+# The training split's own threshold and cost: its backward repeats the chunk-parallel sweep (which no split
+# speeds up) for each of its two passes, so it pays only on long sequences (measured from 64K tokens; at 32
+# heads of 8K it lost, 0.61x), and its model keeps the mma.sync kernel's row cost.
+AUTO_MIN_TOKENS_TRAINING = 16384
 MODE = _read_mode()
 SEGMENT_TOKENS = _read_tokens()
 
@@ -169,33 +174,56 @@ def plan_segments(lens: list[int], HV: int, sms: int, tokens: int = 0, multiple:
     return lo * m
 
 
-# Time per token of one chain when the chunked kernel runs 128 value rows per CTA, relative to 64 rows
-# (it takes 64 when the chains fill at most half of the SMs; csrc/kda/chunked/chunked_launch.cu). An
-# estimate: benchmarks/bench_split.py measures the real ratio ("one pass" against the unsplit call).
+# Time per token of one chain when the mma.sync chunked kernel runs 128 value rows per CTA, relative to 64
+# rows (it takes 64 when the chains fill at most half of the SMs; csrc/kda/chunked/chunked_launch.cu). An
+# estimate: benchmarks/bench_split.py measures the real ratio ("one pass" against the unsplit call). On
+# sm_90 the Hopper kernel runs every grid at one cost per chain (128 rows per CTA; as fast as the mma.sync
+# kernel's 64-row CTAs on the H200: :func:`_rows128_cost`).
 _ROWS128_COST = 1.5
 _MARGIN = 1.25  # the split must win by this factor in the model (launches, scan, pool traffic)
 
 
-def split_pays(lens: list[int], HV: int, sms: int, Ls: int) -> bool:
+def split_pays(lens: list[int], HV: int, sms: int, Ls: int, rows128_cost: float = _ROWS128_COST) -> bool:
     """The ``auto`` rule: the critical path of the unsplit call (its longest sequence, at the cost of its
-    grid's rows per CTA) against the split's 3 passes (2 when no segment needs P) over Ls tokens."""
+    grid's rows per CTA, ``rows128_cost`` for 128 rows against 1 for 64) against the split's 3 passes (2 when
+    no segment needs P) over Ls tokens."""
     L = max(lens)
     if L <= Ls:
         return False
     N = len(lens)
-    unsplit = L * (1.0 if N * HV * 2 <= sms else _ROWS128_COST)
+    unsplit = L * (1.0 if N * HV * 2 <= sms else rows128_cost)
     nseg = [max(1, -(-x // Ls)) for x in lens]
     chains = sum(nseg) * HV
     passes = 3 if max(nseg) >= 3 else 2
-    split = passes * Ls * (1.0 if chains * 2 <= sms else _ROWS128_COST)
+    split = passes * Ls * (1.0 if chains * 2 <= sms else rows128_cost)
     return split * _MARGIN < unsplit
 
 
-def _auto_splits(d: V.Dims, lens: list[int], sms: int, Ls: int) -> bool:
-    """``auto`` splits CUDA calls whose longest sequence has AUTO_MIN_TOKENS or more, when the cost model
-    says so: on the host the passes run one after another, so the split's extra work is never hidden by
-    idle SMs."""
-    return d.device.type == "cuda" and max(lens) >= AUTO_MIN_TOKENS and split_pays(lens, d.HV, sms, Ls)
+_hopper_cache: dict[Any, bool] = {}
+
+
+def _rows128_cost(device: torch.device) -> float:
+    """1.0 where the Hopper chunked kernel runs the calls (compute capability 9.0, ``KDA_CHUNKED_KERNEL``
+    auto or sm90: one CTA of 128 rows per chain on any grid), else ``_ROWS128_COST``."""
+    if device.type != "cuda":
+        return _ROWS128_COST
+    if device.index not in _hopper_cache:
+        _hopper_cache[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
+    kernel = os.environ.get("KDA_CHUNKED_KERNEL", "auto").strip().lower()
+    return 1.0 if _hopper_cache[device.index] and kernel in ("", "auto", "sm90") else _ROWS128_COST
+
+
+def _auto_splits(d: V.Dims, lens: list[int], sms: int, Ls: int, training: bool = False) -> bool:
+    """``auto`` splits CUDA calls whose longest sequence has AUTO_MIN_TOKENS (training:
+    AUTO_MIN_TOKENS_TRAINING) or more, when the cost model says so: on the host the passes run one after
+    another, so the split's extra work is never hidden by idle SMs."""
+    if training:
+        return d.device.type == "cuda" and max(lens) >= AUTO_MIN_TOKENS_TRAINING and split_pays(lens, d.HV, sms, Ls)
+    return (
+        d.device.type == "cuda"
+        and max(lens) >= AUTO_MIN_TOKENS
+        and split_pays(lens, d.HV, sms, Ls, _rows128_cost(d.device))
+    )
 
 
 class _Plan:
@@ -683,7 +711,7 @@ def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
         return None
     sms = _sms(d.device)
     Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
-    if max(lens) <= Ls or (MODE == "auto" and not _auto_splits(d, lens, sms, Ls)):
+    if max(lens) <= Ls or (MODE == "auto" and not _auto_splits(d, lens, sms, Ls, training=True)):
         return None
     return _Plan(lens, Ls)
 

@@ -276,18 +276,39 @@ def test_cu_seqlens_cpu_checked():
         _call(x, kw, cu_seqlens_cpu=torch.tensor([0, 100, 129]))
 
 
-def test_auto_rule_on_the_benchmark_shapes():
-    """The auto cost model (132 SMs): few heads of a long sequence split, wide or short batches do not."""
+@pytest.mark.parametrize("hopper", [False, True])
+def test_auto_rule_on_the_benchmark_shapes(hopper):
+    """The auto cost model (132 SMs): few heads of a long sequence split, wide or short batches do not. With one
+    cost per chain on every grid (the Hopper kernel's, rows128_cost = 1) 32 heads of 8K tokens split too (4
+    segments: 3 passes of 2K tokens against 8K), 64 heads do not (2 segments: 2 passes of 4K)."""
+    cost = 1.0 if hopper else _split._ROWS128_COST
     for lens, HV, expect in (
         ([65536], 8, True),
         ([65536], 4, True),
-        ([8192], 32, False),
+        ([8192], 32, hopper),
+        ([8192], 64, False),
+        ([8192], 96, False),
         ([2048] * 8, 16, False),
         ([128] * 64, 32, False),
         ([300, 40000, 17], 2, True),
     ):
         Ls = _split.plan_segments(lens, HV, 132)
-        assert _split.split_pays(lens, HV, 132, Ls) == expect, (lens, HV, Ls)
+        assert _split.split_pays(lens, HV, 132, Ls, cost) == expect, (lens, HV, Ls)
+
+
+def test_rows128_cost_of_the_device(monkeypatch):  # type: ignore[no-untyped-def]
+    """The row cost follows the device: the mma.sync kernel's estimate off sm_90 (and on the host), 1 where the
+    Hopper kernel runs every grid, back to the estimate when KDA_CHUNKED_KERNEL=mma pins the mma.sync kernel."""
+    assert _split._rows128_cost(torch.device("cpu")) == _split._ROWS128_COST
+    dev = torch.device("cuda", 0)
+    monkeypatch.setitem(_split._hopper_cache, 0, True)
+    monkeypatch.delenv("KDA_CHUNKED_KERNEL", raising=False)
+    assert _split._rows128_cost(dev) == 1.0
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "mma")
+    assert _split._rows128_cost(dev) == _split._ROWS128_COST
+    monkeypatch.setitem(_split._hopper_cache, 0, False)
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "sm90")
+    assert _split._rows128_cost(dev) == _split._ROWS128_COST
 
 
 # ---------------------------------------------------------------------------------------------------

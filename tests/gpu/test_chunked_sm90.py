@@ -137,11 +137,11 @@ def test_hopper_kernel_runs_and_falls_back():
 
 
 def test_auto_routes_by_grid(monkeypatch):
-    """KDA_CHUNKED_KERNEL=auto: the Hopper kernel where N·HV > SMs / 2 (the mma.sync kernel would take 128 value
-    rows per CTA too), the mma.sync kernel (two CTAs per head) on smaller grids."""
+    """KDA_CHUNKED_KERNEL=auto: the forward on the Hopper kernel on any grid, N·HV > SMs / 2 or not (the mma.sync
+    kernel would take two CTAs per head on the small one)."""
     monkeypatch.setenv("KDA_CHUNKED_KERNEL", "auto")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for n, want in ((sms // 2 + 1, True), (2, False)):
+    for n, want in ((sms // 2 + 1, True), (2, True)):
         x = base.make(H=1, HV=1, lengths=[20] * n, seed=7)
         t, g = base.tok(x), base.gkw(x)
         names = kernel_names(lambda t=t, g=g, x=x: base.call(t, g, cu_seqlens=x["cu_seqlens"]))

@@ -46,16 +46,17 @@ const ChunkedKnobs& chunked_knobs() {
   return knobs;
 }
 
-// KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the calls it covers; auto (the default): those whose grid
-// takes 128 value rows per CTA here too (chunked_sm90.h), unless one of this kernel's own switches is set
-// (KDA_CHUNKED_VB/_PIPELINE/_DIAG ask for this kernel); mma: this kernel. The forward and the backward chain
-// alike.
-bool hopper_takes(const RecurrentParams& p, int sms) {
+// KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the calls it covers; auto (the default): the same unless one
+// of this kernel's own switches is set (KDA_CHUNKED_VB/_PIPELINE/_DIAG ask for this kernel), and for the
+// backward chain only on grids where this kernel takes 128 value rows per CTA too (chunked_sm90.h); mma: this
+// kernel.
+bool hopper_takes(const RecurrentParams& p, int sms, bool backward_chain) {
   const int mode = chunked_sm90_mode();
   if (mode == 0) return false;
   if (mode == 2) {
     const ChunkedKnobs& k = chunked_knobs();
-    if (k.vb != 0 || k.small_pipeline || k.diag != 0 || p.N * p.HV * 2 <= int64_t(sms)) return false;
+    if (k.vb != 0 || k.small_pipeline || k.diag != 0) return false;
+    if (backward_chain && p.N * p.HV * 2 <= int64_t(sms)) return false;
   }
   return chunked_sm90_supported(p);
 }
@@ -86,7 +87,7 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const ChunkedKnobs& knobs = chunked_knobs();
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
-  if (hopper_takes(p, sms)) return launch_chunked_sm90(p, stream);
+  if (hopper_takes(p, sms, /*backward_chain=*/false)) return launch_chunked_sm90(p, stream);
   // One CTA per SM fits (registers). When the (sequence, head) tasks fill at most half of the SMs, split
   // the value rows over two CTAs: the chain is latency-bound, so two CTAs per head halve its per-chunk
   // work at the cost of repeating the per-chunk prep.
@@ -154,7 +155,7 @@ cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStre
   const RecurrentParams p = chain_as_recurrent(c);
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
-  if (hopper_takes(p, sms)) return launch_chunked_sm90(p, stream, /*backward_chain=*/true);  // (its BWD mode)
+  if (hopper_takes(p, sms, /*backward_chain=*/true)) return launch_chunked_sm90(p, stream, /*backward_chain=*/true);
   // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs.
   const int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
   if (vb == 128) return prefill::run_chunked_<128, 3, 4, true>(p, false, 0, stream);

@@ -9,10 +9,11 @@
 namespace kda {
 
 // Which chunked kernel a call takes, KDA_CHUNKED_KERNEL (read on every call, so a test can compare the
-// kernels in one process): 2 = unset, empty or `auto` (the default: the Hopper kernel for the calls it covers
-// with N·HV > SMs / 2, where the mma.sync kernel takes 128 value rows per CTA too; smaller grids keep the
-// mma.sync kernel, which splits the value rows over two CTAs there and is faster on them), 1 = `sm90` (the
-// Hopper kernel for every call it covers), 0 = `mma` or anything else (the mma.sync kernel always).
+// kernels in one process): 2 = unset, empty or `auto` (the default: the Hopper kernel for the forward calls it
+// covers, on any grid: on grids of N·HV <= SMs / 2, where the mma.sync kernel splits the value rows over two
+// CTAs per head, it was measured faster too, 1.07 against 1.14-1.15 ms at H = 32 and 64, T = 8192; the backward
+// chain keeps the mma.sync kernel on those grids), 1 = `sm90` (the Hopper kernel for every call it covers),
+// 0 = `mma` or anything else (the mma.sync kernel always).
 int chunked_sm90_mode();
 
 // Whether the Hopper kernel covers `p` on the current device: compute capability 9.0, a prefill (checkpoints
