@@ -126,14 +126,15 @@ def test_hopper_kernel_runs_and_falls_back():
     names = kernel_names(lambda: base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"],
                                            checkpoint_every_n_tokens=16))
     assert any("kda_chunked_sm90" in n for n in names), names
-    # KDA_CHUNKED_KERNEL=auto on a grid that fills few SMs: the mma.sync kernel runs (64 value rows per CTA)
-    os.environ["KDA_CHUNKED_KERNEL"] = "auto"
-    try:
-        names = kernel_names(lambda: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
-    finally:
-        os.environ["KDA_CHUNKED_KERNEL"] = "sm90"
-    assert not any("kda_chunked_sm90" in n for n in names), names
-    assert any("kda_chunked_kernel" in n for n in names), names
+    # a grid that fills few SMs: KDA_CHUNKED_KERNEL=auto runs the Hopper kernel there too, mma the mma.sync kernel
+    for kernel, hopper in (("auto", True), ("mma", False)):
+        os.environ["KDA_CHUNKED_KERNEL"] = kernel
+        try:
+            names = kernel_names(lambda: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
+        finally:
+            os.environ["KDA_CHUNKED_KERNEL"] = "sm90"
+        assert any("kda_chunked_sm90" in n for n in names) == hopper, (kernel, names)
+        assert any("kda_chunked_kernel" in n for n in names) != hopper, (kernel, names)
 
 
 def test_auto_routes_by_grid(monkeypatch):
