@@ -111,9 +111,9 @@ def with_kernel(kernel: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     are restored after each call."""
     name, _, spec = kernel.partition(":")
     variant, _, schedule = spec.partition("s")
-    schedules = [str(i) for i in range(32)]
+    schedules = [str(i) for i in range(16)]
     if (variant and variant not in "123") or (schedule and schedule not in schedules) or len(variant) > 1:
-        raise ValueError(f"--kernels: {kernel!r} is not mma, sm90:V, auto:V or sm90:VsS (V 1-3, S 0-31)")
+        raise ValueError(f"--kernels: {kernel!r} is not mma, sm90:V, auto:V or sm90:VsS (V 1-3, S 0-15)")
     want = {"KDA_CHUNKED_KERNEL": name, "KDA_SM90_VARIANT": variant or None, "KDA_SM90_SCHEDULE": schedule or None}
 
     def put(values: dict[str, str | None]) -> None:

@@ -330,7 +330,7 @@ def test_hopper_schedules_same_bits(monkeypatch):
     args, fwd_rest, rest = _training_case(seed=13)
     results = {}
     for variant in ("2", "3"):
-        for schedule in ("0", "1", "2", "3", "4", "7", "8", "11", "15", "16", "27", "31"):
+        for schedule in ("0", "1", "2", "3", "4", "7", "8", "11", "15"):
             monkeypatch.setenv("KDA_SM90_VARIANT", variant)
             monkeypatch.setenv("KDA_SM90_SCHEDULE", schedule)
             pool = x["initial_state"].clone()

@@ -233,9 +233,7 @@ using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8
 // chain warpgroup per chunk; the chain loop below). With kSplitInverseRows (which implies the vector loads), the
 // inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the rows each,
 // instead of lanes 0-15.
-// With kDeferOutput, the chain stores chunk c's output rows in the next iteration, right after it issued chunk
-// c + 1's X and O_inter products (their latency then hides the store; the output leaves the S -> X chain).
-constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8, kDeferOutput = 16;
+constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8;
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
@@ -921,58 +919,6 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       prof.mark(5);
     }
   } else {
-  // ---- the output rows of chunk oc (ocl tokens) from o_keep (bf16 of Oᵀ, the accumulator's elements). Oᵀ is
-  // transposed to O[t][v] through shared memory; element stores when the output view is not 16-byte aligned.
-  //   kWarpOutput: each warp stages the 16 value rows it holds (wgmma's accumulator: warp w of the warpgroup
-  //   owns rows 16 w .. 16 w + 15) as [16 tokens][16 rows] in its own buffer and stores them with one 16-byte
-  //   store per lane (token lane / 2, rows 8 (lane % 2) .. + 8): only __syncwarp, no barrier of the warpgroup.
-  //   Otherwise: the warpgroup's 64 rows in its buffer of the chunk's parity, one named barrier, one 16-byte
-  //   store per thread (token ctid / 8, rows 8 (ctid % 8) .. + 8); the buffer is rewritten two chunks later,
-  //   after every thread passed the next chunk's barrier (with kDeferOutput too: the stores keep chunk order).
-  constexpr int kOutRegs = decltype(size(accO))::value;
-  static_assert(kOutRegs % 2 == 0, "bf16 pairs");
-  __nv_bfloat162 o_keep[kOutRegs / 2];  // (pairs: half the registers kept across the next chunk's X)
-  int c_keep = -1;                      // the chunk whose output o_keep holds (kDeferOutput), -1: none
-  const bool defer_out = (args.schedule & kDeferOutput) && p.out != nullptr;
-  auto store_output = [&](int64_t oc) {
-    const int ocl = chunk_len(oc);
-    const bool warp_out = args.schedule & kWarpOutput;
-    int t, row0;
-    const __nv_bfloat16* src;
-    if (warp_out) {
-      __nv_bfloat16* wst = &ss.ostage[0][0][0] + cw * 4 * kWStage;  // this warpgroup's four warp buffers
-      // (value row m, token t) -> buffer m / 16, [t][m % 16]
-      Tensor st_ = thr_x.partition_C(make_tensor(
-          make_smem_ptr(wst), Layout<Shape<Shape<_16, _4>, _16>, Stride<Stride<_1, Int<kWStage>>, Int<kWStride>>>{}));
-#pragma unroll
-      for (int i = 0; i < kOutRegs; ++i) st_(i) = i % 2 ? o_keep[i / 2].y : o_keep[i / 2].x;
-      __syncwarp();
-      const int warp = ctid >> 5;
-      t = lane >> 1, row0 = 16 * warp + 8 * (lane & 1);
-      src = wst + warp * kWStage + t * kWStride + 8 * (lane & 1);
-    } else {
-      __nv_bfloat16* ost = ss.ostage[cw][oc & 1];
-      // (value row, token) -> ost[token][value row], through the accumulator partition (constant offsets)
-      Tensor st_ = thr_x.partition_C(make_tensor(make_smem_ptr(ost), Layout<Shape<_64, _16>, Stride<_1, Int<kOStride>>>{}));
-#pragma unroll
-      for (int i = 0; i < kOutRegs; ++i) st_(i) = i % 2 ? o_keep[i / 2].y : o_keep[i / 2].x;
-      named_sync(kBarOut + cw, 128);
-      t = ctid >> 3, row0 = 8 * (ctid & 7);
-      src = ost + t * kOStride + row0;
-    }
-    const uint4 w = *reinterpret_cast<const uint4*>(src);
-    if (warp_out) __syncwarp();  // every lane read its piece before the next chunk's writes
-    if (t < ocl) {
-      __nv_bfloat16* dst = out_ptr(sr.bos + oc * kC + t) + v0 + row0;
-      if (out_vec16) {
-        *reinterpret_cast<uint4*>(dst) = w;
-      } else {
-        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dst[e] = x[e];
-      }
-    }
-  };
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int cl = chunk_len(c);
     if (c == ck_next) {
@@ -1013,7 +959,6 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     warpgroup_commit_batch();
     gemm(mma_x, aS, bQd(_, _, _, os), accO);
     warpgroup_commit_batch();
-    if (defer_out && c_keep >= 0) store_output(c_keep);  // (the previous chunk's, while X runs)
     prof.mark(2);
     pipe_v.consumer_wait(st_v);  // (the v tile, long loaded by now)
     prof.mark(1);
@@ -1066,19 +1011,54 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     ++st_op;
     prof.mark(5);
 
-    // ---- output rows of this chunk (none in a state-only call, p.out null): now, or with kDeferOutput after the
-    // next chunk's X and O_inter were issued (the last chunk's after the loop)
+    // ---- output rows of this chunk (none in a state-only call, p.out null). Oᵀ is transposed to O[t][v] through
+    // shared memory; element stores when the output view is not 16-byte aligned.
+    //   kWarpOutput: each warp stages the 16 value rows it holds (wgmma's accumulator: warp w of the warpgroup
+    //   owns rows 16 w .. 16 w + 15) as [16 tokens][16 rows] in its own buffer and stores them with one 16-byte
+    //   store per lane (token lane / 2, rows 8 (lane % 2) .. + 8): only __syncwarp, no barrier of the warpgroup.
+    //   Otherwise: the warpgroup's 64 rows in its buffer of the chunk's parity, one named barrier, one 16-byte
+    //   store per thread (token ctid / 8, rows 8 (ctid % 8) .. + 8); the buffer is rewritten two chunks later,
+    //   after every thread passed the next chunk's barrier.
     if (p.out != nullptr) {
+      const bool warp_out = args.schedule & kWarpOutput;
+      int t, row0;
+      const __nv_bfloat16* src;
+      if (warp_out) {
+        __nv_bfloat16* wst = &ss.ostage[0][0][0] + cw * 4 * kWStage;  // this warpgroup's four warp buffers
+        // (value row m, token t) -> buffer m / 16, [t][m % 16]
+        Tensor st_ = thr_x.partition_C(make_tensor(
+            make_smem_ptr(wst), Layout<Shape<Shape<_16, _4>, _16>, Stride<Stride<_1, Int<kWStage>>, Int<kWStride>>>{}));
 #pragma unroll
-      for (int i = 0; i < kOutRegs; i += 2) o_keep[i / 2] = __floats2bfloat162_rn(accO(i), accO(i + 1));
-      if (defer_out)
-        c_keep = static_cast<int>(c);
-      else
-        store_output(c);
+        for (int i = 0; i < size(accO); ++i) st_(i) = __float2bfloat16_rn(accO(i));
+        __syncwarp();
+        const int warp = ctid >> 5;
+        t = lane >> 1, row0 = 16 * warp + 8 * (lane & 1);
+        src = wst + warp * kWStage + t * kWStride + 8 * (lane & 1);
+      } else {
+        __nv_bfloat16* ost = ss.ostage[cw][c & 1];
+        // (value row, token) -> ost[token][value row], through the accumulator partition (constant offsets)
+        Tensor st_ = thr_x.partition_C(make_tensor(make_smem_ptr(ost), Layout<Shape<_64, _16>, Stride<_1, Int<kOStride>>>{}));
+#pragma unroll
+        for (int i = 0; i < size(accO); ++i) st_(i) = __float2bfloat16_rn(accO(i));
+        named_sync(kBarOut + cw, 128);
+        t = ctid >> 3, row0 = 8 * (ctid & 7);
+        src = ost + t * kOStride + row0;
+      }
+      const uint4 w = *reinterpret_cast<const uint4*>(src);
+      if (warp_out) __syncwarp();  // every lane read its piece before the next chunk's writes
+      if (t < cl) {
+        __nv_bfloat16* dst = out_ptr(sr.bos + c * kC + t) + v0 + row0;
+        if (out_vec16) {
+          *reinterpret_cast<uint4*>(dst) = w;
+        } else {
+          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dst[e] = x[e];
+        }
+      }
     }
     prof.mark(6);
   }
-  if (defer_out && c_keep >= 0) store_output(c_keep);
   }  // (forward)
   prof.finish(2 + cw, n_chunks);
 
