@@ -116,8 +116,13 @@ struct Cfg<3> {
   static constexpr int kThreads = 640;  // 3 prep, 2 chain warpgroups
   static constexpr int kChainWG0 = 3;
 };
-constexpr int kVStages = 8;    // raw v ring (TMA -> chain)
-constexpr int kOpStages = 4;   // operand ring (prep -> chain)
+// The operand ring's depth, a build-time knob for timing it (-DKDA_SM90_OP_STAGES=5 fits the 227 KB too); the v ring
+// follows it (the static_asserts below).
+#ifndef KDA_SM90_OP_STAGES
+#define KDA_SM90_OP_STAGES 4
+#endif
+constexpr int kOpStages = KDA_SM90_OP_STAGES;               // operand ring (prep -> chain)
+constexpr int kVStages = kOpStages + 4 > 8 ? kOpStages + 4 : 8;  // raw v ring (TMA -> chain)
 // Variants 2 and 3: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads
 // of chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
 // kVStages, which must be a chunk the chain already finished (it did, when operand stage c was free, for every
