@@ -360,6 +360,7 @@ struct Task {
 // nats, as the forward computes it (kda/chunked/chunk_math.cuh gate_a: softplus(x) = x above 20; the same floor,
 // which keeps a -inf gate from making inf - inf).
 constexpr float kMinLogDecayNats = -1e30f;
+constexpr float kUnderflowDecay = -88.f;  // e^{-88} < 2^-126, the smallest normal fp32
 __device__ __forceinline__ float unbounded_log_decay(bool softplus, float x, float A) {
   const float a = softplus ? -A * (x > 20.f ? x : log1pf(__expf(x))) : x;
   return fmaxf(a, kMinLogDecayNats);
@@ -814,7 +815,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         }
         if constexpr (kUnbounded) {
           // da = reverse cumsum of dΓ as below; softplus: a = -A softplus(x), x = g + dt_bias, dg = -A σ(x) da,
-          // dA_log += da a, ddt += dg; precomputed: a = g, dg = da (no parameters)
+          // dA_log += da a, ddt += dg; precomputed: a = g, dg = da (no parameters).
+          // Every quantity a_t enters (E_i for i >= t, Kr_i for i < t, g_C, the pairs i >= t > j) is an exponential
+          // holding the factor e^{a_t}, so the exact da_t is e^{a_t} times a bounded sum: below kUnderflowDecay
+          // (e^{a_t} under fp32's normal range) it is 0 in fp32, while the reverse cumsum would leave the
+          // rounding residue of its cancelling O(1) terms (~1e-7), which dA_log += da a multiplies by |a|.
           const int c = tid >> 2, part = tid & 3;
           const bool softplus = p.gate_mode == GateMode::kSoftplus;
           float xt[4], suf[4], run = 0.f;
@@ -835,12 +840,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           for (int u = 3; u >= 0; --u) {
             const int t = 4 * part + u;
             if (t < len) {
-              const float da = suf[u] + off;
+              const float a = unbounded_log_decay(softplus, xt[u], tk.A);
+              const float da = a < kUnderflowDecay ? 0.f : suf[u] + off;
               float dgv = da;
               if (softplus) {
                 dgv = -tk.A * sigmoidf_(xt[u]) * da;
                 ddt_acc += dgv;
-                dA_acc = fmaf(da, unbounded_log_decay(true, xt[u], tk.A), dA_acc);
+                dA_acc = fmaf(da, a, dA_acc);
               }
               st_bf16(p.dg, ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + c, dgv);
             }
