@@ -360,7 +360,7 @@ struct Task {
 // nats, as the forward computes it (kda/chunked/chunk_math.cuh gate_a: softplus(x) = x above 20; the same floor,
 // which keeps a -inf gate from making inf - inf).
 constexpr float kMinLogDecayNats = -1e30f;
-constexpr float kUnderflowDecay = -88.f;  // e^{-88} < 2^-126, the smallest normal fp32
+constexpr float kNegligibleDecay = -17.f;  // e^{-17} < 2^-24, fp32's unit roundoff
 __device__ __forceinline__ float unbounded_log_decay(bool softplus, float x, float A) {
   const float a = softplus ? -A * (x > 20.f ? x : log1pf(__expf(x))) : x;
   return fmaxf(a, kMinLogDecayNats);
@@ -817,9 +817,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           // da = reverse cumsum of dΓ as below; softplus: a = -A softplus(x), x = g + dt_bias, dg = -A σ(x) da,
           // dA_log += da a, ddt += dg; precomputed: a = g, dg = da (no parameters).
           // Every quantity a_t enters (E_i for i >= t, Kr_i for i < t, g_C, the pairs i >= t > j) is an exponential
-          // holding the factor e^{a_t}, so the exact da_t is e^{a_t} times a bounded sum: below kUnderflowDecay
-          // (e^{a_t} under fp32's normal range) it is 0 in fp32, while the reverse cumsum would leave the
-          // rounding residue of its cancelling O(1) terms (~1e-7), which dA_log += da a multiplies by |a|.
+          // holding the factor e^{a_t}, so the exact da_t = e^{a_t} X_t, X_t a sum of the same terms with factors
+          // <= 1. The reverse cumsum forms da_t from terms of X's scale that cancel, leaving a rounding residue of
+          // ~2^-24 times that scale (which dA_log += da a then multiplies by |a|); below kNegligibleDecay
+          // e^{a_t} < 2^-24, the exact da_t is smaller than that residue, and 0 is the closer value.
           const int c = tid >> 2, part = tid & 3;
           const bool softplus = p.gate_mode == GateMode::kSoftplus;
           float xt[4], suf[4], run = 0.f;
@@ -841,7 +842,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
             const int t = 4 * part + u;
             if (t < len) {
               const float a = unbounded_log_decay(softplus, xt[u], tk.A);
-              const float da = a < kUnderflowDecay ? 0.f : suf[u] + off;
+              const float da = a < kNegligibleDecay ? 0.f : suf[u] + off;
               float dgv = da;
               if (softplus) {
                 dgv = -tk.A * sigmoidf_(xt[u]) * da;
