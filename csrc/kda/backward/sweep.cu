@@ -24,12 +24,14 @@
 // for the training contract's λ >= -5 (finite in fp32). Pair factors are formed either as E_i · e^{-Γ_j}
 // (<= 1 for j <= i) or with the mid-token reference (each factor <= e^{8|λ|} = e^{40}) before they multiply
 // anything, so no intermediate overflows.
-// The softplus and precomputed gates are unbounded per token (a = -1000 is valid), so e^{-Γ} may overflow; their
-// kernel (kUnbounded) never evaluates a positive exponent: Ei holds the log-decay a itself, Kr's factor is
-// e^{Γ_last - Γ} from suffix sums of a, and L, Mqk and the three pair terms use exact pairwise factors
-// e^{Γ_i - Γ_j} (i >= j) on CUDA cores, the exponent summed outward from the pair's own token
-// (Σ_{j < u <= i} a_u: no cancellation of large prefixes when a -1000 token precedes -1e-3 ones), masked
-// pairs never exponentiated. The lower-bound kernel is the kUnbounded = false instantiation, unchanged.
+// The softplus and precomputed gates are unbounded per token (a = -1000 is valid), so e^{-Γ} may overflow. Their
+// kernel (kUnbounded) tests every sub-chunk: narrow ones (every |Γ| <= kNarrowSpan = 40, the lower-bound gate's
+// own range of factors) take the factorised form above; in wide ones no positive exponent is ever evaluated:
+// Ei holds the log-decay a itself, Kr's factor is e^{Γ_last - Γ} from suffix sums of a, and L, Mqk and the three
+// pair terms use exact pairwise factors e^{Γ_i - Γ_j} (i >= j) on CUDA cores, the exponent summed outward from
+// the pair's own token (Σ_{j < u <= i} a_u: no cancellation of large prefixes when a -1000 token precedes -1e-3
+// ones), masked pairs never exponentiated. The lower-bound kernel is the kUnbounded = false instantiation, its
+// machine code unchanged.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -356,11 +358,15 @@ struct Task {
   float A;  // exp(A_log[hv])
 };
 
+// The widest |Γ| (nats) of a sub-chunk of an unbounded gate that still takes the factorised tensor-core form: every
+// factor then stays <= e^{40}, as the lower-bound gate's mid-token factors do (8 |λ| <= 40).
+constexpr float kNarrowSpan = 40.f;
+constexpr float kNegligibleDecay = -17.f;  // e^{-17} < 2^-24, fp32's unit roundoff (the da rule, below)
+
 // The log-decay of the unbounded gates from x = g + dt_bias (softplus; A = exp(A_log)) or x = g (precomputed), in
 // nats, as the forward computes it (kda/chunked/chunk_math.cuh gate_a: softplus(x) = x above 20; the same floor,
 // which keeps a -inf gate from making inf - inf).
 constexpr float kMinLogDecayNats = -1e30f;
-constexpr float kNegligibleDecay = -17.f;  // e^{-17} < 2^-24, fp32's unit roundoff
 __device__ __forceinline__ float unbounded_log_decay(bool softplus, float x, float A) {
   const float a = softplus ? -A * (x > 20.f ? x : log1pf(__expf(x))) : x;
   return fmaxf(a, kMinLogDecayNats);
@@ -386,12 +392,15 @@ __device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams&
 }
 
 // Loads the tokens [t0, t0 + len) of the sub-chunk (zeros beyond len) and forms E, Ei, gC, β,
-// then L, Mqk, INV, K⁺, Kr, V - X = V - K⁺ Sᵀ and R. Ends synchronised.
-// kUnbounded (softplus / precomputed gates): Ei holds the log-decay a (0 past len) instead of e^{-Γ}, and L,
-// Mqk come from pairwise exponents (see the file comment).
+// then L, Mqk, INV, K⁺, Kr, V - X = V - K⁺ Sᵀ and R. Ends synchronised. Returns whether the sub-chunk is wide:
+// kUnbounded (softplus / precomputed gates) only, when some |Γ_t| of the sub-chunk exceeds kNarrowSpan (or is
+// NaN); then Ei holds the log-decay a (0 past len) instead of e^{-Γ}, and L, Mqk come from pairwise exponents
+// (see the file comment). Narrow sub-chunks of those gates take the lower-bound gate's factorised form, whose
+// factors then stay within the same e^{40} (every |Γ_i - Γ_j| <= 40).
 template <bool kUnbounded>
-__device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
+__device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
                                   int64_t t0, int len, float dtb_col) {
+  [[maybe_unused]] bool wide = false;  // (kUnbounded only; the lower-bound instantiation returns nothing)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int tl = warp; tl < kC; tl += kThreads / 32) {
     float kx[4], qx[4], vv[4], dd[4];
@@ -438,8 +447,9 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   }
   if constexpr (kUnbounded) {
     // Γ = inclusive prefix of the unbounded log-decay a over the sub-chunk (a = 0 past len), this thread's
-    // channel tid / 4, tokens [4 (tid % 4), +4), as below; E = e^{Γ} <= 1, Ei = a, and Kr's factor
-    // e^{Γ_last - Γ_t} = e^{Σ_{u > t} a_u} <= 1 (suffix sums) into kr, multiplied by k̂ after the barrier.
+    // channel tid / 4, tokens [4 (tid % 4), +4), as below; E = e^{Γ} <= 1; wide: Ei = a, and Kr's factor
+    // e^{Γ_last - Γ_t} = e^{Σ_{u > t} a_u} <= 1 (suffix sums) into kr, multiplied by k̂ after the barrier;
+    // narrow: Ei = e^{-Γ} <= e^{40}, as the lower-bound gate.
     const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
     const bool softplus = p.gate_mode == GateMode::kSoftplus;
     float av[4], gam[4], run = 0.f;
@@ -459,12 +469,20 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     const float off = part == 0 ? 0.f : (part == 1 ? t0s : (part == 2 ? t0s + t1s : (t0s + t1s) + t2s));
     const float later = part == 3 ? 0.f : (part == 2 ? t3s : (part == 1 ? t3s + t2s : (t3s + t2s) + t1s));
     const float sfx[4] = {((av[3] + av[2]) + av[1]) + later, (av[3] + av[2]) + later, av[3] + later, later};
+    bool w = false;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) w = w || !(fabsf(gam[u] + off) <= kNarrowSpan);  // (NaN counts as wide)
+    wide = __syncthreads_or(w);  // (every thread of the CTA is here)
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int o = (4 * part + u) * kLD + c;
       sm.E[o] = __expf(gam[u] + off);
-      sm.Ei[o] = av[u];
-      sm.kr[o] = __expf(sfx[u]);
+      if (wide) {
+        sm.Ei[o] = av[u];
+        sm.kr[o] = __expf(sfx[u]);
+      } else {
+        sm.Ei[o] = __expf(-(gam[u] + off));
+      }
     }
     if (part == 3) sm.gC[c] = __expf(gam[3] + off);
   } else {  // Γ = inclusive prefix of the log-decay a = λ σ(A (g + dt_bias)) over the sub-chunk (a = 0 past len),
@@ -496,7 +514,7 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   // had them in flight; the barrier publishes every thread's before any use.
   cute::cp_async_wait<0>();
   __syncthreads();
-  if constexpr (kUnbounded) {
+  if (kUnbounded && wide) {
     // L and Mqk from exact pairwise exponents on CUDA cores: warp j, column j; lane: channels [4 lane, +4);
     // rows i >= j with the exponent Γ_i - Γ_j = Σ_{j < u <= i} a_u summed upward from token j (every factor
     // <= 1), the 16 partial rows then summed over the lanes (pair_column_store); masked pairs are never formed.
@@ -533,7 +551,7 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   for (int idx = threadIdx.x; idx < kC * kD; idx += kThreads) {
     const int t = idx >> 7, c = idx & 127, o = t * kLD + c;
     sm.kp[o] = sm.kn[o] * sm.E[o];
-    if constexpr (kUnbounded)
+    if (kUnbounded && wide)
       sm.kr[o] = sm.kn[o] * sm.kr[o];  // (kr: e^{Γ_last - Γ}, from the gate prefix)
     else
       sm.kr[o] = sm.kn[o] * (sm.gC[c] * sm.Ei[o]);
@@ -556,6 +574,43 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   __syncthreads();
   gemm_small<false>(sm.R, sm.INV, sm.beta, sm.vx);  // R = INV diag(β) (V - X)
   __syncthreads();
+  if constexpr (kUnbounded) return wide;
+}
+
+// The pair terms on tensor cores (mid-token reference, as L and Mqk), then dq, dk, dΓ per element: the factorised
+// form of the lower-bound gate and of the unbounded gates' narrow sub-chunks.
+__device__ __forceinline__ void pair_terms_mid(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
+                                               int64_t t0, int len) {
+  const int tid = threadIdx.x;
+  const int n0 = (tid >> 5) * 8;
+  const auto P = [&](int i, int c) { return sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]; };
+  const auto N = [&](int j, int c) { return sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]; };
+  float rm[4] = {}, rl[4] = {}, cl[4] = {};
+  const auto kN = [&](int j, int c) { return sm.kn[j * kLD + c] * N(j, c); };
+  mma_frag<kC, true>(rm, n0, [&](int t, int j) { return sm.dM[t][j]; }, kN);               // Σ_j dM_tj k_j N_j
+  mma_frag<kC, true>(rl, n0, [&](int t, int j) { return sm.beta[t] * sm.dA[t][j]; }, kN);  // Σ_j dL_tj k_j N_j
+  mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.dM[i][t]; },
+                     [&](int i, int c) { return sm.qs[i * kLD + c] * P(i, c); });  // Σ_i dM_it q_i P_i
+  mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.beta[i] * sm.dA[i][t]; },
+                     [&](int i, int c) { return sm.kn[i * kLD + c] * P(i, c); });  // Σ_i dL_it k_i P_i
+  const int lane = tid & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int t = g + 8 * (e >> 1), cc = n0 + 2 * q + (e & 1), o = t * kLD + cc;
+    const float ev = sm.E[o], ei = sm.Ei[o];
+    const float dq = fmaf(sm.kp[o], ev, P(t, cc) * rm[e]);
+    const float dk_row = fmaf(sm.vx[o], ev, P(t, cc) * rl[e]);
+    const float dk_col = fmaf(sm.dr[o], sm.gC[cc] * ei, N(t, cc) * cl[e]);
+    if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (dO is dead, vx: own elements)
+      sm.dO[o] = dq * p.scale;
+      sm.vx[o] = dk_row + dk_col;
+    } else if (t < len) {
+      const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
+      p.dq_head[ho] = dq * p.scale;
+      p.dk_head[ho] = dk_row + dk_col;
+    }
+    sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));  // dΓ over dQ⁺ (own element)
+  }
 }
 
 // Slot r belongs to the one sequence n with slot_cu_starts[n] <= r < slot_cu_starts[n + 1] (empty sequences own
@@ -640,7 +695,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         } else if (task + gridDim.x < tasks) {  // this CTA's next task: the state entering its chunk
           if (const float* ns = task_state(p, task + gridDim.x)) prefetch_state_l2(ns);
         }
-        sub_chunk_forward<kUnbounded>(sm, p, tk, t0, len, dtb_col);
+        bool wide = false;  // (the lower-bound gate: always the factorised form)
+        if constexpr (kUnbounded)
+          wide = sub_chunk_forward<true>(sm, p, tk, t0, len, dtb_col);
+        else
+          sub_chunk_forward<false>(sm, p, tk, t0, len, dtb_col);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
         // Column-local: a warp reads back only the dR columns it wrote (frag_each and mma_frag's B operand
         // use the same columns), so a warp barrier orders these three products.
@@ -706,60 +765,65 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
                          [&](int, int t, int c) { return sm.kr[t * kLD + c]; });
         if constexpr (kUnbounded) {
-          // pair terms from exact pairwise exponents on CUDA cores (warp t: row t; lane: channels [4 lane, +4)):
-          // rm = Σ_{j<=t} dM_tj k_j e^{Γ_t - Γ_j}, rl = Σ_{j<t} β_t dA_tj k_j e^{Γ_t - Γ_j} with the exponent summed
-          // downward from t, cl = Σ_{i>=t} (dM_it q_i + β_i dA_it k_i) e^{Γ_i - Γ_t} summed upward (every factor
-          // <= 1); then dq, dk, dΓ per element as below, with Kr's factor e^{Γ_last - Γ_t} from the upward sum.
-          const int t = tid >> 5, lane = tid & 31, c0 = 4 * lane;
-          float rm[4] = {0.f, 0.f, 0.f, 0.f}, rl[4] = {0.f, 0.f, 0.f, 0.f}, cl[4] = {0.f, 0.f, 0.f, 0.f};
-          float ex[4] = {0.f, 0.f, 0.f, 0.f};
-          const float bt = sm.beta[t];
-          for (int j = t; j >= 0; --j) {
-            const float4 kj4 = ld4(sm.kn + j * kLD + c0), aj4 = ld4(sm.Ei + j * kLD + c0);
-            const float kj[4] = {kj4.x, kj4.y, kj4.z, kj4.w}, aj[4] = {aj4.x, aj4.y, aj4.z, aj4.w};
-            const float wm = sm.dM[t][j], wl = bt * sm.dA[t][j];
+          if (wide) {
+            // pair terms from exact pairwise exponents on CUDA cores (warp t: row t; lane: channels [4 lane, +4)):
+            // rm = Σ_{j<=t} dM_tj k_j e^{Γ_t - Γ_j}, rl = Σ_{j<t} β_t dA_tj k_j e^{Γ_t - Γ_j} with the exponent summed
+            // downward from t, cl = Σ_{i>=t} (dM_it q_i + β_i dA_it k_i) e^{Γ_i - Γ_t} summed upward (every factor
+            // <= 1); then dq, dk, dΓ per element as below, with Kr's factor e^{Γ_last - Γ_t} from the upward sum.
+            const int t = tid >> 5, lane = tid & 31, c0 = 4 * lane;
+            float rm[4] = {0.f, 0.f, 0.f, 0.f}, rl[4] = {0.f, 0.f, 0.f, 0.f}, cl[4] = {0.f, 0.f, 0.f, 0.f};
+            float ex[4] = {0.f, 0.f, 0.f, 0.f};
+            const float bt = sm.beta[t];
+            for (int j = t; j >= 0; --j) {
+              const float4 kj4 = ld4(sm.kn + j * kLD + c0), aj4 = ld4(sm.Ei + j * kLD + c0);
+              const float kj[4] = {kj4.x, kj4.y, kj4.z, kj4.w}, aj[4] = {aj4.x, aj4.y, aj4.z, aj4.w};
+              const float wm = sm.dM[t][j], wl = bt * sm.dA[t][j];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float w = __expf(ex[e]) * kj[e];
-              rm[e] = fmaf(wm, w, rm[e]);
-              rl[e] = fmaf(wl, w, rl[e]);
-              ex[e] += aj[e];
+              for (int e = 0; e < 4; ++e) {
+                const float w = __expf(ex[e]) * kj[e];
+                rm[e] = fmaf(wm, w, rm[e]);
+                rl[e] = fmaf(wl, w, rl[e]);
+                ex[e] += aj[e];
+              }
             }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ex[e] = 0.f;
+            for (int i = t; i < kC; ++i) {
+              const float4 ki4 = ld4(sm.kn + i * kLD + c0), qi4 = ld4(sm.qs + i * kLD + c0);
+              if (i > t) {
+                const float4 ai = ld4(sm.Ei + i * kLD + c0);
+                ex[0] += ai.x, ex[1] += ai.y, ex[2] += ai.z, ex[3] += ai.w;
+              }
+              const float ki[4] = {ki4.x, ki4.y, ki4.z, ki4.w}, qi[4] = {qi4.x, qi4.y, qi4.z, qi4.w};
+              const float wm = sm.dM[i][t], wl = sm.beta[i] * sm.dA[i][t];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float x = __expf(ex[e]);
+                cl[e] = fmaf(wm, qi[e] * x, fmaf(wl, ki[e] * x, cl[e]));
+              }
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // (ex = Γ_last - Γ_t: a = 0 past len)
+              const int cc = c0 + e, o = t * kLD + cc;
+              const float ev = sm.E[o];
+              const float dq = fmaf(sm.kp[o], ev, rm[e]);
+              const float dk_row = fmaf(sm.vx[o], ev, rl[e]);
+              const float dk_col = fmaf(sm.dr[o], __expf(ex[e]), cl[e]);
+              if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (dO is dead, vx: own elements)
+                sm.dO[o] = dq * p.scale;
+                sm.vx[o] = dk_row + dk_col;
+              } else if (t < len) {
+                const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
+                p.dq_head[ho] = dq * p.scale;
+                p.dk_head[ho] = dk_row + dk_col;
+              }
+              sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));  // dΓ over dQ⁺ (own element)
+            }
+          } else {
+            pair_terms_mid(sm, p, tk, t0, len);
           }
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ex[e] = 0.f;
-          for (int i = t; i < kC; ++i) {
-            const float4 ki4 = ld4(sm.kn + i * kLD + c0), qi4 = ld4(sm.qs + i * kLD + c0);
-            if (i > t) {
-              const float4 ai = ld4(sm.Ei + i * kLD + c0);
-              ex[0] += ai.x, ex[1] += ai.y, ex[2] += ai.z, ex[3] += ai.w;
-            }
-            const float ki[4] = {ki4.x, ki4.y, ki4.z, ki4.w}, qi[4] = {qi4.x, qi4.y, qi4.z, qi4.w};
-            const float wm = sm.dM[i][t], wl = sm.beta[i] * sm.dA[i][t];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float x = __expf(ex[e]);
-              cl[e] = fmaf(wm, qi[e] * x, fmaf(wl, ki[e] * x, cl[e]));
-            }
-          }
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {  // (ex = Γ_last - Γ_t: a = 0 past len)
-            const int cc = c0 + e, o = t * kLD + cc;
-            const float ev = sm.E[o];
-            const float dq = fmaf(sm.kp[o], ev, rm[e]);
-            const float dk_row = fmaf(sm.vx[o], ev, rl[e]);
-            const float dk_col = fmaf(sm.dr[o], __expf(ex[e]), cl[e]);
-            if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (dO is dead, vx: own elements)
-              sm.dO[o] = dq * p.scale;
-              sm.vx[o] = dk_row + dk_col;
-            } else if (t < len) {
-              const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
-              p.dq_head[ho] = dq * p.scale;
-              p.dk_head[ho] = dk_row + dk_col;
-            }
-            sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));  // dΓ over dQ⁺ (own element)
-          }
-        } else {  // pair terms on tensor cores (mid-token reference, as L and Mqk), then dq, dk, dΓ per element
+        } else {  // (the same pair terms inline: as a call, the lower-bound kernel's registers would be allocated in a
+                  // different order; inline, its machine code stays what it was)
           const int n0 = (tid >> 5) * 8;
           const auto P = [&](int i, int c) { return sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]; };
           const auto N = [&](int j, int c) { return sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]; };
