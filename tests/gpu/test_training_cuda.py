@@ -775,12 +775,25 @@ def test_training_forward_every_mode_matches_cpu(mode):
 # in a factorised product).
 
 
-def _extreme_case(gate, logit, l2, T, cu, H, HV, dtb, seed):
+def _extreme_case(gate, logit, l2, T, cu, H, HV, dtb, seed, band=False):
     """make_case inputs with extreme log-decays. precomputed: g per (token, channel) from {-1000, -30, -1e-3}
     (mostly -1e-3), and two whole tokens at -1000; softplus: g ~ 4 N(0, 1), dt_bias ~ 4 N(0, 1) (or None),
-    A_log = log 50 on head 0 (a from ~-1e-6 to ~-1500) and log 2 on the others."""
+    A_log = log 50 on head 0 (a from ~-1e-6 to ~-1500) and log 2 on the others. band: make_case's moderate
+    gates (sub-chunk decays mostly within e^{-40}) everywhere but tokens [32, 48) (the third 16-token sub-chunk
+    of the first 64-token chunk), which get extreme ones (precomputed as above; softplus g from {400, -20}:
+    a ≈ -600 beside ≈ -3e-9): the sweep switches between its factorised (narrow) and pairwise (wide)
+    sub-chunks."""
     mode = (gate, logit, l2)
     x, kw, do, dS = make_case(mode, T=T, cu=cu, H=H, HV=HV, K=128, dtb=dtb, seed=seed)
+    if band:
+        g = x["g"].clone()
+        if gate == "softplus":
+            u = torch.rand(g[:, 32:48].shape, generator=torch.Generator().manual_seed(seed + 202))
+            g[:, 32:48] = torch.where(u < 0.3, torch.full_like(u, 400.0), torch.full_like(u, -20.0)).to(g.dtype)
+        else:
+            g[:, 32:48] = _extreme_case(gate, logit, l2, T, cu, H, HV, dtb, seed)[0]["g"][:, 32:48]
+        x["g"] = g
+        return x, kw, do, dS
     gen = torch.Generator().manual_seed(seed + 101)
     B, Tt = x["q"].shape[:2]
     if gate == "precomputed":
@@ -799,28 +812,32 @@ def _extreme_case(gate, logit, l2, T, cu, H, HV, dtb, seed):
     return x, kw, do, dS
 
 
-# (label, gate, beta_is_logit, l2, T or None, packed lengths or None, H, HV, dt_bias given)
+# (label, gate, beta_is_logit, l2, T or None, packed lengths or None, H, HV, dt_bias given, band)
 _EXTREME_CASES = [
-    ("precomputed-logit-l2-T80", "precomputed", True, True, 80, None, 1, 2, False),
-    ("precomputed-plain-nol2-packed-gqa2", "precomputed", False, False, None, [37, 0, 113], 1, 2, False),
-    ("softplus-logit-l2-T80", "softplus", True, True, 80, None, 1, 2, True),
-    ("softplus-plain-l2-packed-gqa2", "softplus", False, True, None, [37, 0, 113], 1, 2, True),
-    ("softplus-nodtb-logit-nol2-T150-H2", "softplus", True, False, 150, None, 2, 2, False),
+    ("precomputed-logit-l2-T80", "precomputed", True, True, 80, None, 1, 2, False, False),
+    ("precomputed-plain-nol2-packed-gqa2", "precomputed", False, False, None, [37, 0, 113], 1, 2, False, False),
+    ("softplus-logit-l2-T80", "softplus", True, True, 80, None, 1, 2, True, False),
+    ("softplus-plain-l2-packed-gqa2", "softplus", False, True, None, [37, 0, 113], 1, 2, True, False),
+    ("softplus-nodtb-logit-nol2-T150-H2", "softplus", True, False, 150, None, 2, 2, False, False),
+    ("precomputed-band-logit-l2-T100", "precomputed", True, True, 100, None, 1, 2, False, True),
+    ("softplus-band-logit-l2-T100-gqa2", "softplus", True, True, 100, None, 1, 2, True, True),
 ]
 
 
 @pytest.mark.parametrize("case", _EXTREME_CASES, ids=[c[0] for c in _EXTREME_CASES])
 def test_training_extreme_gates_vs_reference(case):
     """Softplus gates with a ≈ -50..-1500 on some tokens and precomputed gates mixing -1000 and -1e-3 within a
-    sub-chunk: the CUDA backward's eight gradients are finite and within 1e-2 relative RMS of fp64 autograd
-    through the token loop (kda_ops/reference.py), through kda and recurrent_kda_backward, on the kernels."""
-    label, gate, logit, l2, T, lengths, H, HV, dtb = case
+    sub-chunk (everywhere, or in one sub-chunk between moderate ones: band): the CUDA backward's eight gradients
+    are finite and within 1e-2 relative RMS of fp64 autograd through the token loop (kda_ops/reference.py),
+    through kda and recurrent_kda_backward, on the kernels."""
+    label, gate, logit, l2, T, lengths, H, HV, dtb, band = case
     cu = None
     if lengths is not None:
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-    x, kw, do, dS = _extreme_case(gate, logit, l2, T if cu is None else 1, cu, H, HV, dtb, seed=len(label))
+    Tm = T if cu is None else 1
+    x, kw, do, dS = _extreme_case(gate, logit, l2, Tm, cu, H, HV, dtb, seed=len(label), band=band)
     a = x["g"].double() if gate == "precomputed" else None
     if a is None:
         xx = x["g"].double() + (0.0 if x["dt_bias"] is None else x["dt_bias"].double())
@@ -842,12 +859,13 @@ def test_training_extreme_gates_vs_reference(case):
     _check_backward_route(label, c, kw, do.cuda(), dS.cuda(), kernels=True)
 
 
-# (label, extreme gates, mode, T or None, packed lengths or None, H, HV)
+# (label, extreme gates (True, "band" or False), mode, T or None, packed lengths or None, H, HV)
 _DETERMINISM_CASES = [
     ("precomputed-extreme-packed-gqa2", True, ("precomputed", True, True), None, [70, 0, 130], 1, 2),
     ("precomputed-T200-H2", False, ("precomputed", False, False), 200, None, 2, 2),
     ("softplus-extreme-T200-gqa2", True, ("softplus", True, True), 200, None, 1, 2),
     ("softplus-packed-H2", False, ("softplus", True, False), None, [70, 0, 130], 2, 2),
+    ("softplus-band-T200-gqa2", "band", ("softplus", True, True), 200, None, 1, 2),
 ]
 
 
@@ -863,7 +881,7 @@ def test_backward_unbounded_gates_deterministic(case):
             cu.append(cu[-1] + n)
     Tm = T if cu is None else 1
     if extreme:
-        x, kw, do, dS = _extreme_case(*mode, Tm, cu, H, HV, True, seed=len(label))
+        x, kw, do, dS = _extreme_case(*mode, Tm, cu, H, HV, True, seed=len(label), band=extreme == "band")
     else:
         x, kw, do, dS = make_case(mode, T=Tm, cu=cu, H=H, HV=HV, K=128, seed=len(label))
     c = _to_cuda(x)
