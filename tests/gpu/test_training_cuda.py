@@ -769,8 +769,9 @@ def test_training_forward_every_mode_matches_cpu(mode):
 
 
 # ---------------------------------------------------------------------------------------------------
-# unbounded gates on the CUDA backward: the softplus and precomputed log-decays have no bound per token, so the
-# sweep forms every decay factor as a pairwise e^{Γ_i - Γ_j}, i >= j (csrc/kda/backward/sweep.cu, kUnbounded).
+# unbounded gates on the CUDA backward: the softplus and precomputed log-decays have no bound per token, so in a
+# sub-chunk that decays by more than e^{-40} the sweep forms every decay factor as a pairwise e^{Γ_i - Γ_j},
+# i >= j (csrc/kda/backward/sweep.cu, kUnbounded; the others take the factorised form of the lower-bound gate).
 # Extreme gates, a = -1000 beside a = -1e-3 within one 16-token sub-chunk, would overflow e^{-Γ} (inf·0 = NaN
 # in a factorised product).
 
