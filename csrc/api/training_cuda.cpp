@@ -117,9 +117,9 @@ void check_cuda(cudaError_t err, const char* what) {
 
 // Whether the CUDA backward kernels (the chain and the sweep, csrc/kda/backward) cover the call: every gate mode
 // (the lower-bound gate with the sweep's factorised exponents, whose 16-token sub-chunks rely on the bound for
-// the range of e^{±Γ}; the unbounded softplus and precomputed gates with its pairwise exponents, sweep.cu), with
-// logit or plain beta and the L2 norm on or off, at K == V == 128 (its lane layouts: 4 columns per lane of 32).
-// Every other call (K == V == 64) takes the CPU op.
+// the range of e^{±Γ}; the unbounded softplus and precomputed gates with its pairwise exponents wherever a
+// sub-chunk decays too far for that range, sweep.cu), with logit or plain beta and the L2 norm on or off, at
+// K == V == 128 (its lane layouts: 4 columns per lane of 32). Every other call (K == V == 64) takes the CPU op.
 bool cuda_backward_covers(const TrainingShape& d, const TrainingModes&) {
   return d.K == kBwdDim && d.V == kBwdDim;
 }
@@ -266,8 +266,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
 using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 // The training backward of the calls the CUDA kernels do not cover yet (cuda_backward_covers: K == V == 64) or
-// cannot run on this GPU (sweep_fits_device): the CPU op on host copies, its gradients copied back to q's device. The CPU op checks the tapes and tape_cu_starts
-// against the sequences itself (it reads cu_seqlens on the host).
+// cannot run on this GPU (sweep_fits_device): the CPU op on host copies, its gradients copied back to q's
+// device. The CPU op checks the tapes and tape_cu_starts against the sequences itself (it reads cu_seqlens on
+// the host).
 Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                const OptTensor& A_log, const OptTensor& dt_bias, const Tensor& tapes,
                                const Tensor& tape_cu_starts, const OptTensor& initial_state,
