@@ -891,3 +891,25 @@ def test_backward_unbounded_gates_deterministic(case):
     for n_, a, b in zip(GRADS, first, second, strict=True):
         assert torch.isfinite(a.float()).all(), f"{label}: {n_} not finite"
         assert torch.equal(a, b), f"{label}: {n_} differs between two runs"
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernel: sm_90"
+)
+@pytest.mark.parametrize("kernel", ["sm90", "mma"])
+@pytest.mark.parametrize("gate", ["precomputed", "softplus"])
+def test_backward_chain_kernels_extreme_gates(gate, kernel, monkeypatch):
+    """The backward chain (and the forward) on either chunked kernel, forced by KDA_CHUNKED_KERNEL (the automatic
+    choice takes the Hopper kernel only when the heads fill the SMs), with extreme unbounded gates, GQA 2: the
+    eight gradients of recurrent_kda_backward within 1e-2 of fp64 autograd, finite."""
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+    label = f"{gate}-{kernel}-chain"
+    x, kw, do, dS = _extreme_case(gate, True, True, 90, None, 2, 4, True, seed=31)
+    _, _, ref = reference_grads(x, kw, do, dS)
+    c = _to_cuda(x)
+    grads = list(_raw_mode_backward(c, kw, do.cuda(), dS.cuda()))
+    for i, r in enumerate(ref):
+        if r is None:
+            assert grads[i].numel() == 0, f"{label}: {GRADS[i]} of an absent parameter must be empty"
+            grads[i] = None
+    _check_mode_grads(label, grads, ref)
