@@ -782,7 +782,7 @@ def recurrent_kda_training_backward(
     ]
     absent = _absent_grads(ctx.A_log, ctx.dt_bias)
     outs = V.check_grad_outs(out, d, reads, absent)
-    _check_cuda_backward_capturable(d, ctx.gate_mode)
+    _check_cuda_backward_capturable(d)
     if ctx.extra.get("segment_split") is not None:  # a split forward: the split backward (kda_ops/_split.py)
         return _into(_split.training_backward_from_context(ctx, dO, dS, ctx.extra["segment_split"]), outs)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
@@ -827,14 +827,13 @@ def _default_modes(gate_mode: int, l2: bool, logit: bool, dtb: torch.Tensor | No
     return gate_mode == V.GATE_LOWER_BOUND and l2 and logit and dtb is not None
 
 
-def _check_cuda_backward_capturable(d: Any, gate_mode: int) -> None:
-    """On CUDA the backward kernels cover the lower-bound gate at K = V = 128; the other calls run the CPU op on
-    host copies (csrc/api/training_cuda.cpp), which a CUDA graph cannot capture: say so before the op runs."""
-    if d.on_cuda and (gate_mode != V.GATE_LOWER_BOUND or d.K != 128) and V.capturing(d.device):
+def _check_cuda_backward_capturable(d: Any) -> None:
+    """On CUDA the backward kernels cover every gate mode at K = V = 128; K = V = 64 runs the CPU op on host
+    copies (csrc/api/training_cuda.cpp), which a CUDA graph cannot capture: say so before the op runs."""
+    if d.on_cuda and d.K != 128 and V.capturing(d.device):
         raise RuntimeError(
-            "the CUDA training backward of the softplus / precomputed gates and of K = V = 64 runs the CPU "
-            "implementation (host copies) and cannot be captured in a CUDA graph; use the lower-bound gate at "
-            "K = V = 128, or run this call eagerly"
+            "the CUDA training backward of K = V = 64 runs the CPU implementation (host copies) and cannot be "
+            "captured in a CUDA graph; use K = V = 128, or run this call eagerly"
         )
 
 
@@ -878,8 +877,8 @@ def recurrent_kda_backward(
             mirror: nothing here needs host values).
         do: [B, T, HV, V] in q's dtype; dfinal_state: [N, HV, V, K] state dtype, or None (zero).
         workspace: a :class:`kda_ops.RecurrentKDABackwardWorkspace`; with it and ``out`` the call is
-            CUDA-graph capturable after an eager call of the same shapes (on CUDA: the lower-bound gate at
-            K = V = 128; the other modes run the CPU backward and raise under capture).
+            CUDA-graph capturable after an eager call of the same shapes (on CUDA: K = V = 128, every gate
+            mode; K = V = 64 runs the CPU backward and raises under capture).
         out: optional eight preallocated tensors the gradients are copied into (and returned); None at the
             places of gradients returned as None.
 
@@ -903,7 +902,7 @@ def recurrent_kda_backward(
     reads = V.training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, ("do", do), ("dfinal_state", dfinal_state))
     absent = _absent_grads(A, dtb)
     outs = V.check_grad_outs(out, d, reads, absent)
-    _check_cuda_backward_capturable(d, gm)
+    _check_cuda_backward_capturable(d)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
     if workspace is not None:
         key = (d.B, d.T, d.N, d.H, d.HV, d.K, d.V, d.packed)

@@ -4,17 +4,16 @@
 //                                     tapes every kTapeChunk tokens, in every mode of recurrent_kda (gate,
 //                                     beta_is_logit, use_qk_l2norm); K == V in {64, 128};
 //   recurrent_kda_training_backward = csrc/kda/backward from the tapes (the backward chain, i.e. the chunked
-//                                     kernel in reverse, then the chunk-parallel sweep) for the lower-bound
-//                                     gate (beta logit or plain, L2 norm on or off) at K == V == 128; the
-//                                     softplus and precomputed gates and K == V == 64, and every call on a GPU
-//                                     whose per-block shared memory is below the sweep's (sm_120), run the CPU
-//                                     op on host copies (correct, slower, with host synchronisation: not
-//                                     capturable) until the sweep covers them (cuda_backward_covers,
-//                                     sweep_fits_device);
+//                                     kernel in reverse, then the chunk-parallel sweep) in every gate mode
+//                                     (beta logit or plain, L2 norm on or off) at K == V == 128; K == V == 64,
+//                                     and every call on a GPU whose per-block shared memory is below the
+//                                     sweep's (sm_120), run the CPU op on host copies (correct, slower, with
+//                                     host synchronisation: not capturable) until the sweep covers them
+//                                     (cuda_backward_covers, sweep_fits_device);
 //   recurrent_kda_backward          = both.
-// Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128, the lower-bound gate. No
-// host synchronisation there (tape_cu_starts is computed on the device), so those calls can be captured in a
-// CUDA graph; the torch allocations inside them go through the caching allocator.
+// Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128. No host synchronisation
+// there (tape_cu_starts is computed on the device), so those calls can be captured in a CUDA graph; the torch
+// allocations inside them go through the caching allocator.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -116,16 +115,13 @@ void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
-// Whether the CUDA backward kernels (the chain and the sweep, csrc/kda/backward) cover the call: the sweep
-// recomputes the log-decay of the lower-bound gate only (its 16-token sub-chunks rely on the bound for the
-// range of e^{±Γ}; softplus and precomputed gates need exponents relative to a token of the sub-chunk, as
-// kda_ops/reference_chunked_backward.py has them), with logit or plain beta and the L2 norm on or off, at
-// K == V == 128 (its lane layouts: 4 columns per lane of 32). Every other call takes the CPU op.
-// (The sweep's factorised products are exact whenever every channel's decay span within a 16-token sub-chunk is
-// at most ~80: every factor stays <= e^80. An unbounded gate needs that test per sub-chunk and, where it fails,
-// exact pairwise exponents on CUDA cores for L, Mqk and the three pair terms, with Γ itself in shared memory.)
-bool cuda_backward_covers(const TrainingShape& d, const TrainingModes& m) {
-  return m.gate_mode == 2 && d.K == kBwdDim && d.V == kBwdDim;
+// Whether the CUDA backward kernels (the chain and the sweep, csrc/kda/backward) cover the call: every gate mode
+// (the lower-bound gate with the sweep's factorised exponents, whose 16-token sub-chunks rely on the bound for
+// the range of e^{±Γ}; the unbounded softplus and precomputed gates with its pairwise exponents wherever a
+// sub-chunk decays too far for that range, sweep.cu), with logit or plain beta and the L2 norm on or off, at
+// K == V == 128 (its lane layouts: 4 columns per lane of 32). Every other call (K == V == 64) takes the CPU op.
+bool cuda_backward_covers(const TrainingShape& d, const TrainingModes&) {
+  return d.K == kBwdDim && d.V == kBwdDim;
 }
 
 // Whether the current device gives a block the shared memory the chunk-parallel sweep needs (sm_90/sm_100-class
@@ -199,6 +195,7 @@ BackwardChainParams backward_chain_params(const TrainingBackwardParams& p, float
   c.dt_bias = p.dt_bias;
   c.cu_seqlens = p.cu_seqlens;
   c.cu_seqlens_int64 = p.cu_seqlens_int64;
+  c.gate_mode = p.gate_mode;
   c.scale = p.scale;
   c.lower_bound = p.lower_bound;
   c.beta_is_logit = p.beta_is_logit;
@@ -268,9 +265,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
 
 using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// The training backward of the modes the CUDA kernels do not cover yet (cuda_backward_covers): the CPU op on
-// host copies, its gradients copied back to q's device. The CPU op checks the tapes and tape_cu_starts
-// against the sequences itself (it reads cu_seqlens on the host).
+// The training backward of the calls the CUDA kernels do not cover yet (cuda_backward_covers: K == V == 64) or
+// cannot run on this GPU (sweep_fits_device): the CPU op on host copies, its gradients copied back to q's
+// device. The CPU op checks the tapes and tape_cu_starts against the sequences itself (it reads cu_seqlens on
+// the host).
 Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                const OptTensor& A_log, const OptTensor& dt_bias, const Tensor& tapes,
                                const Tensor& tape_cu_starts, const OptTensor& initial_state,
@@ -308,7 +306,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
     TORCH_CHECK(capture == cudaStreamCaptureStatusNone, op, ": this call runs the CPU implementation on host copies (",
                 covered ? "this GPU gives a block less shared memory than the CUDA backward's sweep needs, or "
                           "KDA_TRAINING_BACKWARD_HOST=1 is set"
-                        : "the softplus / precomputed gates and K = V = 64 have no CUDA backward kernels yet",
+                        : "K = V = 64 has no CUDA backward kernels yet",
                 ") and cannot be captured in a CUDA graph; run it eagerly");
     KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
     KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
@@ -318,8 +316,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
     return training_backward_on_cpu(q, k, v, g, beta, A_log, dt_bias, tapes_in, tape_cu_starts, initial_state,
                                     cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
   }
-  // Covered: the lower-bound gate (A_log given), K == V == kBwdDim.
-  const Tensor& A_log_t = *A_log;
+  // Covered: K == V == kBwdDim, every gate mode (A_log absent exactly for the precomputed gate).
   KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
   KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
   KDA_CHECK_SAME_DEVICE(dout, q, "do");
@@ -355,7 +352,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
     init = compact_f32(*initial_state);  // (16-byte aligned: the sweep copies it with cp.async)
   }
   const Tensor tapes = compact_f32(tapes_in);
-  const Tensor A = A_log_t.contiguous();
+  const Tensor A = A_log ? A_log->contiguous() : Tensor();
   const Tensor dtb = dt_bias ? dt_bias->contiguous() : Tensor();
   const auto f32 = q.options().dtype(at::kFloat);
   const auto tok = q.options();
@@ -369,8 +366,8 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   Tensor dv = at::empty({d.B, d.T, d.HV, kBwdDim}, tok);
   Tensor dg = at::empty({d.B, d.T, d.HV, kBwdDim}, tok);
   Tensor dbeta = at::empty({d.B, d.T, d.HV}, tok);
+  // (without A_log / dt_bias, scratch for the finishing kernel's sums; the op then returns an empty gradient)
   Tensor dA_log = at::empty({d.HV}, f32);
-  // (without dt_bias, scratch for the finishing kernel's sums; the op then returns an empty ddt_bias)
   Tensor ddt_bias = at::empty({d.HV, kBwdDim}, f32);
   Tensor dinit = at::empty({d.N, d.HV, kBwdDim, kBwdDim}, f32);
 
@@ -412,7 +409,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   p.g = token_view(gc);
   p.beta = token_view(beta);
   p.dout = token_view(dO);
-  p.A_log = A.data_ptr<float>();
+  p.A_log = A.defined() ? A.data_ptr<float>() : nullptr;
   p.dt_bias = dtb.defined() ? dtb.data_ptr<float>() : nullptr;
   p.tapes = tapes.data_ptr<float>();
   p.n_tape_rows = tapes.size(0);
@@ -426,7 +423,8 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   }
   p.dfinal_state = dfinal.defined() ? dfinal.data_ptr<float>() : nullptr;
   p.scale = static_cast<float>(scale);
-  p.lower_bound = static_cast<float>(lower_bound);
+  p.gate_mode = static_cast<GateMode>(m.gate_mode);
+  p.lower_bound = m.gate_mode == 2 ? static_cast<float>(lower_bound) : 0.f;
   p.beta_is_logit = m.beta_is_logit;
   p.use_qk_l2norm = m.use_qk_l2norm;
   p.dv = dv.data_ptr();
@@ -455,7 +453,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
              "kda backward chain kernel");
   check_cuda(launch_training_backward(p, stream), "kda training backward kernels");
   // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
-  return {dq, dk, dv, dg, dbeta, dA_log.view(A_log_t.sizes()),
+  return {dq, dk, dv, dg, dbeta, A_log ? dA_log.view(A_log->sizes()) : at::empty({0}, f32),
           dt_bias ? ddt_bias.view(dt_bias->sizes()) : at::empty({0}, f32), dinit};
 }
 

@@ -634,7 +634,9 @@ def test_uncovered_tokens_hold_inf(group):
 # ---------------------------------------------------------------------------------------------------
 # every mode of recurrent_kda: gate (precomputed / softplus / lower bound) x beta (logit / plain) x L2 norm
 # (on / off), K = V in {64, 128}. The CUDA forward runs every mode on the kernels; the backward kernels cover
-# the default modes at K = 128 and the others run the CPU op on host copies (csrc/api/training_cuda.cpp).
+# every mode at K = 128 (the softplus and precomputed gates with the sweep's pairwise exponents) and K = 64 runs
+# the CPU op on host copies (csrc/api/training_cuda.cpp). _check_backward_route tells the two routes apart: the
+# host route refuses CUDA-graph capture.
 
 from _training_cases import MODES, make_case, mode_id, reference_grads  # noqa: E402
 
@@ -657,6 +659,45 @@ def _check_mode_grads(label, grads, ref):
     _report(f"modes {label}: {_fmt(errs)}")
     bad = {n: r for n, (r, _) in errs.items() if r > TOL_GRAD}
     assert not bad, f"{label}: gradients above {TOL_GRAD}: {bad}"
+
+
+def _op_modes(kw) -> tuple[int, float, bool, bool]:
+    """The Python keywords of make_case -> the ops' (gate_mode, lower_bound, use_qk_l2norm, beta_is_logit)."""
+    gm = 0 if not kw["use_gate_in_kernel"] else (1 if kw["lower_bound"] is None else 2)
+    return gm, kw["lower_bound"] if gm == 2 else 0.0, kw["use_qk_l2norm_in_kernel"], kw["beta_is_logit"]
+
+
+def _raw_mode_backward(c, kw, do, dS):
+    """torch.ops.kda.recurrent_kda_backward in the mode of make_case's keywords, on its (CUDA) tensors."""
+    gm, lb, l2, logit = _op_modes(kw)
+    h0 = c["initial_state"]
+    if h0 is None:
+        N = c["cu_seqlens"].numel() - 1 if c["cu_seqlens"] is not None else c["q"].shape[0]
+        HV, V = c["v"].shape[2], c["v"].shape[3]
+        h0 = torch.zeros(N, HV, V, c["k"].shape[3], device=c["q"].device)
+    args = [c[n] for n in _NAMES[:7]]
+    sc = c["q"].shape[-1] ** -0.5
+    return torch.ops.kda.recurrent_kda_backward(*args, h0, c["cu_seqlens"], do, dS, sc, lb, gm, l2, logit)
+
+
+def _check_backward_route(label, c, kw, do, dS, kernels: bool):
+    """The backward runs on the CUDA kernels (kernels=True): it can be captured in a CUDA graph, and the replay
+    equals the eager call bit for bit; else (the host route, K = V = 64) it refuses capture."""
+    call = lambda: _raw_mode_backward(c, kw, do, dS)  # noqa: E731
+    eager = call()  # (also the warm-up of the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    if not kernels:
+        with pytest.raises(RuntimeError, match="cannot be captured"):
+            with torch.cuda.graph(graph):
+                call()
+        return
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    for n_, a, b in zip(GRADS, captured, eager, strict=True):
+        assert torch.equal(a, b), f"{label}: {n_}: graph replay differs from the eager call"
 
 
 # (label, mode, K, T or lengths, H, HV, λ, initial state "random" / "zero" / None)
@@ -705,6 +746,9 @@ def test_training_every_mode_vs_reference(case):
         args = [c[n] for n in _NAMES]
         g2 = kda_ops.recurrent_kda_backward(*args, do.cuda(), dS.cuda(), cu_seqlens=c["cu_seqlens"], **kw)
         _check_mode_grads(label + " recurrent_kda_backward", list(g2), ref)
+    # the route: the CUDA kernels at K = V = 128 in every mode (a silent fall-back to the host route would
+    # refuse the capture), the host route at K = V = 64
+    _check_backward_route(label, c, kw, do.cuda(), dS.cuda(), kernels=Kd == 128)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
@@ -722,3 +766,150 @@ def test_training_forward_every_mode_matches_cpu(mode):
     assert rel_rms(o_g, o_c) <= TOL_OUT and rel_rms(fs_g, fs_c) <= TOL_STATE
     assert rel_rms(ctx_g.tapes, ctx_c.tapes) <= TOL_STATE
     assert torch.equal(ctx_g.tape_cu_starts.cpu(), ctx_c.tape_cu_starts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# unbounded gates on the CUDA backward: the softplus and precomputed log-decays have no bound per token, so in a
+# sub-chunk that decays by more than e^{-40} the sweep forms every decay factor as a pairwise e^{Γ_i - Γ_j},
+# i >= j (csrc/kda/backward/sweep.cu, kUnbounded; the others take the factorised form of the lower-bound gate).
+# Extreme gates, a = -1000 beside a = -1e-3 within one 16-token sub-chunk, would overflow e^{-Γ} (inf·0 = NaN
+# in a factorised product).
+
+
+def _extreme_case(gate, logit, l2, T, cu, H, HV, dtb, seed, band=False):
+    """make_case inputs with extreme log-decays. precomputed: g per (token, channel) from {-1000, -30, -1e-3}
+    (mostly -1e-3), and two whole tokens at -1000; softplus: g ~ 4 N(0, 1), dt_bias ~ 4 N(0, 1) (or None),
+    A_log = log 50 on head 0 (a from ~-1e-6 to ~-1500) and log 2 on the others. band: make_case's moderate
+    gates (sub-chunk decays mostly within e^{-40}) everywhere but tokens [32, 48) (the third 16-token sub-chunk
+    of the first 64-token chunk), which get extreme ones (precomputed as above; softplus g from {400, -20}:
+    a ≈ -600 beside ≈ -3e-9): the sweep switches between its factorised (narrow) and pairwise (wide)
+    sub-chunks."""
+    mode = (gate, logit, l2)
+    x, kw, do, dS = make_case(mode, T=T, cu=cu, H=H, HV=HV, K=128, dtb=dtb, seed=seed)
+    if band:
+        g = x["g"].clone()
+        if gate == "softplus":
+            u = torch.rand(g[:, 32:48].shape, generator=torch.Generator().manual_seed(seed + 202))
+            g[:, 32:48] = torch.where(u < 0.3, torch.full_like(u, 400.0), torch.full_like(u, -20.0)).to(g.dtype)
+        else:
+            g[:, 32:48] = _extreme_case(gate, logit, l2, T, cu, H, HV, dtb, seed)[0]["g"][:, 32:48]
+        x["g"] = g
+        return x, kw, do, dS
+    gen = torch.Generator().manual_seed(seed + 101)
+    B, Tt = x["q"].shape[:2]
+    if gate == "precomputed":
+        u = torch.rand(B, Tt, HV, 128, generator=gen)
+        g = torch.full_like(u, -1e-3)
+        g = torch.where(u < 0.25, torch.full_like(u, -1000.0), g)
+        g = torch.where((u >= 0.25) & (u < 0.35), torch.full_like(u, -30.0), g)
+        g[:, 5] = -1000.0  # whole tokens: every channel's span is wide in their sub-chunks
+        g[:, min(21, Tt - 1)] = -1000.0
+        x["g"] = g.to(torch.bfloat16)
+    else:
+        x["g"] = (torch.randn(B, Tt, HV, 128, generator=gen) * 4).to(torch.bfloat16)
+        x["A_log"] = torch.tensor([math.log(50.0)] + [math.log(2.0)] * (HV - 1), dtype=torch.float32)
+        if dtb:
+            x["dt_bias"] = (torch.randn(HV, 128, generator=gen) * 4).float()
+    return x, kw, do, dS
+
+
+# (label, gate, beta_is_logit, l2, T or None, packed lengths or None, H, HV, dt_bias given, band)
+_EXTREME_CASES = [
+    ("precomputed-logit-l2-T80", "precomputed", True, True, 80, None, 1, 2, False, False),
+    ("precomputed-plain-nol2-packed-gqa2", "precomputed", False, False, None, [37, 0, 113], 1, 2, False, False),
+    ("softplus-logit-l2-T80", "softplus", True, True, 80, None, 1, 2, True, False),
+    ("softplus-plain-l2-packed-gqa2", "softplus", False, True, None, [37, 0, 113], 1, 2, True, False),
+    ("softplus-nodtb-logit-nol2-T150-H2", "softplus", True, False, 150, None, 2, 2, False, False),
+    ("precomputed-band-logit-l2-T100", "precomputed", True, True, 100, None, 1, 2, False, True),
+    ("softplus-band-logit-l2-T100-gqa2", "softplus", True, True, 100, None, 1, 2, True, True),
+]
+
+
+@pytest.mark.parametrize("case", _EXTREME_CASES, ids=[c[0] for c in _EXTREME_CASES])
+def test_training_extreme_gates_vs_reference(case):
+    """Softplus gates with a ≈ -50..-1500 on some tokens and precomputed gates mixing -1000 and -1e-3 within a
+    sub-chunk (everywhere, or in one sub-chunk between moderate ones: band): the CUDA backward's eight gradients
+    are finite and within 1e-2 relative RMS of fp64 autograd through the token loop (kda_ops/reference.py),
+    through kda and recurrent_kda_backward, on the kernels."""
+    label, gate, logit, l2, T, lengths, H, HV, dtb, band = case
+    cu = None
+    if lengths is not None:
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+    Tm = T if cu is None else 1
+    x, kw, do, dS = _extreme_case(gate, logit, l2, Tm, cu, H, HV, dtb, seed=len(label), band=band)
+    a = x["g"].double() if gate == "precomputed" else None
+    if a is None:
+        xx = x["g"].double() + (0.0 if x["dt_bias"] is None else x["dt_bias"].double())
+        a = -torch.exp(x["A_log"].double())[:, None] * torch.nn.functional.softplus(xx, threshold=20.0)
+    assert a.min() < -500 and a.max() > -0.01, f"{label}: the gates are not extreme ({a.min():.3g}, {a.max():.3g})"
+    ro, rfs, ref = reference_grads(x, kw, do, dS)
+    c = _to_cuda(x)
+    leaves = {n: None if c[n] is None else c[n].detach().clone().requires_grad_() for n in _NAMES}
+    o, fs = kda_ops.kda(*(leaves[n] for n in _NAMES), cu_seqlens=c["cu_seqlens"], output_final_state=True, **kw)
+    assert torch.isfinite(o.float()).all() and torch.isfinite(fs).all(), f"{label}: forward not finite"
+    assert rel_rms(o, ro) <= TOL_OUT, f"{label}: output rel RMS {rel_rms(o, ro):.2e}"
+    assert rel_rms(fs, rfs) <= TOL_STATE, f"{label}: final state rel RMS {rel_rms(fs, rfs):.2e}"
+    (o.float() * do.cuda().float()).sum().add((fs * dS.cuda()).sum()).backward()
+    grads = [None if leaves[n] is None else leaves[n].grad for n in _NAMES]
+    _check_mode_grads(label + " kda", grads, ref)
+    args = [c[n] for n in _NAMES]
+    g2 = kda_ops.recurrent_kda_backward(*args, do.cuda(), dS.cuda(), cu_seqlens=c["cu_seqlens"], **kw)
+    _check_mode_grads(label + " recurrent_kda_backward", list(g2), ref)
+    _check_backward_route(label, c, kw, do.cuda(), dS.cuda(), kernels=True)
+
+
+# (label, extreme gates (True, "band" or False), mode, T or None, packed lengths or None, H, HV)
+_DETERMINISM_CASES = [
+    ("precomputed-extreme-packed-gqa2", True, ("precomputed", True, True), None, [70, 0, 130], 1, 2),
+    ("precomputed-T200-H2", False, ("precomputed", False, False), 200, None, 2, 2),
+    ("softplus-extreme-T200-gqa2", True, ("softplus", True, True), 200, None, 1, 2),
+    ("softplus-packed-H2", False, ("softplus", True, False), None, [70, 0, 130], 2, 2),
+    ("softplus-band-T200-gqa2", "band", ("softplus", True, True), 200, None, 1, 2),
+]
+
+
+@pytest.mark.parametrize("case", _DETERMINISM_CASES, ids=[c[0] for c in _DETERMINISM_CASES])
+def test_backward_unbounded_gates_deterministic(case):
+    """The CUDA backward of the softplus and precomputed gates (no atomics; fixed-order sums, the parameter
+    partials one row per task): two runs give the same bits, every gradient, and they are finite."""
+    label, extreme, mode, T, lengths, H, HV = case
+    cu = None
+    if lengths is not None:
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+    Tm = T if cu is None else 1
+    if extreme:
+        x, kw, do, dS = _extreme_case(*mode, Tm, cu, H, HV, True, seed=len(label), band=extreme == "band")
+    else:
+        x, kw, do, dS = make_case(mode, T=Tm, cu=cu, H=H, HV=HV, K=128, seed=len(label))
+    c = _to_cuda(x)
+    first = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
+    second = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
+    for n_, a, b in zip(GRADS, first, second, strict=True):
+        assert torch.isfinite(a.float()).all(), f"{label}: {n_} not finite"
+        assert torch.equal(a, b), f"{label}: {n_} differs between two runs"
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernel: sm_90"
+)
+@pytest.mark.parametrize("kernel", ["sm90", "mma"])
+@pytest.mark.parametrize("gate", ["precomputed", "softplus"])
+def test_backward_chain_kernels_extreme_gates(gate, kernel, monkeypatch):
+    """The backward chain (and the forward) on either chunked kernel, forced by KDA_CHUNKED_KERNEL (the automatic
+    choice takes the Hopper kernel only when the heads fill the SMs), with extreme unbounded gates, GQA 2: the
+    eight gradients of recurrent_kda_backward within 1e-2 of fp64 autograd, finite."""
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+    label = f"{gate}-{kernel}-chain"
+    x, kw, do, dS = _extreme_case(gate, True, True, 90, None, 2, 4, True, seed=31)
+    _, _, ref = reference_grads(x, kw, do, dS)
+    c = _to_cuda(x)
+    grads = list(_raw_mode_backward(c, kw, do.cuda(), dS.cuda()))
+    for i, r in enumerate(ref):
+        if r is None:
+            assert grads[i].numel() == 0, f"{label}: {GRADS[i]} of an absent parameter must be empty"
+            grads[i] = None
+    _check_mode_grads(label, grads, ref)

@@ -1,8 +1,8 @@
 // Plain-old-data parameters of the CUDA training backward (docs/contract.md, Recurrence and API) and its
 // launchers.
 // No torch types: csrc/api/training_cuda.cpp fills these from tensors. Offsets and strides are in
-// ELEMENTS and 64-bit. Fast path only: K == V == 128 (kBwdDim), bf16 token tensors, L2 norm on,
-// lower-bound gate, logit beta (the training contract).
+// ELEMENTS and 64-bit. K == V == 128 (kBwdDim), bf16 token tensors; every gate mode (gate_mode), logit or plain
+// beta, L2 norm on or off.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -26,8 +26,8 @@ struct TrainingBackwardParams {
   TokenTensor beta;   // [B, T, HV] bf16 logits
   TokenTensor dout;   // [B, T, HV, 128] bf16: dL/do
 
-  const float* A_log = nullptr;    // [HV]
-  const float* dt_bias = nullptr;  // [HV, 128], may be null (0)
+  const float* A_log = nullptr;    // [HV]; null with the precomputed gate
+  const float* dt_bias = nullptr;  // [HV, 128], may be null (0; always null with the precomputed gate)
 
   // Tapes: fp32 [n_tape_rows, HV, 128, 128], compact; row tape_row(tape_cu_starts, n, c) holds the state of
   // sequence n before its token 64*c, for c >= 1 (kda/tape_rows.h; the checkpoint rule with every =
@@ -48,9 +48,9 @@ struct TrainingBackwardParams {
   const float* dfinal_state = nullptr;  // [N, HV, 128, 128] compact fp32; null = zeros
 
   float scale = 0.f;        // q scale (> 0)
-  float lower_bound = 0.f;  // λ in [-5, 0)
-  // Modes (the lower-bound gate is the only gate here): β = sigmoid(beta) or beta itself; q, k L2-normalised in
-  // the op or taken as given (then no norm chain in the backward).
+  float lower_bound = 0.f;  // λ in [-5, 0) of the lower-bound gate (unused by the other gates)
+  // Modes (the gate: gate_mode, the last field): β = sigmoid(beta) or beta itself; q, k L2-normalised in the op or
+  // taken as given (then no norm chain in the backward).
   bool beta_is_logit = true;
   bool use_qk_l2norm = true;
 
@@ -83,8 +83,13 @@ struct TrainingBackwardParams {
   // Outputs of the finishing kernels.
   void* dq = nullptr;        // [B, T, H, 128] bf16 compact
   void* dk = nullptr;        // [B, T, H, 128] bf16 compact
-  float* dA_log = nullptr;   // [HV]
-  float* ddt_bias = nullptr; // [HV, 128]
+  float* dA_log = nullptr;   // [HV] (scratch with the precomputed gate: zeros)
+  float* ddt_bias = nullptr; // [HV, 128] (scratch without dt_bias)
+
+  // The gate (docs/contract.md, Recurrence): kLowerBound a = λ σ(exp(A_log) (g + dt_bias)); kSoftplus
+  // a = -exp(A_log) softplus(g + dt_bias); kPrecomputed a = g. (Last, so that the other fields keep their offsets
+  // in the lower-bound kernel's parameter block.)
+  GateMode gate_mode = GateMode::kLowerBound;
 };
 
 // The state of sequence n, value head hv, before its token 64 c: initial_state for c == 0, else tape row

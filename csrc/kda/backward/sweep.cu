@@ -24,6 +24,14 @@
 // for the training contract's λ >= -5 (finite in fp32). Pair factors are formed either as E_i · e^{-Γ_j}
 // (<= 1 for j <= i) or with the mid-token reference (each factor <= e^{8|λ|} = e^{40}) before they multiply
 // anything, so no intermediate overflows.
+// The softplus and precomputed gates are unbounded per token (a = -1000 is valid), so e^{-Γ} may overflow. Their
+// kernel (kUnbounded) tests every sub-chunk: narrow ones (every |Γ| <= kNarrowSpan = 40, the lower-bound gate's
+// own range of factors) take the factorised form above; in wide ones no positive exponent is ever evaluated:
+// Ei holds the log-decay a itself, Kr's factor is e^{Γ_last - Γ} from suffix sums of a, and L, Mqk and the three
+// pair terms use exact pairwise factors e^{Γ_i - Γ_j} (i >= j) on CUDA cores, the exponent summed outward from
+// the pair's own token (Σ_{j < u <= i} a_u: no cancellation of large prefixes when a -1000 token precedes -1e-3
+// ones), masked pairs never exponentiated. The lower-bound kernel is the kUnbounded = false instantiation, its
+// machine code unchanged.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -82,6 +90,38 @@ __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast
 __device__ __forceinline__ void st4(float* p, float4 x) { *reinterpret_cast<float4*>(p) = x; }
 __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
+}
+
+// Σ over the 32 lanes of v[i], for each i < 16, in a fixed order: a transposing butterfly (each step halves the
+// rows a lane carries and doubles the lanes summed; 16 shuffles where 16 warp sums take 80). Lanes 2i and 2i + 1
+// end with the total of row i; store(i, total) runs on lane 2i.
+template <typename F>
+__device__ __forceinline__ void pair_column_store(float (&v)[16], int lane, F store) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const bool up = lane & 16;
+    const float send = up ? v[k] : v[k + 8], keep = up ? v[k + 8] : v[k];
+    v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const bool up = lane & 8;
+    const float send = up ? v[k] : v[k + 4], keep = up ? v[k + 4] : v[k];
+    v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const bool up = lane & 4;
+    const float send = up ? v[k] : v[k + 2], keep = up ? v[k + 2] : v[k];
+    v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+  }
+  {
+    const bool up = lane & 2;
+    const float send = up ? v[0] : v[1], keep = up ? v[1] : v[0];
+    v[0] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+  }
+  v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
+  if ((lane & 1) == 0) store(lane >> 1, v[0]);
 }
 
 // Tensor-core products: mma.sync m16n8k8 with tf32 operands (rounded to nearest) and fp32 accumulation,
@@ -318,6 +358,20 @@ struct Task {
   float A;  // exp(A_log[hv])
 };
 
+// The widest |Γ| (nats) of a sub-chunk of an unbounded gate that still takes the factorised tensor-core form: every
+// factor then stays <= e^{40}, as the lower-bound gate's mid-token factors do (8 |λ| <= 40).
+constexpr float kNarrowSpan = 40.f;
+constexpr float kNegligibleDecay = -17.f;  // e^{-17} < 2^-24, fp32's unit roundoff (the da rule, below)
+
+// The log-decay of the unbounded gates from x = g + dt_bias (softplus; A = exp(A_log)) or x = g (precomputed), in
+// nats, as the forward computes it (kda/chunked/chunk_math.cuh gate_a: softplus(x) = x above 20; the same floor,
+// which keeps a -inf gate from making inf - inf).
+constexpr float kMinLogDecayNats = -1e30f;
+__device__ __forceinline__ float unbounded_log_decay(bool softplus, float x, float A) {
+  const float a = softplus ? -A * (x > 20.f ? x : log1pf(__expf(x))) : x;
+  return fmaxf(a, kMinLogDecayNats);
+}
+
 // Pulls a [128][128] fp32 state (64 KB, 512 lines of 128 bytes) into L2: one prefetch per thread.
 __device__ __forceinline__ void prefetch_state_l2(const float* src) {
   ptx::prefetch_l2(src + threadIdx.x * 32);
@@ -338,9 +392,15 @@ __device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams&
 }
 
 // Loads the tokens [t0, t0 + len) of the sub-chunk (zeros beyond len) and forms E, Ei, gC, β,
-// then L, Mqk, INV, K⁺, Kr, V - X = V - K⁺ Sᵀ and R. Ends synchronised.
-__device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
+// then L, Mqk, INV, K⁺, Kr, V - X = V - K⁺ Sᵀ and R. Ends synchronised. Returns whether the sub-chunk is wide:
+// kUnbounded (softplus / precomputed gates) only, when some |Γ_t| of the sub-chunk exceeds kNarrowSpan (or is
+// NaN); then Ei holds the log-decay a (0 past len) instead of e^{-Γ}, and L, Mqk come from pairwise exponents
+// (see the file comment). Narrow sub-chunks of those gates take the lower-bound gate's factorised form, whose
+// factors then stay within the same e^{40} (every |Γ_i - Γ_j| <= 40).
+template <bool kUnbounded>
+__device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
                                   int64_t t0, int len, float dtb_col) {
+  [[maybe_unused]] bool wide = false;  // (kUnbounded only; the lower-bound instantiation returns nothing)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int tl = warp; tl < kC; tl += kThreads / 32) {
     float kx[4], qx[4], vv[4], dd[4];
@@ -385,8 +445,48 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     st4(sm.vx + o, make_float4(vv[0], vv[1], vv[2], vv[3]));
     st4(sm.dO + o, make_float4(dd[0], dd[1], dd[2], dd[3]));
   }
-  {  // Γ = inclusive prefix of the log-decay a = λ σ(A (g + dt_bias)) over the sub-chunk (a = 0 past len), from
-     // gate loads of this thread's own (channel tid / 4, tokens [4 (tid % 4), +4)): no barrier before the prefix
+  if constexpr (kUnbounded) {
+    // Γ = inclusive prefix of the unbounded log-decay a over the sub-chunk (a = 0 past len), this thread's
+    // channel tid / 4, tokens [4 (tid % 4), +4), as below; E = e^{Γ} <= 1; wide: Ei = a, and Kr's factor
+    // e^{Γ_last - Γ_t} = e^{Σ_{u > t} a_u} <= 1 (suffix sums) into kr, multiplied by k̂ after the barrier;
+    // narrow: Ei = e^{-Γ} <= e^{40}, as the lower-bound gate.
+    const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
+    const bool softplus = p.gate_mode == GateMode::kSoftplus;
+    float av[4], gam[4], run = 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {  // the loads go out first
+      const int t = 4 * part + u;
+      av[u] = t < len ? ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, t0 + t, tk.hv) + c) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      av[u] = 4 * part + u < len ? unbounded_log_decay(softplus, av[u] + dtb_col, tk.A) : 0.f;
+      run += av[u];
+      gam[u] = run;
+    }
+    const float t0s = __shfl_sync(0xffffffffu, run, 0, 4), t1s = __shfl_sync(0xffffffffu, run, 1, 4);
+    const float t2s = __shfl_sync(0xffffffffu, run, 2, 4), t3s = __shfl_sync(0xffffffffu, run, 3, 4);
+    const float off = part == 0 ? 0.f : (part == 1 ? t0s : (part == 2 ? t0s + t1s : (t0s + t1s) + t2s));
+    const float later = part == 3 ? 0.f : (part == 2 ? t3s : (part == 1 ? t3s + t2s : (t3s + t2s) + t1s));
+    const float sfx[4] = {((av[3] + av[2]) + av[1]) + later, (av[3] + av[2]) + later, av[3] + later, later};
+    bool w = false;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) w = w || !(fabsf(gam[u] + off) <= kNarrowSpan);  // (NaN counts as wide)
+    wide = __syncthreads_or(w);  // (every thread of the CTA is here)
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int o = (4 * part + u) * kLD + c;
+      sm.E[o] = __expf(gam[u] + off);
+      if (wide) {
+        sm.Ei[o] = av[u];
+        sm.kr[o] = __expf(sfx[u]);
+      } else {
+        sm.Ei[o] = __expf(-(gam[u] + off));
+      }
+    }
+    if (part == 3) sm.gC[c] = __expf(gam[3] + off);
+  } else {  // Γ = inclusive prefix of the log-decay a = λ σ(A (g + dt_bias)) over the sub-chunk (a = 0 past len),
+     // from gate loads of this thread's own (channel tid / 4, tokens [4 (tid % 4), +4)): no barrier before the prefix
     const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
     float gam[4], run = 0.f;
 #pragma unroll
@@ -414,9 +514,33 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   // had them in flight; the barrier publishes every thread's before any use.
   cute::cp_async_wait<0>();
   __syncthreads();
-  // L and Mqk on tensor cores with the mid-token reference: e^{Γ_i - Γ_j} = P_i N_j, P = e^{Γ - Γ_mid}
-  // (E · Ei_mid), N = e^{Γ_mid - Γ} (E_mid · Ei); every factor <= e^{8|λ|} = e^{40} (λ >= -5).
-  {
+  if (kUnbounded && wide) {
+    // L and Mqk from exact pairwise exponents on CUDA cores: warp j, column j; lane: channels [4 lane, +4);
+    // rows i >= j with the exponent Γ_i - Γ_j = Σ_{j < u <= i} a_u summed upward from token j (every factor
+    // <= 1), the 16 partial rows then summed over the lanes (pair_column_store); masked pairs are never formed.
+    const int j = threadIdx.x >> 5, lane = threadIdx.x & 31, c0 = 4 * lane;
+    const float4 kj = ld4(sm.kn + j * kLD + c0);
+    float vl[kC], vm[kC], ex[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kC; ++i) {
+      vl[i] = vm[i] = 0.f;
+      if (i >= j) {  // (warp-uniform)
+        const float4 ki = ld4(sm.kn + i * kLD + c0), qi = ld4(sm.qs + i * kLD + c0);
+        if (i > j) {
+          const float4 ai = ld4(sm.Ei + i * kLD + c0);
+          ex[0] += ai.x, ex[1] += ai.y, ex[2] += ai.z, ex[3] += ai.w;
+        }
+        const float4 w = make_float4(kj.x * __expf(ex[0]), kj.y * __expf(ex[1]), kj.z * __expf(ex[2]),
+                                     kj.w * __expf(ex[3]));
+        vl[i] = dot4(ki, w, 0.f);
+        vm[i] = dot4(qi, w, 0.f);
+      }
+    }
+    pair_column_store(vl, lane, [&](int i, float x) { sm.L[i][j] = i > j ? x : 0.f; });
+    pair_column_store(vm, lane, [&](int i, float x) { sm.M[i][j] = i >= j ? x : 0.f; });
+  } else {
+    // L and Mqk on tensor cores with the mid-token reference: e^{Γ_i - Γ_j} = P_i N_j, P = e^{Γ - Γ_mid}
+    // (E · Ei_mid), N = e^{Γ_mid - Γ} (E_mid · Ei); every factor <= e^{8|λ|} = e^{40} (λ >= -5).
     const auto colop = [&](int j, int c) { return sm.kn[j * kLD + c] * (sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]); };
     gemm_tri(sm.L, 0, [&](int i, int c) { return sm.kn[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
              colop, true, 1.f);
@@ -427,7 +551,10 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   for (int idx = threadIdx.x; idx < kC * kD; idx += kThreads) {
     const int t = idx >> 7, c = idx & 127, o = t * kLD + c;
     sm.kp[o] = sm.kn[o] * sm.E[o];
-    sm.kr[o] = sm.kn[o] * (sm.gC[c] * sm.Ei[o]);
+    if (kUnbounded && wide)
+      sm.kr[o] = sm.kn[o] * sm.kr[o];  // (kr: e^{Γ_last - Γ}, from the gate prefix)
+    else
+      sm.kr[o] = sm.kn[o] * (sm.gC[c] * sm.Ei[o]);
   }
   __syncthreads();         // L, K⁺ and Kr are complete
   if (threadIdx.x < kC) {  // INV column j by forward substitution
@@ -447,6 +574,43 @@ __device__ void sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   __syncthreads();
   gemm_small<false>(sm.R, sm.INV, sm.beta, sm.vx);  // R = INV diag(β) (V - X)
   __syncthreads();
+  if constexpr (kUnbounded) return wide;
+}
+
+// The pair terms on tensor cores (mid-token reference, as L and Mqk), then dq, dk, dΓ per element: the factorised
+// form of the lower-bound gate and of the unbounded gates' narrow sub-chunks.
+__device__ __forceinline__ void pair_terms_mid(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
+                                               int64_t t0, int len) {
+  const int tid = threadIdx.x;
+  const int n0 = (tid >> 5) * 8;
+  const auto P = [&](int i, int c) { return sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]; };
+  const auto N = [&](int j, int c) { return sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]; };
+  float rm[4] = {}, rl[4] = {}, cl[4] = {};
+  const auto kN = [&](int j, int c) { return sm.kn[j * kLD + c] * N(j, c); };
+  mma_frag<kC, true>(rm, n0, [&](int t, int j) { return sm.dM[t][j]; }, kN);               // Σ_j dM_tj k_j N_j
+  mma_frag<kC, true>(rl, n0, [&](int t, int j) { return sm.beta[t] * sm.dA[t][j]; }, kN);  // Σ_j dL_tj k_j N_j
+  mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.dM[i][t]; },
+                     [&](int i, int c) { return sm.qs[i * kLD + c] * P(i, c); });  // Σ_i dM_it q_i P_i
+  mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.beta[i] * sm.dA[i][t]; },
+                     [&](int i, int c) { return sm.kn[i * kLD + c] * P(i, c); });  // Σ_i dL_it k_i P_i
+  const int lane = tid & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int t = g + 8 * (e >> 1), cc = n0 + 2 * q + (e & 1), o = t * kLD + cc;
+    const float ev = sm.E[o], ei = sm.Ei[o];
+    const float dq = fmaf(sm.kp[o], ev, P(t, cc) * rm[e]);
+    const float dk_row = fmaf(sm.vx[o], ev, P(t, cc) * rl[e]);
+    const float dk_col = fmaf(sm.dr[o], sm.gC[cc] * ei, N(t, cc) * cl[e]);
+    if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (dO is dead, vx: own elements)
+      sm.dO[o] = dq * p.scale;
+      sm.vx[o] = dk_row + dk_col;
+    } else if (t < len) {
+      const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
+      p.dq_head[ho] = dq * p.scale;
+      p.dk_head[ho] = dk_row + dk_col;
+    }
+    sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));  // dΓ over dQ⁺ (own element)
+  }
 }
 
 // Slot r belongs to the one sequence n with slot_cu_starts[n] <= r < slot_cu_starts[n + 1] (empty sequences own
@@ -472,6 +636,8 @@ __device__ __forceinline__ const float* task_state(const TrainingBackwardParams&
 // One CTA per (slot, value head) task, persistent: the gradients of the 64 tokens of one 64-token chunk from
 // the state entering it, S_0 (initial_state for a sequence's first chunk, a tape row otherwise), and the chain
 // gradient at its end dS_C (p.dstates, written by the backward chain).
+// kUnbounded: the softplus and precomputed gates (p.gate_mode), pairwise exponents; else the lower-bound gate.
+template <bool kUnbounded>
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_kernel(const TrainingBackwardParams p) {
   extern __shared__ float4 smem_raw[];
   ChunkedBwdSmem& sm = *reinterpret_cast<ChunkedBwdSmem*>(smem_raw);
@@ -495,7 +661,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       continue;
     }
     tk.hq = tk.hv / group;
-    tk.A = __expf(p.A_log[tk.hv]);
+    if constexpr (kUnbounded)
+      tk.A = p.A_log != nullptr ? __expf(p.A_log[tk.hv]) : 0.f;  // (none with the precomputed gate)
+    else
+      tk.A = __expf(p.A_log[tk.hv]);
     // Gate chain rule: thread (column tid / 4, tokens [4 (tid % 4), +4) of each sub-chunk), fixed order.
     const float dtb_col = p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + (tid >> 2)] : 0.f;
     float ddt_acc = 0.f, dA_acc = 0.f;
@@ -526,7 +695,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         } else if (task + gridDim.x < tasks) {  // this CTA's next task: the state entering its chunk
           if (const float* ns = task_state(p, task + gridDim.x)) prefetch_state_l2(ns);
         }
-        sub_chunk_forward(sm, p, tk, t0, len, dtb_col);
+        bool wide = false;  // (the lower-bound gate: always the factorised form)
+        if constexpr (kUnbounded)
+          wide = sub_chunk_forward<true>(sm, p, tk, t0, len, dtb_col);
+        else
+          sub_chunk_forward<false>(sm, p, tk, t0, len, dtb_col);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
         // Column-local: a warp reads back only the dR columns it wrote (frag_each and mma_frag's B operand
         // use the same columns), so a warp barrier orders these three products.
@@ -591,7 +764,66 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         if (sb + 1 < nsub)
           rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
                          [&](int, int t, int c) { return sm.kr[t * kLD + c]; });
-        {  // pair terms on tensor cores (mid-token reference, as L and Mqk), then dq, dk, dΓ per element
+        if constexpr (kUnbounded) {
+          if (wide) {
+            // pair terms from exact pairwise exponents on CUDA cores (warp t: row t; lane: channels [4 lane, +4)):
+            // rm = Σ_{j<=t} dM_tj k_j e^{Γ_t - Γ_j}, rl = Σ_{j<t} β_t dA_tj k_j e^{Γ_t - Γ_j} with the exponent summed
+            // downward from t, cl = Σ_{i>=t} (dM_it q_i + β_i dA_it k_i) e^{Γ_i - Γ_t} summed upward (every factor
+            // <= 1); then dq, dk, dΓ per element as below, with Kr's factor e^{Γ_last - Γ_t} from the upward sum.
+            const int t = tid >> 5, lane = tid & 31, c0 = 4 * lane;
+            float rm[4] = {0.f, 0.f, 0.f, 0.f}, rl[4] = {0.f, 0.f, 0.f, 0.f}, cl[4] = {0.f, 0.f, 0.f, 0.f};
+            float ex[4] = {0.f, 0.f, 0.f, 0.f};
+            const float bt = sm.beta[t];
+            for (int j = t; j >= 0; --j) {
+              const float4 kj4 = ld4(sm.kn + j * kLD + c0), aj4 = ld4(sm.Ei + j * kLD + c0);
+              const float kj[4] = {kj4.x, kj4.y, kj4.z, kj4.w}, aj[4] = {aj4.x, aj4.y, aj4.z, aj4.w};
+              const float wm = sm.dM[t][j], wl = bt * sm.dA[t][j];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float w = __expf(ex[e]) * kj[e];
+                rm[e] = fmaf(wm, w, rm[e]);
+                rl[e] = fmaf(wl, w, rl[e]);
+                ex[e] += aj[e];
+              }
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ex[e] = 0.f;
+            for (int i = t; i < kC; ++i) {
+              const float4 ki4 = ld4(sm.kn + i * kLD + c0), qi4 = ld4(sm.qs + i * kLD + c0);
+              if (i > t) {
+                const float4 ai = ld4(sm.Ei + i * kLD + c0);
+                ex[0] += ai.x, ex[1] += ai.y, ex[2] += ai.z, ex[3] += ai.w;
+              }
+              const float ki[4] = {ki4.x, ki4.y, ki4.z, ki4.w}, qi[4] = {qi4.x, qi4.y, qi4.z, qi4.w};
+              const float wm = sm.dM[i][t], wl = sm.beta[i] * sm.dA[i][t];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float x = __expf(ex[e]);
+                cl[e] = fmaf(wm, qi[e] * x, fmaf(wl, ki[e] * x, cl[e]));
+              }
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // (ex = Γ_last - Γ_t: a = 0 past len)
+              const int cc = c0 + e, o = t * kLD + cc;
+              const float ev = sm.E[o];
+              const float dq = fmaf(sm.kp[o], ev, rm[e]);
+              const float dk_row = fmaf(sm.vx[o], ev, rl[e]);
+              const float dk_col = fmaf(sm.dr[o], __expf(ex[e]), cl[e]);
+              if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (dO is dead, vx: own elements)
+                sm.dO[o] = dq * p.scale;
+                sm.vx[o] = dk_row + dk_col;
+              } else if (t < len) {
+                const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
+                p.dq_head[ho] = dq * p.scale;
+                p.dk_head[ho] = dk_row + dk_col;
+              }
+              sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));  // dΓ over dQ⁺ (own element)
+            }
+          } else {
+            pair_terms_mid(sm, p, tk, t0, len);
+          }
+        } else {  // (the same pair terms inline: as a call, the lower-bound kernel's registers would be allocated in a
+                  // different order; inline, its machine code stays what it was)
           const int n0 = (tid >> 5) * 8;
           const auto P = [&](int i, int c) { return sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]; };
           const auto N = [&](int j, int c) { return sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]; };
@@ -645,7 +877,46 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
                 make_uint2(*reinterpret_cast<const uint32_t*>(&k01), *reinterpret_cast<const uint32_t*>(&k23));
           }
         }
-        {  // da = reverse cumsum of dΓ (4 lanes per channel, 4 tokens each); a = λ σ(z), z = A (g + dt_bias)
+        if constexpr (kUnbounded) {
+          // da = reverse cumsum of dΓ as below; softplus: a = -A softplus(x), x = g + dt_bias, dg = -A σ(x) da,
+          // dA_log += da a, ddt += dg; precomputed: a = g, dg = da (no parameters).
+          // Every quantity a_t enters (E_i for i >= t, Kr_i for i < t, g_C, the pairs i >= t > j) is an exponential
+          // holding the factor e^{a_t}, so the exact da_t = e^{a_t} X_t, X_t a sum of the same terms with factors
+          // <= 1. The reverse cumsum forms da_t from terms of X's scale that cancel, leaving a rounding residue of
+          // ~2^-24 times that scale (which dA_log += da a then multiplies by |a|); below kNegligibleDecay
+          // e^{a_t} < 2^-24, the exact da_t is smaller than that residue, and 0 is the closer value.
+          const int c = tid >> 2, part = tid & 3;
+          const bool softplus = p.gate_mode == GateMode::kSoftplus;
+          float xt[4], suf[4], run = 0.f;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {  // the gate loads go out first
+            const int t = 4 * part + u;
+            xt[u] = t < len ? ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, t0 + t, tk.hv) + c) + dtb_col : 0.f;
+          }
+#pragma unroll
+          for (int u = 3; u >= 0; --u) {
+            run += sm.kp[(4 * part + u) * kLD + c];
+            suf[u] = run;
+          }
+          const float s1 = __shfl_sync(0xffffffffu, run, 1, 4), s2 = __shfl_sync(0xffffffffu, run, 2, 4);
+          const float s3 = __shfl_sync(0xffffffffu, run, 3, 4);
+          const float off = sm.ext[c] + (part == 3 ? 0.f : (part == 2 ? s3 : (part == 1 ? s3 + s2 : (s3 + s2) + s1)));
+#pragma unroll
+          for (int u = 3; u >= 0; --u) {
+            const int t = 4 * part + u;
+            if (t < len) {
+              const float a = unbounded_log_decay(softplus, xt[u], tk.A);
+              const float da = a < kNegligibleDecay ? 0.f : suf[u] + off;
+              float dgv = da;
+              if (softplus) {
+                dgv = -tk.A * sigmoidf_(xt[u]) * da;
+                ddt_acc += dgv;
+                dA_acc = fmaf(da, a, dA_acc);
+              }
+              st_bf16(p.dg, ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + c, dgv);
+            }
+          }
+        } else {  // da = reverse cumsum of dΓ (4 lanes per channel, 4 tokens each); a = λ σ(z), z = A (g + dt_bias)
           const int c = tid >> 2, part = tid & 3;
           float zt[4], suf[4], run = 0.f;
 #pragma unroll
@@ -704,10 +975,12 @@ cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams&
   const int smem = static_cast<int>(sizeof(ChunkedBwdSmem));
   if (p.dstates == nullptr || p.dstate_cu_starts == nullptr || p.slot_cu_starts == nullptr)
     return cudaErrorInvalidValue;
-  KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kda_training_backward_chunked_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // the lower-bound gate's factorised exponents, or the pairwise ones of the unbounded gates
+  const auto kernel = p.gate_mode == GateMode::kLowerBound ? kda_training_backward_chunked_kernel<false>
+                                                           : kda_training_backward_chunked_kernel<true>;
+  KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.n_slots * p.HV <= 0) return cudaSuccess;
-  kda_training_backward_chunked_kernel<<<p.grid, kThreads, smem, stream>>>(p);
+  kernel<<<p.grid, kThreads, smem, stream>>>(p);
   KDA_CHECK_LAUNCH();
   return cudaSuccess;
 }

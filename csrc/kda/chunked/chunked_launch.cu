@@ -144,8 +144,8 @@ RecurrentParams chain_as_recurrent(const BackwardChainParams& c) {
   p.n_checkpoint_rows = c.n_dstate_rows;
   p.checkpoint_every_n_tokens = prefill::kChunk;
   p.scale = c.scale;
-  p.gate_mode = GateMode::kLowerBound;
-  p.lower_bound = c.lower_bound;
+  p.gate_mode = c.gate_mode;
+  p.lower_bound = c.gate_mode == GateMode::kLowerBound ? c.lower_bound : 0.f;
   p.use_qk_l2norm = c.use_qk_l2norm;
   p.beta_is_logit = c.beta_is_logit;
   return p;

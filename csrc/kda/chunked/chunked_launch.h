@@ -24,7 +24,7 @@ bool chunked_preferred(const RecurrentParams& p);
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream);
 
 // The arguments of the backward chain of the CUDA training backward, named for what they carry
-// (lower-bound gate, K == V == 128, bf16 token tensors with 16-byte aligned rows and
+// (every gate mode, K == V == 128, bf16 token tensors with 16-byte aligned rows and
 // strides that are multiples of 8 elements; the training contract). The chunked kernel reads them through
 // RecurrentParams' fields in BWD mode; chain_as_recurrent (chunked_launch.cu) is the one place that maps them.
 struct BackwardChainParams {
@@ -34,11 +34,12 @@ struct BackwardChainParams {
   TokenTensor g;                // [B, T, HV, 128] raw gate input
   TokenTensor beta;             // [B, T, HV] logits (or β, beta_is_logit = false)
   TokenTensor dout;             // [B, T, HV, 128] dL/do
-  const float* A_log = nullptr;    // [HV]
+  const float* A_log = nullptr;    // [HV]; null with the precomputed gate
   const float* dt_bias = nullptr;  // [HV, 128], may be null (0)
   const void* cu_seqlens = nullptr;  // [N+1] int32 / int64; null for the fixed layout
   bool cu_seqlens_int64 = false;
-  float scale = 0.f, lower_bound = 0.f;
+  GateMode gate_mode = GateMode::kLowerBound;
+  float scale = 0.f, lower_bound = 0.f;  // (lower_bound: the lower-bound gate's λ)
   bool beta_is_logit = true;  // beta holds logits (else β itself)
   bool use_qk_l2norm = true;  // q, k L2-normalised in the op
   const float* dfinal_state = nullptr;  // [N, HV, 128, 128] compact fp32, 16-byte aligned; null = zeros
