@@ -60,9 +60,10 @@ Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``auto`` (default: split CUD
 model of the shapes says it pays, :func:`split_pays`: the unsplit critical path against 3 passes over
 one segment), ``0`` (off), ``1`` (split whenever the scope allows and a sequence is longer than one
 segment, on any device). ``KDA_SEQUENCE_SPLIT_TOKENS`` (a multiple of 64) forces the segment length
-(benchmarks, tests). On the H200 (benchmarks/bench_split.py) the model split the cases the split wins
-(few heads, 64K tokens: 3.3-3.5x prefill, 1.3-1.5x training) and declined the ones it loses (32 heads at
-8K tokens, 16 heads of 8 x 2K).
+(benchmarks, tests). On the H200 (benchmarks/bench_split.py) the model splits the prefill cases the split wins
+(few heads of 64K tokens: 4-8x in graphs; 16 and 32 heads of 8K: 2.2x and 1.2x) and declines the ones it loses
+(64 heads of 8K, 16 heads of 8 x 2K); training splits few heads of 64K tokens (1.3-1.5x) and declines 32 heads
+of 8K (its own threshold and row cost, AUTO_MIN_TOKENS_TRAINING).
 """
 
 from __future__ import annotations
