@@ -53,6 +53,8 @@ CASES = [
     ("H=32 T=8192", 32, [8192], False),
     ("H=16 packed 8x2048", 16, [2048] * 8, False),
     ("H=8 T=65536 slow channel", 8, [65536], True),
+    ("H=16 T=8192", 16, [8192], False),
+    ("H=64 T=8192", 64, [8192], False),
 ]
 SWEEP = [512, 1024, 2048, 4096, 8192]
 
@@ -119,6 +121,9 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
                     print(f"[unsplit] {name}: {e}", flush=True)
             ls_auto = _split.plan_segments(lens, H, sms)
             rec["auto Ls"] = ls_auto
+            rec["auto splits"] = max(lens) >= _split.AUTO_MIN_TOKENS and _split.split_pays(
+                lens, H, sms, ls_auto, _split._rows128_cost(d["q"].device)
+            )
             rec["split auto-plan"], err = try_call(lambda: cuda_time_ms(with_split("1", 0, base)))
             if err:
                 print(f"[split] {name}: {err}", flush=True)
@@ -175,7 +180,7 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
         records.append(rec)
         rows.append(
             [
-                name,
+                f"{name} ({'auto: split' if rec['auto splits'] else 'auto: unsplit'})",
                 fmt(rec["unsplit eager"]),
                 fmt(rec["unsplit graph"]),
                 f"{fmt(rec['split auto-plan'])} (Ls={ls_auto})",
