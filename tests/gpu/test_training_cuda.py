@@ -639,6 +639,7 @@ def test_uncovered_tokens_hold_inf(group):
 # host route refuses CUDA-graph capture.
 
 from _training_cases import MODES, make_case, mode_id, reference_grads  # noqa: E402
+from conftest import lengths_to_cu  # noqa: E402
 
 _NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -832,11 +833,7 @@ def test_training_extreme_gates_vs_reference(case):
     are finite and within 1e-2 relative RMS of fp64 autograd through the token loop (kda_ops/reference.py),
     through kda and recurrent_kda_backward, on the kernels."""
     label, gate, logit, l2, T, lengths, H, HV, dtb, band = case
-    cu = None
-    if lengths is not None:
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
+    cu = None if lengths is None else lengths_to_cu(lengths).tolist()
     Tm = T if cu is None else 1
     x, kw, do, dS = _extreme_case(gate, logit, l2, Tm, cu, H, HV, dtb, seed=len(label), band=band)
     a = x["g"].double() if gate == "precomputed" else None
@@ -875,11 +872,7 @@ def test_backward_unbounded_gates_deterministic(case):
     """The CUDA backward of the softplus and precomputed gates (no atomics; fixed-order sums, the parameter
     partials one row per task): two runs give the same bits, every gradient, and they are finite."""
     label, extreme, mode, T, lengths, H, HV = case
-    cu = None
-    if lengths is not None:
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
+    cu = None if lengths is None else lengths_to_cu(lengths).tolist()
     Tm = T if cu is None else 1
     if extreme:
         x, kw, do, dS = _extreme_case(*mode, Tm, cu, H, HV, True, seed=len(label), band=extreme == "band")

@@ -577,6 +577,21 @@ __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
   if constexpr (kUnbounded) return wide;
 }
 
+// da's reverse cumsum over a sub-chunk, 4 lanes per channel c (lane part holds tokens 4 part .. 4 part + 3): the
+// sums within the lane's own tokens into suf, and the returned offset (the later lanes' sums and sm.ext[c], what
+// the later sub-chunks carried in), so that da_t = suf[t - 4 part] + offset.
+__device__ __forceinline__ float reverse_cumsum4(const ChunkedBwdSmem& sm, int c, int part, float (&suf)[4]) {
+  float run = 0.f;
+#pragma unroll
+  for (int u = 3; u >= 0; --u) {
+    run += sm.kp[(4 * part + u) * kLD + c];
+    suf[u] = run;
+  }
+  const float s1 = __shfl_sync(0xffffffffu, run, 1, 4), s2 = __shfl_sync(0xffffffffu, run, 2, 4);
+  const float s3 = __shfl_sync(0xffffffffu, run, 3, 4);
+  return sm.ext[c] + (part == 3 ? 0.f : (part == 2 ? s3 : (part == 1 ? s3 + s2 : (s3 + s2) + s1)));
+}
+
 // The pair terms on tensor cores (mid-token reference, as L and Mqk), then dq, dk, dΓ per element: the factorised
 // form of the lower-bound gate and of the unbounded gates' narrow sub-chunks.
 __device__ __forceinline__ void pair_terms_mid(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
@@ -822,37 +837,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           } else {
             pair_terms_mid(sm, p, tk, t0, len);
           }
-        } else {  // (the same pair terms inline: as a call, the lower-bound kernel's registers would be allocated in a
-                  // different order; inline, its machine code stays what it was)
-          const int n0 = (tid >> 5) * 8;
-          const auto P = [&](int i, int c) { return sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]; };
-          const auto N = [&](int j, int c) { return sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]; };
-          float rm[4] = {}, rl[4] = {}, cl[4] = {};
-          const auto kN = [&](int j, int c) { return sm.kn[j * kLD + c] * N(j, c); };
-          mma_frag<kC, true>(rm, n0, [&](int t, int j) { return sm.dM[t][j]; }, kN);               // Σ_j dM_tj k_j N_j
-          mma_frag<kC, true>(rl, n0, [&](int t, int j) { return sm.beta[t] * sm.dA[t][j]; }, kN);  // Σ_j dL_tj k_j N_j
-          mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.dM[i][t]; },
-                       [&](int i, int c) { return sm.qs[i * kLD + c] * P(i, c); });          // Σ_i dM_it q_i P_i
-          mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.beta[i] * sm.dA[i][t]; },
-                       [&](int i, int c) { return sm.kn[i * kLD + c] * P(i, c); });          // Σ_i dL_it k_i P_i
-          const int lane = tid & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int t = g + 8 * (e >> 1), cc = n0 + 2 * q + (e & 1), o = t * kLD + cc;
-            const float ev = sm.E[o], ei = sm.Ei[o];
-            const float dq = fmaf(sm.kp[o], ev, P(t, cc) * rm[e]);
-            const float dk_row = fmaf(sm.vx[o], ev, P(t, cc) * rl[e]);
-            const float dk_col = fmaf(sm.dr[o], sm.gC[cc] * ei, N(t, cc) * cl[e]);
-            if (p.fused_qk) {  // dL/dq̂, dL/dk̂ for the L2-norm backward below (dO is dead, vx: own elements)
-              sm.dO[o] = dq * p.scale;
-              sm.vx[o] = dk_row + dk_col;
-            } else if (t < len) {
-              const int64_t ho = ((tk.s.batch * p.T + t0 + t) * p.HV + tk.hv) * kD + cc;
-              p.dq_head[ho] = dq * p.scale;
-              p.dk_head[ho] = dk_row + dk_col;
-            }
-            sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));  // dΓ over dQ⁺ (own element)
-          }
+        } else {
+          pair_terms_mid(sm, p, tk, t0, len);
         }
         __syncthreads();
         if (p.fused_qk) {  // no GQA group: the L2-norm backward here, dx = ρ (dx̂ - (x̂·dx̂) x̂); warp w: token w
@@ -887,20 +873,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           // e^{a_t} < 2^-24, the exact da_t is smaller than that residue, and 0 is the closer value.
           const int c = tid >> 2, part = tid & 3;
           const bool softplus = p.gate_mode == GateMode::kSoftplus;
-          float xt[4], suf[4], run = 0.f;
+          float xt[4], suf[4];
 #pragma unroll
           for (int u = 0; u < 4; ++u) {  // the gate loads go out first
             const int t = 4 * part + u;
             xt[u] = t < len ? ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, t0 + t, tk.hv) + c) + dtb_col : 0.f;
           }
-#pragma unroll
-          for (int u = 3; u >= 0; --u) {
-            run += sm.kp[(4 * part + u) * kLD + c];
-            suf[u] = run;
-          }
-          const float s1 = __shfl_sync(0xffffffffu, run, 1, 4), s2 = __shfl_sync(0xffffffffu, run, 2, 4);
-          const float s3 = __shfl_sync(0xffffffffu, run, 3, 4);
-          const float off = sm.ext[c] + (part == 3 ? 0.f : (part == 2 ? s3 : (part == 1 ? s3 + s2 : (s3 + s2) + s1)));
+          const float off = reverse_cumsum4(sm, c, part, suf);
 #pragma unroll
           for (int u = 3; u >= 0; --u) {
             const int t = 4 * part + u;
@@ -918,20 +897,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           }
         } else {  // da = reverse cumsum of dΓ (4 lanes per channel, 4 tokens each); a = λ σ(z), z = A (g + dt_bias)
           const int c = tid >> 2, part = tid & 3;
-          float zt[4], suf[4], run = 0.f;
+          float zt[4], suf[4];
 #pragma unroll
           for (int u = 0; u < 4; ++u) {  // the gate loads go out first
             const int t = 4 * part + u;
             zt[u] = t < len ? tk.A * (ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, t0 + t, tk.hv) + c) + dtb_col) : 0.f;
           }
-#pragma unroll
-          for (int u = 3; u >= 0; --u) {
-            run += sm.kp[(4 * part + u) * kLD + c];
-            suf[u] = run;
-          }
-          const float s1 = __shfl_sync(0xffffffffu, run, 1, 4), s2 = __shfl_sync(0xffffffffu, run, 2, 4);
-          const float s3 = __shfl_sync(0xffffffffu, run, 3, 4);
-          const float off = sm.ext[c] + (part == 3 ? 0.f : (part == 2 ? s3 : (part == 1 ? s3 + s2 : (s3 + s2) + s1)));
+          const float off = reverse_cumsum4(sm, c, part, suf);
 #pragma unroll
           for (int u = 3; u >= 0; --u) {
             const int t = 4 * part + u;
