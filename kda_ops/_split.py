@@ -203,15 +203,43 @@ def split_pays(lens: list[int], HV: int, sms: int, Ls: int, rows128_cost: float 
 _hopper_cache: dict[Any, bool] = {}
 
 
+def _leading_int(s: str) -> int:
+    """C's atoi: the leading integer of s (0 when there is none)."""
+    digits = ""
+    for ch in s.lstrip():
+        if not (ch.isdigit() or (not digits and ch in "+-")):
+            break
+        digits += ch
+    try:
+        return int(digits)
+    except ValueError:
+        return 0
+
+
+def _hopper_runs_forward() -> bool:
+    """The C++ launcher's choice for a forward call on sm_90 (csrc/kda/chunked/chunked_launch.cu, hopper_takes,
+    and chunked_sm90_mode, which compares the values exactly): ``KDA_CHUNKED_KERNEL`` unset, empty, ``auto`` or
+    ``sm90``, and under ``auto`` none of the mma.sync kernel's own knobs set (``KDA_CHUNKED_VB`` 64 or 128,
+    ``KDA_CHUNKED_PIPELINE`` starting with ``s``, a non-zero ``KDA_CHUNKED_DIAG``)."""
+    kernel = os.environ.get("KDA_CHUNKED_KERNEL", "")
+    if kernel == "sm90":
+        return True
+    if kernel not in ("", "auto"):
+        return False
+    vb = _leading_int(os.environ.get("KDA_CHUNKED_VB", ""))
+    small = os.environ.get("KDA_CHUNKED_PIPELINE", "").startswith("s")
+    diag = _leading_int(os.environ.get("KDA_CHUNKED_DIAG", ""))
+    return vb not in (64, 128) and not small and diag == 0
+
+
 def _rows128_cost(device: torch.device) -> float:
-    """1.0 where the Hopper chunked kernel runs the calls (compute capability 9.0, ``KDA_CHUNKED_KERNEL``
-    auto or sm90: one CTA of 128 rows per chain on any grid), else ``_ROWS128_COST``."""
+    """1.0 where the Hopper chunked kernel runs the calls (compute capability 9.0 and the launcher's choice,
+    :func:`_hopper_runs_forward`: one CTA of 128 rows per chain on any grid), else ``_ROWS128_COST``."""
     if device.type != "cuda":
         return _ROWS128_COST
     if device.index not in _hopper_cache:
         _hopper_cache[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
-    kernel = os.environ.get("KDA_CHUNKED_KERNEL", "auto").strip().lower()
-    return 1.0 if _hopper_cache[device.index] and kernel in ("", "auto", "sm90") else _ROWS128_COST
+    return 1.0 if _hopper_cache[device.index] and _hopper_runs_forward() else _ROWS128_COST
 
 
 def _auto_splits(d: V.Dims, lens: list[int], sms: int, Ls: int, training: bool = False) -> bool:
@@ -367,8 +395,8 @@ def _host_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Ten
 
 def _split_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None) -> list[int] | None:
     """The sequence lengths of a call the split may take, or None when it is out of scope: the switch off,
-    nothing to do, meta / FakeTensor tracing, CUDA graph capture, lengths only on the device, or no
-    sequence longer than one segment."""
+    nothing to do, meta / FakeTensor tracing, a packed call under CUDA graph capture, lengths only on the
+    device, or no sequence longer than one segment."""
     if MODE == "0" or d.N == 0 or d.B * d.T == 0 or (MODE == "auto" and d.T < AUTO_MIN_TOKENS):
         return None
     if d.dev_type == "meta" or torch.compiler.is_compiling():
@@ -707,6 +735,8 @@ def try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb):  # type: ignor
 
 
 def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
+    if d.on_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # (the training passes copy fresh index tensors from host memory: not capturable)
     lens = _split_lengths(d, cu_seqlens, cu_host)
     if lens is None:
         return None

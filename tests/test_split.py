@@ -306,6 +306,16 @@ def test_rows128_cost_of_the_device(monkeypatch):  # type: ignore[no-untyped-def
     assert _split._rows128_cost(dev) == 1.0
     monkeypatch.setenv("KDA_CHUNKED_KERNEL", "mma")
     assert _split._rows128_cost(dev) == _split._ROWS128_COST
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "SM90")  # (compared exactly, as the launcher does: the mma.sync kernel)
+    assert _split._rows128_cost(dev) == _split._ROWS128_COST
+    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "auto")
+    monkeypatch.setenv("KDA_CHUNKED_VB", "64")  # one of the mma.sync kernel's knobs: auto runs that kernel
+    assert _split._rows128_cost(dev) == _split._ROWS128_COST
+    monkeypatch.setenv("KDA_CHUNKED_VB", "0")
+    assert _split._rows128_cost(dev) == 1.0
+    monkeypatch.setenv("KDA_CHUNKED_PIPELINE", "small")
+    assert _split._rows128_cost(dev) == _split._ROWS128_COST
+    monkeypatch.delenv("KDA_CHUNKED_PIPELINE")
     monkeypatch.setitem(_split._hopper_cache, 0, False)
     monkeypatch.setenv("KDA_CHUNKED_KERNEL", "sm90")
     assert _split._rows128_cost(dev) == _split._ROWS128_COST
