@@ -159,6 +159,11 @@ using LayoutRawRing = Layout<Shape<_16, _128, Int<kStages>>, Stride<_128, _1, _2
 using LayoutVRing = Layout<Shape<_16, _128, Int<kVStages>>, Stride<_128, _1, _2048>>;
 // wgmma B tiles. K⁺, Q⁺: (N = 16 tokens, K = 128 channels), K-major, 128-byte swizzle.
 using LayoutKd = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_16, _128, Int<kOpStages>>{}));
+// The forward's stacked [K⁺; Q⁺] tile: (N = 32: K⁺ tokens 0-15, then Q⁺ tokens 0-15, K = 128 channels), K-major,
+// 128-byte swizzle, so Xᵀ and O_interᵀ are one N = 32 product. The backward chain uses its two halves as separate
+// tiles (LayoutKd and LayoutKr), SharedStorage::kd / qd.
+using LayoutKQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_32, _128, Int<kOpStages>>{}));
+static_assert(cosize_v<LayoutKQ> == 2 * cosize_v<LayoutKd>, "the stacked tile holds the K⁺ and Q⁺ tiles");
 // Kr: (N = 128 channels, K = 16 tokens), MN-major (channels contiguous), 128-byte swizzle.
 using LayoutKr = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<f16_t>{}, Shape<_128, _16, Int<kOpStages>>{}));
 // INVb, Mqk: (N = 16 output tokens, K = 16 tokens), K-major, 32-byte swizzle.
@@ -196,8 +201,7 @@ struct SharedStorage {
   static constexpr int kRawSlots = Cfg<kVariant>::kPrepWGs * Cfg<kVariant>::kRawStages;  // raw q/k/g tile slots
   static constexpr int kPrepWGs = Cfg<kVariant>::kPrepWGs;
   // prep -> chain operands (ring of kOpStages)
-  alignas(1024) bf16_t kd[cosize_v<LayoutKd>];
-  alignas(1024) bf16_t qd[cosize_v<LayoutKd>];
+  alignas(1024) bf16_t kq[cosize_v<LayoutKQ>];  // forward: LayoutKQ; backward chain: the kd and qd halves below
   alignas(1024) f16_t kr[cosize_v<LayoutKr>];
   alignas(1024) f16_t invb[cosize_v<LayoutT16>];
   alignas(1024) f16_t mqk[cosize_v<LayoutT16>];
@@ -214,7 +218,11 @@ struct SharedStorage {
   alignas(16) typename PipeRaw<kVariant>::SharedStorage pipe_raw[kPrepWGs];  // one raw ring per prep warpgroup
   alignas(16) typename PipeV::SharedStorage pipe_v;
   alignas(16) typename PipeOp::SharedStorage pipe_op;
+  // the backward chain's two tiles in kq (each half 1024-byte aligned: cosize_v<LayoutKd> * 2 bytes is a multiple)
+  __device__ bf16_t* kd() { return kq; }
+  __device__ bf16_t* qd() { return kq + cosize_v<LayoutKd>; }
 };
+static_assert(cosize_v<LayoutKd> * 2 % 1024 == 0, "the qd half of kq is 1024-byte aligned");
 static_assert(2 * 4 * kWStage <= 2 * 2 * kC * kOStride, "the per-warp output buffers live in ostage");
 static_assert(sizeof(SharedStorage<1>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<2>) + 1024 <= 227 * 1024 &&
                   sizeof(SharedStorage<3>) + 1024 <= 227 * 1024,
@@ -643,14 +651,14 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         if constexpr (kBwd) {
           // the backward chain's B operands, all bf16: Kr as (token, channel) K-major for dRᵀ = dS Krᵀ (in the
           // kd tile), Q⁺ and K⁺ as (channel, token) MN-major for dS += dOᵀ Q⁺ + dXᵀ K⁺ (in the qd and kr tiles)
-          *reinterpret_cast<uint4*>(ss.kd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kr);
-          *reinterpret_cast<uint4*>(ss.qd + swz_offset(LayoutKr{}, d0, i, os)) = pack8_bf16(qp);
+          *reinterpret_cast<uint4*>(ss.kd() + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kr);
+          *reinterpret_cast<uint4*>(ss.qd() + swz_offset(LayoutKr{}, d0, i, os)) = pack8_bf16(qp);
           *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_bf16(kp);
         } else {
 #pragma unroll
           for (int e = 0; e < 8; ++e) kr[e] = sat_f16(kr[e]);
-          *reinterpret_cast<uint4*>(ss.kd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(kp);
-          *reinterpret_cast<uint4*>(ss.qd + swz_offset(LayoutKd{}, i, d0, os)) = pack8_bf16(qp);
+          *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, i, d0, os)) = pack8_bf16(kp);
+          *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, kC + i, d0, os)) = pack8_bf16(qp);
           *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_f16(kr);
         }
       }
@@ -739,29 +747,37 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<Cf::kChainRegs>();
   const int cw = wg - Cf::kChainWG0, ctid = tid - 128 * wg, v0 = 64 * cw;
   using MmaX = SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
+  using MmaXO = SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
   using MmaU = SM90::GMMA::MMA_64x16x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>;
   using MmaS = SM90::GMMA::MMA_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>;
   auto mma_x = make_tiled_mma(MmaX{});
+  auto mma_xo = make_tiled_mma(MmaXO{});
   auto mma_u = make_tiled_mma(MmaU{});
   auto mma_s = make_tiled_mma(MmaS{});
   auto thr_x = mma_x.get_slice(ctid);
+  auto thr_xo = mma_xo.get_slice(ctid);
   auto thr_u = mma_u.get_slice(ctid);
   auto thr_s = mma_s.get_slice(ctid);
 
-  Tensor sKd = make_tensor(make_smem_ptr(ss.kd), LayoutKd{});
-  Tensor sQd = make_tensor(make_smem_ptr(ss.qd), LayoutKd{});
+  Tensor sKd = make_tensor(make_smem_ptr(ss.kd()), LayoutKd{});  // the backward chain's Kr
+  Tensor sKQ = make_tensor(make_smem_ptr(ss.kq), LayoutKQ{});     // the forward's [K⁺; Q⁺]
   Tensor sKr = make_tensor(make_smem_ptr(ss.kr), LayoutKr{});
   Tensor sInv = make_tensor(make_smem_ptr(ss.invb), LayoutT16{});
   Tensor sMqk = make_tensor(make_smem_ptr(ss.mqk), LayoutT16{});
   Tensor bKd = thr_x.partition_fragment_B(sKd);    // (MMA, 1, 8, stages) descriptors
-  Tensor bQd = thr_x.partition_fragment_B(sQd);
+  Tensor bKQ = thr_xo.partition_fragment_B(sKQ);  // (MMA, 1, 8, stages)
   Tensor bInv = thr_u.partition_fragment_B(sInv);  // (MMA, 1, 1, stages)
   Tensor bMqk = thr_u.partition_fragment_B(sMqk);
   Tensor bKr = thr_s.partition_fragment_B(sKr);    // (MMA, 1, 1, stages)
 
   Tensor accS = partition_fragment_C(mma_s, Shape<_64, _128>{});  // ((2, 2, 16), 1, 1) fp32: the state rows
-  Tensor accX = partition_fragment_C(mma_x, Shape<_64, _16>{});   // ((2, 2, 2), 1, 1)
-  Tensor accO = partition_fragment_C(mma_x, Shape<_64, _16>{});
+  Tensor accX0 = partition_fragment_C(mma_x, Shape<_64, _16>{});   // ((2, 2, 2), 1, 1)
+  // [Xᵀ | O_interᵀ] ((2, 2, 4), 1, 1): value i + 4 j holds column 8 j + ..., so elements 0-7 are Xᵀ and 8-15 are
+  // O_interᵀ, each in accX's order (CuTe's 64xN accumulator layout: the N/8 column blocks are the last mode);
+  // accO is a view of the second half (the output product accumulates into it in place)
+  Tensor accXO = partition_fragment_C(mma_xo, Shape<_64, _32>{});
+  Tensor accX = make_tensor(accXO.data(), accX0.layout());
+  Tensor accO = make_tensor(accXO.data() + size(accX), accX0.layout());
   Tensor accU = partition_fragment_C(mma_u, Shape<_64, _16>{});
   Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (value row, channel) per element
   Tensor cX = thr_x.partition_C(make_identity_tensor(Shape<_64, _16>{}));   // (value row, token)
@@ -773,6 +789,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   static_assert(decltype(size(accS))::value == 64 && decltype(size(aS))::value == 64, "S fragment sizes");
   static_assert(decltype(size(accX))::value == 8 && decltype(size(aY))::value == 8 && decltype(size(aU))::value == 8,
                 "16-token fragment sizes");
+  static_assert(decltype(size(accXO))::value == 16, "the stacked product's fragment");
   static_assert(decltype(size<2>(aS))::value == 8 && decltype(size<0>(aS))::value == 8, "A = S k-blocks");
 
   // start state (pool slot or read-only source slot, bf16 or fp32; zeros without either or for a zero-length
@@ -842,7 +859,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     auto thr_sb = mma_sb.get_slice(ctid);
     Tensor bMqkT = thr_x.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.mqk)), LayoutT16{}));
     Tensor bInvT = thr_x.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.invb)), LayoutT16{}));
-    Tensor bQp = thr_sb.partition_fragment_B(make_tensor(make_smem_ptr(ss.qd), LayoutKr{}));
+    Tensor bQp = thr_sb.partition_fragment_B(make_tensor(make_smem_ptr(ss.qd()), LayoutKr{}));
     Tensor bKp = thr_sb.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.kr)), LayoutKr{}));
     Tensor accR = partition_fragment_C(mma_x, Shape<_64, _16>{});
     Tensor accD = partition_fragment_C(mma_x, Shape<_64, _16>{});
@@ -941,11 +958,9 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     // ---- Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ
 #pragma unroll
     for (int i = 0; i < size(aS); ++i) aS(i) = bf16_t(accS(i));
-    clear(accX);
-    clear(accO);
+    clear(accXO);
     warpgroup_fence_operand(aS);
-    warpgroup_fence_operand(accX);
-    warpgroup_fence_operand(accO);
+    warpgroup_fence_operand(accXO);
     const float* gam = ss.gamma[os];
     float vv[size(accX)];
     // this chunk's v values (tokens past the end: 0) into registers, then the stage back to the producer
@@ -959,17 +974,15 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       pipe_v.consumer_release(st_v);
       ++st_v;
     };
-    // two batches: Y needs X only; O_inter completes while Y and U are computed
+    // one N = 32 product over the stacked tile (as two N = 16 batches, O_inter's queued ahead of U anyway)
     warpgroup_arrive();
-    gemm(mma_x, aS, bKd(_, _, _, os), accX);
-    warpgroup_commit_batch();
-    gemm(mma_x, aS, bQd(_, _, _, os), accO);
+    gemm(mma_xo, aS, bKQ(_, _, _, os), accXO);
     warpgroup_commit_batch();
     prof.mark(2);
     pipe_v.consumer_wait(st_v);  // (the v tile, long loaded by now)
     prof.mark(1);
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accX);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accXO);
     prof.mark(2);
     take_v();  // after X: its registers are not live while X and O_inter run (the peak of the chain)
     prof.mark(3);
