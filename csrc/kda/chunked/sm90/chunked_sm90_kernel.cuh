@@ -50,7 +50,8 @@
 //     (of 4), one eligible warp per scheduler, the mbarrier waits the largest stall. (Variant 3's profile
 //     instantiation spills ~450 bytes, which distorts its segment table; variant 2's does not spill.)
 //   * shared memory: the chain's v read (16-bit loads across token rows) has 4-way bank conflicts;
-//   * the chain: X / O_inter are two N=16 GEMMs (could be one N=32 over a stacked [K⁺; Q⁺] tile);
+//   * the chain: X / O_inter are one N=32 GEMM over the stacked [K⁺; Q⁺] tile; ptxas serialises it (C7511, register
+//     resources), though it measured faster than two N=16 batches;
 //   * the two chain warpgroups are not ping-ponged (no ordered barrier): they only share read-only stages.
 #pragma once
 #include <cuda_bf16.h>
