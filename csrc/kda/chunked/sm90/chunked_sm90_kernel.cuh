@@ -772,10 +772,10 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   Tensor bKr = thr_s.partition_fragment_B(sKr);    // (MMA, 1, 1, stages)
 
   Tensor accS = partition_fragment_C(mma_s, Shape<_64, _128>{});  // ((2, 2, 16), 1, 1) fp32: the state rows
-  Tensor accX0 = partition_fragment_C(mma_x, Shape<_64, _16>{});   // ((2, 2, 2), 1, 1)
+  Tensor accX0 = partition_fragment_C(mma_x, Shape<_64, _16>{});  // ((2, 2, 2), 1, 1): the layout of one half
   // [Xᵀ | O_interᵀ] ((2, 2, 4), 1, 1): value i + 4 j holds column 8 j + ..., so elements 0-7 are Xᵀ and 8-15 are
   // O_interᵀ, each in accX's order (CuTe's 64xN accumulator layout: the N/8 column blocks are the last mode);
-  // accO is a view of the second half (the output product accumulates into it in place)
+  // accX and accO are views of the two halves (the output product accumulates into accO in place)
   Tensor accXO = partition_fragment_C(mma_xo, Shape<_64, _32>{});
   Tensor accX = make_tensor(accXO.data(), accX0.layout());
   Tensor accO = make_tensor(accXO.data() + size(accX), accX0.layout());
@@ -975,7 +975,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       pipe_v.consumer_release(st_v);
       ++st_v;
     };
-    // one N = 32 product over the stacked tile (as two N = 16 batches, O_inter's queued ahead of U anyway)
+    // one N = 32 product over the stacked tile: X and O_inter in one batch (two N = 16 batches measured slower)
     warpgroup_arrive();
     gemm(mma_xo, aS, bKQ(_, _, _, os), accXO);
     warpgroup_commit_batch();
