@@ -570,7 +570,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       prof.mark(1);
       // the previous chunk's scratch readers are done; with kSkipScratchBarrier not waited for: what the L and
       // inverse warp still reads after the warpgroup's last barrier of that chunk is its own A' and inverse
-      // scratch, the [Km; Qm; Kn] tiles (rewritten only after the next barrier) and β (double-buffered)
+      // scratch, the Km / Qm / Kn tiles (rewritten only after the next barrier) and β (double-buffered)
       if (scratch_barrier) named_sync(bar, 128);
       prof.mark(2);
       const int rs = pw * kRawStages + st_raw.index(), os = st_op.index();
