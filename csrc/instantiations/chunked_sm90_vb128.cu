@@ -93,15 +93,15 @@ int sm90_variant() {
   if (e == nullptr || e[0] == '\0' || e[1] != '\0') return 3;
   return e[0] == '1' ? 1 : (e[0] == '2' ? 2 : 3);
 }
-// KDA_SM90_SCHEDULE=0..31 (read per call, default 11 = 1 + 2 + 8): the schedule bits (KernelArgs::schedule: 1 = the
+// KDA_SM90_SCHEDULE=0..15 (read per call, default 11 = 1 + 2 + 8): the schedule bits (KernelArgs::schedule: 1 = the
 // prep warpgroups' serial role warps rotated per warpgroup, 2 = the inverse's 16-byte row loads, 4 = per-warp output
-// staging in the chain, 8 = the inverse's last phase on all 32 lanes, 16 = prep without its first named barrier per
-// chunk), so one process can time them; the same results bit for bit in every setting.
+// staging in the chain, 8 = the inverse's last phase on all 32 lanes), so one process can time them; the same results
+// bit for bit in every setting.
 int sm90_schedule() {
   const char* e = std::getenv("KDA_SM90_SCHEDULE");
   char* end = nullptr;
   const long v = e != nullptr ? std::strtol(e, &end, 10) : -1;
-  if (e != nullptr && end != e && *end == '\0' && v >= 0 && v <= 31) return static_cast<int>(v);
+  if (e != nullptr && end != e && *end == '\0' && v >= 0 && v <= 15) return static_cast<int>(v);
   return chunked_sm90::kRotateRoles | chunked_sm90::kVectorInverse | chunked_sm90::kSplitInverseRows;
 }
 bool sm90_profile() {

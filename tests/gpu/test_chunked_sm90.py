@@ -322,7 +322,7 @@ def test_hopper_deterministic():
 
 def test_hopper_schedules_same_bits(monkeypatch):
     """KDA_SM90_SCHEDULE (the prep warpgroups' role rotation, the inverse's vector loads, the chain's per-warp
-    output staging, prep without its first named barrier) and KDA_SM90_VARIANT 2
+    output staging) and KDA_SM90_VARIANT 2
     vs 3 change the schedule only: the prefill's output and pool, and the backward chain's gradients, are
     the same bits in every setting."""
     x = base.make(H=2, HV=4, state_dtype=BF16, lengths=[300, 3, 1, 130, 0, 64, 1030], seed=53)
@@ -330,7 +330,7 @@ def test_hopper_schedules_same_bits(monkeypatch):
     args, fwd_rest, rest = _training_case(seed=13)
     results = {}
     for variant in ("2", "3"):
-        for schedule in ("0", "1", "2", "3", "4", "7", "8", "11", "15", "16", "27", "31"):
+        for schedule in ("0", "1", "2", "3", "4", "7", "8", "11", "15"):
             monkeypatch.setenv("KDA_SM90_VARIANT", variant)
             monkeypatch.setenv("KDA_SM90_SCHEDULE", schedule)
             pool = x["initial_state"].clone()

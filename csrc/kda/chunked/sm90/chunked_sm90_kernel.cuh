@@ -192,8 +192,7 @@ struct PrepScratch {
   alignas(16) __nv_bfloat16 km[kC * kD], qm[kC * kD], kn[kC * kD];  // XOR-swizzled for ldmatrix
   alignas(16) float gp[kC * kD];  // Γ' = Γ - Γ_0 (log2 units)
   alignas(16) float e0[kD], ecp[kD], a0[kD], gc[kD];
-  alignas(16) float rq[kC], rk[kC];
-  alignas(16) float beta[2][kC];  // by the parity of the warpgroup's own chunk count (kSkipScratchBarrier)
+  alignas(16) float rq[kC], rk[kC], beta[kC];
   alignas(16) float ap[kC * kC];  // A' = diag(β) strict_tril(L)
   alignas(16) float i2s[8 * 8];
 };
@@ -248,9 +247,8 @@ using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8
 // in variant 2. With kWarpOutput, each chain warp transposes and stores its own 16 output rows (no named barrier of the
 // chain warpgroup per chunk; the chain loop below). With kSplitInverseRows (which implies the vector loads), the
 // inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the rows each,
-// instead of lanes 0-15. With kSkipScratchBarrier, prep drops the first of its three named barriers per chunk (the
-// one before the gate): the warps without a serial role start the next chunk's gate while the L warp inverts.
-constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8, kSkipScratchBarrier = 16;
+// instead of lanes 0-15.
+constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8;
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
@@ -557,10 +555,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     __nv_bfloat16 beta_next = load_beta(pw);
     Prof<kProfile> prof;
     prof.start(role == 0 && (ptid & 31) == 0);  // (the serial warp's lane 0)
-    const bool scratch_barrier = !(args.schedule & kSkipScratchBarrier);
     for (int64_t c = pw; c < n_chunks; c += kPrepWGs) {
       const int cl = chunk_len(phys(c));
-      float* const beta_c = sc.beta[(c / kPrepWGs) & 1];
       const __nv_bfloat16 beta_raw = beta_next;
       beta_next = load_beta(c + kPrepWGs);
       prof.mark(7);
@@ -568,10 +564,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       prof.mark(0);
       pipe_raw.consumer_wait(st_raw);
       prof.mark(1);
-      // the previous chunk's scratch readers are done; with kSkipScratchBarrier not waited for: what the L and
-      // inverse warp still reads after the warpgroup's last barrier of that chunk is its own A' and inverse
-      // scratch, the Km / Qm / Kn tiles (rewritten only after the next barrier) and β (double-buffered)
-      if (scratch_barrier) named_sync(bar, 128);
+      named_sync(bar, 128);  // the previous chunk's scratch readers are done
       prof.mark(2);
       const int rs = pw * kRawStages + st_raw.index(), os = st_op.index();
       const bf16_t* rq_ = ss.q + rs * kC * kD;
@@ -603,7 +596,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       }
       if (ptid < kC) {
         const float x = bfv(beta_raw);
-        beta_c[ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
+        sc.beta[ptid] = ptid < cl ? beta_value(x, p.beta_is_logit) : 0.f;
       }
       prof.mark(3);
       const bool pairwise = named_sync_or(bar, 128, wide);
@@ -684,7 +677,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
             l *= sc.rk[i] * sc.rk[jj];
             mq *= sc.rq[i] * sc.rk[jj];
           }
-          sc.ap[e] = jj < i ? beta_c[i] * l : 0.f;
+          sc.ap[e] = jj < i ? sc.beta[i] * l : 0.f;
           put_mqk(i, jj, os, mq);
         }
       }
@@ -723,7 +716,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
             const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
             const float x = al[nt][e] + al2[nt][e];
             if (role == 0)
-              sc.ap[i * kC + jj] = jj < i ? beta_c[i] * x : 0.f;
+              sc.ap[i * kC + jj] = jj < i ? sc.beta[i] * x : 0.f;
             else
               put_mqk(i, jj, os, jj <= i ? x : 0.f);
           }
@@ -734,11 +727,11 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
         auto put = [&](int r, int c, float x) { put_inv(r, c, os, x); };
         if (args.schedule & kSplitInverseRows)
-          unit_lower_inverse16<true, true>(sc.ap, sc.i2s, beta_c, lane, put);
+          unit_lower_inverse16<true, true>(sc.ap, sc.i2s, sc.beta, lane, put);
         else if (args.schedule & kVectorInverse)
-          unit_lower_inverse16<true>(sc.ap, sc.i2s, beta_c, lane, put);
+          unit_lower_inverse16<true>(sc.ap, sc.i2s, sc.beta, lane, put);
         else
-          unit_lower_inverse16<false>(sc.ap, sc.i2s, beta_c, lane, put);
+          unit_lower_inverse16<false>(sc.ap, sc.i2s, sc.beta, lane, put);
       }
       // generic-proxy writes of the operand tiles -> visible to wgmma (async proxy), then publish
       prof.mark(6);
