@@ -5,7 +5,10 @@ and inputs of benchmarks/bench_split.py (K = V = 128, bf16 pool), profiled with 
 time of an unprofiled call (host, to the end of its last kernel), the host time to enqueue one call (no
 synchronize inside it: the split's Python plan and its op calls), the GPU time of every kernel of a
 profiled one (the three chunked passes, the scan, copies) and the idle GPU time in between (host overhead
-between launches). Both settings of KDA_SEQUENCE_SPLIT_STATE_ONLY.
+between launches), and the median of 20 CUDA-graph replays of the call (fixed layout: the split runs inside the
+graph). Three settings: the end-state passes as state-only calls on the Hopper kernel's state-only
+instantiation (the default), the same calls on its instantiation with an output (KDA_SM90_STATE_ONLY=0), and
+passes with outputs (KDA_SEQUENCE_SPLIT_STATE_ONLY=0).
 
   python3 scripts/split_profile.py [8,4] [65536]
 """
@@ -23,14 +26,38 @@ from benchmarks.bench_split import make, ours  # noqa: E402  (the benchmark's in
 from kda_ops import _split  # noqa: E402
 
 
+def graph_replay_ms(call) -> float:  # type: ignore[no-untyped-def]
+    """Median of 20 replays of `call` captured in a CUDA graph (after the eager calls that cached its plan)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[10]
+
+
 def main() -> None:
     heads = [int(h) for h in (sys.argv[1] if len(sys.argv) > 1 else "8,4").split(",")]
     T = int(sys.argv[2]) if len(sys.argv) > 2 else 65536
     _split.MODE = "1"
     for H in heads:
-        call = ours(kda_ops, make(H, [T], False))
-        for so in (True, False):
+        call = ours(kda_ops, make(H, [T], False), fixed=True)  # (one sequence without cu_seqlens: split in graphs too)
+        for so, inst in ((True, "1"), (True, "0"), (False, "1"), (True, "1"), (True, "0")):
             _split.STATE_ONLY = so
+            os.environ["KDA_SM90_STATE_ONLY"] = inst
             for _ in range(3):
                 call()
             torch.cuda.synchronize()
@@ -47,6 +74,7 @@ def main() -> None:
                 call()
                 enq.append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize()
+            graph_ms = graph_replay_ms(call)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 call()
                 torch.cuda.synchronize()
@@ -55,7 +83,8 @@ def main() -> None:
             busy = sum(e.time_range.elapsed_us() for e in ev)
             span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0
             print(
-                f"\n## H={H} T={T} state_only={so}: wall {sorted(walls)[2]:.3f} ms (median of 5), "
+                f"\n## H={H} T={T} state_only={so} KDA_SM90_STATE_ONLY={inst}: graph {graph_ms:.3f} ms, "
+                f"wall {sorted(walls)[2]:.3f} ms (median of 5), "
                 f"host enqueue {sorted(enq)[2]:.3f} ms (median of 5), "
                 f"GPU span {span / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms, "
                 f"{len(ev)} kernels"

@@ -104,6 +104,12 @@ int sm90_schedule() {
   if (e != nullptr && end != e && *end == '\0' && v >= 0 && v <= 15) return static_cast<int>(v);
   return chunked_sm90::kRotateRoles | chunked_sm90::kVectorInverse | chunked_sm90::kSplitInverseRows;
 }
+// KDA_SM90_STATE_ONLY=0 (read per call; default on): state-only calls run the instantiation with an output
+// (products made, store skipped) instead of the state-only one, so one process can time both; the same bits.
+bool sm90_state_only() {
+  const char* e = std::getenv("KDA_SM90_STATE_ONLY");
+  return !(e != nullptr && e[0] == '0' && e[1] == '\0');
+}
 bool sm90_profile() {
   const char* e = std::getenv("KDA_SM90_PROFILE");
   return e != nullptr && e[0] != '\0' && e[0] != '0';
@@ -116,15 +122,17 @@ struct Design {
   KernelFn fn;
   int threads, smem, setmaxnreg_sum;
 };
-template <bool kProfile, int V, bool kBwd>
+template <bool kProfile, int V, bool kBwd, bool kStateOnly = false>
 Design design_of() {
   using namespace chunked_sm90;
-  return {kda_chunked_sm90_kernel<kProfile, V, kBwd>, Cfg<V>::kThreads,
+  return {kda_chunked_sm90_kernel<kProfile, V, kBwd, kStateOnly>, Cfg<V>::kThreads,
           static_cast<int>(sizeof(SharedStorage<V>)) + 1024, setmaxnreg_sum<V>()};
 }
-// (the backward chain has variants 1 and 2, and no profile instantiation)
-Design design_for(bool profile, int variant, bool bwd) {
+// (the backward chain has variants 1 and 2, and no profile instantiation; state-only calls have their own
+// instantiations of variant 3, the other variants run them as calls with an output whose store is skipped)
+Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
+  if (variant == 3 && state_only) return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
   return profile ? design_of<true, 2, false>() : design_of<false, 2, false>();
@@ -175,13 +183,14 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
   const bool profile = sm90_profile() && !backward_chain;  // (no profile instantiation of the backward chain)
   int variant = sm90_variant();
   if (backward_chain && variant == 3) variant = 2;  // (the backward chain has variants 1 and 2)
-  const Design dz = design_for(profile, variant, backward_chain);
+  const bool state_only = p.out == nullptr && !backward_chain && variant == 3 && sm90_state_only();
+  const Design dz = design_for(profile, variant, backward_chain, state_only);
   const KernelFn fn = dz.fn;
   const int smem = dz.smem, threads = dz.threads;
-  const int which = (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
+  const int which = state_only ? 9 + (profile ? 1 : 0) : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][9] = {};
+  static std::atomic<bool> attr_set[64][11] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
@@ -204,10 +213,10 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
   fn<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(args);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || verbose())
-    std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d schedule %d%s: %s\n",
+    std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d schedule %d%s%s: %s\n",
                  static_cast<long long>(blocks), threads, smem, static_cast<long long>(p.N), static_cast<int>(p.HV),
                  static_cast<long long>(p.T), static_cast<long long>(p.B), p.seq_order != nullptr ? " seq_order" : "",
-                 variant, args.schedule, profile ? " profile" : "", cudaGetErrorString(e));
+                 variant, args.schedule, state_only ? " state-only" : "", profile ? " profile" : "", cudaGetErrorString(e));
   if (e == cudaSuccess && profile) {
     const cudaError_t se = cudaStreamSynchronize(stream);
     if (se != cudaSuccess) return se;

@@ -230,6 +230,58 @@ def test_hopper_state_only_call():
     assert any("kda_chunked_sm90" in n for n in names), sorted(set(names))
 
 
+@pytest.mark.parametrize(
+    "gate_mode,span,beta_is_logit,l2,HV",
+    [(2, "narrow", True, True, 2), (1, "narrow", False, True, 4), (0, "narrow", True, False, 2),
+     (0, "wide", True, True, 2), (0, "wide", False, False, 4), (2, "narrow", True, True, 1)],
+)  # fmt: skip
+def test_hopper_state_only_instantiation(gate_mode, span, beta_is_logit, l2, HV, capfd):
+    """The state-only instantiation (no q, Q⁺, Mqk or output product) in every gate and β mode, L2 on/off,
+    GQA, and with in-chunk decay spans wide enough for the pairwise path: pool and final states equal, bit for
+    bit, those of the same call with an output (which the other tests check against the fp64 reference), and
+    the launch line names the state-only instantiation."""
+    from _raw_ops import raw_recurrent
+
+    gen = torch.Generator().manual_seed(11 + gate_mode)
+    lens = (70, 0, 33, 129, 16, 1)
+    T, H, N = sum(lens), 1 if HV == 1 else HV // 2, len(lens)
+
+    def rnd(*shape: int, s: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * s).to(BF16).cuda()
+
+    q, k, v = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, HV, K)
+    beta = rnd(1, T, HV) if beta_is_logit else torch.rand(1, T, HV, generator=gen).to(BF16).cuda()
+    if not l2:  # unnormalised keys of norm ~1, so that the plain recurrence stays bounded
+        q, k = q / K**0.5, k / K**0.5
+    if gate_mode == 0:
+        scale = 0.2 if span == "narrow" else 12.0  # wide: |Γ| over 16 tokens past the factorised form's limit
+        g = (-torch.nn.functional.softplus(torch.randn(1, T, HV, K, generator=gen)) * scale).to(BF16).cuda()
+    else:
+        g = rnd(1, T, HV, K)
+    gate = {}
+    if gate_mode != 0:
+        A_log = (torch.rand(HV, generator=gen) * 2 - 3).cuda()
+        gate = dict(A_log=A_log, dt_bias=(torch.randn(HV * K, generator=gen) * 0.1).cuda())
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    pool = (torch.randn(N + 2, HV, K, K, generator=gen) * 0.3).cuda()
+    slots = torch.tensor([3, 0, -1, 1, 5, 4], dtype=torch.int32, device="cuda")
+    kw = dict(cu_seqlens=cu, gate_mode=gate_mode, backend=1, use_qk_l2norm=l2, beta_is_logit=beta_is_logit, **gate)
+    pa, pb = pool.clone(), pool.clone()
+    raw_recurrent(q, k, v, g, beta, state=pa, ssm_state_indices=slots, output=torch.empty_like(v), **kw)
+    capfd.readouterr()
+    raw_recurrent(q, k, v, g, beta, state=pb, ssm_state_indices=slots, output=v.new_empty(0), **kw)
+    torch.cuda.synchronize()
+    err = capfd.readouterr().err
+    assert LAUNCH_LINE in err and " state-only" in err, err[-400:]
+    assert torch.equal(bits(pa), bits(pb))
+    assert all(torch.equal(pb[i], pool[i]) for i in (2, 6, 7))  # slots no sequence writes
+    fa = torch.zeros(N, HV, K, K, device="cuda")
+    fb = torch.zeros(N, HV, K, K, device="cuda")
+    raw_recurrent(q, k, v, g, beta, final_state=fa, output=torch.empty_like(v), **kw)
+    raw_recurrent(q, k, v, g, beta, final_state=fb, output=v.new_empty(0), **kw)
+    assert torch.equal(bits(fa), bits(fb)) and fa.isfinite().all() and fa.abs().sum() > 0
+
+
 def _run(t, g, m, kernel, monkeypatch, **kw):
     monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
     return base.call(t, g, **m, **kw)

@@ -35,7 +35,7 @@
 // kernel, bf16 tokens, fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32
 // pool slots with inactive slots, zero, pool or read-only source (initial_state_source) start states, final
 // state to the pool or to final_state, checkpoints every multiple of 16 tokens (and so the training forward's
-// tapes), state-only calls (no output: the products run, the store is skipped), seq_order, and the training
+// tapes), state-only calls (no output: an instantiation of variant 3 without q, Q⁺, Mqk and the output product, kStateOnly), seq_order, and the training
 // backward's chain (kBwd: the chunks last first, dRᵀ = dS Krᵀ + dOᵀ Mqk, dXᵀ = -dRᵀ INVb, dS = dS ⊙ γ_C + dOᵀ Q⁺ +
 // dXᵀ K⁺ with bf16 operands, the mma.sync kernel's BWD mode). seq_order (the longest-first task order the Python
 // layer sets for packed calls) maps blockIdx to the sequence.
@@ -338,8 +338,11 @@ struct Prof {
 
 // kProfile: the profile instantiation (segment clocks of CTA 0 into kda_sm90_prof). kVariant: the design (Cfg
 // above). In the chain, X and O_inter run as two wgmma batches (Y waits only for X), the γ scaling of the state
-// while U runs.
-template <bool kProfile, int kVariant, bool kBwd = false>
+// while U runs. kStateOnly (the forward's state-only calls, no output: the sequence split's end-state passes): prep
+// loads no q and makes neither Q⁺ nor Mqk, the chain skips the output product; the state's operations and their
+// order are those of the call with an output (the same bits). The chain's stacked product still reads the Q⁺ half
+// of its tile, whose contents it then ignores (its O_inter columns are never used).
+template <bool kProfile, int kVariant, bool kBwd = false, bool kStateOnly = false>
 __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
 #if defined(KDA_SM90_DEVICE)
@@ -347,6 +350,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   constexpr int kPrepWGs = Cf::kPrepWGs, kRawStages = Cf::kRawStages, kThreads = Cf::kThreads;
   constexpr bool kMultiPrep = kPrepWGs >= 2;  // variants 2, 3: prep warpgroups that load their own chunks
   using PipeR = PipeRaw<kVariant>;
+  static_assert(!(kStateOnly && kBwd), "state-only is a forward mode");
+  constexpr bool kQ = !kStateOnly;  // q and everything made from it (Q⁺, Mqk, the output)
   const RecurrentParams& p = args.p;
   extern __shared__ char smem_raw[];
   // The 1024-byte alignment of the swizzled tiles, as an offset from the __shared__ array, so the compiler keeps
@@ -397,7 +402,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
 
   // ---- pipelines (barriers initialised by warp 0, visible to all after the __syncthreads below)
   typename PipeR::Params prp;
-  prp.transaction_bytes = 3 * kC * kD * sizeof(bf16_t);
+  prp.transaction_bytes = (kQ ? 3 : 2) * kC * kD * sizeof(bf16_t);
   if constexpr (kMultiPrep)
     prp.role = !is_prep ? PipeR::ThreadCategory::NonParticipant
                         : (raw_leader ? PipeR::ThreadCategory::ProducerConsumer : PipeR::ThreadCategory::Consumer);
@@ -464,7 +469,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
           prof.mark(0);
           auto* bar = pipe_raw.producer_get_barrier(st_raw);
           const int s = st_raw.index();
-          copy(args.tma_q.with(*bar), get<0>(tq)(_, phys(c)), get<1>(tq)(_, s));
+          if constexpr (kQ) copy(args.tma_q.with(*bar), get<0>(tq)(_, phys(c)), get<1>(tq)(_, s));
           copy(args.tma_k.with(*bar), get<0>(tk)(_, phys(c)), get<1>(tk)(_, s));
           copy(args.tma_g.with(*bar), get<0>(tg)(_, phys(c)), get<1>(tg)(_, s));
           ++st_raw;
@@ -522,7 +527,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       pipe_raw.producer_acquire(st_raw_p);
       auto* rbar = pipe_raw.producer_get_barrier(st_raw_p);
       const int s = st_raw_p.index();
-      {
+      if constexpr (kQ) {
         auto t = raw_part(args.tma_q, ss.q, p.H, h);
         copy(args.tma_q.with(*rbar), get<0>(t)(_, phys(c_issue)), get<1>(t)(_, s));
       }
@@ -585,8 +590,9 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       {
         const int row = ptid >> 2, part4 = ptid & 3;  // 32 rows (q then k), 4 threads x 32 elements
         const __nv_bfloat16* src = row < kC ? rqb + row * kD : rkb + (row - kC) * kD;
-        const float sq = row_sumsq_quad(src, part4, row & 1);
-        if (part4 == 0) {
+        // (state-only: the q rows' threads, warps 0 and 1 whole, skip; the k rows' sums are those of the full call)
+        const float sq = kQ || row >= kC ? row_sumsq_quad(src, part4, row & 1) : 0.f;
+        if (part4 == 0 && (kQ || row >= kC)) {
           const float r = p.use_qk_l2norm ? rsqrtf(sq + kL2NormEps) : 1.f;
           if (row < kC)
             sc.rq[row] = r * p.scale;
@@ -609,15 +615,15 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         float gi[8];
         load8f(sc.gp + i * kD + d0, gi);
         const uint4 kw = *reinterpret_cast<const uint4*>(rkb + i * kD + d0);
-        const uint4 qw = *reinterpret_cast<const uint4*>(rqb + i * kD + d0);
+        const uint4 qw = kQ ? *reinterpret_cast<const uint4*>(rqb + i * kD + d0) : make_uint4(0, 0, 0, 0);
         const uint32_t kws[4] = {kw.x, kw.y, kw.z, kw.w}, qws[4] = {qw.x, qw.y, qw.z, qw.w};
         float kk[8], qq[8];
         const bool live = i < cl;  // rows past the end: zero operands (no effect on the state or outputs)
-        const float rk = live ? sc.rk[i] : 0.f, rq = live ? sc.rq[i] : 0.f;
+        const float rk = live ? sc.rk[i] : 0.f, rq = kQ && live ? sc.rq[i] : 0.f;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           kk[2 * e] = bf16_lo(kws[e]) * rk, kk[2 * e + 1] = bf16_hi(kws[e]) * rk;
-          qq[2 * e] = bf16_lo(qws[e]) * rq, qq[2 * e + 1] = bf16_hi(qws[e]) * rq;
+          qq[2 * e] = kQ ? bf16_lo(qws[e]) * rq : 0.f, qq[2 * e + 1] = kQ ? bf16_hi(qws[e]) * rq : 0.f;
         }
         if (!live) {  // (0 * inf or NaN garbage of another sequence's row stays out)
 #pragma unroll
@@ -636,7 +642,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
           }
           const int o = swz(i, pc);
           *reinterpret_cast<uint4*>(sc.km + o) = pack8_bf16(km);
-          *reinterpret_cast<uint4*>(sc.qm + o) = pack8_bf16(qm);
+          if constexpr (kQ) *reinterpret_cast<uint4*>(sc.qm + o) = pack8_bf16(qm);
           *reinterpret_cast<uint4*>(sc.kn + o) = pack8_bf16(kn);
         } else {
 #pragma unroll
@@ -659,7 +665,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 8; ++e) kr[e] = sat_f16(kr[e]);
           *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, i, d0, os)) = pack8_bf16(kp);
-          *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, kC + i, d0, os)) = pack8_bf16(qp);
+          if constexpr (kQ) *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, kC + i, d0, os)) = pack8_bf16(qp);
           *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_f16(kr);
         }
       }
@@ -672,13 +678,13 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
             for (int dd = 0; dd < kD; ++dd) {
               const float w = exp2f(sc.gp[i * kD + dd] - sc.gp[jj * kD + dd]) * bfv(rkb[jj * kD + dd]);
               l = fmaf(bfv(rkb[i * kD + dd]), w, l);
-              mq = fmaf(bfv(rqb[i * kD + dd]), w, mq);
+              if constexpr (kQ) mq = fmaf(bfv(rqb[i * kD + dd]), w, mq);
             }
             l *= sc.rk[i] * sc.rk[jj];
-            mq *= sc.rq[i] * sc.rk[jj];
+            if constexpr (kQ) mq *= sc.rq[i] * sc.rk[jj];
           }
           sc.ap[e] = jj < i ? sc.beta[i] * l : 0.f;
-          put_mqk(i, jj, os, mq);
+          if constexpr (kQ) put_mqk(i, jj, os, mq);
         }
       }
       pipe_raw.consumer_release(st_raw);  // done with the raw tiles
@@ -692,7 +698,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         prof.mark(2);
       }
 
-      if (role <= 1 && !pairwise) {
+      if ((role == 0 || (kQ && role == 1)) && !pairwise) {
         // role 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); role 1 at the same time: Mqk = tril(Qm Knᵀ).
         // (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
         const __nv_bfloat16* asrc = role == 0 ? sc.km : sc.qm;
@@ -1022,7 +1028,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     warpgroup_fence_operand(accO);
     warpgroup_arrive();
     gemm(mma_s, aU, bKr(_, _, _, os), accS);
-    gemm(mma_u, aU, bMqk(_, _, _, os), accO);
+    if constexpr (kQ) gemm(mma_u, aU, bMqk(_, _, _, os), accO);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accS);
@@ -1039,7 +1045,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     //   Otherwise: the warpgroup's 64 rows in its buffer of the chunk's parity, one named barrier, one 16-byte
     //   store per thread (token ctid / 8, rows 8 (ctid % 8) .. + 8); the buffer is rewritten two chunks later,
     //   after every thread passed the next chunk's barrier.
-    if (p.out != nullptr) {
+    if (kQ && p.out != nullptr) {
       const bool warp_out = args.schedule & kWarpOutput;
       int t, row0;
       const __nv_bfloat16* src;
