@@ -147,7 +147,6 @@ constexpr bool regs_fit() {
 static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>(), "setmaxnreg counts exceed the CTA's register pool");
 constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;   // named barrier of chain warpgroup w (output staging): kBarOut + w
-constexpr int kBarL = 6;     // state-only: the L pair (roles 0 and 1) of prep warpgroup w: kBarL + w
 constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
 // per-warp output staging (kWarpOutput): [16 tokens][16 value rows], rows of 24 elements (48 bytes: 16-byte
 // aligned; the accumulator's writes, tokens 2 apart per lane quad, fall on banks 0, 24, 16, 8: no conflicts)
@@ -699,58 +698,34 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         prof.mark(2);
       }
 
-      if (role <= 1 && !pairwise) {
-        // role 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); role 1 at the same time: Mqk = tril(Qm Knᵀ), or, in a
-        // state-only call (no Mqk), the second half of L's k-steps, which role 0 adds through shared memory.
-        // (mma.sync m16n8k16; k-steps 0-3 and 4-7 into separate accumulators, summed last: the same sums whether
-        // one warp or two make them)
-        const __nv_bfloat16* asrc = role == 0 || !kQ ? sc.km : sc.qm;
+      if ((role == 0 || (kQ && role == 1)) && !pairwise) {
+        // role 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); role 1 at the same time: Mqk = tril(Qm Knᵀ).
+        // (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
+        const __nv_bfloat16* asrc = role == 0 ? sc.km : sc.qm;
         const int gq = lane >> 2, cq = lane & 3;
         const TileOffsets toff_a(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);
         const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);
         float al[2][4] = {}, al2[2][4] = {};
-        auto ksteps = [&](int ks, float(&x)[2][4]) {
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks) {
           uint32_t fa[4], fn[4];
           ldsm_x4(asrc + toff_a.at(ks), fa);
           ldsm_x4(sc.kn + toff_b.at(ks), fn);
+          float(&x)[2][4] = (ks & 1) ? al2 : al;
           ptx::mma_bf16(x[0], fa, fn[0], fn[1]);
           ptx::mma_bf16(x[1], fa, fn[2], fn[3]);
-        };
-        // state-only: role 1's partial sums, in the unused Qm tile (the lane's own 8 values: no conflicts)
-        float* const part = reinterpret_cast<float*>(sc.qm) + lane * 8;
-        if constexpr (kQ) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) ksteps(u, al), ksteps(4 + u, al2);
-        } else if (role == 0) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) ksteps(u, al);
-          named_sync(kBarL + pw, 64);  // role 1's half is in `part`
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) al2[nt][e] = part[4 * nt + e];
-        } else {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) ksteps(4 + u, al2);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) part[4 * nt + e] = al2[nt][e];
-          named_sync(kBarL + pw, 64);
         }
-        if (kQ || role == 0) {
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
-              const float x = al[nt][e] + al2[nt][e];
-              if (role == 0)
-                sc.ap[i * kC + jj] = jj < i ? sc.beta[i] * x : 0.f;
-              else
-                put_mqk(i, jj, os, jj <= i ? x : 0.f);
-            }
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int i = gq + 8 * (e >> 1), jj = 8 * nt + 2 * cq + (e & 1);
+            const float x = al[nt][e] + al2[nt][e];
+            if (role == 0)
+              sc.ap[i * kC + jj] = jj < i ? sc.beta[i] * x : 0.f;
+            else
+              put_mqk(i, jj, os, jj <= i ? x : 0.f);
+          }
         __syncwarp();
       }
       prof.mark(5);
