@@ -329,30 +329,6 @@ class _DeviceIndex:
         return e
 
 
-# the P pass's zero v filled on a side stream (overlapping the Q pass); False: on the caller's stream (A/B)
-OVERLAP_FILL = True
-_fill_streams: dict[torch.device, Any] = {}
-
-
-def _zeros_beside(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, Any]:
-    """A zero tensor and ``join()``, after which the caller's stream may read it. On CUDA (with
-    ``OVERLAP_FILL``) the fill runs on a side stream that first waits for the caller's stream (the memory may
-    have been in use there), and ``join()`` makes the caller's stream wait for it, so it overlaps the work the
-    caller enqueues in between; the tensor belongs to the caller's stream and is freed there, after the join.
-    Under graph capture the fork and the join are captured as graph edges."""
-    if device.type != "cuda" or not OVERLAP_FILL:
-        return torch.zeros(shape, dtype=dtype, device=device), lambda: None
-    cur = torch.cuda.current_stream(device)
-    side = _fill_streams.get(device)
-    if side is None:
-        side = _fill_streams.setdefault(device, torch.cuda.Stream(device=device))
-    z = torch.empty(shape, dtype=dtype, device=device)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        z.zero_()
-    return z, lambda: cur.wait_stream(side)
-
-
 def _slices(buf: torch.Tensor, parts: list[list[int]]) -> list[torch.Tensor]:
     out, at = [], 0
     for part in parts:
@@ -548,29 +524,18 @@ def _run(
         if M > 0:  # (every sequence split: split_ids = 0 .. N-1)
             states[:M].copy_(start0 if M == N else start0.index_select(0, ix.split_ids))
     if M > 0:
-        # the P pass's v = 0 (T x HV x K tokens): on CUDA filled on a side stream while the Q pass runs (a
-        # memory-bound fill beside a latency-bound pass), joined before the P pass
-        v0 = join_fill = None
-        if pl.needs_p:
-            v0, join_fill = _zeros_beside((1, v.shape[1], HV, K), v.dtype, dev)
         # pass 1: Q_j (segment 0 from the real start state, the others from 0)
-        try:
-            Qp = torch.zeros((M * mp, HV, Vd, K), dtype=sdt, device=dev)
-            Qv = Qp.view(mp, M * HV, Vd, K)
-            if start0 is not None:
-                Qp[:M].copy_(states[:M])
-            op(q, k, v, g, beta, A, dtb, Qp, None, None, ix.cu, ix.q_rows, None, None, no_out, None, None, None,
-               None, sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
-        except BaseException:
-            if join_fill is not None:  # (v0 is freed on the caller's stream: after its fill)
-                join_fill()
-            raise
+        Qp = torch.zeros((M * mp, HV, Vd, K), dtype=sdt, device=dev)
+        Qv = Qp.view(mp, M * HV, Vd, K)
+        if start0 is not None:
+            Qp[:M].copy_(states[:M])
+        op(q, k, v, g, beta, A, dtb, Qp, None, None, ix.cu, ix.q_rows, None, None, no_out, None, None, None, None,
+           sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
         Pv = None
         if pl.needs_p:
             # pass 2: P_j, the [K, K] state from the identity with v = 0
             Pp = ix.eye(K, sdt).expand(M * mp, HV, K, K).contiguous()
-            assert v0 is not None and join_fill is not None
-            join_fill()
+            v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
             o0 = no_out if STATE_ONLY or Vd == K else torch.empty((1, v.shape[1], HV, K), dtype=out.dtype, device=dev)
             op(q, k, v0, g, beta, A, dtb, Pp, None, None, ix.cu, ix.p_rows, None, None, o0, None, None, None, None,
                sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip

@@ -6,11 +6,9 @@ time of an unprofiled call (host, to the end of its last kernel), the host time 
 synchronize inside it: the split's Python plan and its op calls), the GPU time of every kernel of a
 profiled one (the three chunked passes, the scan, copies) and the idle GPU time in between (host overhead
 between launches), and the median of 20 CUDA-graph replays of the call (fixed layout: the split runs inside the
-graph). Four settings, the first two twice, alternated: the default (the end-state passes as state-only
-calls on the Hopper kernel's state-only instantiation, the P pass's zero v filled on a side stream during the
-Q pass), that fill on the caller's stream (kda_ops._split.OVERLAP_FILL = False), the state-only calls on the
-kernel's instantiation with an output (KDA_SM90_STATE_ONLY=0), and passes with outputs
-(KDA_SEQUENCE_SPLIT_STATE_ONLY=0).
+graph). Three settings: the end-state passes as state-only calls on the Hopper kernel's state-only
+instantiation (the default), the same calls on its instantiation with an output (KDA_SM90_STATE_ONLY=0), and
+passes with outputs (KDA_SEQUENCE_SPLIT_STATE_ONLY=0).
 
   python3 scripts/split_profile.py [8,4] [65536]
 """
@@ -57,10 +55,8 @@ def main() -> None:
     _split.MODE = "1"
     for H in heads:
         call = ours(kda_ops, make(H, [T], False), fixed=True)  # (one sequence without cu_seqlens: split in graphs too)
-        configs = ((True, "1", True), (True, "1", False), (True, "0", True), (False, "1", True), (True, "1", True),
-                   (True, "1", False))  # fmt: skip
-        for so, inst, overlap in configs:
-            _split.STATE_ONLY, _split.OVERLAP_FILL = so, overlap
+        for so, inst in ((True, "1"), (True, "0"), (False, "1"), (True, "1"), (True, "0")):
+            _split.STATE_ONLY = so
             os.environ["KDA_SM90_STATE_ONLY"] = inst
             for _ in range(3):
                 call()
@@ -87,8 +83,7 @@ def main() -> None:
             busy = sum(e.time_range.elapsed_us() for e in ev)
             span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0
             print(
-                f"\n## H={H} T={T} state_only={so} KDA_SM90_STATE_ONLY={inst} overlap_fill={overlap}: "
-                f"graph {graph_ms:.3f} ms, "
+                f"\n## H={H} T={T} state_only={so} KDA_SM90_STATE_ONLY={inst}: graph {graph_ms:.3f} ms, "
                 f"wall {sorted(walls)[2]:.3f} ms (median of 5), "
                 f"host enqueue {sorted(enq)[2]:.3f} ms (median of 5), "
                 f"GPU span {span / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms, "

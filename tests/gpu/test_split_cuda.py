@@ -402,30 +402,6 @@ def test_split_state_only_passes_match(split_on, monkeypatch):  # type: ignore[n
 
 
 @cuda_only
-def test_split_zero_fill_beside_q_pass(split_on, monkeypatch):  # type: ignore[no-untyped-def]
-    """The P pass's zero v filled on a side stream while the Q pass runs (the default) gives the bits of the
-    fill on the caller's stream, also when the caller's stream is not the default one; the side stream is
-    joined (the outputs are complete when the caller's stream is)."""
-    lens = [2000, 3, 1500, 700]
-    x, kw = make(lens, gate="lower_bound", seed=8)
-    h0 = (torch.randn(4, 2, K, K, generator=torch.Generator().manual_seed(3)) * 0.3).to(DEV)
-    res = []
-    for overlap in (True, False, True):
-        monkeypatch.setattr(_split, "OVERLAP_FILL", overlap)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            o, fs = call(x, kw, initial_state=h0.clone(), output_final_state=True)
-        s.synchronize()  # (only the caller's stream: the fill's stream must have been joined into it)
-        res.append((o.clone(), fs.clone()))
-    assert len(split_on) == 3
-    for o, fs in res[1:]:
-        assert torch.equal(o, res[0][0]) and torch.equal(fs, res[0][1])
-    r = reference(x, kw, h0)
-    assert_close_rms(res[0][0], r.output, TOL_OUT, "split output vs reference")
-
-
-@cuda_only
 @pytest.mark.parametrize("J,Bt,Vd,Kd,first", [(33, 4, 128, 128, 2), (17, 8, 64, 64, 2), (5, 3, 20, 128, 1)])
 def test_segment_state_scan_cuda(J, Bt, Vd, Kd, first):  # type: ignore[no-untyped-def]
     """The one-launch CUDA scan against the fp64 loop (fp32 sums in another order: 1e-5), deterministic."""
