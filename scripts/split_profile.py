@@ -5,10 +5,11 @@ and inputs of benchmarks/bench_split.py (K = V = 128, bf16 pool), profiled with 
 time of an unprofiled call (host, to the end of its last kernel), the host time to enqueue one call (no
 synchronize inside it: the split's Python plan and its op calls), the GPU time of every kernel of a
 profiled one (the three chunked passes, the scan, copies) and the idle GPU time in between (host overhead
-between launches), and the median of 20 CUDA-graph replays of the call (fixed layout: the split runs inside the
-graph). Three settings: the end-state passes as state-only calls on the Hopper kernel's state-only
-instantiation (the default), the same calls on its instantiation with an output (KDA_SM90_STATE_ONLY=0), and
-passes with outputs (KDA_SEQUENCE_SPLIT_STATE_ONLY=0).
+between launches), and the median of 20 CUDA-graph replays of the call (benchmarks/bench_prefill.py's
+graph_time_ms; fixed layout: the split runs inside the graph). Three settings: the end-state passes as
+state-only calls on the Hopper kernel's state-only instantiation (the default), the same calls on its
+instantiation with an output (KDA_SM90_STATE_ONLY=0), and passes with outputs
+(KDA_SEQUENCE_SPLIT_STATE_ONLY=0).
 
   python3 scripts/split_profile.py [8,4] [65536]
 """
@@ -22,31 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kda_ops  # noqa: E402
+from benchmarks.bench_prefill import graph_time_ms  # noqa: E402
 from benchmarks.bench_split import make, ours  # noqa: E402  (the benchmark's inputs and call)
 from kda_ops import _split  # noqa: E402
-
-
-def graph_replay_ms(call) -> float:  # type: ignore[no-untyped-def]
-    """Median of 20 replays of `call` captured in a CUDA graph (after the eager calls that cached its plan)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[10]
 
 
 def main() -> None:
@@ -74,7 +53,7 @@ def main() -> None:
                 call()
                 enq.append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize()
-            graph_ms = graph_replay_ms(call)
+            graph_ms = graph_time_ms(call, rep=20)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 call()
                 torch.cuda.synchronize()
