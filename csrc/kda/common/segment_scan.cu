@@ -1,8 +1,10 @@
 // kda_segment_state_scan_kernel: the split's scan of segment start states (segment_scan.h). The rows of a
 // state evolve independently (S[j][r] = S[j-1][r] P + Q[j][r]), so a block owns kRows rows of one batch
-// entry for the whole scan: the rows stay in shared memory from step to step, thread c computes column c
-// of them, reading column c of P[j-1] (coalesced across the block; the batch entry's other row blocks
-// read the same P from L2). Per step and thread: K loads of P and kRows * K FMAs, no atomics.
+// entry for the whole scan: the rows stay in shared memory from step to step; thread (c, part) computes column
+// c of them over the part-th quarter of the k range, reading those rows of P[j-1] (coalesced across the
+// columns; the batch entry's other row blocks read the same P from L2), and part 0 adds the other parts'
+// sums in part order (deterministic, no atomics). A step waits on its loads of P, which do not depend on the
+// state: four parts keep four times the loads in flight that one thread per column did.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -13,41 +15,55 @@
 namespace kda {
 namespace {
 
-constexpr int kScanThreads = 128;  // one thread per column, K <= 128
-constexpr int kRows = 8;           // state rows per block
+constexpr int kScanCols = 128;  // one thread per column and part, K <= 128
+constexpr int kParts = 4;       // the k range split over four thread groups
+constexpr int kRows = 8;        // state rows per block
 
-__global__ void __launch_bounds__(kScanThreads)
+__global__ void __launch_bounds__(kScanCols * kParts)
     kda_segment_state_scan_kernel(float* __restrict__ S, const float* __restrict__ Q, const float* __restrict__ P,
                                   int64_t J, int64_t batch, int V, int K, int64_t first) {
-  __shared__ float rows[kRows][kScanThreads];
-  const int c = threadIdx.x;
+  __shared__ float rows[kRows][kScanCols];
+  __shared__ float partial[kParts - 1][kRows][kScanCols];
+  const int c = threadIdx.x % kScanCols, part = threadIdx.x / kScanCols;
   const int64_t b = blockIdx.x;
   const int r0 = blockIdx.y * kRows;
   const int nr = V - r0 < kRows ? V - r0 : kRows;
   const int64_t state = int64_t(V) * K, map = int64_t(K) * K;
+  const int per = (K + kParts - 1) / kParts, k0 = part * per, k1 = k0 + per < K ? k0 + per : K;
   // rows r0 .. r0 + nr of S[first - 1]
   const float* s_prev = S + ((first - 1) * batch + b) * state + int64_t(r0) * K;
-  for (int r = 0; r < nr; ++r) rows[r][c] = c < K ? s_prev[int64_t(r) * K + c] : 0.f;
+  if (part == 0)
+    for (int r = 0; r < kRows; ++r) rows[r][c] = c < K && r < nr ? s_prev[int64_t(r) * K + c] : 0.f;
   __syncthreads();
   for (int64_t j = first; j < J; ++j) {
     const float* pj = P + ((j - 1) * batch + b) * map;
     const float* qj = Q + ((j - 1) * batch + b) * state + int64_t(r0) * K;
     float acc[kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] = (c < K && r < nr) ? qj[int64_t(r) * K + c] : 0.f;
+    for (int r = 0; r < kRows; ++r) acc[r] = (part == 0 && c < K && r < nr) ? qj[int64_t(r) * K + c] : 0.f;
     if (c < K) {
 #pragma unroll 8
-      for (int k = 0; k < K; ++k) {
+      for (int k = k0; k < k1; ++k) {
         const float p = __ldg(pj + int64_t(k) * K + c);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) acc[r] = fmaf(rows[r][k], p, acc[r]);
       }
     }
-    __syncthreads();  // every thread has read the previous rows
-    float* sj = S + (j * batch + b) * state + int64_t(r0) * K;
+    if (part > 0) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (r < nr && c < K) rows[r][c] = acc[r], sj[int64_t(r) * K + c] = acc[r];
+      for (int r = 0; r < kRows; ++r) partial[part - 1][r][c] = acc[r];
+    }
+    __syncthreads();  // every thread has read the previous rows; the parts' sums are in `partial`
+    if (part == 0) {
+      float* sj = S + (j * batch + b) * state + int64_t(r0) * K;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float x = acc[r];
+#pragma unroll
+        for (int q = 0; q < kParts - 1; ++q) x += partial[q][r][c];
+        if (r < nr && c < K) rows[r][c] = x, sj[int64_t(r) * K + c] = x;
+      }
+    }
     __syncthreads();
   }
 }
@@ -58,9 +74,9 @@ cudaError_t launch_segment_state_scan(float* S, const float* Q, const float* P, 
                                       int K, int64_t first, cudaStream_t stream) {
   if (first < 1) first = 1;
   if (J <= first || batch <= 0 || V <= 0 || K <= 0) return cudaSuccess;
-  if (K > kScanThreads || batch > 0x7fffffff) return cudaErrorInvalidValue;
+  if (K > kScanCols || batch > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>((V + kRows - 1) / kRows));
-  kda_segment_state_scan_kernel<<<grid, kScanThreads, 0, stream>>>(S, Q, P, J, batch, V, K, first);
+  kda_segment_state_scan_kernel<<<grid, kScanCols * kParts, 0, stream>>>(S, Q, P, J, batch, V, K, first);
   return cudaGetLastError();
 }
 
