@@ -285,3 +285,25 @@ def _check_against_one_process(parts: list[dict]) -> None:
     for key, tol in (("final", 1e-3), ("dA_log", 1e-2), ("ddt_bias", 1e-2), ("dh0", 1e-2)):
         got = sum(p[key].double() for p in parts)
         assert rel_rms(got, ref[key]) <= tol, (key, rel_rms(got, ref[key]))
+
+
+def test_cp_benchmark_harness_on_gloo(tmp_path):  # type: ignore[no-untyped-def]
+    """benchmarks/bench_cp.py's harness (the multi-GPU scaling benchmark) on 1 and 2 gloo processes: it writes
+    its table, and the bytes a rank sends are the module's formula: (HV·K·K + HV·V·K) fp32 values forward,
+    HV·V·K more in the backward, beside the 4 int64 of every call's check (all a single rank sends)."""
+    import json
+
+    from benchmarks import bench_cp
+
+    recs = bench_cp.main(["--device", "cpu", "--ranks", "1,2", "--heads", "1", "--tokens", "96", "--rep", "1",
+                          "--warmup", "0", "--out", str(tmp_path)])  # fmt: skip
+    by_r = {r["R"]: r for r in recs}
+    Kc = bench_cp.K
+    meta = 4 * 8
+    assert by_r[1]["fwd_bytes"] == meta and by_r[1]["step_bytes"] == meta
+    assert by_r[2]["fwd_bytes"] == meta + (Kc * Kc + Kc * Kc) * 4
+    assert by_r[2]["step_bytes"] == meta + (Kc * Kc + Kc * Kc) * 4 + Kc * Kc * 4
+    assert all(r["fwd_ms"] > 0 and r["step_ms"] >= r["fwd_ms"] * 0.5 for r in recs)
+    saved = json.loads((tmp_path / "bench_cp.json").read_text())
+    assert [r["R"] for r in saved["records"]] == [1, 2]
+    assert "| H=1 | 2 | 48 |" in (tmp_path / "bench_cp.md").read_text()
