@@ -37,6 +37,25 @@ kernel run in reverse, step 3 one CTA task per 64-token tape chunk walking its f
 
 Exponents: the pair terms are computed here with the exact pairwise factor e^{Γ_i - Γ_j} (masked before
 exp, so every factor is <= 1); a kernel uses the relative-reference blocks of `decayed_pair_matrix`.
+
+Tensor-core emulation (`operand_dtype` / `gemm_dtypes` of `chunked_training_grads`, as in
+kda_ops/reference_chunked.py): the operands of each named product are rounded right before it and the
+product is summed in fp32 (then `dtype` is fp32); the rest (gate, Γ, exponentials, L, Mqk, the inverse, the
+pair terms, β and the per-token steps) stays fp32. Names (BWD_GEMM_NAMES): the recompute's "X" (K⁺ S_0ᵀ),
+"R" (INV Y), "S" (Rᵀ Kr, the tape update); the chain's and the chunk's "dR_mqk" (Mqkᵀ dO), "dR_S" (Kr dS_Cᵀ),
+"dY" (INVᵀ dR), "dA" (dY Rᵀ), "dM" (dO Rᵀ), "dKr" (R dS_C), "dKp" (dX S_0), "dQp" (dO S_0), "dS0" (dOᵀ Q⁺ and
+dXᵀ K⁺). The products with the state or its gradient (X, dR_S, dKr, dKp, dQp, dS0, S) are the ones a
+64-token wgmma sweep runs as large GEMMs; dA and dM feed dβ and dΓ.
+
+Measured budget (tests/test_reference_chunked_backward.py, `test_operand_precision_budget`, 2026-12-03;
+K = V = 128, 64-token chunks, bf16 inputs, vs fp64 autograd through the token loop, relative RMS of each of
+the eight gradients; cases T = 1, 65, 300, λ = -1 at T = 1024, gates at the bound, no decay, near-collinear
+keys with β ≈ 1, small-norm q and k): fp32 throughout ~1e-7-2e-5; bf16 operands for the products with the
+state and its gradient (X, dR_S, dKr, dKp, dQp, dS0, S) worst 4.5e-3 (dA_log, near-collinear keys), most
+1e-3-3e-3; every named product in bf16 (dA and dM too) worst 4.4e-3, dβ at most 3.8e-3 (T = 1: 1.1e-3). The
+contract's gradient tolerance is 1e-2. Not emulated: L, Mqk, the inverse and the pair terms (fp32 here; the
+CUDA sweep runs them in 3xTF32), and bf16-stored tapes. With the gate at the bound the true dg is ~1e-18, below
+fp32: fp32 itself returns 0 there, so that case compares the other gradients only.
 """
 
 from __future__ import annotations
@@ -46,9 +65,29 @@ import math
 import torch
 
 from kda_ops.reference import l2_normalize, seq_bounds
-from kda_ops.reference_chunked import _unit_lower_inverse, decayed_pair_matrix
+from kda_ops.reference_chunked import OperandPrecision, _make_round, _unit_lower_inverse, decayed_pair_matrix
 
 TAPE_CHUNK = 64
+BWD_GEMM_NAMES = ("X", "R", "S", "dR_mqk", "dR_S", "dY", "dA", "dM", "dKr", "dKp", "dQp", "dS0")
+
+
+class _Gemms:
+    """The named products of the backward with their operand rounding (module docstring); exact when empty."""
+
+    def __init__(self, operand_dtype: OperandPrecision = None, gemm_dtypes: dict[str, OperandPrecision] | None = None):
+        precs = {name: operand_dtype for name in BWD_GEMM_NAMES}
+        for name, prec in (gemm_dtypes or {}).items():
+            if name not in precs:
+                raise ValueError(f"gemm_dtypes: unknown GEMM {name!r}, expected one of {BWD_GEMM_NAMES}")
+            precs[name] = prec
+        self.round = {name: _make_round(prec) for name, prec in precs.items()}
+
+    def __call__(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        r = self.round[name]
+        return r(a) @ r(b)
+
+
+_EXACT = _Gemms()
 
 
 def _pair_factors(gamma: torch.Tensor, inclusive: bool) -> torch.Tensor:
@@ -66,7 +105,7 @@ def _pair_apply(W: torch.Tensor, x: torch.Tensor, y: torch.Tensor, E: torch.Tens
     return row, col
 
 
-def chunk_recompute(S0, q, k, v, a, beta, sub: int = 16) -> dict[str, torch.Tensor]:
+def chunk_recompute(S0, q, k, v, a, beta, sub: int = 16, mm: _Gemms = _EXACT) -> dict[str, torch.Tensor]:
     """The forward quantities of one chunk that the backward needs (shapes as chunk_forward)."""
     gamma = torch.cumsum(a, dim=1)
     g_last = gamma[:, -1:]
@@ -75,41 +114,43 @@ def chunk_recompute(S0, q, k, v, a, beta, sub: int = 16) -> dict[str, torch.Tens
     L = decayed_pair_matrix(k, k, gamma, sub, False, "pairwise")
     Mqk = decayed_pair_matrix(q, k, gamma, sub, True, "pairwise")
     INV = _unit_lower_inverse(beta[:, :, None] * L, sub)
-    X = Kp @ S0.transpose(1, 2)
+    X = mm("X", Kp, S0.transpose(1, 2))
     Y = beta[:, :, None] * (v - X)
-    R = INV @ Y
+    R = mm("R", INV, Y)
     return dict(
         gamma=gamma, eg=eg, gC=torch.exp(g_last[:, 0]), Kp=Kp, Qp=Qp, Kr=Kr, L=L, Mqk=Mqk, INV=INV, X=X, Y=Y, R=R
     )
 
 
-def chain_step(f: dict[str, torch.Tensor], beta: torch.Tensor, dO: torch.Tensor, dS_C: torch.Tensor) -> torch.Tensor:
+def chain_step(
+    f: dict[str, torch.Tensor], beta: torch.Tensor, dO: torch.Tensor, dS_C: torch.Tensor, mm: _Gemms = _EXACT
+) -> torch.Tensor:
     """dS_0 from dS_C [HV, V, K] and dO [HV, c, V]: the serial step of the backward (no other gradient)."""
-    dR = f["Mqk"].transpose(1, 2) @ dO + f["Kr"] @ dS_C.transpose(1, 2)
-    dX = -beta[:, :, None] * (f["INV"].transpose(1, 2) @ dR)
-    return dS_C * f["gC"][:, None, :] + dO.transpose(1, 2) @ f["Qp"] + dX.transpose(1, 2) @ f["Kp"]
+    dR = mm("dR_mqk", f["Mqk"].transpose(1, 2), dO) + mm("dR_S", f["Kr"], dS_C.transpose(1, 2))
+    dX = -beta[:, :, None] * mm("dY", f["INV"].transpose(1, 2), dR)
+    return dS_C * f["gC"][:, None, :] + mm("dS0", dO.transpose(1, 2), f["Qp"]) + mm("dS0", dX.transpose(1, 2), f["Kp"])
 
 
-def chunk_backward(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16):
+def chunk_backward(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16, mm: _Gemms = _EXACT):
     """Gradients of one chunk w.r.t. its inputs, given S_0 (forward) and dS_C (backward chain).
 
     S0, dS_C [HV, V, K]; q, k, a [HV, c, K]; v, dO [HV, c, V]; beta [HV, c] (σ applied).
     Returns dict(dq, dk, dv, da, dbeta, dS0): dq w.r.t. the scaled normalised q, dk w.r.t. normalised k.
     """
-    f = chunk_recompute(S0, q, k, v, a, beta, sub)
+    f = chunk_recompute(S0, q, k, v, a, beta, sub, mm)
     bt = beta[:, :, None]
-    dR = f["Mqk"].transpose(1, 2) @ dO + f["Kr"] @ dS_C.transpose(1, 2)
-    dY = f["INV"].transpose(1, 2) @ dR
-    dA = torch.tril(-(dY @ f["R"].transpose(1, 2)), -1)
+    dR = mm("dR_mqk", f["Mqk"].transpose(1, 2), dO) + mm("dR_S", f["Kr"], dS_C.transpose(1, 2))
+    dY = mm("dY", f["INV"].transpose(1, 2), dR)
+    dA = torch.tril(-mm("dA", dY, f["R"].transpose(1, 2)), -1)
     dL = bt * dA
     dbeta = (dA * f["L"]).sum(-1) + (dY * (v - f["X"])).sum(-1)
     dv = bt * dY
     dX = -bt * dY
-    dM = torch.tril(dO @ f["R"].transpose(1, 2))
-    dKr = f["R"] @ dS_C
-    dKp = dX @ S0
-    dQp = dO @ S0
-    dS0 = dS_C * f["gC"][:, None, :] + dO.transpose(1, 2) @ f["Qp"] + dX.transpose(1, 2) @ f["Kp"]
+    dM = torch.tril(mm("dM", dO, f["R"].transpose(1, 2)))
+    dKr = mm("dKr", f["R"], dS_C)
+    dKp = mm("dKp", dX, S0)
+    dQp = mm("dQp", dO, S0)
+    dS0 = dS_C * f["gC"][:, None, :] + mm("dS0", dO.transpose(1, 2), f["Qp"]) + mm("dS0", dX.transpose(1, 2), f["Kp"])
     rowL, colL = _pair_apply(dL, k, k, _pair_factors(f["gamma"], False))
     rowM, colM = _pair_apply(dM, q, k, _pair_factors(f["gamma"], True))
     eg, er = f["eg"], torch.exp(f["gamma"][:, -1:] - f["gamma"])  # er = e^{Γ_last - Γ}
@@ -140,13 +181,19 @@ def chunked_training_grads(
     chunk_size: int = TAPE_CHUNK,
     sub: int = 16,
     dtype=torch.float64,
+    operand_dtype: OperandPrecision = None,
+    gemm_dtypes: dict[str, OperandPrecision] | None = None,
 ):
     """The eight training gradients (in the order of docs/contract.md "API") by the chunk-parallel schedule of the
     module docstring.
 
     Same arguments and gradient order as `reference_training_grads` (L2 norm on, lower-bound gate, logit β).
+    operand_dtype / gemm_dtypes: tensor-core emulation of the named products (module docstring; fp32 compute).
     Returns [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state] in `dtype`.
     """
+    mm = _Gemms(operand_dtype, gemm_dtypes)
+    if operand_dtype is not None or any(p is not None for p in (gemm_dtypes or {}).values()):
+        dtype = torch.float32
     B, T, H, K = q.shape
     HV = v.shape[2]
     group = HV // H
@@ -177,9 +224,9 @@ def chunked_training_grads(
             s1 = min(s0 + chunk_size, length)
             tapes.append(S)
             f = chunk_recompute(
-                S, part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1), part(bl, s0, s1), sub
+                S, part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1), part(bl, s0, s1), sub, mm
             )
-            S = S * f["gC"][:, None, :] + f["R"].transpose(1, 2) @ f["Kr"]
+            S = S * f["gC"][:, None, :] + mm("S", f["R"].transpose(1, 2), f["Kr"])
         # 2. chain: dS_C of every chunk, last first
         dS = torch.zeros_like(S) if dfinal_state is None else dfinal_state[n].to(dtype)
         dS_end: list[torch.Tensor | None] = [None] * len(starts)
@@ -187,9 +234,10 @@ def chunked_training_grads(
             s0, s1 = starts[ci], min(starts[ci] + chunk_size, length)
             dS_end[ci] = dS
             f = chunk_recompute(
-                tapes[ci], part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1), part(bl, s0, s1), sub
-            )
-            dS = chain_step(f, part(bl, s0, s1), part(dof, s0, s1), dS)
+                tapes[ci], part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1), part(bl, s0, s1),
+                sub, mm,
+            )  # fmt: skip
+            dS = chain_step(f, part(bl, s0, s1), part(dof, s0, s1), dS, mm)
         dinit[n] = dS
         # 3. every chunk independently
         for ci, s0 in enumerate(starts):
@@ -204,6 +252,7 @@ def chunked_training_grads(
                 part(bl, s0, s1),
                 part(dof, s0, s1),
                 sub,
+                mm,
             )
             sl = slice(bos + s0, bos + s1)
             dqs[b, sl], dkn[b, sl], dv[b, sl] = (r[x].transpose(0, 1) for x in ("dq", "dk", "dv"))

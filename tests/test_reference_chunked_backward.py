@@ -68,3 +68,68 @@ def test_segment_affine_maps_compose_to_the_chain():
         composed = composed @ A_map + B_map
     assert (chain - dfin).abs().max() > 0.1  # the maps are not trivial
     assert rel_rms(composed, chain) < TOL_EXACT
+
+
+def _pinned(x):  # sigmoid saturated: a = λ on every channel (dg ~ 1e-18: below fp32, so not compared)
+    x["g"] = (x["g"].float() + 30).bfloat16()
+
+
+def _no_decay(x):  # a -> 0: the state never forgets, the chain's errors accumulate
+    x["g"] = (x["g"].float() - 30).bfloat16()
+
+
+def _collinear(x):  # near-collinear keys and β ≈ 1: a state of cancelling deltas
+    x["k"] = (x["k"][:, :1].float() + 0.05 * x["k"].float()).bfloat16()
+    x["beta"] = torch.full_like(x["beta"], 8.0)
+
+
+def _small_qk(x):
+    x["q"], x["k"] = (x["q"].float() * 1e-3).bfloat16(), (x["k"].float() * 1e-3).bfloat16()
+
+
+BUDGET_CASES = [  # name, T, λ, input change, seed
+    ("T=1", 1, -5.0, None, 9),
+    ("T=65", 65, -5.0, None, 4),
+    ("T=300", 300, -5.0, None, 4),
+    ("λ=-1 T=1024", 1024, -1.0, None, 4),
+    ("gate at the bound", 300, -5.0, _pinned, 4),
+    ("no decay", 300, -5.0, _no_decay, 4),
+    ("near-collinear keys", 300, -5.0, _collinear, 4),
+    ("small-norm q/k", 65, -5.0, _small_qk, 4),
+]
+
+
+def test_operand_precision_budget():
+    """The error budget of a 64-token tensor-core backward: the chunked backward with its products' operands
+    rounded (bf16 for the products with the state and its gradient; then every product bf16) against fp64
+    autograd through the token loop, K = V = 128, within the gradient tolerance of docs/contract.md (1e-2
+    relative RMS) on every case, and the rounding really applied (errors well above fp32's). Run with -s
+    for the table."""
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinit")
+    state = ("X", "dR_S", "dKr", "dKp", "dQp", "dS0", "S")
+    configs = {"bf16 state products": dict(gemm_dtypes={n: torch.bfloat16 for n in state}),
+               "all products bf16": dict(operand_dtype=torch.bfloat16)}  # fmt: skip
+    worst = {c: 0.0 for c in configs}
+    for case, T, lb, change, seed in BUDGET_CASES:
+        x = make_inputs(B=1, T=T, H=1, HV=2, K=128, V=128, seed=seed)
+        if change is not None:
+            change(x)
+        gen = torch.Generator().manual_seed(5)
+        do = torch.randn(1, T, 2, 128, generator=gen).bfloat16()
+        dfin = torch.randn(1, 2, 128, 128, generator=gen) * 0.1
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], do, dfin)
+        _, _, ref = reference_training_grads(*args, lower_bound=lb)
+        for cname, kw in configs.items():
+            got = chunked_training_grads(*args, chunk_size=64, lower_bound=lb, **kw)
+            errs = {}
+            for name, a, e in zip(names, got, ref, strict=True):
+                assert torch.isfinite(a).all(), (case, cname, name)
+                if change is _pinned and name in ("dg", "dA_log", "ddt_bias"):
+                    continue
+                errs[name] = rel_rms(a.double(), e.double())
+            print(f"{case:22s} {cname:20s} " + " ".join(f"{n} {v:.1e}" for n, v in errs.items()))
+            for name, err in errs.items():
+                assert err <= 1e-2, (case, cname, name, err)
+            assert errs["dv"] > 1e-5, (case, cname, "no rounding applied?")
+            worst[cname] = max(worst[cname], max(errs.values()))
+    print("worst:", {c: f"{w:.1e}" for c, w in worst.items()})
