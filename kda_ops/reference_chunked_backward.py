@@ -41,7 +41,9 @@ exp, so every factor is <= 1); a kernel uses the relative-reference blocks of `d
 Tensor-core emulation (`operand_dtype` / `gemm_dtypes` of `chunked_training_grads`, as in
 kda_ops/reference_chunked.py): the operands of each named product are rounded right before it and the
 product is summed in fp32 (then `dtype` is fp32); the rest (gate, Γ, exponentials, L, Mqk, the inverse, the
-pair terms, β and the per-token steps) stays fp32. Names (BWD_GEMM_NAMES): the recompute's "X" (K⁺ S_0ᵀ),
+pair terms, β and the per-token steps) stays fp32. Names (BWD_GEMM_NAMES): the recompute's "L" (the
+off-diagonal 16-token blocks of L and Mqk, factors with the block-start reference; the diagonal blocks stay
+exact pairwise sums), "X" (K⁺ S_0ᵀ),
 "R" (INV Y), "S" (Rᵀ Kr, the tape update); the chain's and the chunk's "dR_mqk" (Mqkᵀ dO), "dR_S" (Kr dS_Cᵀ),
 "dY" (INVᵀ dR), "dA" (dY Rᵀ), "dM" (dO Rᵀ), "dKr" (R dS_C), "dKp" (dX S_0), "dQp" (dO S_0), "dS0" (dOᵀ Q⁺ and
 dXᵀ K⁺). The products with the state or its gradient (X, dR_S, dKr, dKp, dQp, dS0, S) are the ones a
@@ -52,10 +54,11 @@ K = V = 128, 64-token chunks, bf16 inputs, vs fp64 autograd through the token lo
 the eight gradients; cases T = 1, 65, 300, λ = -1 at T = 1024, gates at the bound, no decay, near-collinear
 keys with β ≈ 1, small-norm q and k): fp32 throughout ~1e-7-2e-5; bf16 operands for the products with the
 state and its gradient (X, dR_S, dKr, dKp, dQp, dS0, S) worst 4.5e-3 (dA_log, near-collinear keys), most
-1e-3-3e-3; every named product in bf16 (dA and dM too) worst 4.4e-3, dβ at most 3.8e-3 (T = 1: 1.1e-3). The
-contract's gradient tolerance is 1e-2. Not emulated: L, Mqk, the inverse and the pair terms (fp32 here; the
-CUDA sweep runs them in 3xTF32), and bf16-stored tapes. With the gate at the bound the true dg is ~1e-18, below
-fp32: fp32 itself returns 0 there, so that case compares the other gradients only.
+1e-3-3e-3; every named product in bf16 (dA, dM and L / Mqk's off-diagonal blocks too) worst 4.4e-3, dβ at
+most 3.8e-3 (T = 1: 1.1e-3). The contract's gradient tolerance is 1e-2. Not emulated: L and Mqk's diagonal
+blocks, the inverse and the pair terms (fp32 here; the CUDA sweep runs them in 3xTF32), and bf16-stored
+tapes. With the gate at the bound the true dg is ~1e-18, below fp32: fp32 itself returns 0 there, so that
+case compares the other gradients only.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from kda_ops.reference import l2_normalize, seq_bounds
 from kda_ops.reference_chunked import OperandPrecision, _make_round, _unit_lower_inverse, decayed_pair_matrix
 
 TAPE_CHUNK = 64
-BWD_GEMM_NAMES = ("X", "R", "S", "dR_mqk", "dR_S", "dY", "dA", "dM", "dKr", "dKp", "dQp", "dS0")
+BWD_GEMM_NAMES = ("L", "X", "R", "S", "dR_mqk", "dR_S", "dY", "dA", "dM", "dKr", "dKp", "dQp", "dS0")
 
 
 class _Gemms:
@@ -111,8 +114,8 @@ def chunk_recompute(S0, q, k, v, a, beta, sub: int = 16, mm: _Gemms = _EXACT) ->
     g_last = gamma[:, -1:]
     eg = torch.exp(gamma)
     Kp, Qp, Kr = k * eg, q * eg, k * torch.exp(g_last - gamma)
-    L = decayed_pair_matrix(k, k, gamma, sub, False, "pairwise")
-    Mqk = decayed_pair_matrix(q, k, gamma, sub, True, "pairwise")
+    L = decayed_pair_matrix(k, k, gamma, sub, False, "pairwise", mm.round["L"])
+    Mqk = decayed_pair_matrix(q, k, gamma, sub, True, "pairwise", mm.round["L"])
     INV = _unit_lower_inverse(beta[:, :, None] * L, sub)
     X = mm("X", Kp, S0.transpose(1, 2))
     Y = beta[:, :, None] * (v - X)
