@@ -157,11 +157,19 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
             rec["one pass"], err = try_call(lambda: cuda_time_ms(with_split("0", 0, one)))
             if err:
                 print(f"[one pass] {name}: {err}", flush=True)
+            peers = {}
             if cudnn_kda is not None:
-                rec["cudnn fp32"], _ = try_call(lambda: cuda_time_ms(cudnn_call(cudnn_kda, d, native=True)))
-                rec["cudnn bf16"], _ = try_call(lambda: cuda_time_ms(cudnn_call(cudnn_kda, d, native=False)))
+                peers["cudnn fp32"] = cudnn_call(cudnn_kda, d, native=True)
+                peers["cudnn bf16"] = cudnn_call(cudnn_kda, d, native=False)
             if fkda is not None:
-                rec["flash_kda"], _ = try_call(lambda: cuda_time_ms(flash_kda_call(fkda, d)))
+                peers["flash_kda"] = flash_kda_call(fkda, d)
+            for who, fn in peers.items():  # eager, then a graph replay (as ours: bench_prefill's graph_time_ms)
+                with torch.inference_mode():
+                    rec[who], err = try_call(lambda fn=fn: cuda_time_ms(fn))
+                    rec[who + " graph"], err2 = try_call(lambda fn=fn: graph_time_ms(fn))
+                for e in (err, err2):
+                    if e:
+                        print(f"[{who}] {name}: {e}", flush=True)
 
             # exactness: split vs unsplit on these inputs, from the same start state
             def exactness() -> float:
@@ -189,9 +197,9 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
                 f"{fmt(rec['split best'])} (Ls={rec['best Ls']})",
                 ratio(unsplit_best, rec["split best"]),
                 fmt(rec["one pass"]),
-                fmt(rec.get("cudnn fp32")),
-                fmt(rec.get("cudnn bf16")),
-                fmt(rec.get("flash_kda")),
+                f"{fmt(rec.get('cudnn fp32'))} / {fmt(rec.get('cudnn fp32 graph'))}",
+                f"{fmt(rec.get('cudnn bf16'))} / {fmt(rec.get('cudnn bf16 graph'))}",
+                f"{fmt(rec.get('flash_kda'))} / {fmt(rec.get('flash_kda graph'))}",
                 "n/a" if rec["split vs unsplit rel rms"] is None else f"{rec['split vs unsplit rel rms']:.1e}",
             ]
         )
@@ -201,12 +209,14 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
     header = [
         "case", "unsplit eager ms", "unsplit graph ms", "split auto-plan ms", "split graph ms",
         "passes with outputs ms", "split best ms",
-        "unsplit / split", "one pass ms", "cudnn fp32 ms", "cudnn bf16 ms", "flash_kda ms", "split vs unsplit",
+        "unsplit / split", "one pass ms", "cudnn fp32 ms (eager / graph)", "cudnn bf16 ms (eager / graph)",
+        "flash_kda ms (eager / graph)", "split vs unsplit",
     ]  # fmt: skip
     notes = [
         f"# exact sequence split, {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}",
         "K=V=128, lower-bound gate -5, logit beta, L2 norm, bf16 tokens, bf16 pool, preallocated output",
-        "ms = median of 10 CUDA-event timings; split timings are eager but 'split graph' (fixed layout, a replay)",
+        "ms = median of 10 CUDA-event timings; split timings are eager but 'split graph' (fixed layout, a replay);"
+        " the peers eager / in a graph replay",
         "unsplit / split > 1: the split is faster; one pass = the plan's segments as independent sequences",
         "passes with outputs = the auto-plan split whose Q and P passes write outputs (not state-only calls)",
         f"cudnn importable: {cudnn_kda is not None}; flash_kda importable: {fkda is not None}",
