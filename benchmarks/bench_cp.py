@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bar_plot  # noqa: E402
+from benchmarks.common import bar_plot, write_results  # noqa: E402
 
 K = 128
 LOWER_BOUND = -5.0
@@ -183,13 +183,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         notes.append(f"not run: R = {', '.join(map(str, skipped))} (only {n_gpu} GPU(s) visible)")
     header = ["heads", "ranks", "tokens/rank", "fwd ms", "fwd+bwd ms", "KiB sent/rank fwd / step",
               "speedup vs 1 rank", "efficiency"]  # fmt: skip
-    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
-    text = "\n".join(notes + [""] + md) + "\n"
-    with open(os.path.join(args.out, "bench_cp.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "bench_cp.json"), "w") as f:
-        json.dump({"device": name, "records": records, "notes": notes}, f, indent=1)
-    print(text, flush=True)
+    write_results(args.out, "bench_cp", header, rows, records, notes, device=name)
     labels = [f"H={r['H']} R={r['R']}" for r in records]
     bar_plot(args.out, "bench_cp", labels, {"fwd+bwd ms": [r["step_ms"] for r in records]}, "ms per step")
     return records

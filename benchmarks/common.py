@@ -99,7 +99,13 @@ def ratio(peer: float | None, ours: float | None) -> str:
 
 
 def write_results(
-    out_dir: str, name: str, header: list[str], rows: list[list[str]], records: list[dict], notes: list[str]
+    out_dir: str,
+    name: str,
+    header: list[str],
+    rows: list[list[str]],
+    records: list[dict],
+    notes: list[str],
+    device: str | None = None,
 ) -> str:
     md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
@@ -107,7 +113,8 @@ def write_results(
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(text)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "records": records, "notes": notes}, f, indent=1)
+        dev = device if device is not None else torch.cuda.get_device_name()
+        json.dump({"device": dev, "records": records, "notes": notes}, f, indent=1)
     print(text, flush=True)
     return text
 

@@ -182,13 +182,16 @@ def _make_round(prec: OperandPrecision) -> Callable[[torch.Tensor], torch.Tensor
 
 
 def resolve_gemm_precisions(
-    operand_dtype: OperandPrecision, gemm_dtypes: dict[str, OperandPrecision] | None
+    operand_dtype: OperandPrecision,
+    gemm_dtypes: dict[str, OperandPrecision] | None,
+    names: tuple[str, ...] = GEMM_NAMES,
 ) -> dict[str, OperandPrecision]:
-    """Operand precision of each GEMM: `operand_dtype` everywhere, overridden per name by `gemm_dtypes`."""
-    out: dict[str, OperandPrecision] = {name: operand_dtype for name in GEMM_NAMES}
+    """Operand precision of each GEMM of `names`: `operand_dtype` everywhere, overridden per name by
+    `gemm_dtypes` (ValueError for a name not in `names`)."""
+    out: dict[str, OperandPrecision] = {name: operand_dtype for name in names}
     for name, prec in (gemm_dtypes or {}).items():
         if name not in out:
-            raise ValueError(f"gemm_dtypes: unknown GEMM {name!r}, expected one of {GEMM_NAMES}")
+            raise ValueError(f"gemm_dtypes: unknown GEMM {name!r}, expected one of {names}")
         out[name] = prec
     return out
 

@@ -68,7 +68,13 @@ import math
 import torch
 
 from kda_ops.reference import l2_normalize, seq_bounds
-from kda_ops.reference_chunked import OperandPrecision, _make_round, _unit_lower_inverse, decayed_pair_matrix
+from kda_ops.reference_chunked import (
+    OperandPrecision,
+    _make_round,
+    _unit_lower_inverse,
+    decayed_pair_matrix,
+    resolve_gemm_precisions,
+)
 
 TAPE_CHUNK = 64
 BWD_GEMM_NAMES = ("L", "X", "R", "S", "dR_mqk", "dR_S", "dY", "dA", "dM", "dKr", "dKp", "dQp", "dS0")
@@ -78,11 +84,7 @@ class _Gemms:
     """The named products of the backward with their operand rounding (module docstring); exact when empty."""
 
     def __init__(self, operand_dtype: OperandPrecision = None, gemm_dtypes: dict[str, OperandPrecision] | None = None):
-        precs = {name: operand_dtype for name in BWD_GEMM_NAMES}
-        for name, prec in (gemm_dtypes or {}).items():
-            if name not in precs:
-                raise ValueError(f"gemm_dtypes: unknown GEMM {name!r}, expected one of {BWD_GEMM_NAMES}")
-            precs[name] = prec
+        precs = resolve_gemm_precisions(operand_dtype, gemm_dtypes, BWD_GEMM_NAMES)
         self.round = {name: _make_round(prec) for name, prec in precs.items()}
 
     def __call__(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

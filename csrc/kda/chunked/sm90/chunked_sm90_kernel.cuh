@@ -37,8 +37,8 @@
 // state to the pool or to final_state, checkpoints every multiple of 16 tokens (and so the training forward's
 // tapes), state-only calls (no output: an instantiation of variant 3 without q, Q⁺, Mqk and the output product,
 // kStateOnly), seq_order, and the training backward's chain (kBwd: the chunks last first, dRᵀ = dS Krᵀ + dOᵀ Mqk,
-// dXᵀ = -dRᵀ INVb, dS = dS ⊙ γ_C + dOᵀ Q⁺ + dXᵀ K⁺ with bf16 operands, the mma.sync kernel's BWD mode). seq_order (the longest-first task order the Python
-// layer sets for packed calls) maps blockIdx to the sequence.
+// dXᵀ = -dRᵀ INVb, dS = dS ⊙ γ_C + dOᵀ Q⁺ + dXᵀ K⁺ with bf16 operands, the mma.sync kernel's BWD mode). seq_order
+// (the longest-first task order the Python layer sets for packed calls) maps blockIdx to the sequence.
 // The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock cycles per role and segment of CTA 0 into
 // kda_sm90_prof.
 // Known limits (profile and Nsight Compute of H=96 T=8192 on the H200, docs/performance.md), in the order they
