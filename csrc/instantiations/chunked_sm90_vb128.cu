@@ -4,9 +4,11 @@
 #include <atomic>
 #include <cuda.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "kda/chunked/sm90/chunked_sm90.h"
 #include "kda/chunked/sm90/chunked_sm90_kernel.cuh"
@@ -104,11 +106,15 @@ int sm90_schedule() {
   if (e != nullptr && end != e && *end == '\0' && v >= 0 && v <= 15) return static_cast<int>(v);
   return chunked_sm90::kRotateRoles | chunked_sm90::kVectorInverse | chunked_sm90::kSplitInverseRows;
 }
-// KDA_SM90_STATE_ONLY=0 (read per call; default on): state-only calls run the instantiation with an output
-// (products made, store skipped) instead of the state-only one, so one process can time both; the same bits.
+// KDA_SM90_STATE_ONLY (read per call; default on; off: 0/false/off/no, any case, as KDA_DECODE_PDL): off, state-only
+// calls run the instantiation with an output (products made, store skipped) instead of the state-only one, so
+// one process can time both; the same bits.
 bool sm90_state_only() {
   const char* e = std::getenv("KDA_SM90_STATE_ONLY");
-  return !(e != nullptr && e[0] == '0' && e[1] == '\0');
+  if (e == nullptr) return true;
+  std::string v(e);
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return !(v == "0" || v == "false" || v == "off" || v == "no");
 }
 bool sm90_profile() {
   const char* e = std::getenv("KDA_SM90_PROFILE");
