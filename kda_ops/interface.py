@@ -782,7 +782,6 @@ def recurrent_kda_training_backward(
     ]
     absent = _absent_grads(ctx.A_log, ctx.dt_bias)
     outs = V.check_grad_outs(out, d, reads, absent)
-    _check_cuda_backward_capturable(d)
     if ctx.extra.get("segment_split") is not None:  # a split forward: the split backward (kda_ops/_split.py)
         return _into(_split.training_backward_from_context(ctx, dO, dS, ctx.extra["segment_split"]), outs)
     grads = torch.ops.kda.recurrent_kda_training_backward.default(
@@ -827,16 +826,6 @@ def _default_modes(gate_mode: int, l2: bool, logit: bool, dtb: torch.Tensor | No
     return gate_mode == V.GATE_LOWER_BOUND and l2 and logit and dtb is not None
 
 
-def _check_cuda_backward_capturable(d: Any) -> None:
-    """On CUDA the backward kernels cover every gate mode at K = V = 128; K = V = 64 runs the CPU op on host
-    copies (csrc/api/training_cuda.cpp), which a CUDA graph cannot capture: say so before the op runs."""
-    if d.on_cuda and d.K != 128 and V.capturing(d.device):
-        raise RuntimeError(
-            "the CUDA training backward of K = V = 64 runs the CPU implementation (host copies) and cannot be "
-            "captured in a CUDA graph; use K = V = 128, or run this call eagerly"
-        )
-
-
 def _absent_grads(A: torch.Tensor | None, dtb: torch.Tensor | None) -> tuple[int, ...]:
     """Indices of the gradients returned as None: dA_log (5) without A_log, ddt_bias (6) without dt_bias."""
     return ((5,) if A is None else ()) + ((6,) if dtb is None else ())
@@ -877,8 +866,8 @@ def recurrent_kda_backward(
             mirror: nothing here needs host values).
         do: [B, T, HV, V] in q's dtype; dfinal_state: [N, HV, V, K] state dtype, or None (zero).
         workspace: a :class:`kda_ops.RecurrentKDABackwardWorkspace`; with it and ``out`` the call is
-            CUDA-graph capturable after an eager call of the same shapes (on CUDA: K = V = 128, every gate
-            mode; K = V = 64 runs the CPU backward and raises under capture).
+            CUDA-graph capturable after an eager call of the same shapes (on CUDA: every gate mode, K = V in
+            {64, 128}; ``KDA_TRAINING_BACKWARD_HOST=1`` runs the CPU backward and raises under capture).
         out: optional eight preallocated tensors the gradients are copied into (and returned); None at the
             places of gradients returned as None.
 
@@ -902,7 +891,6 @@ def recurrent_kda_backward(
     reads = V.training_reads(q, k, v, g, beta, A, dtb, h0, cu_seqlens, ("do", do), ("dfinal_state", dfinal_state))
     absent = _absent_grads(A, dtb)
     outs = V.check_grad_outs(out, d, reads, absent)
-    _check_cuda_backward_capturable(d)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
     if workspace is not None:
         key = (d.B, d.T, d.N, d.H, d.HV, d.K, d.V, d.packed)

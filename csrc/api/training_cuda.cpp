@@ -5,11 +5,10 @@
 //                                     beta_is_logit, use_qk_l2norm); K == V in {64, 128};
 //   recurrent_kda_training_backward = csrc/kda/backward from the tapes (the backward chain, i.e. the chunked
 //                                     kernel in reverse, then the chunk-parallel sweep) in every gate mode
-//                                     (beta logit or plain, L2 norm on or off) at K == V == 128; K == V == 64,
-//                                     and every call on a GPU whose per-block shared memory is below the
-//                                     sweep's (sm_120), run the CPU op on host copies (correct, slower, with
-//                                     host synchronisation: not capturable) until the sweep covers them
-//                                     (cuda_backward_covers, sweep_fits_device);
+//                                     (beta logit or plain, L2 norm on or off) at K == V == 128, and at
+//                                     K == V == 64 on zero-padded copies (training_backward_padded); the small
+//                                     sweep on GPUs with ~99 KiB of shared memory per block (sm_120); the CPU
+//                                     op on host copies only where even that does not fit (sweep_route);
 //   recurrent_kda_backward          = both.
 // Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128. No host synchronisation
 // there (tape_cu_starts is computed on the device), so those calls can be captured in a CUDA graph; the torch
@@ -26,6 +25,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "api/checks.h"
@@ -115,23 +115,30 @@ void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
-// Whether the CUDA backward kernels (the chain and the sweep, csrc/kda/backward) cover the call: every gate mode
-// (the lower-bound gate with the sweep's factorised exponents, whose 16-token sub-chunks rely on the bound for
-// the range of e^{±Γ}; the unbounded softplus and precomputed gates with its pairwise exponents wherever a
-// sub-chunk decays too far for that range, sweep.cu), with logit or plain beta and the L2 norm on or off, at
-// K == V == 128 (its lane layouts: 4 columns per lane of 32). Every other call (K == V == 64) takes the CPU op.
-bool cuda_backward_covers(const TrainingShape& d, const TrainingModes&) {
-  return d.K == kBwdDim && d.V == kBwdDim;
-}
+// The CUDA backward kernels (the chain and the sweep, csrc/kda/backward) run every gate mode (the lower-bound
+// gate with the sweep's factorised exponents, whose 16-token sub-chunks rely on the bound for the range of
+// e^{±Γ}; the unbounded softplus and precomputed gates with its pairwise exponents wherever a sub-chunk decays
+// too far for that range, sweep.cu), with logit or plain beta and the L2 norm on or off, at K == V == 128 (their
+// lane layouts: 4 columns per lane of 32). K == V == 64 runs them on copies zero-padded to 128 channels
+// (training_backward_padded): exact, since zero key/query channels and zero value rows keep the padded rows
+// and columns of the state and of its gradient zero, and every padded channel's gradient is dropped.
+constexpr int64_t kPaddedDim = 64;
 
-// Whether the current device gives a block the shared memory the chunk-parallel sweep needs (sm_90/sm_100-class
-// GPUs allow 227 KB; sm_120 ~99 KB, where the backward runs the CPU op until the sweep has a smaller variant).
-// KDA_TRAINING_BACKWARD_HOST=1 (read on every call) takes that route on any GPU, so it can be tested where the
-// memory is there.
-bool sweep_fits_device() {
+// Which chunk-parallel sweep the current device runs: the default one where a block gets its ~223 KiB of shared
+// memory (sm_90/sm_100-class GPUs allow 227 KiB), the small one (S and dS in a global scratch, ~92 KiB of
+// shared memory) where it gets less (sm_120: ~99 KiB), the CPU op on host copies where even that does not fit.
+// Read on every call: KDA_TRAINING_SWEEP=small takes the small sweep on any GPU (so it can be tested where the
+// memory is there; the same bits); KDA_TRAINING_BACKWARD_HOST=1 the host route.
+enum class SweepRoute { kDefault, kSmall, kHost };
+SweepRoute sweep_route() {
   const char* e = std::getenv("KDA_TRAINING_BACKWARD_HOST");
-  if (e != nullptr && e[0] == '1' && e[1] == '\0') return false;
-  return training_backward_smem_bytes() <= cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
+  if (e != nullptr && e[0] == '1' && e[1] == '\0') return SweepRoute::kHost;
+  const int64_t optin = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
+  const char* w = std::getenv("KDA_TRAINING_SWEEP");
+  const bool force_small = w != nullptr && std::string(w) == "small";
+  if (!force_small && training_backward_chunked_smem_bytes(/*small=*/false) <= optin) return SweepRoute::kDefault;
+  if (training_backward_chunked_smem_bytes(/*small=*/true) <= optin) return SweepRoute::kSmall;
+  return SweepRoute::kHost;
 }
 
 // RecurrentParams of the training forward in its modes (checkpoints every kTapeChunk tokens at
@@ -265,8 +272,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
 
 using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// The training backward of the calls the CUDA kernels do not cover yet (cuda_backward_covers: K == V == 64) or
-// cannot run on this GPU (sweep_fits_device): the CPU op on host copies, its gradients copied back to q's
+// The training backward of the calls the CUDA kernels cannot run on this GPU (sweep_route: less shared memory
+// per block than even the small sweep needs, or KDA_TRAINING_BACKWARD_HOST=1): the CPU op on host copies, its gradients copied back to q's
 // device. The CPU op checks the tapes and tape_cu_starts against the sequences itself (it reads cu_seqlens on
 // the host).
 Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -294,19 +301,65 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
                              const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
                              const Tensor& tapes_in, const Tensor& tape_cu_starts, const OptTensor& initial_state,
                              const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
+                             double scale, double lower_bound, const TrainingModes& m);
+
+// K == V == 64 on the K == V == 128 kernels (see kPaddedDim): q, k, v, g, do zero-padded to 128 channels, dt_bias
+// with zeros, the tapes, initial_state and dfinal_state with zero rows and columns; the gradients are the first 64
+// channels (dq, dk, dv, dg, ddt_bias) and the leading 64 x 64 block (dinitial_state). A padded channel of g gets a
+// finite decay (g = 0, dt_bias = 0) acting on zero state rows and columns only. The shapes of the caller's tensors
+// are checked here, so errors name them as given. Costs the copies and 128-channel work (4x the tapes' bytes).
+Grads training_backward_padded(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                               const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
+                               const Tensor& tapes, const Tensor& tape_cu_starts, const OptTensor& initial_state,
+                               const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
+                               double scale, double lower_bound, const TrainingModes& m) {
+  const int64_t D = kPaddedDim, pad = kBwdDim - kPaddedDim;
+  const int64_t B = q.size(0), T = q.size(1), HV = v.size(2);
+  const int64_t N = cu_seqlens ? cu_seqlens->numel() - 1 : B;
+  KDA_CHECK_SAME_DEVICE(tapes, q, "tapes");
+  KDA_CHECK_SAME_DEVICE(dout, q, "do");
+  KDA_CHECK(tapes.dim() == 4 && tapes.size(1) == HV && tapes.size(2) == D && tapes.size(3) == D, op,
+            ": tapes must be [rows, HV, V, K], got ", tapes.sizes());
+  KDA_CHECK(dout.dim() == 4 && dout.size(0) == B && dout.size(1) == T && dout.size(2) == HV && dout.size(3) == D,
+            op, ": do must be [B, T, HV, V], got ", dout.sizes());
+  for (const auto& [t, name] : {std::pair<const OptTensor*, const char*>{&initial_state, "initial_state"},
+                                {&dfinal_state, "dfinal_state"}})
+    if (t->has_value()) {
+      KDA_CHECK_SAME_DEVICE(**t, q, name);
+      KDA_CHECK((*t)->dim() == 4 && (*t)->size(0) == N && (*t)->size(1) == HV && (*t)->size(2) == D &&
+                    (*t)->size(3) == D,
+                op, ": ", name, " must be [N, HV, V, K], got ", (*t)->sizes());
+    }
+  const auto chan = [&](const Tensor& t) { return at::constant_pad_nd(t, {0, pad}); };
+  const auto square = [&](const Tensor& t) { return at::constant_pad_nd(t, {0, pad, 0, pad}); };
+  const auto opt_square = [&](const OptTensor& t) { return t ? OptTensor(square(*t)) : std::nullopt; };
+  const OptTensor dtb = dt_bias ? OptTensor(chan(dt_bias->reshape({HV, D}))) : std::nullopt;
+  Grads r = training_backward_impl(op, chan(q), chan(k), chan(v), chan(g), beta, A_log, dtb, square(tapes),
+                                   tape_cu_starts, opt_square(initial_state), cu_seqlens, chan(dout),
+                                   opt_square(dfinal_state), scale, lower_bound, m);
+  const auto first = [&](const Tensor& t) { return t.narrow(-1, 0, D).contiguous(); };
+  Tensor ddt = std::get<6>(r);
+  if (dt_bias) ddt = first(ddt).view(dt_bias->sizes());
+  return {first(std::get<0>(r)), first(std::get<1>(r)), first(std::get<2>(r)), first(std::get<3>(r)),
+          std::get<4>(r), std::get<5>(r), ddt, std::get<7>(r).narrow(2, 0, D).narrow(3, 0, D).contiguous()};
+}
+
+Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                             const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
+                             const Tensor& tapes_in, const Tensor& tape_cu_starts, const OptTensor& initial_state,
+                             const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
                              double scale, double lower_bound, const TrainingModes& m) {
   const TrainDims d =
       check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q.device());
-  const bool covered = cuda_backward_covers(d, m);
-  if (!covered || !sweep_fits_device()) {
+  const SweepRoute route = sweep_route();
+  if (route == SweepRoute::kHost) {
     // the host copies cannot be captured: refuse under CUDA-graph capture before anything is enqueued
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture), "cudaStreamIsCapturing");
     TORCH_CHECK(capture == cudaStreamCaptureStatusNone, op, ": this call runs the CPU implementation on host copies (",
-                covered ? "this GPU gives a block less shared memory than the CUDA backward's sweep needs, or "
-                          "KDA_TRAINING_BACKWARD_HOST=1 is set"
-                        : "K = V = 64 has no CUDA backward kernels yet",
+                "this GPU gives a block less shared memory than the CUDA backward's sweep needs, or "
+                "KDA_TRAINING_BACKWARD_HOST=1 is set",
                 ") and cannot be captured in a CUDA graph; run it eagerly");
     KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
     KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
@@ -316,7 +369,10 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
     return training_backward_on_cpu(q, k, v, g, beta, A_log, dt_bias, tapes_in, tape_cu_starts, initial_state,
                                     cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
   }
-  // Covered: K == V == kBwdDim, every gate mode (A_log absent exactly for the precomputed gate).
+  if (d.K == kPaddedDim && d.V == kPaddedDim)
+    return training_backward_padded(op, q, k, v, g, beta, A_log, dt_bias, tapes_in, tape_cu_starts, initial_state,
+                                    cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
+  // K == V == kBwdDim, every gate mode (A_log absent exactly for the precomputed gate).
   KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
   KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
   KDA_CHECK_SAME_DEVICE(dout, q, "do");
@@ -378,6 +434,9 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
   Tensor head_grads = at::empty({fused_qk ? 0 : 2 * d.B * d.T * d.HV * kBwdDim}, f32);  // covered rows only
   Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
+  // The small sweep's S and dS, one pair of [128][132] fp32 matrices per CTA (~132 KiB each).
+  Tensor sweep_state;
+  if (route == SweepRoute::kSmall) sweep_state = at::empty({grid, training_backward_sweep_state_floats()}, f32);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Tensor dstates, dstate_cu_starts, slot_cu_starts;
   // Token tensors as the kernels want them (16-byte aligned base, strides multiples of 8 elements): the chain
@@ -441,6 +500,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   p.dstate_cu_starts = dstate_cu_starts.data_ptr<int64_t>();
   p.n_dstate_rows = dstates.size(0);
   p.grid = grid;
+  p.sweep_state = sweep_state.defined() ? sweep_state.data_ptr<float>() : nullptr;
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dA_log = dA_log.data_ptr<float>();

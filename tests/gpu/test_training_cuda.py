@@ -633,10 +633,10 @@ def test_uncovered_tokens_hold_inf(group):
 
 # ---------------------------------------------------------------------------------------------------
 # every mode of recurrent_kda: gate (precomputed / softplus / lower bound) x beta (logit / plain) x L2 norm
-# (on / off), K = V in {64, 128}. The CUDA forward runs every mode on the kernels; the backward kernels cover
-# every mode at K = 128 (the softplus and precomputed gates with the sweep's pairwise exponents) and K = 64 runs
-# the CPU op on host copies (csrc/api/training_cuda.cpp). _check_backward_route tells the two routes apart: the
-# host route refuses CUDA-graph capture.
+# (on / off), K = V in {64, 128}. The CUDA forward runs every mode on the kernels; so does the backward (the
+# softplus and precomputed gates with the sweep's pairwise exponents; K = 64 on copies zero-padded to 128
+# channels, csrc/api/training_cuda.cpp). _check_backward_route checks that it stays on the kernels: the host
+# route (the CPU op on host copies) would refuse CUDA-graph capture.
 
 from _training_cases import MODES, make_case, mode_id, reference_grads  # noqa: E402
 from conftest import lengths_to_cu  # noqa: E402
@@ -683,7 +683,7 @@ def _raw_mode_backward(c, kw, do, dS):
 
 def _check_backward_route(label, c, kw, do, dS, kernels: bool):
     """The backward runs on the CUDA kernels (kernels=True): it can be captured in a CUDA graph, and the replay
-    equals the eager call bit for bit; else (the host route, K = V = 64) it refuses capture."""
+    equals the eager call bit for bit; else (the host route) it refuses capture."""
     call = lambda: _raw_mode_backward(c, kw, do, dS)  # noqa: E731
     eager = call()  # (also the warm-up of the capture)
     torch.cuda.synchronize()
@@ -747,9 +747,77 @@ def test_training_every_mode_vs_reference(case):
         args = [c[n] for n in _NAMES]
         g2 = kda_ops.recurrent_kda_backward(*args, do.cuda(), dS.cuda(), cu_seqlens=c["cu_seqlens"], **kw)
         _check_mode_grads(label + " recurrent_kda_backward", list(g2), ref)
-    # the route: the CUDA kernels at K = V = 128 in every mode (a silent fall-back to the host route would
-    # refuse the capture), the host route at K = V = 64
-    _check_backward_route(label, c, kw, do.cuda(), dS.cuda(), kernels=Kd == 128)
+    # the route: the CUDA kernels in every mode, K = V = 64 included (a silent fall-back to the host route
+    # would refuse the capture)
+    _check_backward_route(label, c, kw, do.cuda(), dS.cuda(), kernels=True)
+
+
+_SMALL_MODES = [("lower_bound", True, True), ("softplus", False, True), ("precomputed", True, False)]
+
+
+@pytest.mark.parametrize("mode", _SMALL_MODES, ids=mode_id)
+@pytest.mark.parametrize("Kd", [128, 64])
+def test_small_sweep_same_bits(mode, Kd, monkeypatch, capfd):
+    """KDA_TRAINING_SWEEP=small runs the sweep of GPUs with ~99 KiB of shared memory per block (sm_120: S and
+    dS in a global scratch, the tiles alone in shared memory) on this GPU: the same arithmetic as the default
+    sweep, so the same bits; packed with a zero-length sequence and one past 64 tokens, GQA 2. The verbose line
+    shows which sweep ran."""
+    x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 167], H=1, HV=2, K=Kd, seed=23, lb=-1.0)
+    c = _to_cuda(x)
+    monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
+    g_default = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
+    torch.cuda.synchronize()
+    assert "kda training sweep: default" in capfd.readouterr().err
+    monkeypatch.setenv("KDA_TRAINING_SWEEP", "small")
+    g_small = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
+    torch.cuda.synchronize()
+    assert "kda training sweep: small" in capfd.readouterr().err
+    for n_, a, b in zip(GRADS, g_small, g_default, strict=True):
+        assert torch.equal(a, b), f"{n_}: the small sweep differs from the default one"
+    ref = reference_grads(x, kw, do, dS)[2]
+    grads = [None if e is None else a for a, e in zip(g_small, ref, strict=True)]  # (absent: empty tensors)
+    _check_mode_grads(f"small sweep {mode_id(mode)} K{Kd}", grads, ref)
+
+
+_SMALL_GPU_CHILD = r"""
+import sys, torch
+sys.path.insert(0, "tests")
+from _training_cases import make_case, reference_grads
+import kda_ops
+mode = (sys.argv[1], sys.argv[2] == "logit", sys.argv[3] == "l2")
+Kd = int(sys.argv[4])
+x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 230], H=2, HV=4, K=Kd, seed=29, lb=-5.0)
+names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+leaves = {n: None if x[n] is None else x[n].cuda().requires_grad_() for n in names}
+o, fs = kda_ops.kda(*(leaves[n] for n in names), cu_seqlens=x["cu_seqlens"].cuda(), output_final_state=True, **kw)
+(o.float() * do.cuda().float()).sum().add((fs * dS.cuda()).sum()).backward()
+torch.save({"grads": [None if leaves[n] is None else leaves[n].grad.cpu() for n in names]}, sys.argv[5])
+"""
+
+
+@pytest.mark.parametrize("mode", _SMALL_MODES[:2], ids=mode_id)
+def test_training_as_on_a_small_shared_memory_gpu(mode, tmp_path):
+    """The whole training path a GPU with ~99 KiB of shared memory per block takes (sm_120), run on this one:
+    KDA_CHUNKED_PIPELINE=small (the chunked kernel's shallow pipeline for the forward and the backward chain,
+    read once per process: a child process) and KDA_TRAINING_SWEEP=small; the gradients of kda_ops.kda
+    against fp64 autograd, K = V = 128 and 64."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k_: v_ for k_, v_ in os.environ.items() if not k_.startswith(("KDA_CHUNKED_", "KDA_TRAINING_"))}
+    env.update(KDA_CHUNKED_PIPELINE="small", KDA_TRAINING_SWEEP="small", KDA_TRAINING_VERBOSE="1")
+    gate, logit, l2 = mode
+    for Kd in (128, 64):
+        path = str(tmp_path / f"g{Kd}.pt")
+        argv = [gate, "logit" if logit else "plain", "l2" if l2 else "nol2", str(Kd), path]
+        r = subprocess.run([sys.executable, "-c", _SMALL_GPU_CHILD, *argv], capture_output=True, text=True,
+                           timeout=300, cwd=root, env=env)
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert "kda training sweep: small" in r.stderr and "kda training sweep: default" not in r.stderr
+        x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 230], H=2, HV=4, K=Kd, seed=29, lb=-5.0)
+        grads = [None if t is None else t.cuda() for t in torch.load(path)["grads"]]
+        _check_mode_grads(f"small gpu {mode_id(mode)} K{Kd}", grads, reference_grads(x, kw, do, dS)[2])
 
 
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)

@@ -90,6 +90,11 @@ struct TrainingBackwardParams {
   // a = -exp(A_log) softplus(g + dt_bias); kPrecomputed a = g. (Last, so that the other fields keep their offsets
   // in the lower-bound kernel's parameter block.)
   GateMode gate_mode = GateMode::kLowerBound;
+
+  // The small sweep's state scratch, [grid, 2, 128, 132] fp32 (training_backward_sweep_state_floats() per CTA):
+  // S and dS of each CTA in global memory, for GPUs whose blocks get less shared memory than the default sweep
+  // needs (sm_120); null: the default sweep, S and dS in shared memory.
+  float* sweep_state = nullptr;
 };
 
 // The state of sequence n, value head hv, before its token 64 c: initial_state for c == 0, else tape row
@@ -112,9 +117,11 @@ KDA_HD CoveredTokens covered_tokens(const TrainingBackwardParams& p) {
 }
 
 // Dynamic shared memory of the reverse sweep launch_training_backward runs, bytes (the caller needs no
-// opt-in: the launcher does it; the device must allow that much per block).
-int64_t training_backward_smem_bytes();
-int64_t training_backward_chunked_smem_bytes();
+// opt-in: the launcher does it; the device must allow that much per block): the default sweep (~223 KiB) or
+// the small one (small: S and dS in p.sweep_state, ~92 KiB).
+int64_t training_backward_chunked_smem_bytes(bool small);
+// Floats of p.sweep_state per CTA of the small sweep.
+int64_t training_backward_sweep_state_floats();
 
 // The reverse sweep alone (sweep.cu), after the backward chain has written
 // dstates: writes dv, dg, dbeta, dq_head, dk_head, ddt_partial, dA_partial (one partial row per task slot).

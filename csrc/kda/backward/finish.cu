@@ -116,8 +116,6 @@ __global__ void kda_training_backward_param_finish_kernel(const TrainingBackward
 
 }  // namespace
 
-int64_t training_backward_smem_bytes() { return training_backward_chunked_smem_bytes(); }
-
 cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream_t stream) {
   // fused_qk (the sweep writes dq/dk itself) needs no GQA group: with HV > H several value heads would write
   // one dq row.

@@ -36,6 +36,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
@@ -60,9 +62,14 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kSubPerTape = kTapeChunk / kC;
 static_assert(kD == 128 && kWarps == 16, "thread layouts below assume 128 channels and 16 warps");
 
+// The two [128][kLD] state matrices, S (the forward state entering the current sub-chunk, S[v][k]) then dS (the
+// chain gradient dL/dS at the end of the current sub-chunk): at the start of shared memory, before the
+// ChunkedBwdSmem tiles, in the default sweep; in a global scratch of 2 x 128 x kLD floats per CTA in the small
+// sweep (kGlobalState: GPUs with ~99 KiB of shared memory per block, sm_120), where shared memory holds the
+// tiles alone. Same arithmetic, same bits.
+constexpr int kStateFloats = kD * kLD;
+
 struct ChunkedBwdSmem {
-  float S[kD * kLD];   // forward state entering the current sub-chunk, S[v][k]
-  float dS[kD * kLD];  // chain gradient dL/dS at the end of the current sub-chunk
   float kn[kC * kLD];  // normalised k
   float qs[kC * kLD];  // normalised q times scale
   float E[kC * kLD];   // e^{Γ}
@@ -184,20 +191,25 @@ __device__ __forceinline__ void ldsm_f32x4(const float* p, uint32_t (&r)[4]) {
 }
 
 // d += Σ_k A[m][k] B(k, n0 + n) over k < 128, plain tf32, with A a [16][kLD] shared tile (k contiguous) read by
-// ldmatrix; B_NK: B stored [n][kLD] (k contiguous, ldmatrix too), else [k][kLD] (n contiguous, scalar loads).
+// ldmatrix; B_NK: B stored [n][kLD] (k contiguous, ldmatrix too unless B_GLOBAL: scalar loads of the same
+// fragment, B in global memory), else [k][kLD] (n contiguous, scalar loads).
 // Rows of kLD = 132 floats put the 8 rows of an ldmatrix phase in 8 distinct 16-byte bank groups.
-template <bool B_NK>
+template <bool B_NK, bool B_GLOBAL = false>
 __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, const float* B) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const float* pa = A + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLD + 4 * (lane >> 4);
-  const float* pb = B_NK ? B + (n0 + (lane & 7)) * kLD + 4 * (lane >> 3) : B + q * kLD + n0 + g;
+  const float* pb = B_NK ? (B_GLOBAL ? B + (n0 + g) * kLD + q : B + (n0 + (lane & 7)) * kLD + 4 * (lane >> 3))
+                         : B + q * kLD + n0 + g;
   float e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int k0 = 0; k0 < kD; k0 += 16) {
     uint32_t a0[4], a1[4], b[4];
     ldsm_f32x4(pa + k0, a0);
     ldsm_f32x4(pa + k0 + 8, a1);
-    if constexpr (B_NK) {
+    if constexpr (B_NK && B_GLOBAL) {  // ldmatrix's fragment: b[i] = B[n0 + g][k0 + 4 i + q]
+#pragma unroll
+      for (int i = 0; i < 4; ++i) b[i] = __float_as_uint(pb[k0 + 4 * i]);
+    } else if constexpr (B_NK) {
       ldsm_f32x4(pb + k0, b);
     } else {
 #pragma unroll
@@ -243,11 +255,13 @@ __device__ __forceinline__ void mma_rows_pair(float (&d1)[4], float (&d2)[4], in
   for (int i = 0; i < 4; ++i) d1[i] += e1[i], d2[i] += e2[i];
 }
 
-// C[t][v] (acc ? +=: =) sign·Σ_c A[t][c] B[v][c]   (A, C [16][kLD]; B [128][kLD]); warp w: v in [8w, 8w+8).
+// C[t][v] (acc ? +=: =) sign·Σ_c A[t][c] B[v][c]   (A, C [16][kLD]; B [128][kLD], in global memory if
+// B_GLOBAL); warp w: v in [8w, 8w+8).
+template <bool B_GLOBAL = false>
 __device__ __forceinline__ void gemm_abt(float* C, const float* A, const float* B, float sign, bool acc) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
-  mma_rows<true>(d, n0, A, B);
+  mma_rows<true, B_GLOBAL>(d, n0, A, B);
   frag_each(d, n0, [&](int t, int v, float x) {
     float* o = C + t * kLD + v;
     *o = acc ? fmaf(sign, x, *o) : sign * x;
@@ -327,19 +341,28 @@ __device__ __forceinline__ void rank_update(float* X, const float* gC, FA fa, FB
 
 // [128][128] compact global -> [128][kLD] shared, asynchronous (cp.async, 16 bytes per copy, no registers):
 // each thread's copies are complete after its cp_async_wait<0>(), visible to the CTA after a barrier behind
-// it. A null src writes zeros (plain stores, visible after the same barrier).
+// it. A null src writes zeros (plain stores, visible after the same barrier). kGlobalState: dst is the CTA's
+// global scratch, plain 16-byte loads and stores (visible to the CTA after the same barrier).
+template <bool kGlobalState = false>
 __device__ __forceinline__ void state_to_smem_async(float* dst, const float* src) {
   if (src == nullptr) {
     for (int i = threadIdx.x; i < kD * kLD / 4; i += kThreads) st4(dst + 4 * i, make_float4(0.f, 0.f, 0.f, 0.f));
     return;
   }
+  if constexpr (kGlobalState) {
+    for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
+      const int v = i >> 5, c = (i & 31) * 4;
+      st4(dst + v * kLD + c, ld4(src + v * kD + c));
+    }
+  } else {
 #pragma unroll
-  for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
-    const int v = i >> 5, c = (i & 31) * 4;
-    cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
-        *reinterpret_cast<const cute::uint128_t*>(src + v * kD + c), *reinterpret_cast<cute::uint128_t*>(dst + v * kLD + c));
+    for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
+      const int v = i >> 5, c = (i & 31) * 4;
+      cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(*reinterpret_cast<const cute::uint128_t*>(src + v * kD + c),
+                                                             *reinterpret_cast<cute::uint128_t*>(dst + v * kLD + c));
+    }
+    cute::cp_async_fence();
   }
-  cute::cp_async_fence();
 }
 
 // Four consecutive bf16 (8 bytes, aligned: the host passes token tensors with 16-byte bases and strides that
@@ -397,9 +420,10 @@ __device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams&
 // NaN); then Ei holds the log-decay a (0 past len) instead of e^{-Γ}, and L, Mqk come from pairwise exponents
 // (see the file comment). Narrow sub-chunks of those gates take the lower-bound gate's factorised form, whose
 // factors then stay within the same e^{40} (every |Γ_i - Γ_j| <= 40).
-template <bool kUnbounded>
+// S: the state entering the sub-chunk ([128][kLD], global memory if kGlobalState).
+template <bool kUnbounded, bool kGlobalState>
 __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
-                                  int64_t t0, int len, float dtb_col) {
+                                  int64_t t0, int len, float dtb_col, const float* S) {
   [[maybe_unused]] bool wide = false;  // (kUnbounded only; the lower-bound instantiation returns nothing)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int tl = warp; tl < kC; tl += kThreads / 32) {
@@ -570,7 +594,7 @@ __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
 #pragma unroll
     for (int i = 0; i < kC; ++i) sm.INV[i][j] = x[i];
   }
-  gemm_abt(sm.vx, sm.kp, sm.S, -1.f, true);  // V - X
+  gemm_abt<kGlobalState>(sm.vx, sm.kp, S, -1.f, true);  // V - X
   __syncthreads();
   gemm_small<false>(sm.R, sm.INV, sm.beta, sm.vx);  // R = INV diag(β) (V - X)
   __syncthreads();
@@ -652,10 +676,15 @@ __device__ __forceinline__ const float* task_state(const TrainingBackwardParams&
 // the state entering it, S_0 (initial_state for a sequence's first chunk, a tape row otherwise), and the chain
 // gradient at its end dS_C (p.dstates, written by the backward chain).
 // kUnbounded: the softplus and precomputed gates (p.gate_mode), pairwise exponents; else the lower-bound gate.
-template <bool kUnbounded>
+// kGlobalState: the small sweep, S and dS in the CTA's rows of p.sweep_state (see kStateFloats).
+template <bool kUnbounded, bool kGlobalState>
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_kernel(const TrainingBackwardParams p) {
   extern __shared__ float4 smem_raw[];
-  ChunkedBwdSmem& sm = *reinterpret_cast<ChunkedBwdSmem*>(smem_raw);
+  float* const S = kGlobalState ? p.sweep_state + int64_t(blockIdx.x) * 2 * kStateFloats
+                                : reinterpret_cast<float*>(smem_raw);
+  float* const dS = S + kStateFloats;
+  ChunkedBwdSmem& sm =
+      *reinterpret_cast<ChunkedBwdSmem*>(reinterpret_cast<float*>(smem_raw) + (kGlobalState ? 0 : 2 * kStateFloats));
   const int tid = threadIdx.x;
   const int64_t tasks = p.n_slots * p.HV;
   const int group = p.HV / p.H;
@@ -685,7 +714,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     float ddt_acc = 0.f, dA_acc = 0.f;
 
     __syncthreads();  // the previous task is done with S and dS
-    state_to_smem_async(sm.S, tape_state(p, n, c, tk.hv));  // null: zeros
+    state_to_smem_async<kGlobalState>(S, tape_state(p, n, c, tk.hv));  // null: zeros
     {
       const int64_t tc0 = tk.s.bos + c * kTapeChunk;
       const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
@@ -700,7 +729,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       // Forward over the sub-chunks: S is the state entering sub-chunk sb (updated at the end of each step),
       // dS the chain gradient leaving it (from the backward chain). dS of sub-chunk sb + 1 is copied in while
       // step sb finishes (from the barrier after its last read of dS).
-      state_to_smem_async(sm.dS, dstate(0));
+      state_to_smem_async<kGlobalState>(dS, dstate(0));
       for (int sb = 0; sb < nsub; ++sb) {
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
         const int64_t t0 = tc0 + sb * kC;
@@ -712,14 +741,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         }
         bool wide = false;  // (the lower-bound gate: always the factorised form)
         if constexpr (kUnbounded)
-          wide = sub_chunk_forward<true>(sm, p, tk, t0, len, dtb_col);
+          wide = sub_chunk_forward<true, kGlobalState>(sm, p, tk, t0, len, dtb_col, S);
         else
-          sub_chunk_forward<false>(sm, p, tk, t0, len, dtb_col);
+          sub_chunk_forward<false, kGlobalState>(sm, p, tk, t0, len, dtb_col, S);
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
         // Column-local: a warp reads back only the dR columns it wrote (frag_each and mma_frag's B operand
         // use the same columns), so a warp barrier orders these three products.
         gemm_small<true>(sm.dr, sm.M, nullptr, sm.dO);
-        gemm_abt(sm.dr, sm.kr, sm.dS, 1.f, true);
+        gemm_abt<kGlobalState>(sm.dr, sm.kr, dS, 1.f, true);
         __syncwarp();
         gemm_small<true>(sm.kp, sm.INV, nullptr, sm.dr);
         __syncthreads();
@@ -733,7 +762,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           for (int v = 0; v < 32; v += 4)
 #pragma unroll
             for (int u = 0; u < 4; ++u)
-              s[u] = fmaf(sm.dS[(v0 + v + u) * kLD + c], sm.S[(v0 + v + u) * kLD + c], s[u]);
+              s[u] = fmaf(dS[(v0 + v + u) * kLD + c], S[(v0 + v + u) * kLD + c], s[u]);
           sm.part[tid >> 7][c] = (s[0] + s[1]) + (s[2] + s[3]);
         }
         __syncthreads();
@@ -758,13 +787,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
             }
           }
         }
-        gemm_ab(sm.dr, sm.R, sm.dS, 1.f, nullptr);  // dKr = R dS_C (dR is dead)
+        gemm_ab(sm.dr, sm.R, dS, 1.f, nullptr);  // dKr = R dS_C (dR is dead)
         __syncthreads();                              // everyone is done with vx (dβ) and with dS
-        if (sb + 1 < nsub) state_to_smem_async(sm.dS, dstate(sb + 1));
+        if (sb + 1 < nsub) state_to_smem_async<kGlobalState>(dS, dstate(sb + 1));
         {  // dK⁺ = -β dY S_0 (into vx) and dQ⁺ = dO S_0 (into kp once dY is dead; dO is bf16: exact in tf32)
           const int n0 = (tid >> 5) * 8;
           float dkp[4] = {}, dqp[4] = {};
-          mma_rows_pair(dkp, dqp, n0, sm.kp, sm.dO, sm.S);
+          mma_rows_pair(dkp, dqp, n0, sm.kp, sm.dO, S);
           if (tid < kD) {
             float s = 0.f;
             for (int t = 0; t < kC; ++t) s = fmaf(sm.kr[t * kLD + tid], sm.dr[t * kLD + tid], s);
@@ -777,7 +806,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         __syncthreads();  // every product with S_0 is done; dO is dead (the fused dq̂ goes there)
         // the state entering the next sub-chunk: S = S g_C + Rᵀ Kr
         if (sb + 1 < nsub)
-          rank_update<1>(sm.S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
+          rank_update<1>(S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
                          [&](int, int t, int c) { return sm.kr[t * kLD + c]; });
         if constexpr (kUnbounded) {
           if (wide) {
@@ -941,17 +970,29 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
 
 }  // namespace
 
-int64_t training_backward_chunked_smem_bytes() { return static_cast<int64_t>(sizeof(ChunkedBwdSmem)); }
+int64_t training_backward_chunked_smem_bytes(bool small) {
+  return static_cast<int64_t>(sizeof(ChunkedBwdSmem)) + (small ? 0 : 2 * kStateFloats * int64_t(sizeof(float)));
+}
+
+int64_t training_backward_sweep_state_floats() { return 2 * int64_t(kStateFloats); }
 
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream) {
-  const int smem = static_cast<int>(sizeof(ChunkedBwdSmem));
   if (p.dstates == nullptr || p.dstate_cu_starts == nullptr || p.slot_cu_starts == nullptr)
     return cudaErrorInvalidValue;
+  const bool small = p.sweep_state != nullptr;  // the small sweep: S and dS in the global scratch
+  const int smem = static_cast<int>(training_backward_chunked_smem_bytes(small));
   // the lower-bound gate's factorised exponents, or the pairwise ones of the unbounded gates
-  const auto kernel = p.gate_mode == GateMode::kLowerBound ? kda_training_backward_chunked_kernel<false>
-                                                           : kda_training_backward_chunked_kernel<true>;
+  const bool lb = p.gate_mode == GateMode::kLowerBound;
+  const auto kernel = small ? (lb ? kda_training_backward_chunked_kernel<false, true>
+                                  : kda_training_backward_chunked_kernel<true, true>)
+                            : (lb ? kda_training_backward_chunked_kernel<false, false>
+                                  : kda_training_backward_chunked_kernel<true, false>);
   KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.n_slots * p.HV <= 0) return cudaSuccess;
+  // KDA_TRAINING_VERBOSE=1 (read on every call): one stderr line per launch naming the sweep.
+  if (const char* e = std::getenv("KDA_TRAINING_VERBOSE"); e != nullptr && e[0] == '1')
+    std::fprintf(stderr, "kda training sweep: %s, grid %d x %d threads, %d B shared memory\n",
+                 small ? "small (S and dS in global scratch)" : "default", p.grid, kThreads, smem);
   kernel<<<p.grid, kThreads, smem, stream>>>(p);
   KDA_CHECK_LAUNCH();
   return cudaSuccess;

@@ -156,9 +156,14 @@ cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStre
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
   if (hopper_takes(p, sms, /*backward_chain=*/true)) return launch_chunked_sm90(p, stream, /*backward_chain=*/true);
-  // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs.
-  const int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
+  // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs, the
+  // shallow pipeline where a block gets less shared memory (sm_120) or KDA_CHUNKED_PIPELINE=small asks for it.
+  const ChunkedKnobs& knobs = chunked_knobs();
+  const int optin = max_smem_optin();
+  int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
+  if ((vb == 128 && kSmem128 > optin) || knobs.small_pipeline) vb = 64;
   if (vb == 128) return prefill::run_chunked_<128, 3, 4, true>(p, false, 0, stream);
+  if (kSmem64 > optin || knobs.small_pipeline) return prefill::run_chunked_<64, 2, 2, true>(p, false, 0, stream);
   return prefill::run_chunked_<64, 3, 4, true>(p, false, 0, stream);
 }
 
