@@ -124,6 +124,17 @@ void check_cuda(cudaError_t err, const char* what) {
 // and columns of the state and of its gradient zero, and every padded channel's gradient is dropped.
 constexpr int64_t kPaddedDim = 64;
 
+// Zero-padding of K == V == 64 tensors to 128 channels: the last dimension (tokens, dt_bias) or the last two
+// (states).
+Tensor pad_channels(const Tensor& t) { return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim}); }
+Tensor pad_state(const Tensor& t) {
+  return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim, 0, kBwdDim - kPaddedDim});
+}
+Tensor first_channels(const Tensor& t) { return t.narrow(-1, 0, kPaddedDim).contiguous(); }
+Tensor first_state_block(const Tensor& t) {
+  return t.narrow(-2, 0, kPaddedDim).narrow(-1, 0, kPaddedDim).contiguous();
+}
+
 // Which chunk-parallel sweep the current device runs: the default one where a block gets its ~223 KiB of shared
 // memory (sm_90/sm_100-class GPUs allow 227 KiB), the small one (S and dS in a global scratch, ~92 KiB of
 // shared memory) where it gets less (sm_120: ~99 KiB), the CPU op on host copies where even that does not fit.
@@ -233,6 +244,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
             initial_state.sizes());
   KDA_CHECK_TYPE(initial_state.scalar_type() == at::kFloat || initial_state.scalar_type() == at::kBFloat16, op,
                  ": initial_state must be float32 or bfloat16, got ", initial_state.scalar_type());
+  // K == V == 64 with sequences long enough for chunks (as chunked_preferred): the 128-channel chunked kernel on
+  // zero-padded copies (see kPaddedDim; the token-serial kernel is several times slower there), the output, final
+  // state and tapes cut back to 64 channels (the context keeps the 64 x 64 tapes).
+  if (d.K == kPaddedDim && d.V == kPaddedDim && d.N > 0 && (d.packed ? d.T : d.B * d.T) >= 16 * d.N) {
+    const OptTensor dtb = dt_bias ? OptTensor(pad_channels(dt_bias->reshape({d.HV, kPaddedDim}))) : std::nullopt;
+    auto [o, fs, tp, starts] =
+        training_forward_impl(op, pad_channels(q_in), pad_channels(k_in), pad_channels(v_in), pad_channels(g_in),
+                              beta, A_log, dtb, pad_state(initial_state), cu_seqlens, scale, lower_bound, m);
+    return {first_channels(o), first_state_block(fs), first_state_block(tp), starts};
+  }
   const Tensor q = kernel_tokens(q_in), k = kernel_tokens(k_in), v = kernel_tokens(v_in), g = kernel_tokens(g_in);
   Tensor init = initial_state.contiguous();
   if (!aligned16(init)) init = init.clone();
@@ -313,7 +334,7 @@ Grads training_backward_padded(const char* op, const Tensor& q, const Tensor& k,
                                const Tensor& tapes, const Tensor& tape_cu_starts, const OptTensor& initial_state,
                                const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
                                double scale, double lower_bound, const TrainingModes& m) {
-  const int64_t D = kPaddedDim, pad = kBwdDim - kPaddedDim;
+  const int64_t D = kPaddedDim;
   const int64_t B = q.size(0), T = q.size(1), HV = v.size(2);
   const int64_t N = cu_seqlens ? cu_seqlens->numel() - 1 : B;
   KDA_CHECK_SAME_DEVICE(tapes, q, "tapes");
@@ -330,18 +351,15 @@ Grads training_backward_padded(const char* op, const Tensor& q, const Tensor& k,
                     (*t)->size(3) == D,
                 op, ": ", name, " must be [N, HV, V, K], got ", (*t)->sizes());
     }
-  const auto chan = [&](const Tensor& t) { return at::constant_pad_nd(t, {0, pad}); };
-  const auto square = [&](const Tensor& t) { return at::constant_pad_nd(t, {0, pad, 0, pad}); };
-  const auto opt_square = [&](const OptTensor& t) { return t ? OptTensor(square(*t)) : std::nullopt; };
-  const OptTensor dtb = dt_bias ? OptTensor(chan(dt_bias->reshape({HV, D}))) : std::nullopt;
-  Grads r = training_backward_impl(op, chan(q), chan(k), chan(v), chan(g), beta, A_log, dtb, square(tapes),
-                                   tape_cu_starts, opt_square(initial_state), cu_seqlens, chan(dout),
-                                   opt_square(dfinal_state), scale, lower_bound, m);
-  const auto first = [&](const Tensor& t) { return t.narrow(-1, 0, D).contiguous(); };
+  const auto opt_state = [&](const OptTensor& t) { return t ? OptTensor(pad_state(*t)) : std::nullopt; };
+  const OptTensor dtb = dt_bias ? OptTensor(pad_channels(dt_bias->reshape({HV, D}))) : std::nullopt;
+  Grads r = training_backward_impl(op, pad_channels(q), pad_channels(k), pad_channels(v), pad_channels(g), beta,
+                                   A_log, dtb, pad_state(tapes), tape_cu_starts, opt_state(initial_state),
+                                   cu_seqlens, pad_channels(dout), opt_state(dfinal_state), scale, lower_bound, m);
   Tensor ddt = std::get<6>(r);
-  if (dt_bias) ddt = first(ddt).view(dt_bias->sizes());
-  return {first(std::get<0>(r)), first(std::get<1>(r)), first(std::get<2>(r)), first(std::get<3>(r)),
-          std::get<4>(r), std::get<5>(r), ddt, std::get<7>(r).narrow(2, 0, D).narrow(3, 0, D).contiguous()};
+  if (dt_bias) ddt = first_channels(ddt).view(dt_bias->sizes());
+  return {first_channels(std::get<0>(r)), first_channels(std::get<1>(r)), first_channels(std::get<2>(r)),
+          first_channels(std::get<3>(r)), std::get<4>(r), std::get<5>(r), ddt, first_state_block(std::get<7>(r))};
 }
 
 Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
