@@ -1,10 +1,15 @@
-"""Training forward+backward benchmark (docs/contract.md "Speed targets"): kda_ops.kda vs fla chunk_kda.
+"""Training forward+backward benchmark (docs/contract.md "Speed targets"): kda_ops.kda vs fla chunk_kda and
+cuDNN Frontend's kimi_delta_attention.
 
 H200, K=V=128, bf16, lower-bound gate λ=-5, logit beta, L2 norm, fp32 initial state. Reports the
 forward and backward separately, and the bytes our training context holds per token-head. A single sequence
 is passed without cu_seqlens to both (fla's fixed-length path, as a user calls it, is much faster than its
 varlen one; ours then takes the sequence split where it pays: H=8 T=65536); packed cases pass cu_seqlens
-(fla also its host copy).
+(fla also its host copy). cuDNN Frontend (packed [T, H, K], cu_seqlens always) cannot fuse the lower-bound gate,
+the L2 norm and the β sigmoid into its sm90 backward, so it is timed two ways: "cudnn" composes them in torch
+(autograd through them) around its core, and "cudnn core" is the core alone on precomputed log-decays, normalised
+q/k and β (leaves of their own). "bwd peak" is our backward's peak allocation above what the forward left, per
+token-head, the gradients themselves included.
 """
 
 from __future__ import annotations
@@ -49,6 +54,65 @@ def make(H: int, lens: list[int], dev: str = "cuda"):
     return d
 
 
+def import_cudnn_kda():  # type: ignore[no-untyped-def]
+    try:
+        from cudnn.linear_attention import kimi_delta_attention  # type: ignore
+
+        return kimi_delta_attention
+    except Exception as e:  # noqa: BLE001
+        print(f"[peers] cuDNN Frontend not importable: {type(e).__name__}: {e}")
+        return None
+
+
+def cudnn_calls(cudnn_kda, d: dict, H: int, lens: list[int], leaves: list) -> dict:  # type: ignore[no-untyped-def]
+    """cuDNN Frontend's KDA forwards: "cudnn" (the lower-bound gate, the L2 norm and the beta sigmoid in torch,
+    differentiated through, around its core; our leaves) and "cudnn core" (the core alone on precomputed inputs,
+    leaves of their own). None entries without cuDNN Frontend."""
+    if cudnn_kda is None:
+        return {"cudnn": (None, None), "cudnn core": (None, None)}
+    K = d["q"].shape[-1]
+    cu32 = d["cu"].to(torch.int32)
+
+    def prep(q, k, g, beta, A_log, dt_bias):  # type: ignore[no-untyped-def]
+        glog = -5.0 * torch.sigmoid(A_log.exp().view(H, 1) * (g[0].float() + dt_bias.view(H, K)))
+        l2 = lambda x: (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)).to(q.dtype)  # noqa: E731  (as ours)
+        qn, kn = l2(q[0].float()), l2(k[0].float())
+        return qn, kn, glog, torch.sigmoid(beta[0].float())
+
+    def core(qn, kn, v, glog, b, h0):  # type: ignore[no-untyped-def]
+        o, _ = cudnn_kda(qn, kn, v, glog, b, cu32, initial_state=h0, output_final_state=True)
+        return o
+
+    def composed():  # type: ignore[no-untyped-def]
+        qn, kn, glog, b = prep(d["q"], d["k"], d["g"], d["beta"], d["A_log"], d["dt_bias"])
+        return core(qn, kn, d["v"][0], glog, b, d["h0"])
+
+    with torch.no_grad():
+        pre = prep(d["q"], d["k"], d["g"], d["beta"], d["A_log"], d["dt_bias"])
+        pre = [t.detach().clone().requires_grad_() for t in pre]
+    v0 = d["v"][0].detach().clone().requires_grad_()
+    h0 = d["h0"].detach().clone().requires_grad_()
+    core_leaves = [*pre, v0, h0]
+    return {
+        "cudnn": (composed, leaves),
+        "cudnn core": (lambda: core(pre[0], pre[1], v0, pre[2], pre[3], h0), core_leaves),
+    }
+
+
+def backward_peak_bytes(fwd, do: torch.Tensor, leaves: list) -> float:  # type: ignore[no-untyped-def]
+    """The peak allocation of one backward above what the forward left (the gradients included), bytes."""
+    o = fwd()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o.backward(do)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for x in leaves:
+        x.grad = None
+    return float(peak)
+
+
 def main() -> None:
     args = parse_args(
         "train",
@@ -59,6 +123,7 @@ def main() -> None:
     import kda_ops
 
     fla = None if args.no_peers else import_fla_kda()
+    cudnn_kda = None if args.no_peers else import_cudnn_kda()
     rows, records = [], []
     cases = chosen_cases(CASES, args.cases, CASES[:1] if args.quick else CASES, first=1)
     t_start = time.time()
@@ -106,18 +171,21 @@ def main() -> None:
             )
             return o
 
+        calls = {"ours": (ours_fwd, leaves), "fla": (fla_fwd if fla is not None else None, leaves)}
+        calls.update(cudnn_calls(cudnn_kda, d, H, lens, leaves))
         res = {}
-        for label, fwd in (("ours", ours_fwd), ("fla", fla_fwd if fla is not None else None)):
+        for label, (fwd, lv) in calls.items():
             if fwd is None:
                 res[label] = (None, None)
                 continue
 
-            def fb(fwd=fwd):
-                fwd().backward(d["do"])
-                for x in leaves:
+            def fb(fwd=fwd, lv=lv):
+                o = fwd()
+                o.backward(d["do"].view(o.shape))
+                for x in lv:
                     x.grad = None
 
-            note = " (its first calls compile and autotune)" if label == "fla" else ""
+            note = " (its first calls compile and autotune)" if label in ("fla", "cudnn") else ""
             print(f"[bench_train {time.time() - t_start:6.0f} s]   {label}{note}", flush=True)
             t_f, err = try_call(lambda fwd=fwd: cuda_time_ms(lambda: fwd().detach(), warmup=2, rep=5))
             t_fb, err2 = try_call(lambda fb=fb: cuda_time_ms(fb, warmup=2, rep=5))
@@ -127,6 +195,9 @@ def main() -> None:
             res[label] = (t_f, t_fb)
         of, ofb = res["ours"]
         ff, ffb = res["fla"]
+        cf, cfb = res["cudnn"]
+        kf, kfb = res["cudnn core"]
+        ws = backward_peak_bytes(ours_fwd, d["do"], leaves) / (sum(lens) * H)
         bwd = lambda f, fb: None if f is None or fb is None else fb - f  # noqa: E731
         # Our context holds q, k, v, g, beta by reference; what it adds is the tapes (and the [N+1] row starts),
         # measured here from the tensors the training forward allocates.
@@ -152,7 +223,14 @@ def main() -> None:
                 fmt(bwd(ff, ffb)),
                 fmt(ffb),
                 ratio(ffb, ofb),
+                fmt(cf),
+                fmt(bwd(cf, cfb)),
+                fmt(cfb),
+                fmt(kf),
+                fmt(bwd(kf, kfb)),
+                fmt(kfb),
                 f"{ctx_bytes:.0f}",
+                f"{ws:.0f}",
             ]
         )
         records.append(
@@ -162,7 +240,12 @@ def main() -> None:
                 ours_fwd_bwd_ms=ofb,
                 fla_fwd_ms=ff,
                 fla_fwd_bwd_ms=ffb,
+                cudnn_fwd_ms=cf,
+                cudnn_fwd_bwd_ms=cfb,
+                cudnn_core_fwd_ms=kf,
+                cudnn_core_fwd_bwd_ms=kfb,
                 ctx_bytes_per_token_head=ctx_bytes,
+                bwd_peak_bytes_per_token_head=ws,
             )
         )
         d, leaves = {}, []
@@ -174,11 +257,14 @@ def main() -> None:
 def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool = False) -> None:
     notes = [
         f"# training forward+backward, {torch.cuda.get_device_name()}",
-        "ms, median of CUDA-event timings; bwd = (fwd+bwd) - fwd; ratio = fla / ours on fwd+bwd",
+        "ms, median of CUDA-event timings; bwd = (fwd+bwd) - fwd; ratio = fla / ours on fwd+bwd; cudnn: the gate,"
+        " L2 norm and beta sigmoid in torch around cuDNN Frontend's core; cudnn core: the core alone",
         "context bytes per token-head: the tapes (and row starts) the training forward allocates, fp32 128x128 per"
         " 64-token chunk but each sequence's first, rows B*(ceil(T/64) - 1) fixed or T//64 packed (an upper bound"
         " from shapes); the bf16"
         " q+k+v+g of the call are 1024 B",
+        "bwd peak B/token-head: our backward's peak allocation above the forward's, per token-head, the gradients"
+        " of the call included",
     ]
     write_results(
         out,
@@ -192,7 +278,14 @@ def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool
             "fla bwd",
             "fla fwd+bwd",
             "fla/ours",
+            "cudnn fwd",
+            "cudnn bwd",
+            "cudnn fwd+bwd",
+            "cudnn core fwd",
+            "cudnn core bwd",
+            "cudnn core fwd+bwd",
             "ctx B/token-head",
+            "bwd peak B/token-head",
         ],
         rows,
         records,
@@ -201,9 +294,11 @@ def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool
     if not plot:
         return
     series = {"ours": [r["ours_fwd_bwd_ms"] for r in records]}
-    fla = [r["fla_fwd_bwd_ms"] for r in records]
-    if any(x is not None for x in fla):  # an unmeasured series would read as 0 ms
-        series["fla"] = fla
+    peers = (("fla", "fla_fwd_bwd_ms"), ("cudnn", "cudnn_fwd_bwd_ms"), ("cudnn core", "cudnn_core_fwd_bwd_ms"))
+    for label, key in peers:
+        vals = [r[key] for r in records]
+        if any(x is not None for x in vals):  # an unmeasured series would read as 0 ms
+            series[label] = vals
     bar_plot(
         out,
         "bench_train",
