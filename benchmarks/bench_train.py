@@ -213,25 +213,10 @@ def main() -> None:
         held = sum(t.numel() * t.element_size() for t in (tctx.tapes, tctx.tape_cu_starts))
         ctx_bytes = held / (sum(lens) * H)
         del tctx
+        three = lambda f, fb: [fmt(f), fmt(bwd(f, fb)), fmt(fb)]  # noqa: E731  (fwd, bwd, fwd+bwd)
         rows.append(
-            [
-                name,
-                fmt(of),
-                fmt(bwd(of, ofb)),
-                fmt(ofb),
-                fmt(ff),
-                fmt(bwd(ff, ffb)),
-                fmt(ffb),
-                ratio(ffb, ofb),
-                fmt(cf),
-                fmt(bwd(cf, cfb)),
-                fmt(cfb),
-                fmt(kf),
-                fmt(bwd(kf, kfb)),
-                fmt(kfb),
-                f"{ctx_bytes:.0f}",
-                f"{ws:.0f}",
-            ]
+            [name, *three(of, ofb), *three(ff, ffb), ratio(ffb, ofb), *three(cf, cfb), *three(kf, kfb)]
+            + [f"{ctx_bytes:.0f}", f"{ws:.0f}"]
         )
         records.append(
             dict(
