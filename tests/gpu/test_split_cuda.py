@@ -47,7 +47,7 @@ def split_on(monkeypatch):  # type: ignore[no-untyped-def]
     return force_split(monkeypatch, 512)
 
 
-def make(lens, HV=2, H=1, gate="lower_bound", slow=False, seed=0, B=1, T=None):  # type: ignore[no-untyped-def]
+def make(lens, HV=2, H=1, gate="lower_bound", slow=False, seed=0, B=1, T=None, Kd=K):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(seed)
     packed = lens is not None
     T = sum(lens) if packed else T
@@ -56,17 +56,17 @@ def make(lens, HV=2, H=1, gate="lower_bound", slow=False, seed=0, B=1, T=None): 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(DEV)
 
-    x = dict(q=rnd(Bt, T, H, K), k=rnd(Bt, T, H, K), v=rnd(Bt, T, HV, K), beta=rnd(Bt, T, HV))
+    x = dict(q=rnd(Bt, T, H, Kd), k=rnd(Bt, T, H, Kd), v=rnd(Bt, T, HV, Kd), beta=rnd(Bt, T, HV))
     kw: dict = {}
     if gate == "precomputed":
-        g = -torch.nn.functional.softplus(torch.randn(Bt, T, HV, K, generator=gen)) * 0.3
+        g = -torch.nn.functional.softplus(torch.randn(Bt, T, HV, Kd, generator=gen)) * 0.3
         if slow:
             g[..., :2] = -1e-4
         x["g"] = g.to(torch.bfloat16).to(DEV)
         x["beta"] = torch.sigmoid(x["beta"].float()).to(torch.bfloat16)
     else:
-        x["g"] = rnd(Bt, T, HV, K)
-        dtb = torch.randn(HV, K, generator=gen) * 0.1
+        x["g"] = rnd(Bt, T, HV, Kd)
+        dtb = torch.randn(HV, Kd, generator=gen) * 0.1
         if slow:
             dtb[:, :2] = -30.0  # channels 0 and 1 barely decay
         kw.update(
@@ -298,13 +298,15 @@ def _kda_run(x, kw, h0, do, dfinal):  # type: ignore[no-untyped-def]
     return res
 
 
-def test_training_split_vs_unsplit(split_on, monkeypatch):  # type: ignore[no-untyped-def]
-    """kda_ops.kda (training forward + backward) split into 512-token segments, fixed layout B=2."""
-    x, kw = make(None, B=2, T=2048, gate="lower_bound", slow=True, seed=10)
+@pytest.mark.parametrize("Kd", [128, 64])
+def test_training_split_vs_unsplit(split_on, monkeypatch, Kd):  # type: ignore[no-untyped-def]
+    """kda_ops.kda (training forward + backward) split into 512-token segments, fixed layout B=2; K = V = 64 runs
+    the 128-channel kernels on zero-padded copies in every pass."""
+    x, kw = make(None, B=2, T=2048, gate="lower_bound", slow=True, seed=10, Kd=Kd)
     gen = torch.Generator().manual_seed(11)
-    h0 = (torch.randn(2, 2, K, K, generator=gen) * 0.3).to(DEV)
+    h0 = (torch.randn(2, 2, Kd, Kd, generator=gen) * 0.3).to(DEV)
     do = torch.randn(x["v"].shape, generator=gen).to(torch.bfloat16).to(DEV)
-    dfinal = torch.randn(2, 2, K, K, generator=gen).to(DEV)
+    dfinal = torch.randn(2, 2, Kd, Kd, generator=gen).to(DEV)
     got = _kda_run(x, kw, h0, do, dfinal)
     again = _kda_run(x, kw, h0, do, dfinal)
     monkeypatch.setattr(_split, "MODE", "0")
