@@ -35,7 +35,7 @@ per rank in the forward, HV·V·K in the backward, times the group size (all_gat
 The computation is the default mode of :func:`kda_ops.kda` (the path with a backward): L2 norm on
 q and k, the lower-bound gate ``a = λ sigmoid(exp(A_log)(g + dt_bias))`` with λ in [-5, 0), logit
 beta ``β = sigmoid(beta)``, GQA (HV % H == 0). Token dtypes and head dims as that path: bf16 with
-K == V == 128 on CUDA; bf16/fp32/fp64 and any K, V on CPU.
+K == V in {64, 128} on CUDA; bf16/fp32/fp64 and any K, V on CPU.
 """
 
 from __future__ import annotations
@@ -411,7 +411,7 @@ def context_parallel_kda(
     Args:
         q, k: [1, T_r, H, K]; v: [1, T_r, HV, V]; g: [1, T_r, HV, K] raw gate; beta: [1, T_r, HV] logits.
             T_r >= 0 (a rank may hold no token). Dtypes and head dims of the training path: bf16 with
-            K == V == 128 on CUDA; bf16/fp32/fp64, any K, V on CPU.
+            K == V in {64, 128} on CUDA; bf16/fp32/fp64, any K, V on CPU.
         A_log: [HV]; dt_bias: [HV, K] or [HV*K]; fp32 (fp64 with fp64 tokens).
         initial_state: [N, HV, V, K] in that dtype, the start state of every global sequence, or None
             (zeros, no gradient).
