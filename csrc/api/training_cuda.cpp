@@ -126,7 +126,13 @@ constexpr int64_t kPaddedDim = 64;
 
 // Zero-padding of K == V == 64 tensors to 128 channels: the last dimension (tokens, dt_bias) or the last two
 // (states).
-Tensor pad_channels(const Tensor& t) { return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim}); }
+Tensor pad_channels(const Tensor& t, double value = 0.0) {
+  return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim}, value);
+}
+// The raw gate's padding: 0 (a finite decay on zero state rows/columns) but for the softplus gate, whose
+// a = -exp(A_log) softplus(0) = -exp(A_log) ln 2 per token would make every chunk "wide" (the slower pairwise
+// exponents) for exp(A_log) > ~3.6; there g = -1e4 gives a = 0 (no decay) in the padded channels.
+Tensor pad_gate(const Tensor& g, const TrainingModes& m) { return pad_channels(g, m.gate_mode == 1 ? -1e4 : 0.0); }
 Tensor pad_state(const Tensor& t) {
   return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim, 0, kBwdDim - kPaddedDim});
 }
@@ -148,7 +154,9 @@ SweepRoute sweep_route() {
   const char* w = std::getenv("KDA_TRAINING_SWEEP");
   const bool force_small = w != nullptr && std::string(w) == "small";
   if (!force_small && training_backward_chunked_smem_bytes(/*small=*/false) <= optin) return SweepRoute::kDefault;
-  if (training_backward_chunked_smem_bytes(/*small=*/true) <= optin) return SweepRoute::kSmall;
+  // (the backward chain's shallow pipeline must fit too)
+  if (std::max(training_backward_chunked_smem_bytes(/*small=*/true), chunked_small_pipeline_smem_bytes()) <= optin)
+    return SweepRoute::kSmall;
   return SweepRoute::kHost;
 }
 
@@ -250,7 +258,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
   if (d.K == kPaddedDim && d.V == kPaddedDim && d.N > 0 && (d.packed ? d.T : d.B * d.T) >= 16 * d.N) {
     const OptTensor dtb = dt_bias ? OptTensor(pad_channels(dt_bias->reshape({d.HV, kPaddedDim}))) : std::nullopt;
     auto [o, fs, tp, starts] =
-        training_forward_impl(op, pad_channels(q_in), pad_channels(k_in), pad_channels(v_in), pad_channels(g_in),
+        training_forward_impl(op, pad_channels(q_in), pad_channels(k_in), pad_channels(v_in), pad_gate(g_in, m),
                               beta, A_log, dtb, pad_state(initial_state), cu_seqlens, scale, lower_bound, m);
     return {first_channels(o), first_state_block(fs), first_state_block(tp), starts};
   }
@@ -353,7 +361,7 @@ Grads training_backward_padded(const char* op, const Tensor& q, const Tensor& k,
     }
   const auto opt_state = [&](const OptTensor& t) { return t ? OptTensor(pad_state(*t)) : std::nullopt; };
   const OptTensor dtb = dt_bias ? OptTensor(pad_channels(dt_bias->reshape({HV, D}))) : std::nullopt;
-  Grads r = training_backward_impl(op, pad_channels(q), pad_channels(k), pad_channels(v), pad_channels(g), beta,
+  Grads r = training_backward_impl(op, pad_channels(q), pad_channels(k), pad_channels(v), pad_gate(g, m), beta,
                                    A_log, dtb, pad_state(tapes), tape_cu_starts, opt_state(initial_state),
                                    cu_seqlens, pad_channels(dout), opt_state(dfinal_state), scale, lower_bound, m);
   Tensor ddt = std::get<6>(r);

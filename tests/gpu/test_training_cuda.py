@@ -762,6 +762,10 @@ def test_small_sweep_same_bits(mode, Kd, monkeypatch, capfd):
     dS in a global scratch, the tiles alone in shared memory) on this GPU: the same arithmetic as the default
     sweep, so the same bits; packed with a zero-length sequence and one past 64 tokens, GQA 2. The verbose line
     shows which sweep ran."""
+    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
+        pytest.skip("this GPU runs the small sweep by itself (no default sweep to compare with)")
+    for name in ("KDA_TRAINING_SWEEP", "KDA_TRAINING_BACKWARD_HOST"):
+        monkeypatch.delenv(name, raising=False)
     x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 167], H=1, HV=2, K=Kd, seed=23, lb=-1.0)
     c = _to_cuda(x)
     monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
@@ -777,6 +781,27 @@ def test_small_sweep_same_bits(mode, Kd, monkeypatch, capfd):
     ref = reference_grads(x, kw, do, dS)[2]
     grads = [None if e is None else a for a, e in zip(g_small, ref, strict=True)]  # (absent: empty tensors)
     _check_mode_grads(f"small sweep {mode_id(mode)} K{Kd}", grads, ref)
+
+
+def test_small_sweep_reuses_its_scratch(monkeypatch):
+    """More sweep tasks than SMs: each CTA of the persistent small sweep runs several tasks through its one
+    global scratch; bit-equal to the default sweep (the sequence split off: one plain call)."""
+    from kda_ops import _split
+
+    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
+        pytest.skip("this GPU runs the small sweep by itself (no default sweep to compare with)")
+    for name in ("KDA_TRAINING_SWEEP", "KDA_TRAINING_BACKWARD_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_split, "MODE", "0")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    T = 64 * (sms // 2 + 7)  # tasks = (T / 64) * HV > SMs with HV = 2
+    x, kw, do, dS = make_case(("softplus", True, True), T=T, H=1, HV=2, K=128, seed=31)
+    c = _to_cuda(x)
+    g_default = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
+    monkeypatch.setenv("KDA_TRAINING_SWEEP", "small")
+    g_small = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
+    for n_, a, b in zip(GRADS, g_small, g_default, strict=True):
+        assert torch.equal(a, b), f"{n_}: the small sweep differs from the default one"
 
 
 _SMALL_GPU_CHILD = r"""

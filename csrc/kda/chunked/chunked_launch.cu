@@ -63,6 +63,8 @@ bool hopper_takes(const RecurrentParams& p, int sms, bool backward_chain) {
 
 }  // namespace
 
+int64_t chunked_small_pipeline_smem_bytes() { return kSmemSmall; }
+
 bool chunked_supported(const RecurrentParams& p, const char** why) {
   const char* w = nullptr;
   if (p.K != 128 || p.V != 128)

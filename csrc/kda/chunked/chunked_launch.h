@@ -23,6 +23,10 @@ bool chunked_preferred(const RecurrentParams& p);
 // on either. Both are read once per process, at the first call (chunked_launch.cu).
 cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream);
 
+// Dynamic shared memory of the chunked kernel's shallow pipeline (64 value rows, 2 operand stages, 2-deep raw ring),
+// bytes: what a GPU must give a block for the chunked kernel at all (sm_120: ~94 KB of its ~99 KB).
+int64_t chunked_small_pipeline_smem_bytes();
+
 // The arguments of the backward chain of the CUDA training backward, named for what they carry
 // (every gate mode, K == V == 128, bf16 token tensors with 16-byte aligned rows and
 // strides that are multiples of 8 elements; the training contract). The chunked kernel reads them through
