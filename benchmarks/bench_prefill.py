@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     chosen_cases,
     cuda_time_ms,
     fmt,
+    import_cudnn_kda,
     import_fla_kda,
     import_flash_kda,
     parse_args,
@@ -178,16 +179,6 @@ def fla_call(fla: Any, d: dict[str, Any]) -> Callable[[], Any]:
         )  # fmt: skip
 
     return run
-
-
-def import_cudnn_kda() -> Any:
-    try:
-        from cudnn.linear_attention import kimi_delta_attention  # type: ignore
-
-        return kimi_delta_attention
-    except Exception as e:  # noqa: BLE001
-        print(f"[peers] cuDNN Frontend not importable: {type(e).__name__}: {e}")
-        return None
 
 
 def main() -> None:

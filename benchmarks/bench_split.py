@@ -33,13 +33,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_prefill import LOWER_BOUND, cudnn_call, flash_kda_call, graph_time_ms, import_cudnn_kda  # noqa: E402
+from benchmarks.bench_prefill import LOWER_BOUND, cudnn_call, flash_kda_call, graph_time_ms  # noqa: E402
 from benchmarks.bench_prefill import make as make_prefill  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     add_cases_arg,
     chosen_cases,
     cuda_time_ms,
     fmt,
+    import_cudnn_kda,
     import_flash_kda,
     parse_args,
     ratio,

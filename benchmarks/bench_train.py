@@ -26,6 +26,7 @@ from benchmarks.common import (  # noqa: E402
     chosen_cases,
     cuda_time_ms,
     fmt,
+    import_cudnn_kda,
     import_fla_kda,
     parse_args,
     ratio,
@@ -52,16 +53,6 @@ def make(H: int, lens: list[int], dev: str = "cuda"):
     d["cu"] = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=dev, dtype=torch.int64)
     d["do"] = torch.randn(1, T, H, K, device=dev, generator=gen, dtype=torch.bfloat16)
     return d
-
-
-def import_cudnn_kda():  # type: ignore[no-untyped-def]
-    try:
-        from cudnn.linear_attention import kimi_delta_attention  # type: ignore
-
-        return kimi_delta_attention
-    except Exception as e:  # noqa: BLE001
-        print(f"[peers] cuDNN Frontend not importable: {type(e).__name__}: {e}")
-        return None
 
 
 def cudnn_calls(cudnn_kda, d: dict, H: int, lens: list[int], leaves: list) -> dict:  # type: ignore[no-untyped-def]

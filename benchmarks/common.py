@@ -78,6 +78,17 @@ def import_fla_kda():
         return None
 
 
+def import_cudnn_kda():  # type: ignore[no-untyped-def]
+    """cuDNN Frontend's kimi_delta_attention or None."""
+    try:
+        from cudnn.linear_attention import kimi_delta_attention  # type: ignore
+
+        return kimi_delta_attention
+    except Exception as e:  # noqa: BLE001
+        print(f"[peers] cuDNN Frontend not importable: {type(e).__name__}: {e}")
+        return None
+
+
 def import_flash_kda():
     try:
         import flash_kda  # type: ignore
