@@ -136,6 +136,10 @@ Tensor pad_gate(const Tensor& g, const TrainingModes& m) { return pad_channels(g
 Tensor pad_state(const Tensor& t) {
   return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim, 0, kBwdDim - kPaddedDim});
 }
+// dt_bias ([HV, 64] or flat [HV*64]) as [HV, 128] with zeros.
+OptTensor pad_dt_bias(const OptTensor& dt_bias, int64_t HV) {
+  return dt_bias ? OptTensor(pad_channels(dt_bias->reshape({HV, kPaddedDim}))) : std::nullopt;
+}
 Tensor first_channels(const Tensor& t) { return t.narrow(-1, 0, kPaddedDim).contiguous(); }
 Tensor first_state_block(const Tensor& t) {
   return t.narrow(-2, 0, kPaddedDim).narrow(-1, 0, kPaddedDim).contiguous();
@@ -256,10 +260,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
   // zero-padded copies (see kPaddedDim; the token-serial kernel is several times slower there), the output, final
   // state and tapes cut back to 64 channels (the context keeps the 64 x 64 tapes).
   if (d.K == kPaddedDim && d.V == kPaddedDim && d.N > 0 && (d.packed ? d.T : d.B * d.T) >= 16 * d.N) {
-    const OptTensor dtb = dt_bias ? OptTensor(pad_channels(dt_bias->reshape({d.HV, kPaddedDim}))) : std::nullopt;
     auto [o, fs, tp, starts] =
         training_forward_impl(op, pad_channels(q_in), pad_channels(k_in), pad_channels(v_in), pad_gate(g_in, m),
-                              beta, A_log, dtb, pad_state(initial_state), cu_seqlens, scale, lower_bound, m);
+                              beta, A_log, pad_dt_bias(dt_bias, d.HV), pad_state(initial_state), cu_seqlens, scale,
+                              lower_bound, m);
     return {first_channels(o), first_state_block(fs), first_state_block(tp), starts};
   }
   const Tensor q = kernel_tokens(q_in), k = kernel_tokens(k_in), v = kernel_tokens(v_in), g = kernel_tokens(g_in);
@@ -302,8 +306,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
 using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 // The training backward of the calls the CUDA kernels cannot run on this GPU (sweep_route: less shared memory
-// per block than even the small sweep needs, or KDA_TRAINING_BACKWARD_HOST=1): the CPU op on host copies, its gradients copied back to q's
-// device. The CPU op checks the tapes and tape_cu_starts against the sequences itself (it reads cu_seqlens on
+// per block than even the small sweep needs, or KDA_TRAINING_BACKWARD_HOST=1): the CPU op on host copies, its
+// gradients copied back to q's device. The CPU op checks the tapes and tape_cu_starts against the sequences itself (it reads cu_seqlens on
 // the host).
 Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                const OptTensor& A_log, const OptTensor& dt_bias, const Tensor& tapes,
@@ -332,38 +336,55 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
                              const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
                              double scale, double lower_bound, const TrainingModes& m);
 
-// K == V == 64 on the K == V == 128 kernels (see kPaddedDim): q, k, v, g, do zero-padded to 128 channels, dt_bias
-// with zeros, the tapes, initial_state and dfinal_state with zero rows and columns; the gradients are the first 64
-// channels (dq, dk, dv, dg, ddt_bias) and the leading 64 x 64 block (dinitial_state). A padded channel of g gets a
-// finite decay (g = 0, dt_bias = 0) acting on zero state rows and columns only. The shapes of the caller's tensors
-// are checked here, so errors name them as given. Costs the copies and 128-channel work (4x the tapes' bytes).
+// The training backward's own tensors against the shapes of the call (d, from check_training_inputs): tapes
+// [rows, HV, V, K] fp32, tape_cu_starts [N+1] int64, do [B, T, HV, V] bf16 with a contiguous last dim,
+// initial_state / dfinal_state [N, HV, V, K] (fp32 or bf16), all on q's device.
+void check_backward_tensors(const char* op, const TrainDims& d, const Tensor& q, const Tensor& tapes,
+                            const Tensor& tape_cu_starts, const Tensor& dout, const OptTensor& initial_state,
+                            const OptTensor& dfinal_state) {
+  KDA_CHECK_SAME_DEVICE(tapes, q, "tapes");
+  KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
+  KDA_CHECK_SAME_DEVICE(dout, q, "do");
+  KDA_CHECK(tapes.dim() == 4 && tapes.size(1) == d.HV && tapes.size(2) == d.V && tapes.size(3) == d.K, op,
+            ": tapes must be [rows, HV, V, K], got ", tapes.sizes());
+  KDA_CHECK_DTYPE(tapes, at::kFloat, "tapes");
+  KDA_CHECK_DTYPE(tape_cu_starts, at::kLong, "tape_cu_starts");
+  KDA_CHECK(tape_cu_starts.dim() == 1 && tape_cu_starts.numel() == d.N + 1 && tape_cu_starts.is_contiguous(), op,
+            ": tape_cu_starts must be a contiguous [N+1]=[", d.N + 1, "], got ", tape_cu_starts.sizes());
+  KDA_CHECK_TYPE(dout.scalar_type() == at::kBFloat16, op, ": do must be ", at::kBFloat16, ", got ",
+                 dout.scalar_type());
+  KDA_CHECK(dout.dim() == 4 && dout.size(0) == d.B && dout.size(1) == d.T && dout.size(2) == d.HV &&
+                dout.size(3) == d.V,
+            op, ": do must be [B, T, HV, V], got ", dout.sizes());
+  KDA_CHECK(dout.stride(-1) == 1, op, ": do must have a contiguous last dim, got strides ", dout.strides());
+  for (const auto& [t, name] : {std::pair<const OptTensor*, const char*>{&dfinal_state, "dfinal_state"},
+                                {&initial_state, "initial_state"}})
+    if (t->has_value()) {
+      KDA_CHECK_SAME_DEVICE(**t, q, name);
+      KDA_CHECK((*t)->dim() == 4 && (*t)->size(0) == d.N && (*t)->size(1) == d.HV && (*t)->size(2) == d.V &&
+                    (*t)->size(3) == d.K,
+                op, ": ", name, " must be [N, HV, V, K], got ", (*t)->sizes());
+    }
+  if (initial_state.has_value())
+    KDA_CHECK_TYPE(initial_state->scalar_type() == at::kFloat || initial_state->scalar_type() == at::kBFloat16, op,
+                   ": initial_state must be float32 or bfloat16, got ", initial_state->scalar_type());
+}
+
+// K == V == 64 on the K == V == 128 kernels (see kPaddedDim): q, k, v, do zero-padded to 128 channels, g by
+// pad_gate, dt_bias with zeros, the tapes, initial_state and dfinal_state with zero rows and columns; the gradients
+// are the first 64 channels (dq, dk, dv, dg, ddt_bias) and the leading 64 x 64 block (dinitial_state). The
+// caller's tensors are checked before (check_backward_tensors), so errors name them as given. Costs the copies and
+// 128-channel work (4x the tapes' bytes).
 Grads training_backward_padded(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
                                const Tensor& tapes, const Tensor& tape_cu_starts, const OptTensor& initial_state,
                                const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
                                double scale, double lower_bound, const TrainingModes& m) {
-  const int64_t D = kPaddedDim;
-  const int64_t B = q.size(0), T = q.size(1), HV = v.size(2);
-  const int64_t N = cu_seqlens ? cu_seqlens->numel() - 1 : B;
-  KDA_CHECK_SAME_DEVICE(tapes, q, "tapes");
-  KDA_CHECK_SAME_DEVICE(dout, q, "do");
-  KDA_CHECK(tapes.dim() == 4 && tapes.size(1) == HV && tapes.size(2) == D && tapes.size(3) == D, op,
-            ": tapes must be [rows, HV, V, K], got ", tapes.sizes());
-  KDA_CHECK(dout.dim() == 4 && dout.size(0) == B && dout.size(1) == T && dout.size(2) == HV && dout.size(3) == D,
-            op, ": do must be [B, T, HV, V], got ", dout.sizes());
-  for (const auto& [t, name] : {std::pair<const OptTensor*, const char*>{&initial_state, "initial_state"},
-                                {&dfinal_state, "dfinal_state"}})
-    if (t->has_value()) {
-      KDA_CHECK_SAME_DEVICE(**t, q, name);
-      KDA_CHECK((*t)->dim() == 4 && (*t)->size(0) == N && (*t)->size(1) == HV && (*t)->size(2) == D &&
-                    (*t)->size(3) == D,
-                op, ": ", name, " must be [N, HV, V, K], got ", (*t)->sizes());
-    }
   const auto opt_state = [&](const OptTensor& t) { return t ? OptTensor(pad_state(*t)) : std::nullopt; };
-  const OptTensor dtb = dt_bias ? OptTensor(pad_channels(dt_bias->reshape({HV, D}))) : std::nullopt;
-  Grads r = training_backward_impl(op, pad_channels(q), pad_channels(k), pad_channels(v), pad_gate(g, m), beta,
-                                   A_log, dtb, pad_state(tapes), tape_cu_starts, opt_state(initial_state),
-                                   cu_seqlens, pad_channels(dout), opt_state(dfinal_state), scale, lower_bound, m);
+  Grads r = training_backward_impl(op, pad_channels(q), pad_channels(k), pad_channels(v), pad_gate(g, m), beta, A_log,
+                                   pad_dt_bias(dt_bias, v.size(2)), pad_state(tapes), tape_cu_starts,
+                                   opt_state(initial_state), cu_seqlens, pad_channels(dout), opt_state(dfinal_state),
+                                   scale, lower_bound, m);
   Tensor ddt = std::get<6>(r);
   if (dt_bias) ddt = first_channels(ddt).view(dt_bias->sizes());
   return {first_channels(std::get<0>(r)), first_channels(std::get<1>(r)), first_channels(std::get<2>(r)),
@@ -395,42 +416,16 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
     return training_backward_on_cpu(q, k, v, g, beta, A_log, dt_bias, tapes_in, tape_cu_starts, initial_state,
                                     cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
   }
+  check_backward_tensors(op, d, q, tapes_in, tape_cu_starts, dout, initial_state, dfinal_state);
   if (d.K == kPaddedDim && d.V == kPaddedDim)
     return training_backward_padded(op, q, k, v, g, beta, A_log, dt_bias, tapes_in, tape_cu_starts, initial_state,
                                     cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
   // K == V == kBwdDim, every gate mode (A_log absent exactly for the precomputed gate).
-  KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
-  KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
-  KDA_CHECK_SAME_DEVICE(dout, q, "do");
-  KDA_CHECK(tapes_in.dim() == 4 && tapes_in.size(1) == d.HV && tapes_in.size(2) == kBwdDim &&
-                tapes_in.size(3) == kBwdDim,
-            op, ": tapes must be [rows, HV, V, K], got ", tapes_in.sizes());
-  KDA_CHECK_DTYPE(tapes_in, at::kFloat, "tapes");
-  KDA_CHECK_DTYPE(tape_cu_starts, at::kLong, "tape_cu_starts");
-  KDA_CHECK(tape_cu_starts.dim() == 1 && tape_cu_starts.numel() == d.N + 1 && tape_cu_starts.is_contiguous(), op,
-            ": tape_cu_starts must be a contiguous [N+1]=[", d.N + 1, "], got ", tape_cu_starts.sizes());
-  KDA_CHECK_TYPE(dout.scalar_type() == at::kBFloat16, op, ": do must be ", at::kBFloat16, ", got ",
-                 dout.scalar_type());
-  KDA_CHECK(dout.dim() == 4 && dout.size(0) == d.B && dout.size(1) == d.T && dout.size(2) == d.HV &&
-                dout.size(3) == kBwdDim,
-            op, ": do must be [B, T, HV, V], got ", dout.sizes());
-  KDA_CHECK(dout.stride(-1) == 1, op, ": do must have a contiguous last dim, got strides ", dout.strides());
   Tensor dfinal;
-  if (dfinal_state.has_value()) {
-    KDA_CHECK_SAME_DEVICE(*dfinal_state, q, "dfinal_state");
-    KDA_CHECK(dfinal_state->dim() == 4 && dfinal_state->size(0) == d.N && dfinal_state->size(1) == d.HV &&
-                  dfinal_state->size(2) == kBwdDim && dfinal_state->size(3) == kBwdDim,
-              op, ": dfinal_state must be [N, HV, V, K], got ", dfinal_state->sizes());
+  if (dfinal_state.has_value())
     dfinal = compact_f32(*dfinal_state);  // (16-byte aligned: the chain reads it with vector loads)
-  }
   Tensor init;  // the state before token 0 of each sequence (the tapes start at token 64); undefined = zeros
   if (initial_state.has_value()) {
-    KDA_CHECK_SAME_DEVICE(*initial_state, q, "initial_state");
-    KDA_CHECK(initial_state->dim() == 4 && initial_state->size(0) == d.N && initial_state->size(1) == d.HV &&
-                  initial_state->size(2) == kBwdDim && initial_state->size(3) == kBwdDim,
-              op, ": initial_state must be [N, HV, V, K], got ", initial_state->sizes());
-    KDA_CHECK_TYPE(initial_state->scalar_type() == at::kFloat || initial_state->scalar_type() == at::kBFloat16, op,
-                   ": initial_state must be float32 or bfloat16, got ", initial_state->scalar_type());
     init = compact_f32(*initial_state);  // (16-byte aligned: the sweep copies it with cp.async)
   }
   const Tensor tapes = compact_f32(tapes_in);
