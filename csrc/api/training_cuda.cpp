@@ -307,8 +307,8 @@ using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
 
 // The training backward of the calls the CUDA kernels cannot run on this GPU (sweep_route: less shared memory
 // per block than even the small sweep needs, or KDA_TRAINING_BACKWARD_HOST=1): the CPU op on host copies, its
-// gradients copied back to q's device. The CPU op checks the tapes and tape_cu_starts against the sequences itself (it reads cu_seqlens on
-// the host).
+// gradients copied back to q's device. The CPU op checks the tapes and tape_cu_starts against the sequences
+// itself (it reads cu_seqlens on the host).
 Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                                const OptTensor& A_log, const OptTensor& dt_bias, const Tensor& tapes,
                                const Tensor& tape_cu_starts, const OptTensor& initial_state,
