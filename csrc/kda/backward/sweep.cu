@@ -14,7 +14,7 @@
 // writes dS_C of every 16-token chunk to p.dstates. Then this kernel, one CTA (512 threads, 16 warps) per
 // (64-token chunk, value head) task, persistent over the tasks, needs no serial dependence between tasks: it
 // loads the state entering the chunk (initial_state for a sequence's first chunk, else its tape row) into
-// shared memory (fp32 [128][132], padded rows)
+// shared memory (fp32 [128][132], padded rows; the small sweep: into its global scratch, see kStateFloats)
 // and walks the four sub-chunks forward, each step with dS_C from p.dstates: the gradients of the sub-chunk,
 // then S = S g_C + Rᵀ Kr for the next. Products run on tensor cores (tf32 mma.sync; 3xTF32 where dΓ needs
 // the digits, see mma_frag); no atomics: bit-identical reruns, and the parameter partials are one row per
@@ -344,7 +344,7 @@ __device__ __forceinline__ void rank_update(float* X, const float* gC, FA fa, FB
 // it. A null src writes zeros (plain stores, visible after the same barrier). kGlobalState: dst is the CTA's
 // global scratch, plain 16-byte loads and stores (visible to the CTA after the same barrier).
 template <bool kGlobalState = false>
-__device__ __forceinline__ void state_to_smem_async(float* dst, const float* src) {
+__device__ __forceinline__ void load_state(float* dst, const float* src) {
   if (src == nullptr) {
     for (int i = threadIdx.x; i < kD * kLD / 4; i += kThreads) st4(dst + 4 * i, make_float4(0.f, 0.f, 0.f, 0.f));
     return;
@@ -535,7 +535,8 @@ __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     if (part == 3) sm.gC[c] = __expf(gam[3] + off);
   }
   // This thread's cp.async copies of S and dS (issued by the caller) are done, after the token loads above
-  // had them in flight; the barrier publishes every thread's before any use.
+  // had them in flight (the small sweep's plain copies are done already); the barrier publishes every
+  // thread's before any use.
   cute::cp_async_wait<0>();
   __syncthreads();
   if (kUnbounded && wide) {
@@ -714,7 +715,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     float ddt_acc = 0.f, dA_acc = 0.f;
 
     __syncthreads();  // the previous task is done with S and dS
-    state_to_smem_async<kGlobalState>(S, tape_state(p, n, c, tk.hv));  // null: zeros
+    load_state<kGlobalState>(S, tape_state(p, n, c, tk.hv));  // null: zeros
     {
       const int64_t tc0 = tk.s.bos + c * kTapeChunk;
       const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
@@ -729,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
       // Forward over the sub-chunks: S is the state entering sub-chunk sb (updated at the end of each step),
       // dS the chain gradient leaving it (from the backward chain). dS of sub-chunk sb + 1 is copied in while
       // step sb finishes (from the barrier after its last read of dS).
-      state_to_smem_async<kGlobalState>(dS, dstate(0));
+      load_state<kGlobalState>(dS, dstate(0));
       for (int sb = 0; sb < nsub; ++sb) {
         const int len = clen - sb * kC < kC ? clen - sb * kC : kC;
         const int64_t t0 = tc0 + sb * kC;
@@ -789,7 +790,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         }
         gemm_ab(sm.dr, sm.R, dS, 1.f, nullptr);  // dKr = R dS_C (dR is dead)
         __syncthreads();                              // everyone is done with vx (dβ) and with dS
-        if (sb + 1 < nsub) state_to_smem_async<kGlobalState>(dS, dstate(sb + 1));
+        if (sb + 1 < nsub) load_state<kGlobalState>(dS, dstate(sb + 1));
         {  // dK⁺ = -β dY S_0 (into vx) and dQ⁺ = dO S_0 (into kp once dY is dead; dO is bf16: exact in tf32)
           const int n0 = (tid >> 5) * 8;
           float dkp[4] = {}, dqp[4] = {};
