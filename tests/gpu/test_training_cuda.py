@@ -752,6 +752,14 @@ def test_training_every_mode_vs_reference(case):
     _check_backward_route(label, c, kw, do.cuda(), dS.cuda(), kernels=True)
 
 
+def _default_sweep_or_skip(monkeypatch):
+    """Skips on GPUs that run the small sweep by themselves; clears the switches that pick a sweep."""
+    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
+        pytest.skip("this GPU runs the small sweep by itself (no default sweep to compare with)")
+    for name in ("KDA_TRAINING_SWEEP", "KDA_TRAINING_BACKWARD_HOST"):
+        monkeypatch.delenv(name, raising=False)
+
+
 _SMALL_MODES = [("lower_bound", True, True), ("softplus", False, True), ("precomputed", True, False)]
 
 
@@ -762,10 +770,7 @@ def test_small_sweep_same_bits(mode, Kd, monkeypatch, capfd):
     dS in a global scratch, the tiles alone in shared memory) on this GPU: the same arithmetic as the default
     sweep, so the same bits; packed with a zero-length sequence and one past 64 tokens, GQA 2. The verbose line
     shows which sweep ran."""
-    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
-        pytest.skip("this GPU runs the small sweep by itself (no default sweep to compare with)")
-    for name in ("KDA_TRAINING_SWEEP", "KDA_TRAINING_BACKWARD_HOST"):
-        monkeypatch.delenv(name, raising=False)
+    _default_sweep_or_skip(monkeypatch)
     x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 167], H=1, HV=2, K=Kd, seed=23, lb=-1.0)
     c = _to_cuda(x)
     monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
@@ -788,10 +793,7 @@ def test_small_sweep_reuses_its_scratch(monkeypatch):
     global scratch; bit-equal to the default sweep (the sequence split off: one plain call)."""
     from kda_ops import _split
 
-    if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
-        pytest.skip("this GPU runs the small sweep by itself (no default sweep to compare with)")
-    for name in ("KDA_TRAINING_SWEEP", "KDA_TRAINING_BACKWARD_HOST"):
-        monkeypatch.delenv(name, raising=False)
+    _default_sweep_or_skip(monkeypatch)
     monkeypatch.setattr(_split, "MODE", "0")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     T = 64 * (sms // 2 + 7)  # tasks = (T / 64) * HV > SMs with HV = 2
