@@ -1,7 +1,8 @@
 """Training forward+backward benchmark (docs/contract.md "Speed targets"): kda_ops.kda vs fla chunk_kda and
 cuDNN Frontend's kimi_delta_attention.
 
-H200, K=V=128, bf16, lower-bound gate λ=-5, logit beta, L2 norm, fp32 initial state. Reports the
+H200, K=V=128 (``--head-dim 64``: K=V=64), bf16, lower-bound gate λ=-5, logit beta, L2 norm, fp32 initial
+state. Reports the
 forward and backward separately, and the bytes our training context holds per token-head. A single sequence
 is passed without cu_seqlens to both (fla's fixed-length path, as a user calls it, is much faster than its
 varlen one; ours then takes the sequence split where it pays: H=8 T=65536); packed cases pass cu_seqlens
@@ -42,8 +43,8 @@ CASES = [
 ]
 
 
-def make(H: int, lens: list[int], dev: str = "cuda"):
-    T, K = sum(lens), 128
+def make(H: int, lens: list[int], K: int = 128, dev: str = "cuda"):
+    T = sum(lens)
     gen = torch.Generator(device=dev).manual_seed(0)
     r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
     d = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, K), g=r(1, T, H, K), beta=r(1, T, H))
@@ -105,12 +106,13 @@ def backward_peak_bytes(fwd, do: torch.Tensor, leaves: list) -> float:  # type: 
 
 
 def main() -> None:
-    args = parse_args(
-        "train",
-        lambda ap: ap.add_argument(
+    def extra(ap):  # type: ignore[no-untyped-def]
+        ap.add_argument(
             "--cases", default="", help="comma-separated case numbers to run (1-based; default: all, --quick: 1)"
-        ),
-    )
+        )
+        ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="K = V (default 128)")
+
+    args = parse_args("train", extra)
     import kda_ops
 
     fla = None if args.no_peers else import_fla_kda()
@@ -119,8 +121,10 @@ def main() -> None:
     cases = chosen_cases(CASES, args.cases, CASES[:1] if args.quick else CASES, first=1)
     t_start = time.time()
     for i_case, (name, H, lens) in enumerate(cases):
+        if args.head_dim != 128:
+            name = f"{name} K={args.head_dim}"
         print(f"[bench_train {time.time() - t_start:6.0f} s] case {i_case + 1}/{len(cases)}: {name}", flush=True)
-        d = make(H, lens)
+        d = make(H, lens, args.head_dim)
         cu = d["cu"] if len(lens) > 1 else None
         cu_cpu = None if cu is None else cu.cpu()
         leaves = [d[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
@@ -226,25 +230,27 @@ def main() -> None:
         )
         d, leaves = {}, []
         torch.cuda.empty_cache()
-        write_table(args.out, rows, records)  # after every case: a run cut short keeps what it measured
-    write_table(args.out, rows, records, plot=True)
+        # after every case: a run cut short keeps what it measured
+        write_table(args.out, rows, records, head_dim=args.head_dim)
+    write_table(args.out, rows, records, plot=True, head_dim=args.head_dim)
 
 
-def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool = False) -> None:
+def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool = False, head_dim: int = 128) -> None:
     notes = [
         f"# training forward+backward, {torch.cuda.get_device_name()}",
         "ms, median of CUDA-event timings; bwd = (fwd+bwd) - fwd; ratio = fla / ours on fwd+bwd; cudnn: the gate,"
         " L2 norm and beta sigmoid in torch around cuDNN Frontend's core; cudnn core: the core alone",
-        "context bytes per token-head: the tapes (and row starts) the training forward allocates, fp32 128x128 per"
-        " 64-token chunk but each sequence's first, rows B*(ceil(T/64) - 1) fixed or T//64 packed (an upper bound"
-        " from shapes); the bf16"
-        " q+k+v+g of the call are 1024 B",
+        "context bytes per token-head: the tapes (and row starts) the training forward allocates, fp32"
+        f" {head_dim}x{head_dim} per 64-token chunk but each sequence's first, rows B*(ceil(T/64) - 1) fixed or"
+        " T//64 packed (an upper bound from shapes); the bf16"
+        f" q+k+v+g of the call are {8 * head_dim} B",
         "bwd peak B/token-head: our backward's peak allocation above the forward's, per token-head, the gradients"
         " of the call included",
     ]
+    stem = "bench_train" if head_dim == 128 else f"bench_train_k{head_dim}"
     write_results(
         out,
-        "bench_train",
+        stem,
         [
             "case",
             "ours fwd",
@@ -277,7 +283,7 @@ def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool
             series[label] = vals
     bar_plot(
         out,
-        "bench_train",
+        stem,
         [r["case"] for r in records],
         series,
         "fwd+bwd ms (lower is better)",

@@ -27,11 +27,13 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "api/checks.h"
 #include "api/recurrent_params.h"
 #include "api/training_checks.h"
 #include "kda/backward/backward_params.h"
+#include "kda/common/channel_padding.h"
 #include "kda/common/device_info.h"
 #include "kda/decode/recurrent_launch.h"
 #include "kda/chunked/chunked_launch.h"
@@ -125,9 +127,17 @@ void check_cuda(cudaError_t err, const char* what) {
 constexpr int64_t kPaddedDim = 64;
 
 // Zero-padding of K == V == 64 tensors to 128 channels: the last dimension (tokens, dt_bias) or the last two
-// (states).
+// (states). bf16 token tensors [B, T, H, 64] in one pass of vector copies (kda/common/channel_padding.h), the
+// small ones by constant_pad_nd.
 Tensor pad_channels(const Tensor& t, double value = 0.0) {
-  return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim}, value);
+  if (t.dim() != 4 || t.scalar_type() != at::kBFloat16) return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim}, value);
+  const Tensor s = kernel_tokens(t);
+  Tensor out = at::empty({s.size(0), s.size(1), s.size(2), kBwdDim}, s.options());
+  check_cuda(launch_pad_channels_bf16(s.data_ptr(), s.size(0), s.size(1), s.size(2), s.stride(0), s.stride(1),
+                                      s.stride(2), c10::BFloat16(static_cast<float>(value)).x, out.data_ptr(),
+                                      c10::cuda::getCurrentCUDAStream()),
+             "kda channel padding kernel");
+  return out;
 }
 // The raw gate's padding: 0 (a finite decay on zero state rows/columns) but for the softplus gate, whose
 // a = -exp(A_log) softplus(0) = -exp(A_log) ln 2 per token would make every chunk "wide" (the slower pairwise
@@ -140,9 +150,28 @@ Tensor pad_state(const Tensor& t) {
 OptTensor pad_dt_bias(const OptTensor& dt_bias, int64_t HV) {
   return dt_bias ? OptTensor(pad_channels(dt_bias->reshape({HV, kPaddedDim}))) : std::nullopt;
 }
-Tensor first_channels(const Tensor& t) { return t.narrow(-1, 0, kPaddedDim).contiguous(); }
+// The first 64 channels of a 128-channel result (compact bf16 token tensors and fp32 states by the vector-copy
+// kernels, the rest by narrow).
+Tensor first_channels(const Tensor& t) {
+  if (t.scalar_type() != at::kBFloat16 || !t.is_contiguous() || !aligned16(t) || t.size(-1) != kBwdDim)
+    return t.narrow(-1, 0, kPaddedDim).contiguous();
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape.back() = kPaddedDim;
+  Tensor out = at::empty(shape, t.options());
+  check_cuda(launch_first_channels_bf16(t.data_ptr(), t.numel() / kBwdDim, out.data_ptr(),
+                                        c10::cuda::getCurrentCUDAStream()),
+             "kda channel crop kernel");
+  return out;
+}
 Tensor first_state_block(const Tensor& t) {
-  return t.narrow(-2, 0, kPaddedDim).narrow(-1, 0, kPaddedDim).contiguous();
+  if (t.scalar_type() != at::kFloat || t.dim() != 4 || !t.is_contiguous() || !aligned16(t) ||
+      t.size(2) != kBwdDim || t.size(3) != kBwdDim)
+    return t.narrow(-2, 0, kPaddedDim).narrow(-1, 0, kPaddedDim).contiguous();
+  Tensor out = at::empty({t.size(0), t.size(1), kPaddedDim, kPaddedDim}, t.options());
+  check_cuda(launch_first_state_block_f32(t.data_ptr<float>(), t.size(0) * t.size(1), out.data_ptr<float>(),
+                                          c10::cuda::getCurrentCUDAStream()),
+             "kda state crop kernel");
+  return out;
 }
 
 // Which chunk-parallel sweep the current device runs: the default one where a block gets its ~223 KiB of shared
@@ -334,18 +363,20 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
                              const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
                              const Tensor& tapes_in, const Tensor& tape_cu_starts, const OptTensor& initial_state,
                              const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
-                             double scale, double lower_bound, const TrainingModes& m);
+                             double scale, double lower_bound, const TrainingModes& m, int64_t state_dim = 0);
 
 // The training backward's own tensors against the shapes of the call (d, from check_training_inputs): tapes
 // [rows, HV, V, K] fp32, tape_cu_starts [N+1] int64, do [B, T, HV, V] bf16 with a contiguous last dim,
 // initial_state / dfinal_state [N, HV, V, K] (fp32 or bf16), all on q's device.
+// state_dim: the V = K of the tapes and initial_state (d.K; 64 in the padded K == V == 64 call, whose sweep reads
+// them unpadded).
 void check_backward_tensors(const char* op, const TrainDims& d, const Tensor& q, const Tensor& tapes,
                             const Tensor& tape_cu_starts, const Tensor& dout, const OptTensor& initial_state,
-                            const OptTensor& dfinal_state) {
+                            const OptTensor& dfinal_state, int64_t state_dim) {
   KDA_CHECK_SAME_DEVICE(tapes, q, "tapes");
   KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
   KDA_CHECK_SAME_DEVICE(dout, q, "do");
-  KDA_CHECK(tapes.dim() == 4 && tapes.size(1) == d.HV && tapes.size(2) == d.V && tapes.size(3) == d.K, op,
+  KDA_CHECK(tapes.dim() == 4 && tapes.size(1) == d.HV && tapes.size(2) == state_dim && tapes.size(3) == state_dim, op,
             ": tapes must be [rows, HV, V, K], got ", tapes.sizes());
   KDA_CHECK_DTYPE(tapes, at::kFloat, "tapes");
   KDA_CHECK_DTYPE(tape_cu_starts, at::kLong, "tape_cu_starts");
@@ -361,8 +392,9 @@ void check_backward_tensors(const char* op, const TrainDims& d, const Tensor& q,
                                 {&initial_state, "initial_state"}})
     if (t->has_value()) {
       KDA_CHECK_SAME_DEVICE(**t, q, name);
-      KDA_CHECK((*t)->dim() == 4 && (*t)->size(0) == d.N && (*t)->size(1) == d.HV && (*t)->size(2) == d.V &&
-                    (*t)->size(3) == d.K,
+      const int64_t sd = t == &initial_state ? state_dim : d.K;
+      KDA_CHECK((*t)->dim() == 4 && (*t)->size(0) == d.N && (*t)->size(1) == d.HV && (*t)->size(2) == sd &&
+                    (*t)->size(3) == sd,
                 op, ": ", name, " must be [N, HV, V, K], got ", (*t)->sizes());
     }
   if (initial_state.has_value())
@@ -371,20 +403,20 @@ void check_backward_tensors(const char* op, const TrainDims& d, const Tensor& q,
 }
 
 // K == V == 64 on the K == V == 128 kernels (see kPaddedDim): q, k, v, do zero-padded to 128 channels, g by
-// pad_gate, dt_bias with zeros, the tapes, initial_state and dfinal_state with zero rows and columns; the gradients
+// pad_gate, dt_bias with zeros, dfinal_state with zero rows and columns; the tapes and initial_state stay 64 x 64
+// (the sweep reads them as the leading block of its 128 x 128 state, zeros elsewhere: p.state_dim); the gradients
 // are the first 64 channels (dq, dk, dv, dg, ddt_bias) and the leading 64 x 64 block (dinitial_state). The
 // caller's tensors are checked before (check_backward_tensors), so errors name them as given. Costs the copies and
-// 128-channel work (4x the tapes' bytes).
+// 128-channel work.
 Grads training_backward_padded(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
                                const Tensor& tapes, const Tensor& tape_cu_starts, const OptTensor& initial_state,
                                const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
                                double scale, double lower_bound, const TrainingModes& m) {
-  const auto opt_state = [&](const OptTensor& t) { return t ? OptTensor(pad_state(*t)) : std::nullopt; };
+  const OptTensor dfinal = dfinal_state ? OptTensor(pad_state(*dfinal_state)) : std::nullopt;
   Grads r = training_backward_impl(op, pad_channels(q), pad_channels(k), pad_channels(v), pad_gate(g, m), beta, A_log,
-                                   pad_dt_bias(dt_bias, v.size(2)), pad_state(tapes), tape_cu_starts,
-                                   opt_state(initial_state), cu_seqlens, pad_channels(dout), opt_state(dfinal_state),
-                                   scale, lower_bound, m);
+                                   pad_dt_bias(dt_bias, v.size(2)), tapes, tape_cu_starts, initial_state, cu_seqlens,
+                                   pad_channels(dout), dfinal, scale, lower_bound, m, kPaddedDim);
   Tensor ddt = std::get<6>(r);
   if (dt_bias) ddt = first_channels(ddt).view(dt_bias->sizes());
   return {first_channels(std::get<0>(r)), first_channels(std::get<1>(r)), first_channels(std::get<2>(r)),
@@ -395,10 +427,11 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
                              const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
                              const Tensor& tapes_in, const Tensor& tape_cu_starts, const OptTensor& initial_state,
                              const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
-                             double scale, double lower_bound, const TrainingModes& m) {
+                             double scale, double lower_bound, const TrainingModes& m, int64_t state_dim) {
   const TrainDims d =
       check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q.device());
+  if (state_dim <= 0) state_dim = d.K;
   const SweepRoute route = sweep_route();
   if (route == SweepRoute::kHost) {
     // the host copies cannot be captured: refuse under CUDA-graph capture before anything is enqueued
@@ -416,7 +449,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
     return training_backward_on_cpu(q, k, v, g, beta, A_log, dt_bias, tapes_in, tape_cu_starts, initial_state,
                                     cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
   }
-  check_backward_tensors(op, d, q, tapes_in, tape_cu_starts, dout, initial_state, dfinal_state);
+  check_backward_tensors(op, d, q, tapes_in, tape_cu_starts, dout, initial_state, dfinal_state, state_dim);
   if (d.K == kPaddedDim && d.V == kPaddedDim)
     return training_backward_padded(op, q, k, v, g, beta, A_log, dt_bias, tapes_in, tape_cu_starts, initial_state,
                                     cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
@@ -495,6 +528,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   p.n_tape_rows = tapes.size(0);
   p.tape_cu_starts = tape_cu_starts.data_ptr<int64_t>();
   p.initial_state = init.defined() ? init.data_ptr<float>() : nullptr;
+  p.state_dim = static_cast<int>(state_dim);
   p.slot_cu_starts = slot_cu_starts.data_ptr<int64_t>();
   p.n_slots = d.slots;
   if (cu_seqlens.has_value()) {

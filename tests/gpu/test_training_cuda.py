@@ -712,6 +712,9 @@ for _m, _T in _LONG:
     _MODE_CASES.append((f"{mode_id(_m)}-K128-T{_T}", _m, 128, _T, 1, 1, -5.0, "random"))
 _MODE_CASES.append(("lower_bound-logit-l2-K64-T1", ("lower_bound", True, True), 64, 1, 1, 4, -5.0, "random"))
 _MODE_CASES.append(("softplus-plain-nol2-K64-T64", ("softplus", False, False), 64, 64, 1, 2, -5.0, None))
+# K = 64 over several tape chunks with an initial state: the sweep reads the 64 x 64 tapes and initial state
+_MODE_CASES.append(("lower_bound-logit-l2-K64-T200", ("lower_bound", True, True), 64, 200, 2, 2, -5.0, "random"))
+_MODE_CASES.append(("softplus-logit-l2-K64-packed", ("softplus", True, True), 64, [70, 0, 129], 1, 2, -1.0, "random"))
 
 
 @pytest.mark.parametrize("case", _MODE_CASES, ids=[c[0] for c in _MODE_CASES])
@@ -750,6 +753,36 @@ def test_training_every_mode_vs_reference(case):
     # the route: the CUDA kernels in every mode, K = V = 64 included (a silent fall-back to the host route
     # would refuse the capture)
     _check_backward_route(label, c, kw, do.cuda(), dS.cuda(), kernels=True)
+
+
+@pytest.mark.parametrize("mode", [("lower_bound", True, True), ("softplus", True, False)], ids=mode_id)
+def test_k64_strided_inputs_same_bits(mode):
+    """K = V = 64 training from views (channels 0-63 of 128-channel rows, tokens of q and k every other row of a
+    longer tensor, an offset base): the zero-padding copies read any vector-readable layout, so the output, final
+    state and the eight gradients equal those of compact copies bit for bit."""
+    x, kw, do, dS = make_case(mode, T=150, H=2, HV=2, K=64, seed=41, lb=-1.0)
+    c = _to_cuda(x)
+
+    def view_of(t, tokens_apart):  # t [B, T, H, 64] as channels 8-71 of a wider, longer tensor (strides % 8 == 0)
+        B, T, H, K = t.shape
+        big = torch.randn(B, T * tokens_apart, H, 2 * K, device=t.device, dtype=t.dtype)
+        v = big[:, ::tokens_apart, :, 8 : 8 + K]
+        v.copy_(t)
+        return v
+
+    strided = dict(c)
+    for n, apart in (("q", 2), ("k", 2), ("v", 1), ("g", 1)):
+        strided[n] = view_of(c[n], apart)
+        assert not strided[n].is_contiguous() and torch.equal(strided[n], c[n])
+
+    def run(t):
+        leaves = {n: None if t[n] is None else t[n].detach().requires_grad_() for n in _NAMES}
+        o, fs = kda_ops.kda(*(leaves[n] for n in _NAMES), cu_seqlens=None, output_final_state=True, **kw)
+        (o.float() * do.cuda().float()).sum().add((fs * dS.cuda()).sum()).backward()
+        return [o, fs] + [leaves[n].grad for n in _NAMES if leaves[n] is not None]
+
+    for i, (a, b) in enumerate(zip(run(strided), run(c), strict=True)):
+        assert torch.equal(a, b), f"result {i}: strided inputs differ from compact ones"
 
 
 def _default_sweep_or_skip(monkeypatch):

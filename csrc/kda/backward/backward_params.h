@@ -29,13 +29,13 @@ struct TrainingBackwardParams {
   const float* A_log = nullptr;    // [HV]; null with the precomputed gate
   const float* dt_bias = nullptr;  // [HV, 128], may be null (0; always null with the precomputed gate)
 
-  // Tapes: fp32 [n_tape_rows, HV, 128, 128], compact; row tape_row(tape_cu_starts, n, c) holds the state of
+  // Tapes: fp32 [n_tape_rows, HV, state_dim, state_dim], compact; row tape_row(tape_cu_starts, n, c) holds the state of
   // sequence n before its token 64*c, for c >= 1 (kda/tape_rows.h; the checkpoint rule with every =
   // kTapeChunk and checkpoint_first = 1); the state before token 0 is initial_state.
   const float* tapes = nullptr;
   int64_t n_tape_rows = 0;
   const int64_t* tape_cu_starts = nullptr;  // [N+1]
-  const float* initial_state = nullptr;     // [N, HV, 128, 128] compact fp32; null = zeros
+  const float* initial_state = nullptr;     // [N, HV, state_dim, state_dim] compact fp32; null = zeros
   // The sweep's tasks are (slot, value head), one slot per 64-token chunk of every sequence, slot
   // slot_cu_starts[n] + c for chunk c of sequence n (launch_tape_cu_starts with first = 0); n_slots rows
   // (an upper bound from shapes: B ceil(T/64) fixed, T/64 + N packed; unused slots write zero partials).
@@ -95,13 +95,17 @@ struct TrainingBackwardParams {
   // S and dS of each CTA in global memory, for GPUs whose blocks get less shared memory than the default sweep
   // needs (sm_120); null: the default sweep, S and dS in shared memory.
   float* sweep_state = nullptr;
+
+  // V = K of the tapes and initial_state: kBwdDim, or 64 in the zero-padded K == V == 64 call (csrc/api/
+  // training_cuda.cpp), whose sweep reads each as the leading 64 x 64 block of its 128 x 128 state, zeros elsewhere.
+  int state_dim = kBwdDim;
 };
 
 // The state of sequence n, value head hv, before its token 64 c: initial_state for c == 0, else tape row
 // tape_cu_starts[n] + c - 1. Null means zeros: no initial_state, or a row outside the tapes (a broken
 // tape_cu_starts contract never reads out of bounds).
 KDA_HD const float* tape_state(const TrainingBackwardParams& p, int64_t n, int64_t c, int hv) {
-  constexpr int64_t kState = int64_t(kBwdDim) * kBwdDim;
+  const int64_t kState = int64_t(p.state_dim) * p.state_dim;  // (p.state_dim x p.state_dim compact rows)
   if (c == 0) return p.initial_state != nullptr ? p.initial_state + (n * p.HV + hv) * kState : nullptr;
   const int64_t row = tape_row(p.tape_cu_starts, n, c);
   return row >= 0 && row < p.n_tape_rows ? p.tapes + (row * p.HV + hv) * kState : nullptr;

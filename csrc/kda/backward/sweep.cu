@@ -339,27 +339,36 @@ __device__ __forceinline__ void rank_update(float* X, const float* gC, FA fa, FB
   }
 }
 
-// [128][128] compact global -> [128][kLD] shared, asynchronous (cp.async, 16 bytes per copy, no registers):
+// [dim][dim] compact global -> [128][kLD] shared, asynchronous (cp.async, 16 bytes per copy, no registers):
 // each thread's copies are complete after its cp_async_wait<0>(), visible to the CTA after a barrier behind
-// it. A null src writes zeros (plain stores, visible after the same barrier). kGlobalState: dst is the CTA's
-// global scratch, plain 16-byte loads and stores (visible to the CTA after the same barrier).
+// it. dim < 128 (the padded K = V = 64 call's tapes and initial state, p.state_dim): the leading block, zeros
+// elsewhere. A null src writes zeros (plain stores, visible after the same barrier). kGlobalState: dst is the
+// CTA's global scratch, plain 16-byte loads and stores (visible to the CTA after the same barrier).
 template <bool kGlobalState = false>
-__device__ __forceinline__ void load_state(float* dst, const float* src) {
+__device__ __forceinline__ void load_state(float* dst, const float* src, int dim = kD) {
   if (src == nullptr) {
     for (int i = threadIdx.x; i < kD * kLD / 4; i += kThreads) st4(dst + 4 * i, make_float4(0.f, 0.f, 0.f, 0.f));
     return;
   }
+  if (dim != kD) {  // (zeros outside the leading block: plain stores, as a null src)
+    for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
+      const int v = i >> 5, c = (i & 31) * 4;
+      if (v >= dim || c >= dim) st4(dst + v * kLD + c, make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+  }
   if constexpr (kGlobalState) {
     for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
       const int v = i >> 5, c = (i & 31) * 4;
-      st4(dst + v * kLD + c, ld4(src + v * kD + c));
+      if (v < dim && c < dim) st4(dst + v * kLD + c, ld4(src + v * dim + c));
     }
   } else {
 #pragma unroll
     for (int i = threadIdx.x; i < kD * kD / 4; i += kThreads) {
       const int v = i >> 5, c = (i & 31) * 4;
-      cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(*reinterpret_cast<const cute::uint128_t*>(src + v * kD + c),
-                                                             *reinterpret_cast<cute::uint128_t*>(dst + v * kLD + c));
+      if (v < dim && c < dim)
+        cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
+            *reinterpret_cast<const cute::uint128_t*>(src + v * dim + c),
+            *reinterpret_cast<cute::uint128_t*>(dst + v * kLD + c));
     }
     cute::cp_async_fence();
   }
@@ -395,9 +404,9 @@ __device__ __forceinline__ float unbounded_log_decay(bool softplus, float x, flo
   return fmaxf(a, kMinLogDecayNats);
 }
 
-// Pulls a [128][128] fp32 state (64 KB, 512 lines of 128 bytes) into L2: one prefetch per thread.
-__device__ __forceinline__ void prefetch_state_l2(const float* src) {
-  ptx::prefetch_l2(src + threadIdx.x * 32);
+// Pulls a [dim][dim] fp32 state (64 KB at dim 128: 512 lines of 128 bytes) into L2: one prefetch per thread.
+__device__ __forceinline__ void prefetch_state_l2(const float* src, int dim = kD) {
+  if (threadIdx.x * 32 < dim * dim) ptx::prefetch_l2(src + threadIdx.x * 32);
 }
 
 // Pulls the token rows a later sub-chunk step loads (k, q, v, dO, g of tokens [t0, t0 + len)) into L2 while the
@@ -715,7 +724,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     float ddt_acc = 0.f, dA_acc = 0.f;
 
     __syncthreads();  // the previous task is done with S and dS
-    load_state<kGlobalState>(S, tape_state(p, n, c, tk.hv));  // null: zeros
+    load_state<kGlobalState>(S, tape_state(p, n, c, tk.hv), p.state_dim);  // null: zeros
     {
       const int64_t tc0 = tk.s.bos + c * kTapeChunk;
       const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
@@ -738,7 +747,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           prefetch_sub_chunk(p, tk, t0 + kC, clen - (sb + 1) * kC < kC ? clen - (sb + 1) * kC : kC);
           if (const float* nd = dstate(sb + 1)) prefetch_state_l2(nd);
         } else if (task + gridDim.x < tasks) {  // this CTA's next task: the state entering its chunk
-          if (const float* ns = task_state(p, task + gridDim.x)) prefetch_state_l2(ns);
+          if (const float* ns = task_state(p, task + gridDim.x)) prefetch_state_l2(ns, p.state_dim);
         }
         bool wide = false;  // (the lower-bound gate: always the factorised form)
         if constexpr (kUnbounded)
