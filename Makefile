@@ -17,7 +17,7 @@ BUILD_BASE ?=
 .PHONY: venv build test test-gpu demo bench device-check lint clean wheel wheel-smoke
 
 $(VENV)/.ready:
-	@echo "== creating $(VENV): $(TORCH_PIN), nvidia-cutlass==4.2.0.0 headers, ninja, pytest, hypothesis (a few minutes)"
+	@echo "== creating $(VENV): $(TORCH_PIN), nvidia-cutlass==4.2.0.0 headers, fla-core==0.6.0, ninja, numpy, einops, pytest, hypothesis (a few minutes)"
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip setuptools wheel
 	$(VENV)/bin/pip install -q $(TORCH_PIN) ninja numpy pytest hypothesis einops
