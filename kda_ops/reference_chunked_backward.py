@@ -55,10 +55,12 @@ the eight gradients; cases T = 1, 65, 300, λ = -1 at T = 1024, gates at the bou
 keys with β ≈ 1, small-norm q and k): fp32 throughout ~1e-7-2e-5; bf16 operands for the products with the
 state and its gradient (X, dR_S, dKr, dKp, dQp, dS0, S) worst 4.5e-3 (dA_log, near-collinear keys), most
 1e-3-3e-3; every named product in bf16 (dA, dM and L / Mqk's off-diagonal blocks too) worst 4.4e-3, dβ at
-most 3.8e-3 (T = 1: 1.1e-3). The contract's gradient tolerance is 1e-2. Not emulated: L and Mqk's diagonal
-blocks, the inverse and the pair terms (fp32 here; the CUDA sweep runs them in 3xTF32), and bf16-stored
-tapes. With the gate at the bound the true dg is ~1e-18, below fp32: fp32 itself returns 0 there, so that
-case compares the other gradients only.
+most 3.8e-3 (T = 1: 1.1e-3). The factorised form of a 64-token sweep (`chunk_backward_blocked`, 2026-12-04) with
+every product bf16 but its off-diagonal pair-term blocks ("P") worst 4.3e-3; "P" in bf16 too puts ddt_bias at
+1.3e-2 (T = 65), over the limit, so those blocks stay fp32. The contract's gradient tolerance is 1e-2. Not
+emulated: L and Mqk's diagonal blocks, the inverse and the pair terms (fp32 here; the CUDA sweep runs them in
+3xTF32), and bf16-stored tapes. With the gate at the bound the true dg is ~1e-18, below fp32: fp32 itself returns
+0 there, so that case compares the other gradients only.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ from kda_ops.reference_chunked import (
 )
 
 TAPE_CHUNK = 64
-BWD_GEMM_NAMES = ("L", "X", "R", "S", "dR_mqk", "dR_S", "dY", "dA", "dM", "dKr", "dKp", "dQp", "dS0")
+BWD_GEMM_NAMES = ("L", "X", "R", "S", "dR_mqk", "dR_S", "dY", "dA", "dM", "dKr", "dKp", "dQp", "dS0", "P")
 
 
 class _Gemms:
@@ -169,6 +171,112 @@ def chunk_backward(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16, mm: _Gemms = _
     return dict(dq=dq, dk=dk, dv=dv, da=da, dbeta=dbeta, dS0=dS0)
 
 
+def _block_factors(a: torch.Tensor, sub: int):
+    """The within-block gate quantities of a chunk, a [HV, c, K] log-decays, blocks of `sub` tokens: the inclusive
+    prefix γ_i = Σ_{r_I <= u <= i} a_u (block I from token r_I), the exclusive suffix σ_j = Σ_{j < u <= e_J} a_u
+    (e_J the block's last token; summed from the end, no cancellation), the block totals T_b and the blocks'
+    token slices. Every factor the 64-token sweep forms is e^{-(a sum of these)} of one sign: <= 1."""
+    c = a.shape[1]
+    bounds = [(i0, min(i0 + sub, c)) for i0 in range(0, c, sub)]
+    gam = torch.cat([torch.cumsum(a[:, i0:i1], 1) for i0, i1 in bounds], 1)
+    suf = torch.cat(
+        [torch.flip(torch.cumsum(torch.flip(a[:, i0:i1], [1]), 1), [1]) - a[:, i0:i1] for i0, i1 in bounds], 1
+    )
+    tot = torch.stack([a[:, i0:i1].sum(1) for i0, i1 in bounds], 1)  # [HV, nb, K]
+    return gam, suf, tot, bounds
+
+
+def chunk_backward_blocked(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16, mm: _Gemms = _EXACT):
+    """`chunk_backward` in the factorised form a 64-token sweep kernel uses, for every gate (arguments and result as
+    chunk_backward; the algebra is the same, so in fp64 the two agree to rounding).
+
+    No exponent is a difference of chunk-wide prefixes: with the within-block quantities of `_block_factors`
+    (γ, σ, T_b; P_I = Σ_{b<I} T_b the decay before block I, Q_J = Σ_{b>J} T_b the decay after block J),
+      K⁺ = k e^{γ + P},  Q⁺ = q e^{γ + P},  Kr = k e^{σ + Q},  g_C = e^{Σ_b T_b};
+      e^{Γ_i - Γ_j} = e^{γ_i} · D_IJ · e^{σ_j} for i in block I > J ∋ j, D_IJ = e^{Σ_{J<b<I} T_b}
+    (each factor <= 1: the products with the later block's prefix, the decay of the blocks between and the earlier
+    block's suffix), so L, Mqk and the three pair terms have off-diagonal blocks
+      L_IJ = (k_I e^{γ_I}) diag(D_IJ) (k_J e^{σ_J})ᵀ,  row_I += e^{γ_I} ⊙ D_IJ ⊙ (W_IJ (y_J e^{σ_J})),
+      col_J += e^{σ_J} ⊙ D_IJ ⊙ (W_IJᵀ (x_I e^{γ_I})),
+    and the diagonal blocks the exact pairwise factors e^{γ_i - γ_j} of one block (the kernel's CUDA-core form; its
+    lower-bound gate may take the mid-token reference there instead). The products with the state and the 64 x 64
+    matrices are those of chunk_backward, by name (mm); the off-diagonal pair-term blocks are named "P".
+    """
+    HV, c, K = k.shape
+    gam, suf, tot, bounds = _block_factors(a, sub)
+    zero = torch.zeros_like(tot[:, :1])
+    pre = torch.cat([zero, torch.cumsum(tot, 1)[:, :-1]], 1)  # P_I [HV, nb, K]
+    post = torch.cat([torch.flip(torch.cumsum(torch.flip(tot, [1]), 1), [1])[:, 1:], zero], 1)  # Q_J
+    blk = torch.cat([torch.full((i1 - i0,), bi, dtype=torch.long) for bi, (i0, i1) in enumerate(bounds)])
+    eg = torch.exp(gam + pre[:, blk])  # e^{Γ}
+    er = torch.exp(suf + post[:, blk])  # e^{Γ_last - Γ}
+    gC = torch.exp(tot.sum(1))
+    Kp, Qp, Kr = k * eg, q * eg, k * er
+    e_in, e_out = torch.exp(gam), torch.exp(suf)  # within-block row and column factors
+
+    def D(bi, bj):  # e^{Σ_{J<b<I} T_b} [HV, 1, K]
+        return torch.exp(tot[:, bj + 1 : bi].sum(1, keepdim=True))
+
+    def diag_pairs(i0, i1, inclusive):  # e^{γ_i - γ_j} within one block, masked before exp
+        g_blk = gam[:, i0:i1]
+        m = torch.ones(i1 - i0, i1 - i0, dtype=torch.bool).tril(0 if inclusive else -1)
+        diff = g_blk[:, :, None, :] - g_blk[:, None, :, :]
+        return torch.exp(torch.where(m[None, :, :, None], diff, torch.full_like(diff, -math.inf)))
+
+    def pair_matrix(x, inclusive):  # Σ_c x_i k_j e^{Γ_i - Γ_j}, blockwise
+        M = x.new_zeros(HV, c, c)
+        for bi, (i0, i1) in enumerate(bounds):
+            E = diag_pairs(i0, i1, inclusive)
+            M[:, i0:i1, i0:i1] = torch.einsum("hik,hjk,hijk->hij", x[:, i0:i1], k[:, i0:i1], E)
+            for bj, (j0, j1) in enumerate(bounds[:bi]):
+                xr = x[:, i0:i1] * e_in[:, i0:i1] * D(bi, bj)
+                M[:, i0:i1, j0:j1] = mm("L", xr, (k[:, j0:j1] * e_out[:, j0:j1]).transpose(1, 2))
+        return M
+
+    L, Mqk = pair_matrix(k, False), pair_matrix(q, True)
+    INV = _unit_lower_inverse(beta[:, :, None] * L, sub)
+    X = mm("X", Kp, S0.transpose(1, 2))
+    Y = beta[:, :, None] * (v - X)
+    R = mm("R", INV, Y)
+    bt = beta[:, :, None]
+    dR = mm("dR_mqk", Mqk.transpose(1, 2), dO) + mm("dR_S", Kr, dS_C.transpose(1, 2))
+    dY = mm("dY", INV.transpose(1, 2), dR)
+    dA = torch.tril(-mm("dA", dY, R.transpose(1, 2)), -1)
+    dL = bt * dA
+    dbeta = (dA * L).sum(-1) + (dY * (v - X)).sum(-1)
+    dv = bt * dY
+    dX = -bt * dY
+    dM = torch.tril(mm("dM", dO, R.transpose(1, 2)))
+    dKr = mm("dKr", R, dS_C)
+    dKp = mm("dKp", dX, S0)
+    dQp = mm("dQp", dO, S0)
+    dS0 = dS_C * gC[:, None, :] + mm("dS0", dO.transpose(1, 2), Qp) + mm("dS0", dX.transpose(1, 2), Kp)
+
+    def pair_terms(W, x, inclusive):  # row_i = Σ_j W_ij k_j e^{Γ_i-Γ_j}, col_j = Σ_i W_ij x_i e^{Γ_i-Γ_j}
+        row, col = torch.zeros_like(k), torch.zeros_like(k)
+        for bi, (i0, i1) in enumerate(bounds):
+            E = diag_pairs(i0, i1, inclusive)
+            Wd = W[:, i0:i1, i0:i1]
+            row[:, i0:i1] += torch.einsum("hij,hjk,hijk->hik", Wd, k[:, i0:i1], E)
+            col[:, i0:i1] += torch.einsum("hij,hik,hijk->hjk", Wd, x[:, i0:i1], E)
+            for bj, (j0, j1) in enumerate(bounds[:bi]):
+                Wo, d = W[:, i0:i1, j0:j1], D(bi, bj)
+                row[:, i0:i1] += e_in[:, i0:i1] * d * mm("P", Wo, k[:, j0:j1] * e_out[:, j0:j1])
+                col[:, j0:j1] += e_out[:, j0:j1] * d * mm("P", Wo.transpose(1, 2), x[:, i0:i1] * e_in[:, i0:i1])
+        return row, col
+
+    rowL, colL = pair_terms(dL, k, False)
+    rowM, colM = pair_terms(dM, q, True)
+    dq = dQp * eg + rowM
+    dk_row = dKp * eg + rowL
+    dk_col = dKr * er + colL + colM
+    dk = dk_row + dk_col
+    dgamma = q * dq + k * dk_row - k * dk_col
+    dgamma[:, -1] += (Kr * dKr).sum(1) + gC * (dS_C * S0).sum(1)
+    da = torch.flip(torch.cumsum(torch.flip(dgamma, [1]), 1), [1])
+    return dict(dq=dq, dk=dk, dv=dv, da=da, dbeta=dbeta, dS0=dS0)
+
+
 def chunked_training_grads(
     q,
     k,
@@ -188,12 +296,15 @@ def chunked_training_grads(
     dtype=torch.float64,
     operand_dtype: OperandPrecision = None,
     gemm_dtypes: dict[str, OperandPrecision] | None = None,
+    blocked: bool = False,
 ):
     """The eight training gradients (in the order of docs/contract.md "API") by the chunk-parallel schedule of the
     module docstring.
 
     Same arguments and gradient order as `reference_training_grads` (L2 norm on, lower-bound gate, logit β).
     operand_dtype / gemm_dtypes: tensor-core emulation of the named products (module docstring; fp32 compute).
+    blocked: the per-chunk gradients by `chunk_backward_blocked` (the factorised form of a 64-token sweep kernel)
+    instead of `chunk_backward`.
     Returns [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state] in `dtype`.
     """
     mm = _Gemms(operand_dtype, gemm_dtypes)
@@ -247,7 +358,7 @@ def chunked_training_grads(
         # 3. every chunk independently
         for ci, s0 in enumerate(starts):
             s1 = min(s0 + chunk_size, length)
-            r = chunk_backward(
+            r = (chunk_backward_blocked if blocked else chunk_backward)(
                 tapes[ci],
                 dS_end[ci],
                 part(qs, s0, s1),

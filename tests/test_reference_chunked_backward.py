@@ -108,7 +108,11 @@ def test_operand_precision_budget():
     names = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinit")
     state = ("X", "dR_S", "dKr", "dKp", "dQp", "dS0", "S")
     configs = {"bf16 state products": dict(gemm_dtypes={n: torch.bfloat16 for n in state}),
-               "all products bf16": dict(operand_dtype=torch.bfloat16)}  # fmt: skip
+               "all products bf16": dict(operand_dtype=torch.bfloat16),
+               # the factorised 64-token form, its off-diagonal pair-term blocks ("P") exact: in bf16 they put
+               # ddt_bias at 1.3e-2 (T=65), over the limit
+               "all bf16 but P, blocked": dict(operand_dtype=torch.bfloat16, gemm_dtypes={"P": None},
+                                               blocked=True)}  # fmt: skip
     worst = {c: 0.0 for c in configs}
     for case, T, lb, change, seed in BUDGET_CASES:
         x = make_inputs(B=1, T=T, H=1, HV=2, K=128, V=128, seed=seed)
@@ -133,3 +137,47 @@ def test_operand_precision_budget():
             assert errs["dv"] > 1e-5, (case, cname, "no rounding applied?")
             worst[cname] = max(worst[cname], max(errs.values()))
     print("worst:", {c: f"{w:.1e}" for c, w in worst.items()})
+
+
+def _chunk_case(c, kind, seed=0, HV=2, K=32):
+    """One chunk's arguments of chunk_backward in fp64: q, k normalised, a log-decay of the kind."""
+    from kda_ops.reference import l2_normalize
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    q, k = l2_normalize(rnd(HV, c, K)) * K**-0.5, l2_normalize(rnd(HV, c, K))
+    v, dO = rnd(HV, c, K), rnd(HV, c, K)
+    if kind == "lower bound":
+        a = -5 * torch.sigmoid(rnd(HV, c, K))
+    elif kind == "wide":  # -1e-3 decays with -1000 ones among them (softplus / precomputed gates allow both)
+        a = -torch.rand(HV, c, K, generator=gen, dtype=torch.float64) * 1e-3
+        a = torch.where(torch.rand(HV, c, K, generator=gen, dtype=torch.float64) < 0.1, torch.full_like(a, -1e3), a)
+    else:
+        a = torch.zeros(HV, c, K, dtype=torch.float64)
+    beta = torch.sigmoid(rnd(HV, c))
+    return [rnd(HV, K, K) * 0.3, rnd(HV, K, K) * 0.3, q, k, v, a, beta, dO]
+
+
+@pytest.mark.parametrize("c", [1, 17, 40, 64])
+@pytest.mark.parametrize("kind", ["lower bound", "wide", "no decay"])
+def test_blocked_chunk_backward(c, kind):
+    """chunk_backward_blocked (the factorised form of a 64-token sweep: within-block prefixes and suffixes, the
+    decay of the blocks between) equals chunk_backward in fp64, and in fp32 stays within 1e-4 of it, also where
+    -1000 decays sit among -1e-3 ones; there the chunk-wide prefixes of chunk_backward lose more in fp32 (the
+    differences of large prefixes)."""
+    from kda_ops.reference_chunked_backward import chunk_backward, chunk_backward_blocked
+
+    args = _chunk_case(c, kind)
+    ref = chunk_backward(*args)
+    got = chunk_backward_blocked(*args)
+    for n in ref:
+        assert rel_rms(got[n], ref[n]) < TOL_EXACT, (n, rel_rms(got[n], ref[n]))
+    a32 = [x.float() for x in args]
+    b32, n32 = chunk_backward_blocked(*a32), chunk_backward(*a32)
+    worst = max(rel_rms(b32[n], ref[n]) for n in ref)
+    assert worst < 1e-4, worst
+    if kind == "wide" and c == 64:
+        assert worst < max(rel_rms(n32[n], ref[n]) for n in ref) / 3
