@@ -3,7 +3,8 @@
 // B operands, the K-major B of X = K⁺ S_0ᵀ and dR_S = Kr dS_Cᵀ (N = v, K = k) and the MN-major B of dQ⁺ = dO S_0
 // and dKr = R dS_C (N = k, K = v), when the MN-major layout tiles its 128-byte swizzle atoms K-mode first. Prints
 // the mismatches (0 expected) and the same count for the default (N-mode first) tiling, which does not match.
-//   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> scripts/sweep64_layout_check.cu -o /tmp/slc && /tmp/slc
+//   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> scripts/sweep64_layout_check.cu -o /tmp/slc
+//   /tmp/slc
 #include <cstdio>
 
 #include <cute/atom/mma_traits_sm90_gmma.hpp>

@@ -131,6 +131,7 @@ constexpr int64_t kPaddedDim = 64;
 // small ones by constant_pad_nd.
 Tensor pad_channels(const Tensor& t, double value = 0.0) {
   if (t.dim() != 4 || t.scalar_type() != at::kBFloat16) return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim}, value);
+  TORCH_INTERNAL_ASSERT(t.size(3) == kPaddedDim, "pad_channels: expected 64 channels, got ", t.size(3));
   const Tensor s = kernel_tokens(t);
   Tensor out = at::empty({s.size(0), s.size(1), s.size(2), kBwdDim}, s.options());
   check_cuda(launch_pad_channels_bf16(s.data_ptr(), s.size(0), s.size(1), s.size(2), s.stride(0), s.stride(1),
