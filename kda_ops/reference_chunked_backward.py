@@ -60,7 +60,9 @@ every product bf16 but its off-diagonal pair-term blocks ("P") worst 4.3e-3; "P"
 1.3e-2 (T = 65), over the limit, so those blocks stay fp32. The contract's gradient tolerance is 1e-2. Not
 emulated: L and Mqk's diagonal blocks, the inverse and the pair terms (fp32 here; the CUDA sweep runs them in
 3xTF32), and bf16-stored tapes. With the gate at the bound the true dg is ~1e-18, below fp32: fp32 itself returns
-0 there, so that case compares the other gradients only.
+0 there, so that case compares the other gradients only. These cases do not bound every input: on the GPU tier's
+T=1 case (`test_dbeta_at_one_token_needs_kr_dsT_near_fp32`) dβ = dY · (V - X) cancels, and bf16 operands for
+dR_S = Kr dS_Cᵀ alone give 2.2e-2, tf32 ones 7.8e-3.
 """
 
 from __future__ import annotations
