@@ -190,12 +190,7 @@ def test_dbeta_at_one_token_needs_kr_dsT_near_fp32():
     CUDA sweep's today) at ~7.8e-3, inside it with little margin; with dR_S exact, every other product of the state
     in bf16 keeps it near 1.2e-3. So a 64-token sweep runs dR_S near fp32 (3xTF32, or split bf16 operands), whatever
     the budget cases above allow."""
-    K = 128
-    x = make_inputs(B=1, T=1, H=1, HV=1, K=K, V=K, seed=8)
-    gen = torch.Generator().manual_seed(1008)
-    do = torch.randn(1, 1, 1, K, generator=gen).to(torch.bfloat16)
-    dfin = torch.randn(1, 1, K, K, generator=gen) * 0.1
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], do, dfin)
+    args = _one_token_case(8)
     ref = reference_training_grads(*args, lower_bound=-5.0)[2]
 
     def dbeta_err(gemm_dtypes):
@@ -205,3 +200,32 @@ def test_dbeta_at_one_token_needs_kr_dsT_near_fp32():
     assert dbeta_err({"dR_S": torch.bfloat16}) > 1e-2
     assert 3e-3 < dbeta_err({"dR_S": "tf32"}) < 1e-2
     assert dbeta_err({n: torch.bfloat16 for n in ("X", "dKr", "dKp", "dQp", "dS0", "S")}) < 2e-3
+
+
+def _one_token_case(seed):
+    """The GPU tier's one-token training inputs (tests/gpu/test_training_cuda.py, _case_inputs) for `seed`."""
+    K = 128
+    x = make_inputs(B=1, T=1, H=1, HV=1, K=K, V=K, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    do = torch.randn(1, 1, 1, K, generator=gen).to(torch.bfloat16)
+    dfin = torch.randn(1, 1, K, K, generator=gen) * 0.1
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], do, dfin)
+
+
+def test_dbeta_one_token_with_the_sweeps_precisions():
+    """The CUDA sweep's operand precisions emulated (tf32 for its tensor-core products, bf16 for the chain's): on a
+    one-token sequence whose dβ cancels (seed 101: dβ ~1.9e-3 against terms ~1e-1) dβ is ~5e-2 off, over the 1e-2
+    limit, and 3xTF32-like (exact) operands for the four products that feed dβ = dY · (V - X) (X = K⁺ S_0ᵀ,
+    dR_S = Kr dS_Cᵀ, Mqkᵀ dO, INVᵀ dR) bring it to fp32's ~1e-5. The GPU tier's test_dbeta_one_token_cancelling
+    holds the kernel to this case."""
+    args = _one_token_case(101)
+    ref = reference_training_grads(*args, lower_bound=-5.0)[2]
+    sweep = {n: "tf32" for n in ("X", "dR_S", "dKr", "dKp", "dQp", "dR_mqk", "dY", "dA", "dM")}
+    today = {**sweep, "dS0": torch.bfloat16, "S": torch.bfloat16}
+
+    def dbeta_err(gemm_dtypes):
+        got = chunked_training_grads(*args, chunk_size=64, lower_bound=-5.0, gemm_dtypes=gemm_dtypes)
+        return rel_rms(got[4].double(), ref[4].double())
+
+    assert dbeta_err(today) > 2e-2
+    assert dbeta_err({**today, "X": None, "dR_S": None, "dR_mqk": None, "dY": None}) < 1e-4

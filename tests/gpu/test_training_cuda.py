@@ -192,6 +192,24 @@ def test_training_ops_vs_reference(case):
         assert torch.equal(a, b), f"{n_}: recurrent_kda_backward differs from forward + training backward"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: the sweep's tf32 products X, dR_S = Kr dS_C^T, Mqk^T dO and INV^T dR leave dβ of a one-token "
+    "sequence, dY · (V - X), at ~5e-2 relative when it cancels (emulated: 6 of 300 random T=1 inputs over 1e-2; "
+    "3xTF32 for those four products: 1.4e-5; tests/test_reference_chunked_backward.py)",
+)
+def test_dbeta_one_token_cancelling():
+    """A one-token, one-head case whose dβ cancels (inputs of seed 101, the worst of 300 in the emulation of the
+    sweep's precisions): dβ against fp64 autograd within the gradient tolerance. Expected to fail until the four
+    products feeding dβ run near fp32; an unexpected pass fails too (strict), so the marker goes with the fix."""
+    x = _case_inputs(1, 1, 1, 1, None, False, seed=101, with_dfinal=True)
+    sc = 1.0 / math.sqrt(K)
+    g_ref = _reference(x, cu_seqlens=None, scale=sc, lower_bound=-5.0)[2]
+    grads = _raw_backward(_cuda(x), None, sc, -5.0)
+    assert torch.isfinite(grads[4].float()).all()
+    assert rel_rms(grads[4], g_ref[4]) <= TOL_GRAD, f"dbeta rel RMS {rel_rms(grads[4], g_ref[4]):.2e}"
+
+
 def test_dfinal_none_is_zero_and_int32_cu_seqlens():
     x = _case_inputs(1, 0, 2, 4, [33, 0, 70], False, seed=7, with_dfinal=False)
     c = _cuda(x)
