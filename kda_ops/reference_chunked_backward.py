@@ -147,6 +147,19 @@ def chunk_backward(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16, mm: _Gemms = _
     Returns dict(dq, dk, dv, da, dbeta, dS0): dq w.r.t. the scaled normalised q, dk w.r.t. normalised k.
     """
     f = chunk_recompute(S0, q, k, v, a, beta, sub, mm)
+    f["er"] = torch.exp(f["gamma"][:, -1:] - f["gamma"])  # e^{Γ_last - Γ}
+
+    def pair_terms(W, x, inclusive):
+        return _pair_apply(W, x, k, _pair_factors(f["gamma"], inclusive))
+
+    return _grads_of_chunk(S0, dS_C, q, k, v, beta, dO, f, pair_terms, mm)
+
+
+def _grads_of_chunk(S0, dS_C, q, k, v, beta, dO, f, pair_terms, mm: _Gemms):
+    """The backward of one chunk from its recomputed forward quantities f (L, Mqk, INV, X, R, Kp, Qp, Kr, gC, eg =
+    e^{Γ}, er = e^{Γ_last - Γ}) and pair_terms(W, x, inclusive) -> (row_i = Σ_j W_ij k_j e^{Γ_i-Γ_j},
+    col_j = Σ_i W_ij x_i e^{Γ_i-Γ_j}); shared by chunk_backward and chunk_backward_blocked, which differ only in how
+    they form those."""
     bt = beta[:, :, None]
     dR = mm("dR_mqk", f["Mqk"].transpose(1, 2), dO) + mm("dR_S", f["Kr"], dS_C.transpose(1, 2))
     dY = mm("dY", f["INV"].transpose(1, 2), dR)
@@ -160,9 +173,9 @@ def chunk_backward(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16, mm: _Gemms = _
     dKp = mm("dKp", dX, S0)
     dQp = mm("dQp", dO, S0)
     dS0 = dS_C * f["gC"][:, None, :] + mm("dS0", dO.transpose(1, 2), f["Qp"]) + mm("dS0", dX.transpose(1, 2), f["Kp"])
-    rowL, colL = _pair_apply(dL, k, k, _pair_factors(f["gamma"], False))
-    rowM, colM = _pair_apply(dM, q, k, _pair_factors(f["gamma"], True))
-    eg, er = f["eg"], torch.exp(f["gamma"][:, -1:] - f["gamma"])  # er = e^{Γ_last - Γ}
+    rowL, colL = pair_terms(dL, k, False)
+    rowM, colM = pair_terms(dM, q, True)
+    eg, er = f["eg"], f["er"]
     dq = dQp * eg + rowM
     dk_row = dKp * eg + rowL  # k appears with +Γ_i
     dk_col = dKr * er + colL + colM  # k appears with -Γ_j
@@ -238,21 +251,8 @@ def chunk_backward_blocked(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16, mm: _G
     L, Mqk = pair_matrix(k, False), pair_matrix(q, True)
     INV = _unit_lower_inverse(beta[:, :, None] * L, sub)
     X = mm("X", Kp, S0.transpose(1, 2))
-    Y = beta[:, :, None] * (v - X)
-    R = mm("R", INV, Y)
-    bt = beta[:, :, None]
-    dR = mm("dR_mqk", Mqk.transpose(1, 2), dO) + mm("dR_S", Kr, dS_C.transpose(1, 2))
-    dY = mm("dY", INV.transpose(1, 2), dR)
-    dA = torch.tril(-mm("dA", dY, R.transpose(1, 2)), -1)
-    dL = bt * dA
-    dbeta = (dA * L).sum(-1) + (dY * (v - X)).sum(-1)
-    dv = bt * dY
-    dX = -bt * dY
-    dM = torch.tril(mm("dM", dO, R.transpose(1, 2)))
-    dKr = mm("dKr", R, dS_C)
-    dKp = mm("dKp", dX, S0)
-    dQp = mm("dQp", dO, S0)
-    dS0 = dS_C * gC[:, None, :] + mm("dS0", dO.transpose(1, 2), Qp) + mm("dS0", dX.transpose(1, 2), Kp)
+    R = mm("R", INV, beta[:, :, None] * (v - X))
+    f = dict(L=L, Mqk=Mqk, INV=INV, X=X, R=R, Kp=Kp, Qp=Qp, Kr=Kr, gC=gC, eg=eg, er=er)
 
     def pair_terms(W, x, inclusive):  # row_i = Σ_j W_ij k_j e^{Γ_i-Γ_j}, col_j = Σ_i W_ij x_i e^{Γ_i-Γ_j}
         row, col = torch.zeros_like(k), torch.zeros_like(k)
@@ -267,16 +267,7 @@ def chunk_backward_blocked(S0, dS_C, q, k, v, a, beta, dO, sub: int = 16, mm: _G
                 col[:, j0:j1] += e_out[:, j0:j1] * d * mm("P", Wo.transpose(1, 2), x[:, i0:i1] * e_in[:, i0:i1])
         return row, col
 
-    rowL, colL = pair_terms(dL, k, False)
-    rowM, colM = pair_terms(dM, q, True)
-    dq = dQp * eg + rowM
-    dk_row = dKp * eg + rowL
-    dk_col = dKr * er + colL + colM
-    dk = dk_row + dk_col
-    dgamma = q * dq + k * dk_row - k * dk_col
-    dgamma[:, -1] += (Kr * dKr).sum(1) + gC * (dS_C * S0).sum(1)
-    da = torch.flip(torch.cumsum(torch.flip(dgamma, [1]), 1), [1])
-    return dict(dq=dq, dk=dk, dv=dv, da=da, dbeta=dbeta, dS0=dS0)
+    return _grads_of_chunk(S0, dS_C, q, k, v, beta, dO, f, pair_terms, mm)
 
 
 def chunked_training_grads(
