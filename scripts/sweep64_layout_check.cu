@@ -8,13 +8,45 @@
 #include <cstdio>
 
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/bfloat16.h>
 
 using namespace cute;
 using bf16_t = cutlass::bfloat16_t;
 
+// The fragment layout claims of the file comment; returns the mismatches.
+int fragment_mismatches() {
+  int bad = 0;
+  using MmaRS = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
+  using MmaSS = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+  auto rs = make_tiled_mma(MmaRS{});
+  auto ss = make_tiled_mma(MmaSS{});
+  for (int t = 0; t < 128; ++t) {
+    const int w = t / 32, g = (t % 32) / 4, q = t % 4;
+    Tensor c = rs.get_slice(t).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    Tensor c2 = ss.get_slice(t).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    if (int(size(c)) != 32) ++bad;
+    for (int i = 0; i < 32; ++i) {
+      const int e = i & 1, h = (i >> 1) & 1, j = i >> 2;
+      if (int(get<0>(c(i))) != 16 * w + g + 8 * h || int(get<1>(c(i))) != 8 * j + 2 * q + e) ++bad;
+      if (get<0>(c(i)) != get<0>(c2(i)) || get<1>(c(i)) != get<1>(c2(i))) ++bad;
+    }
+    Tensor a = rs.get_slice(t).partition_A(make_identity_tensor(Shape<_64, _128>{}));
+    if (int(size(a)) != 64) ++bad;
+    for (int i = 0; i < int(size(a)); ++i) {
+      const int m = get<0>(a(i)), k = get<1>(a(i)) % 16;
+      if (m != 16 * w + g + 8 * ((m >> 3) & 1)) ++bad;
+      if ((k & 7) / 2 != q) ++bad;
+    }
+  }
+  return bad;
+}
+
 int main() {
+  const int frag = fragment_mismatches();
+  std::printf("fragment layouts: %d mismatches\n", frag);
   // (N = v, K = k), K-major: 8 rows of v, 64 k-contiguous elements per 128-byte row, swizzled
   using LayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_128, _128>{}));
   // (N = k, K = v), MN-major, atoms tiled K-mode first (Step<_2, _1>) and by default (N-mode first)
@@ -30,5 +62,5 @@ int main() {
   std::printf("cosize %d / %d; K-major (v, k) vs MN-major (k, v), K-mode-first tiling: %d mismatches; default "
               "tiling: %d mismatches\n",
               int(cosize_v<LayoutK>), int(cosize_v<LayoutMN>), bad, bad_default);
-  return bad != 0 || bad_default == 0;
+  return frag != 0 || bad != 0 || bad_default == 0;
 }

@@ -175,18 +175,21 @@ Tensor first_state_block(const Tensor& t) {
   return out;
 }
 
-// Which chunk-parallel sweep the current device runs: the default one where a block gets its ~223 KiB of shared
-// memory (sm_90/sm_100-class GPUs allow 227 KiB), the small one (S and dS in a global scratch, ~92 KiB of
+// Which chunk-parallel sweep the current device runs: on sm_90a (H100/H200) the Hopper 64-token sweep
+// (wgmma; only when KDA_TRAINING_SWEEP=wgmma64 for now); elsewhere the 16-token one where a block gets its ~223 KiB of
+// shared memory (sm_90/sm_100-class GPUs allow 227 KiB), the small one (S and dS in a global scratch, ~92 KiB of
 // shared memory) where it gets less (sm_120: ~99 KiB), the CPU op on host copies where even that does not fit.
 // Read on every call: KDA_TRAINING_SWEEP=small takes the small sweep on any GPU (so it can be tested where the
-// memory is there; the same bits); KDA_TRAINING_BACKWARD_HOST=1 the host route.
-enum class SweepRoute { kDefault, kSmall, kHost };
+// memory is there; the same bits), =sub16 the 16-token sweep; KDA_TRAINING_BACKWARD_HOST=1 the host route.
+enum class SweepRoute { kDefault, kSmall, kHost, kSweep64 };
 SweepRoute sweep_route() {
   const char* e = std::getenv("KDA_TRAINING_BACKWARD_HOST");
   if (e != nullptr && e[0] == '1' && e[1] == '\0') return SweepRoute::kHost;
   const int64_t optin = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
   const char* w = std::getenv("KDA_TRAINING_SWEEP");
-  const bool force_small = w != nullptr && std::string(w) == "small";
+  const std::string ws = w != nullptr ? std::string(w) : std::string();
+  const bool force_small = ws == "small";
+  if (ws == "wgmma64" && training_backward_sweep64_supported()) return SweepRoute::kSweep64;
   if (!force_small && training_backward_chunked_smem_bytes(/*small=*/false) <= optin) return SweepRoute::kDefault;
   // (the backward chain's shallow pipeline must fit too)
   if (std::max(training_backward_chunked_smem_bytes(/*small=*/true), chunked_small_pipeline_smem_bytes()) <= optin)
@@ -498,21 +501,28 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   // and the chunked sweep read them with vector loads. (Named: the kernels read these copies after this.)
   const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), vc = kernel_tokens(v), gc = kernel_tokens(g),
                dO = kernel_tokens(dout);
+  const bool sweep64 = route == SweepRoute::kSweep64;
   {
-    // Rows of the backward chain's dS (at the end of every 16-token chunk): a 16-token prefix like
-    // tape_cu_starts (fixed: B ceil(T/16); packed: <= T/16 + N).
-    dstate_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
-    check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
-                                     cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
-                                     dstate_cu_starts.data_ptr<int64_t>(), stream, 16, /*first=*/0),
-               "kda dS row starts kernel");
-    dstates = at::empty({chunk_rows_bound(d.packed, d.B, d.T, d.N, 16), d.HV, kBwdDim, kBwdDim}, f32);
     // the chunked sweep's task slots: one per 64-token chunk, the state before token 0 included
     slot_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
     check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
                                      cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
                                      slot_cu_starts.data_ptr<int64_t>(), stream, kTapeChunk, /*first=*/0),
                "kda slot starts kernel");
+    if (sweep64) {
+      // the 64-token sweep: dS at the end of every 64-token chunk, one row per slot
+      dstate_cu_starts = slot_cu_starts;
+      dstates = at::empty({d.slots, d.HV, kBwdDim, kBwdDim}, f32);
+    } else {
+      // Rows of the backward chain's dS (at the end of every 16-token chunk): a 16-token prefix like
+      // tape_cu_starts (fixed: B ceil(T/16); packed: <= T/16 + N).
+      dstate_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
+      check_cuda(launch_tape_cu_starts(cu_seqlens ? cu_seqlens->data_ptr() : nullptr,
+                                       cu_seqlens && cu_seqlens->scalar_type() == at::kLong, d.N, d.T,
+                                       dstate_cu_starts.data_ptr<int64_t>(), stream, 16, /*first=*/0),
+                 "kda dS row starts kernel");
+      dstates = at::empty({chunk_rows_bound(d.packed, d.B, d.T, d.N, 16), d.HV, kBwdDim, kBwdDim}, f32);
+    }
   }
 
   TrainingBackwardParams p;
@@ -557,16 +567,17 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   p.n_dstate_rows = dstates.size(0);
   p.grid = grid;
   p.sweep_state = sweep_state.defined() ? sweep_state.data_ptr<float>() : nullptr;
+  p.sweep64 = sweep64;
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dA_log = dA_log.data_ptr<float>();
   p.ddt_bias = ddt_bias.data_ptr<float>();
   // The backward chain first (the chunked kernel in reverse, on the same stream): dS at the end of every
-  // 16-token chunk into dstates, and dinitial_state. Then the sweep and the finishing kernels.
-  check_cuda(launch_chunked_backward_chain(backward_chain_params(p, dstates.data_ptr<float>(),
-                                                                 dinit.data_ptr<float>()),
-                                           stream),
-             "kda backward chain kernel");
+  // 16-token chunk (64-token with the Hopper sweep) into dstates, and dinitial_state. Then the sweep and the
+  // finishing kernels.
+  BackwardChainParams chain = backward_chain_params(p, dstates.data_ptr<float>(), dinit.data_ptr<float>());
+  chain.dstate_every = sweep64 ? kTapeChunk : 16;
+  check_cuda(launch_chunked_backward_chain(chain, stream), "kda backward chain kernel");
   check_cuda(launch_training_backward(p, stream), "kda training backward kernels");
   // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
   return {dq, dk, dv, dg, dbeta, A_log ? dA_log.view(A_log->sizes()) : at::empty({0}, f32),

@@ -192,16 +192,10 @@ def test_training_ops_vs_reference(case):
         assert torch.equal(a, b), f"{n_}: recurrent_kda_backward differs from forward + training backward"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: the sweep's tf32 products X, dR_S = Kr dS_C^T, Mqk^T dO and INV^T dR leave dβ of a one-token "
-    "sequence, dY · (V - X), at ~5e-2 relative when it cancels (emulated: 6 of 300 random T=1 inputs over 1e-2; "
-    "3xTF32 for those four products: 1.4e-5; tests/test_reference_chunked_backward.py)",
-)
 def test_dbeta_one_token_cancelling():
     """A one-token, one-head case whose dβ cancels (inputs of seed 101, the worst of 300 in the emulation of the
-    sweep's precisions): dβ against fp64 autograd within the gradient tolerance. Expected to fail until the four
-    products feeding dβ run near fp32; an unexpected pass fails too (strict), so the marker goes with the fix."""
+    sweep's precisions): dβ against fp64 autograd within the gradient tolerance. The products feeding dβ = dY · (V - X)
+    (X, Kr dS_Cᵀ, Mqkᵀ dO, INVᵀ dR) must run near fp32 for it: tf32 alone gives ~5e-2 here."""
     x = _case_inputs(1, 1, 1, 1, None, False, seed=101, with_dfinal=True)
     sc = 1.0 / math.sqrt(K)
     g_ref = _reference(x, cu_seqlens=None, scale=sc, lower_bound=-5.0)[2]

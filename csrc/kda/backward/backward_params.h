@@ -70,7 +70,8 @@ struct TrainingBackwardParams {
   // The chain gradient dL/dS at the END of every 16-token chunk, [n_dstate_rows, HV, 128,
   // 128] fp32, row dstate_cu_starts[n] + j for the j-th 16-token chunk of sequence n (launch_tape_cu_starts
   // with chunk 16); written by the backward chain, launch_chunked_backward_chain, which also writes
-  // dinitial_state.
+  // dinitial_state. With sweep64: at the end of every 64-token chunk, one row per task slot (dstate_cu_starts =
+  // slot_cu_starts).
   const float* dstates = nullptr;
   const int64_t* dstate_cu_starts = nullptr;  // [N+1]
   int64_t n_dstate_rows = 0;
@@ -99,6 +100,10 @@ struct TrainingBackwardParams {
   // V = K of the tapes and initial_state: kBwdDim, or 64 in the zero-padded K == V == 64 call (csrc/api/
   // training_cuda.cpp), whose sweep reads each as the leading 64 x 64 block of its 128 x 128 state, zeros elsewhere.
   int state_dim = kBwdDim;
+
+  // The Hopper 64-token sweep (training_backward_sweep64_supported; sm90/sweep64_sm90.cu) instead of the 16-token
+  // one: dstates then hold dS every 64 tokens, one row per task slot.
+  bool sweep64 = false;
 };
 
 // The state of sequence n, value head hv, before its token 64 c: initial_state for c == 0, else tape row
@@ -130,6 +135,13 @@ int64_t training_backward_sweep_state_floats();
 // The reverse sweep alone (sweep.cu), after the backward chain has written
 // dstates: writes dv, dg, dbeta, dq_head, dk_head, ddt_partial, dA_partial (one partial row per task slot).
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream);
+
+// The Hopper (sm_90a) 64-token sweep (sm90/sweep64_sm90.cu): whether the current device runs it (compute
+// capability 9.0 and its shared memory), its dynamic shared memory, and the launch (the 16-token sweep's outputs,
+// from dS every 64 tokens: p.sweep64).
+bool training_backward_sweep64_supported();
+int64_t training_backward_sweep64_smem_bytes();
+cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cudaStream_t stream);
 
 // Zeroing of the uncovered tokens + reverse sweep + GQA/L2-norm finishing + ordered parameter-gradient
 // reduction (finish.cu), on `stream` (the sweep needs the backward chain to have run first on the same

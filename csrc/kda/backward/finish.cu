@@ -128,7 +128,8 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
   }
   if (p.grid > 0) {
     if (p.partial_rows != p.n_slots) return cudaErrorInvalidValue;  // one partial row per task slot
-    KDA_RETURN_IF_ERROR(launch_training_backward_chunked_sweep(p, stream));
+    KDA_RETURN_IF_ERROR(p.sweep64 ? launch_training_backward_sweep64(p, stream)
+                                  : launch_training_backward_chunked_sweep(p, stream));
   }
   const int64_t warps = p.B * p.T * p.H * 2;
   if (warps > 0 && !p.fused_qk) {

@@ -45,6 +45,7 @@
 
 #include "kda/backward/backward_common.cuh"
 #include "kda/backward/backward_params.h"
+#include "kda/backward/tf32_mma.cuh"
 #include "kda/common/cuda_check.h"
 #include "kda/common/ptx.cuh"
 #include "kda/common/recurrent_rules.h"  // kL2NormEps
@@ -99,90 +100,7 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
 }
 
-// Σ over the 32 lanes of v[i], for each i < 16, in a fixed order: a transposing butterfly (each step halves the
-// rows a lane carries and doubles the lanes summed; 16 shuffles where 16 warp sums take 80). Lanes 2i and 2i + 1
-// end with the total of row i; store(i, total) runs on lane 2i.
-template <typename F>
-__device__ __forceinline__ void pair_column_store(float (&v)[16], int lane, F store) {
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const bool up = lane & 16;
-    const float send = up ? v[k] : v[k + 8], keep = up ? v[k + 8] : v[k];
-    v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const bool up = lane & 8;
-    const float send = up ? v[k] : v[k + 4], keep = up ? v[k + 4] : v[k];
-    v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
-  }
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const bool up = lane & 4;
-    const float send = up ? v[k] : v[k + 2], keep = up ? v[k + 2] : v[k];
-    v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-  }
-  {
-    const bool up = lane & 2;
-    const float send = up ? v[0] : v[1], keep = up ? v[1] : v[0];
-    v[0] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-  }
-  v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
-  if ((lane & 1) == 0) store(lane >> 1, v[0]);
-}
-
-// Tensor-core products: mma.sync m16n8k8 with tf32 operands (rounded to nearest) and fp32 accumulation,
-// through CuTe's SM80 atom. Fragment layout (PTX ISA, m16n8k8 .tf32), g = lane / 4, q = lane % 4:
-//   A (16x8, row): a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4); B (8x8, col): b0 (q, g), b1 (q+4, g);
-//   C (16x8): c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q), c3 (g+8, 2q+1).
-// tf32 operand bits: x rounded at the 13th bit by one integer add (the tensor core ignores the low 13 bits),
-// as CUTLASS's round_half_ulp_truncate; cheaper than cvt.rna.tf32.f32 (inf inputs become NaN).
-__device__ __forceinline__ uint32_t tf32(float x) { return __float_as_uint(x) + 0x1000u; }
-// The same value with the low bits cleared: an exact fp32 number, so x - tf32_hi(x) is the exact remainder.
-__device__ __forceinline__ uint32_t tf32_hi(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
-                                           d[2], d[3]);
-}
-
-// d += Σ_k A(m, k) B(k, n0 + n) over k < KD, m < 16, n < 8: one 16x8 output fragment, operands from accessors.
-// Plain tf32 (2^-11 relative per operand) for the products with the state; PRECISE = 3xTF32 (each operand
-// split into tf32 high and low parts, a_hi b_hi + a_hi b_lo + a_lo b_hi: ~fp32) for the pair matrices and
-// pair terms, whose sums feed dΓ = a difference of larger terms (the gate gradients need the digits).
-// Two accumulators (even and odd k-steps) halve the dependent mma chain.
-template <int KD, bool PRECISE = false, typename FA, typename FB>
-__device__ __forceinline__ void mma_frag(float (&d)[4], int n0, FA fa, FB fb) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  float e[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-  for (int k0 = 0; k0 < KD; k0 += 8) {
-    float (&acc)[4] = (k0 & 8) ? e : d;
-    const float af[4] = {fa(g, k0 + q), fa(g + 8, k0 + q), fa(g, k0 + q + 4), fa(g + 8, k0 + q + 4)};
-    const float bf[2] = {fb(k0 + q, n0 + g), fb(k0 + q + 4, n0 + g)};
-    const uint32_t a[4] = {PRECISE ? tf32_hi(af[0]) : tf32(af[0]), PRECISE ? tf32_hi(af[1]) : tf32(af[1]),
-                           PRECISE ? tf32_hi(af[2]) : tf32(af[2]), PRECISE ? tf32_hi(af[3]) : tf32(af[3])};
-    const uint32_t b0 = PRECISE ? tf32_hi(bf[0]) : tf32(bf[0]), b1 = PRECISE ? tf32_hi(bf[1]) : tf32(bf[1]);
-    if constexpr (PRECISE) {
-      const uint32_t al[4] = {tf32(af[0] - __uint_as_float(a[0])), tf32(af[1] - __uint_as_float(a[1])),
-                              tf32(af[2] - __uint_as_float(a[2])), tf32(af[3] - __uint_as_float(a[3]))};
-      mma_tf32(acc, al, b0, b1);
-      mma_tf32(acc, a, tf32(bf[0] - __uint_as_float(b0)), tf32(bf[1] - __uint_as_float(b1)));
-    }
-    mma_tf32(acc, a, b0, b1);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) d[i] += e[i];
-}
-
-// Visits the four elements of a 16x8 fragment: f(row, col, value).
-template <typename F>
-__device__ __forceinline__ void frag_each(const float (&d)[4], int n0, F f) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  f(g, n0 + 2 * q, d[0]);
-  f(g, n0 + 2 * q + 1, d[1]);
-  f(g + 8, n0 + 2 * q, d[2]);
-  f(g + 8, n0 + 2 * q + 1, d[3]);
-}
+// Tensor-core products: tf32 mma.sync helpers (tf32, mma_frag, frag_each) in kda/backward/tf32_mma.cuh.
 
 // ldmatrix of four 8x4 fp32 tiles (as 8x8 b16): lane l gives the row address of tile l / 8 and receives, from
 // each tile, the 32-bit element (row l / 4, column l % 4), which is the tf32 m16n8k8 fragment layout.
@@ -194,7 +112,8 @@ __device__ __forceinline__ void ldsm_f32x4(const float* p, uint32_t (&r)[4]) {
 // ldmatrix; B_NK: B stored [n][kLD] (k contiguous, ldmatrix too unless B_GLOBAL: scalar loads of the same
 // fragment, B in global memory), else [k][kLD] (n contiguous, scalar loads).
 // Rows of kLD = 132 floats put the 8 rows of an ldmatrix phase in 8 distinct 16-byte bank groups.
-template <bool B_NK, bool B_GLOBAL = false>
+// PRECISE: 3xTF32 (as mma_frag), for the products that feed dβ = dY · (V - X) of cancelling one-token sequences.
+template <bool B_NK, bool B_GLOBAL = false, bool PRECISE = false>
 __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, const float* B) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const float* pa = A + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLD + 4 * (lane >> 4);
@@ -215,10 +134,25 @@ __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, 
 #pragma unroll
       for (int i = 0; i < 4; ++i) b[i] = __float_as_uint(pb[(k0 + 4 * i) * kLD]);
     }
+    if constexpr (PRECISE) {  // x = hi + lo, each a tf32 number; a_hi b_lo + a_lo b_hi + a_hi b_hi
+      uint32_t a0l[4], a1l[4], bl[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // round (see tf32)
-      a0[i] += 0x1000u, a1[i] += 0x1000u;
-      b[i] += 0x1000u;
+      for (int i = 0; i < 4; ++i) {
+        const float fa0 = __uint_as_float(a0[i]), fa1 = __uint_as_float(a1[i]), fb = __uint_as_float(b[i]);
+        a0[i] = tf32_hi(fa0), a1[i] = tf32_hi(fa1), b[i] = tf32_hi(fb);
+        a0l[i] = tf32(fa0 - __uint_as_float(a0[i])), a1l[i] = tf32(fa1 - __uint_as_float(a1[i]));
+        bl[i] = tf32(fb - __uint_as_float(b[i]));
+      }
+      mma_tf32(d, a0l, b[0], b[1]);
+      mma_tf32(d, a0, bl[0], bl[1]);
+      mma_tf32(e, a1l, b[2], b[3]);
+      mma_tf32(e, a1, bl[2], bl[3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // round (see tf32)
+        a0[i] += 0x1000u, a1[i] += 0x1000u;
+        b[i] += 0x1000u;
+      }
     }
     mma_tf32(d, a0, b[0], b[1]);
     mma_tf32(e, a1, b[2], b[3]);
@@ -256,12 +190,12 @@ __device__ __forceinline__ void mma_rows_pair(float (&d1)[4], float (&d2)[4], in
 }
 
 // C[t][v] (acc ? +=: =) sign·Σ_c A[t][c] B[v][c]   (A, C [16][kLD]; B [128][kLD], in global memory if
-// B_GLOBAL); warp w: v in [8w, 8w+8).
-template <bool B_GLOBAL = false>
+// B_GLOBAL); warp w: v in [8w, 8w+8). PRECISE: 3xTF32 (mma_rows).
+template <bool B_GLOBAL = false, bool PRECISE = false>
 __device__ __forceinline__ void gemm_abt(float* C, const float* A, const float* B, float sign, bool acc) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
-  mma_rows<true, B_GLOBAL>(d, n0, A, B);
+  mma_rows<true, B_GLOBAL, PRECISE>(d, n0, A, B);
   frag_each(d, n0, [&](int t, int v, float x) {
     float* o = C + t * kLD + v;
     *o = acc ? fmaf(sign, x, *o) : sign * x;
@@ -278,11 +212,12 @@ __device__ __forceinline__ void gemm_ab(float* C, const float* A, const float* B
 }
 
 // C[t][c] = Σ_j W(t, j)·cs(j)·A[j][c], W(t, j) = Wm[t][j] (or Wm[j][t] if TRANS), cs = colscale or 1.
-template <bool TRANS>
+// PRECISE: 3xTF32 (mma_frag).
+template <bool TRANS, bool PRECISE = false>
 __device__ __forceinline__ void gemm_small(float* C, const float (*Wm)[kC], const float* cs, const float* A) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
-  mma_frag<kC>(d, n0, [&](int m, int k) { return TRANS ? Wm[k][m] : Wm[m][k]; },
+  mma_frag<kC, PRECISE>(d, n0, [&](int m, int k) { return TRANS ? Wm[k][m] : Wm[m][k]; },
                [&](int k, int n) { return (cs ? cs[k] : 1.f) * A[k * kLD + n]; });
   frag_each(d, n0, [&](int t, int c, float x) { C[t * kLD + c] = x; });
 }
@@ -389,20 +324,6 @@ struct Task {
   int hv, hq;
   float A;  // exp(A_log[hv])
 };
-
-// The widest |Γ| (nats) of a sub-chunk of an unbounded gate that still takes the factorised tensor-core form: every
-// factor then stays <= e^{40}, as the lower-bound gate's mid-token factors do (8 |λ| <= 40).
-constexpr float kNarrowSpan = 40.f;
-constexpr float kNegligibleDecay = -17.f;  // e^{-17} < 2^-24, fp32's unit roundoff (the da rule, below)
-
-// The log-decay of the unbounded gates from x = g + dt_bias (softplus; A = exp(A_log)) or x = g (precomputed), in
-// nats, as the forward computes it (kda/chunked/chunk_math.cuh gate_a: softplus(x) = x above 20; the same floor,
-// which keeps a -inf gate from making inf - inf).
-constexpr float kMinLogDecayNats = -1e30f;
-__device__ __forceinline__ float unbounded_log_decay(bool softplus, float x, float A) {
-  const float a = softplus ? -A * (x > 20.f ? x : log1pf(__expf(x))) : x;
-  return fmaxf(a, kMinLogDecayNats);
-}
 
 // Pulls a [dim][dim] fp32 state (64 KB at dim 128: 512 lines of 128 bytes) into L2: one prefetch per thread.
 __device__ __forceinline__ void prefetch_state_l2(const float* src, int dim = kD) {
@@ -604,7 +525,7 @@ __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
 #pragma unroll
     for (int i = 0; i < kC; ++i) sm.INV[i][j] = x[i];
   }
-  gemm_abt<kGlobalState>(sm.vx, sm.kp, S, -1.f, true);  // V - X
+  gemm_abt<kGlobalState, true>(sm.vx, sm.kp, S, -1.f, true);  // V - X (3xTF32: dβ, see mma_rows)
   __syncthreads();
   gemm_small<false>(sm.R, sm.INV, sm.beta, sm.vx);  // R = INV diag(β) (V - X)
   __syncthreads();
@@ -660,18 +581,6 @@ __device__ __forceinline__ void pair_terms_mid(ChunkedBwdSmem& sm, const Trainin
     }
     sm.kp[o] = fmaf(sm.qs[o], dq, sm.kn[o] * (dk_row - dk_col));  // dΓ over dQ⁺ (own element)
   }
-}
-
-// Slot r belongs to the one sequence n with slot_cu_starts[n] <= r < slot_cu_starts[n + 1] (empty sequences own
-// no slots); -1 for slots past the last sequence's.
-__device__ __forceinline__ int64_t slot_sequence(const int64_t* starts, int64_t N, int64_t row) {
-  if (row < 0 || row >= starts[N]) return -1;
-  int64_t lo = 0, hi = N;  // invariant: starts[lo] <= row < starts[hi]
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (starts[mid] <= row) lo = mid; else hi = mid;
-  }
-  return lo;
 }
 
 // The state entering the 64-token chunk of task `task` (slot task / HV, value head task % HV): see tape_state;
@@ -757,10 +666,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         // dR = Mqkᵀ dO + Kr dSᵀ; dY = INVᵀ dR (into kp)
         // Column-local: a warp reads back only the dR columns it wrote (frag_each and mma_frag's B operand
         // use the same columns), so a warp barrier orders these three products.
-        gemm_small<true>(sm.dr, sm.M, nullptr, sm.dO);
-        gemm_abt<kGlobalState>(sm.dr, sm.kr, dS, 1.f, true);
+        gemm_small<true, true>(sm.dr, sm.M, nullptr, sm.dO);  // (3xTF32 for these three and V - X: dβ)
+        gemm_abt<kGlobalState, true>(sm.dr, sm.kr, dS, 1.f, true);
         __syncwarp();
-        gemm_small<true>(sm.kp, sm.INV, nullptr, sm.dr);
+        gemm_small<true, true>(sm.kp, sm.INV, nullptr, sm.dr);
         __syncthreads();
         const auto row_of = [&](const float* X) { return [X](int i, int c) { return X[i * kLD + c]; }; };
         gemm_tri(sm.dA, 0, row_of(sm.kp), row_of(sm.R), true, -1.f);   // dA = -stril(dY Rᵀ)

@@ -101,11 +101,14 @@ __device__ __forceinline__ void chunked_chain(const RecurrentParams& p, Smem& sm
     issue_v(c + kRawStages - 1);
 
     if constexpr (BWD) {
-      // dS at the end of EVERY 16-token chunk: row (every / 16) * (checkpoint row of the sequence) + chunk
-      // (the sub-rows of checkpoint row r are (every / 16) r + 0 .. every / 16 - 1).
+      // dS at the end of every `every`-token chunk j (the sequence's last 16-token chunk ends the last one): row
+      // checkpoint_cu_starts[n] + j, written when the walk enters that chunk's last 16-token chunk.
       if (every > 0) {
-        const int64_t row = ckpt_row0 * (every / kChunk) + t0 / kChunk;
-        if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
+        const int64_t sub = every / kChunk, pc = t0 / kChunk;
+        if ((pc + 1) % sub == 0 || pc == n_chunks - 1) {
+          const int64_t row = ckpt_row0 + pc / sub;
+          if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
+        }
       }
     } else if (every > 0 && t0 % every == 0 && t0 / every >= p.checkpoint_first) {
       // Checkpoint: the state BEFORE token t0 (t0 a multiple of the interval, itself a multiple of 16).

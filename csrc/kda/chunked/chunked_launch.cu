@@ -116,7 +116,8 @@ cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
 
 // BackwardChainParams -> the RecurrentParams fields the chunked kernel reads in BWD mode: v carries dO, the
 // read-only start state (state_source, slot n) dfinal_state, final_state receives dinitial_state, and the
-// checkpoints (every 16 tokens, at dstate_cu_starts) receive dS at the end of every chunk; no output, no pool.
+// checkpoints (every dstate_every tokens, at dstate_cu_starts) receive dS at the end of those chunks; no output, no
+// pool.
 RecurrentParams chain_as_recurrent(const BackwardChainParams& c) {
   constexpr int kDim = prefill::kHeadDim;
   RecurrentParams p;
@@ -144,7 +145,7 @@ RecurrentParams chain_as_recurrent(const BackwardChainParams& c) {
   p.checkpoint_dtype = DType::kFloat32;
   p.checkpoint_cu_starts = c.dstate_cu_starts;
   p.n_checkpoint_rows = c.n_dstate_rows;
-  p.checkpoint_every_n_tokens = prefill::kChunk;
+  p.checkpoint_every_n_tokens = c.dstate_every;
   p.scale = c.scale;
   p.gate_mode = c.gate_mode;
   p.lower_bound = c.gate_mode == GateMode::kLowerBound ? c.lower_bound : 0.f;

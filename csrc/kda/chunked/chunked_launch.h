@@ -48,12 +48,14 @@ struct BackwardChainParams {
   bool use_qk_l2norm = true;  // q, k L2-normalised in the op
   const float* dfinal_state = nullptr;  // [N, HV, 128, 128] compact fp32, 16-byte aligned; null = zeros
   float* dinitial_state = nullptr;      // out: [N, HV, 128, 128] compact fp32
-  // out: the chain gradient dS at the END of every 16-token chunk, fp32 [n_dstate_rows, HV, 128, 128], row
-  // dstate_cu_starts[n] + j for chunk j of sequence n (launch_tape_cu_starts with chunk 16, first 0); rows at or
-  // past n_dstate_rows are never written.
+  // out: the chain gradient dS at the END of every dstate_every-token chunk (16 or 64; the sequence's last chunk
+  // ends at its last token), fp32 [n_dstate_rows, HV, 128, 128], row dstate_cu_starts[n] + j for chunk j of
+  // sequence n (launch_tape_cu_starts with chunk dstate_every, first 0); rows at or past n_dstate_rows are never
+  // written.
   float* dstates = nullptr;
   const int64_t* dstate_cu_starts = nullptr;  // [N+1]
   int64_t n_dstate_rows = 0;
+  int dstate_every = 16;  // 16: the 16-token sweep (sweep.cu); 64: the Hopper 64-token sweep (sm90/sweep64_sm90.cu)
 };
 
 // The backward chain on the chunked kernel (BWD mode): walks each sequence's chunks last to first carrying

@@ -68,6 +68,7 @@
 
 #include "kda/chunked/chunk_math.cuh"
 #include "kda/common/bf16_bits.cuh"
+#include "kda/common/gmma_swizzle.cuh"
 #include "kda/common/ptx.cuh"
 #include "kda/common/recurrent_rules.h"
 #include "kda/params.h"
@@ -170,17 +171,7 @@ using LayoutKr = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<f16_t>{}, Sha
 // INVb, Mqk: (N = 16 output tokens, K = 16 tokens), K-major, 32-byte swizzle.
 using LayoutT16 = decltype(tile_to_shape(GMMA::Layout_K_SW32_Atom<f16_t>{}, Shape<_16, _16, Int<kOpStages>>{}));
 
-// Element offset of a coordinate in one of the swizzled layouts above, computed on offsets instead of through
-// a swizzled smem pointer (CuTe applies the swizzle to the address bits after an integer cast, which turns
-// the access into a generic 64-bit one); equal to the pointer form because every tile is 1024-byte aligned
-// (scripts/sm90_layout_check.cu checks both facts on the host).
-// The GMMA atoms' swizzle (Sw<3,4,3> for the 128-byte one) acts on byte offsets.
-template <class L, class... Is>
-CUTE_HOST_DEVICE int swz_offset(L, Is... is) {
-  constexpr int kBytes = 2;  // every swizzled tile here holds 16-bit elements
-  const int bytes = static_cast<int>(get_nonswizzle_portion(L{})(is...)) * kBytes;
-  return static_cast<int>(get_swizzle_portion(L{})(bytes)) / kBytes;
-}
+// Element offsets in the swizzled layouts above: swz_offset (kda/common/gmma_swizzle.cuh).
 
 template <int kVariant>
 using PipeRaw = cutlass::PipelineTmaAsync<Cfg<kVariant>::kRawStages>;
@@ -879,10 +870,10 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int64_t pc = phys(c);
       const int cl = chunk_len(pc);
-      // dS at the end of chunk pc: row (every / 16) * checkpoint_cu_starts[n] + pc (every / 16 sub-rows per
-      // checkpoint row; the chain's checkpoints come every 16 tokens)
-      if (ck_step > 0) {
-        const int64_t row = p.checkpoint_cu_starts[n] * ck_step + pc;
+      // dS at the end of every `every`-token chunk j (ck_step 16-token chunks; the sequence's last 16-token chunk
+      // ends the last one): row checkpoint_cu_starts[n] + j, written on entering that chunk's last 16-token chunk
+      if (ck_step > 0 && ((pc + 1) % ck_step == 0 || pc == n_chunks - 1)) {
+        const int64_t row = p.checkpoint_cu_starts[n] + pc / ck_step;
         if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
       }
       prof.mark(7);

@@ -1,0 +1,945 @@
+// The Hopper (sm_90a) chunk-parallel backward sweep of the CUDA training backward: one CTA task per (64-token tape
+// chunk, value head), the state products on wgmma at M = 64. The algebra is chunk_backward_blocked of
+// kda_ops/reference_chunked_backward.py (a 64-token chunk in 16-token blocks, every exponent factored so that no
+// factor exceeds 1 outside the diagonal blocks); the earlier sweep (sweep.cu) walks the four 16-token sub-chunks of
+// the same task one after the other and needs the chain's dS every 16 tokens, this one needs S_0 (the state
+// entering the chunk: initial_state or a tape row) and dS_C (the chain gradient at the chunk's end, every 64
+// tokens: BackwardChainParams::dstate_every = 64, rows = the task slots) only.
+//
+// Per task (q̂ = q ρ_q · scale, k̂ = k ρ_k; γ, σ the inclusive prefix and exclusive suffix of the log-decay a within
+// each 16-token block, T_b the block totals, P_I = Σ_{b<I} T_b, Q_J = Σ_{b>J} T_b, D_IJ = e^{Σ_{J<b<I} T_b}):
+//   K⁺ = k̂ e^{γ+P}, Kr = k̂ e^{σ+Q}, g_C = e^{Σ T_b};
+//   L, Mqk (64 x 64, 3xTF32 mma.sync): off-diagonal blocks (k̂_i e^{γ_i} D_IJ)·(k̂_j e^{σ_j}); diagonal blocks with
+//     the block's middle-token reference (each factor <= e^{40}) or, in a "wide" block of an unbounded gate, exact
+//     pairwise exponents on CUDA cores (as sweep.cu);
+//   INV = (I + diag(β) L)^{-1} in fp32 (diagonal blocks by substitution, then the off-diagonal ones);
+//   Xᵀ = S_0 K⁺ᵀ, dRᵀ = dS_C Krᵀ (+ dOᵀ Mqk): wgmma with the state rows as the register A operand (WG w: value
+//     rows [64w, 64w + 64)), both operands split into bf16 hi + lo parts (three products: ~16-bit operands, as
+//     dβ = dY · (V - X) of a cancelling one-token sequence needs);
+//   Rᵀ = Yᵀ INVᵀ, dYᵀ = dRᵀ INV (mma.sync bf16, hi/lo split operands);
+//   dAᵀ = Rᵀ... (SS wgmma: dA = -stril(dY Rᵀ) on WG0, dMqk = tril(dO Rᵀ) on WG1, bf16 R, dY, dO tiles);
+//   dQ⁺ᵀ = S_0ᵀ dOᵀ, dK⁺ᵀ = -S_0ᵀ (β dY)ᵀ, dKrᵀ = dS_Cᵀ Rᵀ: wgmma with the transposed state as the A operand
+//     (WG w: channels [64w, 64w + 64)), the state split hi/lo;
+//   the pair terms (3xTF32 mma.sync, factored by blocks; pairwise in wide diagonal blocks), dq, dk, dΓ per element,
+//   da = reverse cumsum of dΓ, the gate's chain rule, the L2-norm backward, dβ, dv.
+// The state is read from global memory (L2) straight into the wgmma A fragments (no shared-memory copy of it).
+// No atomics: every sum has a fixed order; the parameter partials are one row per task (as sweep.cu).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+
+#include "kda/backward/backward_common.cuh"
+#include "kda/backward/backward_params.h"
+#include "kda/backward/tf32_mma.cuh"
+#include "kda/common/cuda_check.h"
+#include "kda/common/device_info.h"
+#include "kda/common/gmma_swizzle.cuh"
+#include "kda/common/ptx.cuh"
+#include "kda/common/recurrent_rules.h"  // kL2NormEps
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KDA_SWEEP64_DEVICE 1
+#endif
+
+namespace kda {
+namespace sweep64 {
+namespace {
+using namespace cute;
+using namespace ::kda::bwd;
+using bf16_t = cutlass::bfloat16_t;
+
+constexpr int kT = kTapeChunk;  // tokens per task
+constexpr int kD = kBwdDim;     // K = V = 128
+constexpr int kB = 16;          // tokens per block
+constexpr int kNB = kT / kB;
+constexpr int kThreads = 256;  // two warpgroups
+constexpr int kLDF = kD + 4;   // fp32 [token][channel] rows
+constexpr int kLDH = kD + 8;   // bf16 [token][channel] rows (272 bytes: 16-byte aligned)
+static_assert(kT == 64 && kD == 128 && kNB == 4, "the layouts below assume 64-token tasks and 128 channels");
+
+// wgmma operand tiles: [64 tokens][128], K-major, 128-byte swizzle (16 KB, 1024-byte aligned).
+using LayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _128>{}));
+static_assert(cosize_v<LayoutTile> == kT * kD, "tile size");
+using MmaRS = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
+using MmaSS = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+
+// 64 x 64 lower-block-triangular matrices: the 16 x 16 blocks (I, J), I >= J, packed row by row.
+__host__ __device__ constexpr int tri_block(int I, int J) { return I * (I + 1) / 2 + J; }
+constexpr int kTriFloats = tri_block(kNB, 0) * kB * kB;
+__device__ __forceinline__ int tri(int i, int j) {
+  return (tri_block(i >> 4, j >> 4) << 8) + ((i & 15) << 4) + (j & 15);
+}
+// m(i, j), 0 in the blocks above the diagonal (never stored)
+__device__ __forceinline__ float tri_at(const float* m, int i, int j) { return (j >> 4) > (i >> 4) ? 0.f : m[tri(i, j)]; }
+
+struct alignas(1024) Smem {
+  bf16_t kp_hi[kT * kD];  // K⁺, then Kr (hi parts); with kp_lo, the fp32 dq̂ scratch [64][128] at the end
+  bf16_t kp_lo[kT * kD];  // K⁺, then Kr (lo parts)
+  bf16_t r[kT * kD];      // R [t][v]; with dy, the fp32 dk̂ scratch [64][128] at the end
+  bf16_t dy[kT * kD];     // dY [t][v]
+  bf16_t dO[kT * kD];     // dO [t][v]
+  __nv_bfloat16 q[kT * kLDH], k[kT * kLDH];  // raw q, k (0 past the chunk's end)
+  float eg[kT * kLDF];  // e^{γ}; dΓ at the end
+  float es[kT * kLDF];  // e^{σ}
+  float L[kTriFloats], M[kTriFloats], INV[kTriFloats];  // M: Mqk, then dMqk; INV: INV, then dA
+  float tmp[3 * kB * kB];                                 // the inverse's off-diagonal blocks
+  float beta[kT], rq[kT], rq0[kT], rk[kT];                // β; ρ_q · scale, ρ_q, ρ_k
+  float etb[kNB][kD];                                     // e^{T_b}
+  float ep[kNB][kD], eq[kNB][kD];                         // e^{P_I}, e^{Q_J}
+  float iem[kNB][kD];                                     // e^{-γ_mid} of each block (narrow blocks)
+  float dbp[8][kT];                                       // dY · (V - X) partial sums per warp
+  float ext[kD];                                          // extra dΓ of the last token
+  float part[2][kD];
+};
+
+__device__ __forceinline__ float kh(const Smem& sm, int t, int c) { return __bfloat162float(sm.k[t * kLDH + c]) * sm.rk[t]; }
+__device__ __forceinline__ float qh(const Smem& sm, int t, int c) { return __bfloat162float(sm.q[t * kLDH + c]) * sm.rq[t]; }
+__device__ __forceinline__ float egv(const Smem& sm, int t, int c) { return sm.eg[t * kLDF + c]; }
+__device__ __forceinline__ float esv(const Smem& sm, int t, int c) { return sm.es[t * kLDF + c]; }
+// D_IJ = e^{Σ_{J<b<I} T_b} for I > J
+__device__ __forceinline__ float dij(const Smem& sm, int I, int J, int c) {
+  float d = 1.f;
+  for (int b = J + 1; b < I; ++b) d *= sm.etb[b][c];
+  return d;
+}
+
+// bf16 hi + lo split of x (x - hi exact in fp32), two values packed per 32-bit register (low half: first)
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// d[nt] += Σ_s X[m][s] B(s, 8 nt + n) over s < 64 for this warp's 16 rows m: mma.sync m16n8k16, bf16 operands split
+// hi + lo (SA: X's, SB: B's lo parts join the product). X in the wgmma accumulator layout of a 64 x 64 product
+// (x[j][e + 2h] = X[g + 8h][8j + 2q + e], scripts/sweep64_layout_check.cu), which is also the mma.sync A layout
+// of k-block j / 2. skip(kk, nt): the 16 x 8 block (s in [16 kk, +16), n-tile nt) is zero.
+template <bool SA, bool SB, class FB, class Skip>
+__device__ __forceinline__ void mma_acc_rows(float (&d)[8][4], const float (&x)[8][4], FB fb, Skip skip) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t ah[4], al[4];
+    split2(x[2 * kk][0], x[2 * kk][1], ah[0], al[0]);
+    split2(x[2 * kk][2], x[2 * kk][3], ah[1], al[1]);
+    split2(x[2 * kk + 1][0], x[2 * kk + 1][1], ah[2], al[2]);
+    split2(x[2 * kk + 1][2], x[2 * kk + 1][3], ah[3], al[3]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (skip(kk, nt)) continue;
+      const int n = 8 * nt + g, s0 = 16 * kk + 2 * q;
+      uint32_t bh0, bl0, bh1, bl1;
+      split2(fb(s0, n), fb(s0 + 1, n), bh0, bl0);
+      split2(fb(s0 + 8, n), fb(s0 + 9, n), bh1, bl1);
+      ptx::mma_bf16(d[nt], ah, bh0, bh1);
+      if constexpr (SB) ptx::mma_bf16(d[nt], ah, bl0, bl1);
+      if constexpr (SA) ptx::mma_bf16(d[nt], al, bh0, bh1);
+    }
+  }
+}
+
+// d[n] += Σ_{s in [s0, s1)} A(m, s) B(s, 8 (nt0 + n) + col) for n < 2 (one 16-column block) and this warp's 16 rows:
+// 3xTF32 mma.sync m16n8k8 (~fp32), operands from accessors; s1 - s0 a multiple of 8.
+template <class FA, class FB>
+__device__ __forceinline__ void mma_block16(float (&d)[2][4], int nt0, int s0, int s1, FA fa, FB fb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  for (int k0 = s0; k0 < s1; k0 += 8) {
+    const float af[4] = {fa(g, k0 + q), fa(g + 8, k0 + q), fa(g, k0 + q + 4), fa(g + 8, k0 + q + 4)};
+    uint32_t ah[4], al[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ah[i] = tf32_hi(af[i]), al[i] = tf32(af[i] - __uint_as_float(ah[i]));
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int col = 8 * (nt0 + n) + g;
+      const float b0 = fb(k0 + q, col), b1 = fb(k0 + q + 4, col);
+      const uint32_t bh0 = tf32_hi(b0), bh1 = tf32_hi(b1);
+      mma_tf32(d[n], al, bh0, bh1);
+      mma_tf32(d[n], ah, tf32(b0 - __uint_as_float(bh0)), tf32(b1 - __uint_as_float(bh1)));
+      mma_tf32(d[n], ah, bh0, bh1);
+    }
+  }
+}
+
+struct Task {
+  SeqRange s;
+  int hv, hq;
+  float A;      // exp(A_log[hv]) (0 for the precomputed gate)
+  int64_t t0;   // the chunk's first token (index along T)
+  int len;      // tokens of the chunk (1..64)
+  const float* S0;  // the state entering the chunk, [sd][sd] (null: zeros)
+  const float* dS;  // dS_C, [128][128] (null: zeros)
+};
+
+// The log-decay of token t, channel c (0 past the chunk's end), in nats.
+__device__ __forceinline__ float log_decay(const TrainingBackwardParams& p, const Task& tk, int t, int c, float dtb) {
+  if (t >= tk.len) return 0.f;
+  const float x = ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + c);
+  if (p.gate_mode == GateMode::kLowerBound) return p.lower_bound * sigmoidf_(tk.A * (x + dtb));
+  return unbounded_log_decay(p.gate_mode == GateMode::kSoftplus, x + dtb, tk.A);
+}
+__device__ __forceinline__ float dt_bias_at(const TrainingBackwardParams& p, const Task& tk, int c) {
+  return p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + c] : 0.f;
+}
+
+// Tokens, gate, β, norms, the block factors. Returns the wide flags of the four blocks (CTA-uniform): an unbounded
+// gate's block with some |γ| > kNarrowSpan (or NaN) takes the pairwise exponents.
+__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB]) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // raw q, k rows (padded) and the dO tile, 16-byte cp.async, zeros past the end
+  for (int i = tid; i < 3 * kT * 16; i += kThreads) {
+    const int which = i / (kT * 16), t = (i >> 4) % kT, piece = i & 15;
+    const bool ok = t < tk.len;
+    const TokenTensor& tt = which == 0 ? p.q : (which == 1 ? p.k : p.dout);
+    const int head = which < 2 ? tk.hq : tk.hv;
+    const __nv_bfloat16* src = tt.row<__nv_bfloat16>(tk.s.batch, tk.t0 + (ok ? t : 0), head) + 8 * piece;
+    void* dst = which == 0   ? static_cast<void*>(sm.q + t * kLDH + 8 * piece)
+                : which == 1 ? static_cast<void*>(sm.k + t * kLDH + 8 * piece)
+                             : static_cast<void*>(sm.dO + swz_offset(LayoutTile{}, t, 8 * piece));
+    ptx::cp_async_16(dst, src, ok);
+  }
+  ptx::cp_async_commit();
+  if (tid < kT) {
+    float b = 0.f;
+    if (tid < tk.len) {
+      const float x = ld_bf16(p.beta.ptr, p.beta.offset(tk.s.batch, tk.t0 + tid, tk.hv));
+      b = p.beta_is_logit ? sigmoidf_(x) : x;
+    }
+    sm.beta[tid] = b;
+  }
+  // gate: thread (channel c, blocks 2h and 2h + 1): γ by prefix sums, σ by suffix sums (no cancellation)
+  bool w2[2] = {false, false};
+  {
+    const int c = tid & 127, h = tid >> 7;
+    const float dtb = dt_bias_at(p, tk, c);
+#pragma unroll
+    for (int bb = 0; bb < 2; ++bb) {
+      const int b = 2 * h + bb;
+      float av[kB], gam[kB], run = 0.f;
+#pragma unroll
+      for (int u = 0; u < kB; ++u) av[u] = log_decay(p, tk, kB * b + u, c, dtb);
+#pragma unroll
+      for (int u = 0; u < kB; ++u) run += av[u], gam[u] = run;
+      float suf = 0.f;
+      bool w = false;
+#pragma unroll
+      for (int u = kB - 1; u >= 0; --u) {
+        const int o = (kB * b + u) * kLDF + c;
+        sm.eg[o] = __expf(gam[u]);
+        sm.es[o] = __expf(suf);
+        suf += av[u];
+        w = w || !(fabsf(gam[u]) <= kNarrowSpan);
+      }
+      sm.etb[b][c] = __expf(run);
+      sm.iem[b][c] = __expf(-gam[kB / 2]);
+      w2[bb] = p.gate_mode != GateMode::kLowerBound && w;
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < kNB; ++b) wide[b] = __syncthreads_or((tid >> 7) == (b >> 1) && w2[b & 1]) != 0;
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+  // norms: warp per token
+  for (int t = warp; t < kT; t += kThreads / 32) {
+    float sk = 0.f, sq = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float kx = __bfloat162float(sm.k[t * kLDH + 4 * lane + e]), qx = __bfloat162float(sm.q[t * kLDH + 4 * lane + e]);
+      sk = fmaf(kx, kx, sk);
+      sq = fmaf(qx, qx, sq);
+    }
+    sk = warp_sum32(sk);
+    sq = warp_sum32(sq);
+    if (lane == 0) {
+      const float rk = p.use_qk_l2norm ? rsqrtf(sk + kL2NormEps) : 1.f;
+      const float r0 = p.use_qk_l2norm ? rsqrtf(sq + kL2NormEps) : 1.f;
+      sm.rk[t] = rk, sm.rq0[t] = r0, sm.rq[t] = r0 * p.scale;
+    }
+  }
+  if (tid < kD) {  // e^{P_I}, e^{Q_J} as products of block factors (each <= 1)
+    const int c = tid;
+    float pre = 1.f, post = 1.f;
+    for (int b = 0; b < kNB; ++b) {
+      sm.ep[b][c] = pre;
+      pre *= sm.etb[b][c];
+      sm.eq[kNB - 1 - b][c] = post;
+      post *= sm.etb[kNB - 1 - b][c];
+    }
+  }
+  __syncthreads();
+}
+
+// L and Mqk (packed lower blocks): the narrow diagonal blocks and every off-diagonal block on tensor cores
+// (3xTF32), the wide diagonal blocks pairwise on CUDA cores. Ends synchronised.
+__device__ void pair_matrices(Smem& sm, const TrainingBackwardParams& p, const Task& tk, const bool (&wide)[kNB]) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // units: (job, n-tile), job 0-3 the diagonal blocks, 4-9 the off-diagonal (I, J)
+  constexpr int kOffI[6] = {1, 2, 2, 3, 3, 3}, kOffJ[6] = {0, 0, 1, 0, 1, 2};
+  for (int u = warp; u < 20; u += kThreads / 32) {
+    const int job = u >> 1, nt = u & 1;
+    const int I = job < 4 ? job : kOffI[job - 4], J = job < 4 ? job : kOffJ[job - 4];
+    if (I == J && wide[I]) continue;
+    const int i0 = kB * I, j0 = kB * J, mid = i0 + kB / 2;
+    float dl[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f};
+    const auto rowf = [&](int i, int c) {  // the row factor: e^{γ_i - γ_mid} or e^{γ_i} D_IJ
+      return I == J ? egv(sm, i, c) * sm.iem[I][c] : egv(sm, i, c) * dij(sm, I, J, c);
+    };
+    const auto colf = [&](int j, int c) {  // the column operand: k̂_j e^{γ_mid - γ_j} or k̂_j e^{σ_j}
+      return I == J ? kh(sm, j, c) * (egv(sm, mid, c) / egv(sm, j, c)) : kh(sm, j, c) * esv(sm, j, c);
+    };
+    // (two products share the column operand: rows k̂ for L, q̂ for Mqk)
+    const int lg = lane >> 2, lq = lane & 3;
+    for (int k0 = 0; k0 < kD; k0 += 8) {
+      float akf[4], aqf[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = i0 + lg + 8 * (e & 1), c = k0 + lq + 4 * (e >> 1);
+        const float f = rowf(i, c);
+        akf[e] = kh(sm, i, c) * f;
+        aqf[e] = qh(sm, i, c) * f;
+      }
+      const int j = j0 + 8 * nt + lg;
+      const float b0 = colf(j, k0 + lq), b1 = colf(j, k0 + lq + 4);
+      const uint32_t bh0 = tf32_hi(b0), bh1 = tf32_hi(b1);
+      const uint32_t bl0 = tf32(b0 - __uint_as_float(bh0)), bl1 = tf32(b1 - __uint_as_float(bh1));
+      uint32_t kh_[4], kl_[4], qh_[4], ql_[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        kh_[e] = tf32_hi(akf[e]), kl_[e] = tf32(akf[e] - __uint_as_float(kh_[e]));
+        qh_[e] = tf32_hi(aqf[e]), ql_[e] = tf32(aqf[e] - __uint_as_float(qh_[e]));
+      }
+      mma_tf32(dl, kl_, bh0, bh1);
+      mma_tf32(dl, kh_, bl0, bl1);
+      mma_tf32(dl, kh_, bh0, bh1);
+      mma_tf32(dm, ql_, bh0, bh1);
+      mma_tf32(dm, qh_, bl0, bl1);
+      mma_tf32(dm, qh_, bh0, bh1);
+    }
+    frag_each(dl, 8 * nt, [&](int il, int jl, float x) {
+      const int i = i0 + il, j = j0 + jl;
+      sm.L[tri(i, j)] = (I > J || j < i) ? x : 0.f;
+    });
+    frag_each(dm, 8 * nt, [&](int il, int jl, float x) {
+      const int i = i0 + il, j = j0 + jl;
+      sm.M[tri(i, j)] = (I > J || j <= i) ? x : 0.f;
+    });
+  }
+  // wide diagonal blocks: warp per column (two per warp), lane: channels [4 lane, +4), exponents summed from the
+  // column's own token upward (every factor <= 1; masked pairs never formed)
+#pragma unroll 1
+  for (int I = 0; I < kNB; ++I) {
+    if (!wide[I]) continue;
+    const int c0 = 4 * lane;
+    float dtb[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dtb[e] = dt_bias_at(p, tk, c0 + e);
+    for (int jj = warp; jj < kB; jj += kThreads / 32) {
+      const int j = kB * I + jj;
+      float kj[4], ex[4] = {0.f, 0.f, 0.f, 0.f}, vl[kB], vm[kB];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) kj[e] = kh(sm, j, c0 + e);
+#pragma unroll
+      for (int ii = 0; ii < kB; ++ii) {
+        vl[ii] = vm[ii] = 0.f;
+        if (ii >= jj) {
+          const int i = kB * I + ii;
+          float sl = 0.f, sq = 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (ii > jj) ex[e] += log_decay(p, tk, i, c0 + e, dtb[e]);
+            const float w = kj[e] * __expf(ex[e]);
+            sl = fmaf(kh(sm, i, c0 + e), w, sl);
+            sq = fmaf(qh(sm, i, c0 + e), w, sq);
+          }
+          vl[ii] = sl, vm[ii] = sq;
+        }
+      }
+      pair_column_store(vl, lane, [&](int ii, float x) { sm.L[tri(kB * I + ii, j)] = ii > jj ? x : 0.f; });
+      pair_column_store(vm, lane, [&](int ii, float x) { sm.M[tri(kB * I + ii, j)] = ii >= jj ? x : 0.f; });
+    }
+  }
+  __syncthreads();
+}
+
+// INV = (I + diag(β) L)^{-1}, unit lower triangular, fp32: the diagonal blocks by forward substitution (thread per
+// column), then the off-diagonal blocks by distance d = I - J: INV_IJ = -INV_II Σ_{J<=K<I} diag(β_I) L_IK INV_KJ.
+// Starts and ends synchronised (the caller's wgmma may run meanwhile: it touches none of these arrays).
+__device__ void unit_lower_inverse(Smem& sm) {
+  const int tid = threadIdx.x;
+  if (tid < kT) {
+    const int I = tid >> 4, jj = tid & 15, i0 = kB * I;
+    float x[kB];
+#pragma unroll
+    for (int ii = 0; ii < kB; ++ii) {
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < ii; ++m) s = fmaf(sm.L[tri(i0 + ii, i0 + m)], x[m], s);
+      x[ii] = ii < jj ? 0.f : (ii == jj ? 1.f : -sm.beta[i0 + ii] * s);
+    }
+#pragma unroll
+    for (int ii = 0; ii < kB; ++ii) sm.INV[tri(i0 + ii, i0 + jj)] = x[ii];
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int d = 1; d < kNB; ++d) {
+    const int pairs = kNB - d;
+    for (int e = tid; e < pairs * kB * kB; e += kThreads) {
+      const int J = e >> 8, I = J + d, i = kB * I + ((e >> 4) & 15), j = kB * J + (e & 15);
+      float s = 0.f;
+      for (int m = kB * J; m < kB * I; ++m) s = fmaf(sm.L[tri(i, m)], sm.INV[tri(m, j)], s);
+      sm.tmp[e] = sm.beta[i] * s;
+    }
+    __syncthreads();
+    for (int e = tid; e < pairs * kB * kB; e += kThreads) {
+      const int J = e >> 8, I = J + d, il = (e >> 4) & 15, jl = e & 15;
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < kB; ++m) s = fmaf(sm.INV[tri(kB * I + il, kB * I + m)], sm.tmp[(J << 8) + (m << 4) + jl], s);
+      sm.INV[tri(kB * I + il, kB * J + jl)] = -s;
+    }
+    __syncthreads();
+  }
+}
+
+// Writes a [64 tokens][128] tile of bf16 parts of f(t, c) (hi, and lo = f - hi when lo is given), 8 channels per
+// 16-byte store.
+template <class F>
+__device__ __forceinline__ void write_tile(bf16_t* hi, bf16_t* lo, F f) {
+  for (int i = threadIdx.x; i < kT * kD / 8; i += kThreads) {
+    const int t = i >> 4, c0 = (i & 15) * 8;
+    uint32_t h[4], l[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split2(f(t, c0 + 2 * e), f(t, c0 + 2 * e + 1), h[e], l[e]);
+    const int o = swz_offset(LayoutTile{}, t, c0);
+    *reinterpret_cast<uint4*>(hi + o) = make_uint4(h[0], h[1], h[2], h[3]);
+    if (lo != nullptr) *reinterpret_cast<uint4*>(lo + o) = make_uint4(l[0], l[1], l[2], l[3]);
+  }
+}
+
+// The pair terms of this warp's 16 channel rows (c = c0 + row) for every token column, added into dq (rowM), dkr
+// (rowL) and dkc (colM + colL), the accumulator layout (x[j][e + 2h]: row g + 8h, column 8j + 2q + e). W_L(i, j) =
+// β_i dA(i, j) (dA in sm.INV), W_M = dMqk (sm.M); both zero above the diagonal.
+__device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, const Task& tk, int c0,
+                           const bool (&wide)[kNB], float (&dq)[8][4], float (&dkr)[8][4], float (&dkc)[8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const auto wl = [&](int i, int j) { return sm.beta[i] * tri_at(sm.INV, i, j); };
+  const auto wm = [&](int i, int j) { return tri_at(sm.M, i, j); };
+#pragma unroll 1
+  for (int I = 0; I < kNB; ++I) {
+    const int i0 = kB * I, mid = i0 + kB / 2;
+    float rm[2][4] = {}, rl[2][4] = {}, cm[2][4] = {}, cl[2][4] = {};
+    // row terms, off-diagonal: Σ_{j < i0} W(i, j) k̂_j e^{σ_j} D_{I,J(j)}, then x e^{γ_i}
+    if (I > 0) {
+      const auto a = [&](int m, int j) { const int c = c0 + m; return kh(sm, j, c) * esv(sm, j, c) * dij(sm, I, j >> 4, c); };
+      mma_block16(rm, 2 * I, 0, i0, a, [&](int j, int i) { return wm(i, j); });
+      mma_block16(rl, 2 * I, 0, i0, a, [&](int j, int i) { return wl(i, j); });
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = c0 + g + 8 * (e >> 1), i = 8 * (2 * I + n) + 2 * q + (e & 1);
+          const float f = egv(sm, i, c);
+          rm[n][e] *= f, rl[n][e] *= f;
+        }
+    }
+    // column terms, off-diagonal: Σ_{i >= i0 + 16} W(i, j) x_i e^{γ_i} D_{I(i),J}, then x e^{σ_j}
+    if (I < kNB - 1) {
+      mma_block16(cm, 2 * I, i0 + kB, kT,
+                  [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
+                  [&](int i, int j) { return wm(i, j); });
+      mma_block16(cl, 2 * I, i0 + kB, kT,
+                  [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
+                  [&](int i, int j) { return wl(i, j); });
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = c0 + g + 8 * (e >> 1), j = 8 * (2 * I + n) + 2 * q + (e & 1);
+          const float f = esv(sm, j, c);
+          cm[n][e] *= f, cl[n][e] *= f;
+        }
+    }
+    if (!wide[I]) {  // diagonal block, middle-token reference
+      float dm_[2][4] = {}, dl_[2][4] = {}, em[2][4] = {}, el[2][4] = {};
+      const auto kN = [&](int m, int j) { const int c = c0 + m; return kh(sm, j, c) * (egv(sm, mid, c) / egv(sm, j, c)); };
+      mma_block16(dm_, 2 * I, i0, i0 + kB, kN, [&](int j, int i) { return wm(i, j); });
+      mma_block16(dl_, 2 * I, i0, i0 + kB, kN, [&](int j, int i) { return wl(i, j); });
+      mma_block16(em, 2 * I, i0, i0 + kB,
+                  [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * sm.iem[I][c]; },
+                  [&](int i, int j) { return wm(i, j); });
+      mma_block16(el, 2 * I, i0, i0 + kB,
+                  [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * sm.iem[I][c]; },
+                  [&](int i, int j) { return wl(i, j); });
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = c0 + g + 8 * (e >> 1), t = 8 * (2 * I + n) + 2 * q + (e & 1);
+          const float fr = egv(sm, t, c) * sm.iem[I][c], fc = egv(sm, mid, c) / egv(sm, t, c);
+          rm[n][e] += fr * dm_[n][e], rl[n][e] += fr * dl_[n][e];
+          cm[n][e] += fc * em[n][e], cl[n][e] += fc * el[n][e];
+        }
+    } else {  // wide diagonal block: exact pairwise exponents, summed outward from each element's own token
+      float av[2][kB];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int c = c0 + g + 8 * h;
+        const float dtb = dt_bias_at(p, tk, c);
+#pragma unroll
+        for (int u = 0; u < kB; ++u) av[h][u] = log_decay(p, tk, i0 + u, c, dtb);
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, c = c0 + g + 8 * h, tl = 8 * n + 2 * q + (e & 1), t = i0 + tl;
+          float ex = 0.f, sm_ = 0.f, sl_ = 0.f;
+          for (int jl = tl; jl >= 0; --jl) {  // row terms: j <= t
+            const int j = i0 + jl;
+            const float w = kh(sm, j, c) * __expf(ex);
+            sm_ = fmaf(wm(t, j), w, sm_);
+            sl_ = fmaf(wl(t, j), w, sl_);
+            ex += av[h][jl];
+          }
+          rm[n][e] += sm_, rl[n][e] += sl_;
+          ex = 0.f;
+          float scm = 0.f, scl = 0.f;
+          for (int il = tl; il < kB; ++il) {  // column terms: i >= t
+            if (il > tl) ex += av[h][il];
+            const int i = i0 + il;
+            const float w = __expf(ex);
+            scm = fmaf(wm(i, t), qh(sm, i, c) * w, scm);
+            scl = fmaf(wl(i, t), kh(sm, i, c) * w, scl);
+          }
+          cm[n][e] += scm, cl[n][e] += scl;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dq[2 * I + n][e] += rm[n][e];
+        dkr[2 * I + n][e] += rl[n][e];
+        dkc[2 * I + n][e] += cm[n][e] + cl[n][e];
+      }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_kernel(const TrainingBackwardParams p) {
+#if defined(KDA_SWEEP64_DEVICE)
+  extern __shared__ char smem_raw[];
+  const uint32_t smem_a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024u - (smem_a & 1023u)) & 1023u));
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = tid >> 5, lane = tid & 31;
+  const int wq = wtid >> 5;  // warp within the warpgroup
+  const int64_t tasks = p.n_slots * p.HV;
+  const int group = p.HV / p.H;
+  constexpr int64_t kState = int64_t(kD) * kD;
+
+  auto mma_rs = make_tiled_mma(MmaRS{});
+  auto mma_ss = make_tiled_mma(MmaSS{});
+  auto thr = mma_rs.get_slice(wtid);
+  auto thr_ss = mma_ss.get_slice(wtid);
+  Tensor bKh = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.kp_hi), LayoutTile{}));  // (MMA, 1, 8)
+  Tensor bKl = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.kp_lo), LayoutTile{}));
+  Tensor bR = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutTile{}));
+  Tensor bY = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutTile{}));
+  Tensor bO = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dO), LayoutTile{}));
+  Tensor aRs = thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(sm.r), LayoutTile{}));
+  Tensor bWs = thr_ss.partition_fragment_B(make_tensor(make_smem_ptr(wg == 0 ? sm.dy : sm.dO), LayoutTile{}));
+  Tensor aH = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _128>{}));  // ((2, 2, 2), 1, 8)
+  Tensor aL = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _128>{}));
+  Tensor cA = thr.partition_A(make_identity_tensor(Shape<_64, _128>{}));  // (row, k) of each A element
+  Tensor cC = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));   // (row, column) of each accumulator
+  static_assert(decltype(size(aH))::value == 64, "A fragment: 64 elements");
+
+  // A operand from global memory: hi and lo bf16 parts of f(row, k)
+  const auto fill_a = [&](auto f) {
+#pragma unroll
+    for (int i = 0; i < size(aH); ++i) {
+      const float x = f(get<0>(cA(i)), get<1>(cA(i)));
+      const bf16_t h = bf16_t(x);
+      aH(i) = h;
+      aL(i) = bf16_t(x - float(h));
+    }
+  };
+
+  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int64_t slot = task / p.HV;
+    const int64_t n = slot_sequence(p.slot_cu_starts, p.N, slot);
+    Task tk;
+    tk.hv = static_cast<int>(task % p.HV);
+    const int64_t c = n < 0 ? -1 : slot - p.slot_cu_starts[n];
+    if (n >= 0) tk.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
+    __syncthreads();  // the previous task is done with shared memory
+    if (n < 0 || c < 0 || c * kT >= tk.s.len) {  // an unused slot: zero partials
+      if (tid < kD) p.ddt_partial[task * kD + tid] = 0.f;
+      if (tid == 0) p.dA_partial[task] = 0.f;
+      continue;
+    }
+    tk.hq = tk.hv / group;
+    tk.A = p.A_log != nullptr ? __expf(p.A_log[tk.hv]) : 0.f;
+    tk.t0 = tk.s.bos + c * kT;
+    tk.len = static_cast<int>(tk.s.len - c * kT < kT ? tk.s.len - c * kT : kT);
+    tk.S0 = tape_state(p, n, c, tk.hv);
+    tk.dS = slot < p.n_dstate_rows ? p.dstates + (slot * p.HV + tk.hv) * kState : nullptr;
+    const int sd = p.state_dim;
+    const auto s0_at = [&](int v, int k) { return tk.S0 != nullptr && v < sd && k < sd ? tk.S0[v * sd + k] : 0.f; };
+    const auto ds_at = [&](int v, int k) { return tk.dS != nullptr ? tk.dS[v * kD + k] : 0.f; };
+
+    bool wide[kNB];
+    load_chunk(sm, p, tk, wide);
+    pair_matrices(sm, p, tk, wide);
+    // K⁺ = k̂ e^{γ + P} (hi, lo)
+    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * egv(sm, t, cc) * sm.ep[t >> 4][cc]; });
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+
+    // ---- Xᵀ = S_0 K⁺ᵀ (WG: value rows [64 wg, +64)), the inverse meanwhile
+    Tensor acc = partition_fragment_C(mma_rs, Shape<_64, _64>{});
+    fill_a([&](int m, int k) { return s0_at(64 * wg + m, k); });
+    clear(acc);
+    warpgroup_fence_operand(aH);
+    warpgroup_fence_operand(aL);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm(mma_rs, aH, bKh, acc);
+    gemm(mma_rs, aH, bKl, acc);
+    gemm(mma_rs, aL, bKh, acc);
+    warpgroup_commit_batch();
+    unit_lower_inverse(sm);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    float vx[8][4], y[8][4];  // (V - X)ᵀ, Yᵀ = β (V - X)ᵀ: row v, column t
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int v = 64 * wg + get<0>(cC(i)), t = get<1>(cC(i));
+      const float vv = t < tk.len ? ld_bf16(p.v.ptr, p.v.offset(tk.s.batch, tk.t0 + t, tk.hv) + v) : 0.f;
+      vx[i >> 2][i & 3] = vv - acc(i);
+      y[i >> 2][i & 3] = sm.beta[t] * vx[i >> 2][i & 3];
+    }
+    // ---- Rᵀ = Yᵀ INVᵀ (INV[t][s] = 0 for s > t)
+    {
+      float r[8][4] = {};
+      mma_acc_rows<true, true>(r, y, [&](int s, int t) { return tri_at(sm.INV, t, s); },
+                               [](int kk, int nt) { return 16 * kk > 8 * nt + 7; });
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int v = 64 * wg + get<0>(cC(i)), t = get<1>(cC(i));
+        sm.r[swz_offset(LayoutTile{}, t, v)] = bf16_t(r[i >> 2][i & 3]);
+      }
+    }
+    __syncthreads();  // both warpgroups are done with the K⁺ tiles
+    // Kr = k̂ e^{σ + Q} (hi, lo)
+    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * esv(sm, t, cc) * sm.eq[t >> 4][cc]; });
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+
+    // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk, dYᵀ = dRᵀ INV
+    fill_a([&](int m, int k) { return ds_at(64 * wg + m, k); });
+    clear(acc);
+    warpgroup_fence_operand(aH);
+    warpgroup_fence_operand(aL);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm(mma_rs, aH, bKh, acc);
+    gemm(mma_rs, aH, bKl, acc);
+    gemm(mma_rs, aL, bKh, acc);
+    warpgroup_commit_batch();
+    float dr[8][4] = {};
+    {  // dOᵀ Mqk: A = dOᵀ [v][s] from the dO tile (exact bf16), B(s, t) = Mqk[s][t] (0 for s < t), hi + lo
+      const int g = lane >> 2, q = lane & 3, v = 64 * wg + 16 * wq + g;
+      const auto pk = [&](int vr, int s) {  // (dO[s][vr], dO[s + 1][vr]): the low half first
+        const uint16_t lo = sm.dO[swz_offset(LayoutTile{}, s, vr)].raw();
+        const uint16_t hi = sm.dO[swz_offset(LayoutTile{}, s + 1, vr)].raw();
+        return uint32_t(lo) | (uint32_t(hi) << 16);
+      };
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int s0 = 16 * kk + 2 * q;
+        const uint32_t a[4] = {pk(v, s0), pk(v + 8, s0), pk(v, s0 + 8), pk(v + 8, s0 + 8)};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          if (16 * kk + 15 < 8 * nt) continue;
+          const int t = 8 * nt + g;
+          uint32_t bh0, bl0, bh1, bl1;
+          split2(tri_at(sm.M, s0, t), tri_at(sm.M, s0 + 1, t), bh0, bl0);
+          split2(tri_at(sm.M, s0 + 8, t), tri_at(sm.M, s0 + 9, t), bh1, bl1);
+          ptx::mma_bf16(dr[nt], a, bh0, bh1);
+          ptx::mma_bf16(dr[nt], a, bl0, bl1);
+        }
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dr[i >> 2][i & 3] += acc(i);
+    {
+      float dyv[8][4] = {};
+      mma_acc_rows<true, true>(dyv, dr, [&](int s, int t) { return tri_at(sm.INV, s, t); },
+                               [](int kk, int nt) { return 16 * kk + 15 < 8 * nt; });
+      // dβ partial Σ_v dY (V - X) per token (fixed order: rows, then lanes, then warps), dv = β dY, the dY tile
+      float colsum[8][2];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) colsum[j][e] = fmaf(dyv[j][e], vx[j][e], dyv[j][e + 2] * vx[j][e + 2]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int o = 4; o <= 16; o <<= 1) colsum[j][e] += __shfl_xor_sync(0xffffffffu, colsum[j][e], o);
+      if (lane < 4)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) sm.dbp[warp][8 * j + 2 * lane + e] = colsum[j][e];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int v = 64 * wg + get<0>(cC(i)), t = get<1>(cC(i));
+        const float x = dyv[i >> 2][i & 3];
+        sm.dy[swz_offset(LayoutTile{}, t, v)] = bf16_t(x);
+        if (t < tk.len) st_bf16(p.dv, ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + v, sm.beta[t] * x);
+      }
+    }
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+
+    // ---- dAᵀ (WG0) / dMqkᵀ (WG1) = R [dY | dO]ᵀ: [t'][t] = Σ_v R[t'][v] W[t][v]; dQ⁺ᵀ, dK⁺ᵀ with S_0ᵀ
+    Tensor accW = partition_fragment_C(mma_ss, Shape<_64, _64>{});
+    clear(accW);
+    warpgroup_fence_operand(accW);
+    warpgroup_arrive();
+    gemm(mma_ss, aRs, bWs, accW);
+    warpgroup_commit_batch();
+    Tensor accQ = partition_fragment_C(mma_rs, Shape<_64, _64>{});
+    Tensor accK = partition_fragment_C(mma_rs, Shape<_64, _64>{});
+    fill_a([&](int m, int k) { return s0_at(k, 64 * wg + m); });  // S_0ᵀ: row = channel, k = value row
+    clear(accQ);
+    clear(accK);
+    warpgroup_fence_operand(aH);
+    warpgroup_fence_operand(aL);
+    warpgroup_fence_operand(accQ);
+    warpgroup_fence_operand(accK);
+    warpgroup_arrive();
+    gemm(mma_rs, aH, bO, accQ);
+    gemm(mma_rs, aL, bO, accQ);
+    gemm(mma_rs, aH, bY, accK);
+    gemm(mma_rs, aL, bY, accK);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // accW (the first batch) is done
+    warpgroup_fence_operand(accW);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {  // (t', t) -> dA(t, t') = -accW (t > t'), dMqk(t, t') = accW (t >= t')
+      const int tp = get<0>(cC(i)), t = get<1>(cC(i));
+      if ((tp >> 4) <= (t >> 4)) {
+        if (wg == 0)
+          sm.INV[tri(t, tp)] = t > tp ? -accW(i) : 0.f;
+        else
+          sm.M[tri(t, tp)] = t >= tp ? accW(i) : 0.f;
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accQ);
+    warpgroup_fence_operand(accK);
+    // ---- dKrᵀ = dS_Cᵀ Rᵀ, and the S_0 decay term colsum(dS_C ⊙ S_0) of this thread's channel rows
+    float cs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < size(aH); ++i) {
+      const int m = get<0>(cA(i)), v = get<1>(cA(i)), cc = 64 * wg + m;
+      const float x = ds_at(v, cc);
+      cs[(m >> 3) & 1] = fmaf(x, s0_at(v, cc), cs[(m >> 3) & 1]);
+      const bf16_t h = bf16_t(x);
+      aH(i) = h;
+      aL(i) = bf16_t(x - float(h));
+    }
+    Tensor accR = partition_fragment_C(mma_rs, Shape<_64, _64>{});
+    clear(accR);
+    warpgroup_fence_operand(aH);
+    warpgroup_fence_operand(aL);
+    warpgroup_fence_operand(accR);
+    warpgroup_arrive();
+    gemm(mma_rs, aH, bR, accR);
+    gemm(mma_rs, aL, bR, accR);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accR);
+    __syncthreads();  // dA, dMqk complete
+
+    // ---- per element (row c = channel, column t): dq, dk_row, dk_col; then the pair terms
+    float dq[8][4], dkr[8][4], dkc[8][4];
+    float ext_part[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int m = get<0>(cC(i)), t = get<1>(cC(i)), cc = 64 * wg + m;
+      const float eg_ = egv(sm, t, cc) * sm.ep[t >> 4][cc], er = esv(sm, t, cc) * sm.eq[t >> 4][cc];
+      dq[i >> 2][i & 3] = accQ(i) * eg_;
+      dkr[i >> 2][i & 3] = -sm.beta[t] * accK(i) * eg_;
+      dkc[i >> 2][i & 3] = accR(i) * er;
+      ext_part[(m >> 3) & 1] = fmaf(kh(sm, t, cc) * er, accR(i), ext_part[(m >> 3) & 1]);  // Kr · dKr
+    }
+    pair_terms(sm, p, tk, 64 * wg + 16 * wq, wide, dq, dkr, dkc);
+    {  // ext[c] = Σ_t Kr dKr + g_C colsum(dS_C ⊙ S_0): the four lanes of a row (q) hold its parts
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ext_part[h] += __shfl_xor_sync(0xffffffffu, ext_part[h], 1);
+        ext_part[h] += __shfl_xor_sync(0xffffffffu, ext_part[h], 2);
+        cs[h] += __shfl_xor_sync(0xffffffffu, cs[h], 1);
+        cs[h] += __shfl_xor_sync(0xffffffffu, cs[h], 2);
+      }
+      if ((lane & 3) == 0)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int cc = 64 * wg + 16 * wq + (lane >> 2) + 8 * h;
+          sm.ext[cc] = ext_part[h] + sm.ep[kNB - 1][cc] * sm.etb[kNB - 1][cc] * cs[h];
+        }
+    }
+    float dgam[8][4];
+    float* const sdq = reinterpret_cast<float*>(sm.kp_hi);  // [64][128] fp32 scratch (the dead K⁺/Kr tiles)
+    float* const sdk = reinterpret_cast<float*>(sm.r);      // (the dead R and dY tiles)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int m = get<0>(cC(i)), t = get<1>(cC(i)), cc = 64 * wg + m;
+      const float dqv = dq[i >> 2][i & 3], dkrv = dkr[i >> 2][i & 3], dkcv = dkc[i >> 2][i & 3];
+      dgam[i >> 2][i & 3] = fmaf(qh(sm, t, cc), dqv, kh(sm, t, cc) * (dkrv - dkcv));
+      if (p.fused_qk) {
+        sdq[t * kD + cc] = dqv * p.scale;
+        sdk[t * kD + cc] = dkrv + dkcv;
+      } else if (t < tk.len) {
+        const int64_t ho = ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + cc;
+        p.dq_head[ho] = dqv * p.scale;
+        p.dk_head[ho] = dkrv + dkcv;
+      }
+    }
+    __syncthreads();  // every read of e^{γ} is done
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sm.eg[get<1>(cC(i)) * kLDF + 64 * wg + get<0>(cC(i))] = dgam[i >> 2][i & 3];
+    __syncthreads();
+
+    // ---- dβ: Σ_v dY (V - X) + Σ_j dA L (thread per token)
+    if (tid < tk.len) {
+      const int t = tid;
+      float s = 0.f;
+      for (int w = 0; w < 8; ++w) s += sm.dbp[w][t];
+      for (int j = 0; j < t; ++j) s = fmaf(tri_at(sm.INV, t, j), tri_at(sm.L, t, j), s);
+      const float b = sm.beta[t];
+      st_bf16(p.dbeta, (tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv, p.beta_is_logit ? s * b * (1.f - b) : s);
+    }
+    // ---- the L2-norm backward (no GQA group): dx = ρ (dx̂ - (x̂ · dx̂) x̂); warp per token
+    if (p.fused_qk) {
+      for (int t = warp; t < tk.len; t += kThreads / 32) {
+        const int cc = 4 * lane;
+        float dqh[4], dkh[4], qv[4], kv[4], dotq = 0.f, dotk = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dqh[e] = sdq[t * kD + cc + e], dkh[e] = sdk[t * kD + cc + e];
+          qv[e] = __bfloat162float(sm.q[t * kLDH + cc + e]) * sm.rq0[t];
+          kv[e] = __bfloat162float(sm.k[t * kLDH + cc + e]) * sm.rk[t];
+          dotq = fmaf(qv[e], dqh[e], dotq);
+          dotk = fmaf(kv[e], dkh[e], dotk);
+        }
+        dotq = p.use_qk_l2norm ? warp_sum32(dotq) : 0.f;
+        dotk = p.use_qk_l2norm ? warp_sum32(dotk) : 0.f;
+        const float rq = sm.rq0[t], rk = sm.rk[t];
+        const int64_t oo = ((tk.s.batch * p.T + tk.t0 + t) * p.H + tk.hq) * kD + cc;
+        const __nv_bfloat162 q01 = __floats2bfloat162_rn(rq * (dqh[0] - dotq * qv[0]), rq * (dqh[1] - dotq * qv[1]));
+        const __nv_bfloat162 q23 = __floats2bfloat162_rn(rq * (dqh[2] - dotq * qv[2]), rq * (dqh[3] - dotq * qv[3]));
+        const __nv_bfloat162 k01 = __floats2bfloat162_rn(rk * (dkh[0] - dotk * kv[0]), rk * (dkh[1] - dotk * kv[1]));
+        const __nv_bfloat162 k23 = __floats2bfloat162_rn(rk * (dkh[2] - dotk * kv[2]), rk * (dkh[3] - dotk * kv[3]));
+        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.dq) + oo) =
+            make_uint2(*reinterpret_cast<const uint32_t*>(&q01), *reinterpret_cast<const uint32_t*>(&q23));
+        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.dk) + oo) =
+            make_uint2(*reinterpret_cast<const uint32_t*>(&k01), *reinterpret_cast<const uint32_t*>(&k23));
+      }
+    }
+    // ---- da = reverse cumsum of dΓ (+ ext), the gate's chain rule; thread (channel c, tokens [32 h, +32))
+    {
+      const int cc = tid & 127, h = tid >> 7;
+      float tot = 0.f;
+      for (int t = 32 * h + 31; t >= 32 * h; --t) tot += sm.eg[t * kLDF + cc];
+      sm.part[h][cc] = tot;
+      __syncthreads();
+      float run = sm.ext[cc] + (h == 0 ? sm.part[1][cc] : 0.f);
+      const float dtb = dt_bias_at(p, tk, cc);
+      float ddt_acc = 0.f, dA_acc = 0.f;
+      for (int t = 32 * h + 31; t >= 32 * h; --t) {
+        run += sm.eg[t * kLDF + cc];
+        if (t >= tk.len) continue;
+        const float x = ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + cc) + dtb;
+        float dgv;
+        if (p.gate_mode == GateMode::kLowerBound) {
+          const float z = tk.A * x, sg = sigmoidf_(z);
+          const float dz = p.lower_bound * run * sg * (1.f - sg);
+          dgv = tk.A * dz;
+          ddt_acc += dgv;
+          dA_acc = fmaf(dz, z, dA_acc);
+        } else {
+          const bool softplus = p.gate_mode == GateMode::kSoftplus;
+          const float a = unbounded_log_decay(softplus, x, tk.A);
+          const float da = a < kNegligibleDecay ? 0.f : run;
+          dgv = da;
+          if (softplus) {
+            dgv = -tk.A * sigmoidf_(x) * da;
+            ddt_acc += dgv;
+            dA_acc = fmaf(da, a, dA_acc);
+          }
+        }
+        st_bf16(p.dg, ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + cc, dgv);
+      }
+      __syncthreads();  // (part is reused)
+      sm.part[h][cc] = ddt_acc;
+      __syncthreads();
+      if (tid < kD) p.ddt_partial[task * kD + tid] = sm.part[0][tid] + sm.part[1][tid];
+      __syncthreads();
+      sm.part[h][cc] = dA_acc;
+      __syncthreads();
+      if (tid == 0) {
+        float a = 0.f;
+        for (int k = 0; k < kD; ++k) a += sm.part[0][k] + sm.part[1][k];
+        p.dA_partial[task] = a;
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace sweep64
+
+int64_t training_backward_sweep64_smem_bytes() { return static_cast<int64_t>(sizeof(sweep64::Smem)) + 1024; }
+
+bool training_backward_sweep64_supported() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return false;
+  if (major != 9 || minor != 0) return false;
+  return training_backward_sweep64_smem_bytes() <=
+         cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
+}
+
+cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cudaStream_t stream) {
+  if (p.dstates == nullptr || p.slot_cu_starts == nullptr) return cudaErrorInvalidValue;
+  const int smem = static_cast<int>(training_backward_sweep64_smem_bytes());
+  const auto kernel = sweep64::kda_training_backward_sweep64_kernel;
+  KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (p.n_slots * p.HV <= 0) return cudaSuccess;
+  if (const char* e = std::getenv("KDA_TRAINING_VERBOSE"); e != nullptr && e[0] == '1')
+    std::fprintf(stderr, "kda training sweep: wgmma64 (sm_90a), grid %d x %d threads, %d B shared memory\n", p.grid,
+                 sweep64::kThreads, smem);
+  kernel<<<p.grid, sweep64::kThreads, smem, stream>>>(p);
+  KDA_CHECK_LAUNCH();
+  return cudaSuccess;
+}
+
+}  // namespace kda
