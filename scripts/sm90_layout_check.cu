@@ -9,6 +9,7 @@
 #include "kda/chunked/sm90/chunked_sm90_kernel.cuh"
 
 using namespace kda::chunked_sm90;
+using kda::swz_offset;
 
 template <class T, class L>
 int check_offsets(const char* name, L layout, int m0, int m1) {
