@@ -797,6 +797,48 @@ def test_k64_strided_inputs_same_bits(mode):
         assert torch.equal(a, b), f"result {i}: strided inputs differ from compact ones"
 
 
+_SWEEP_CASES = [c for c in _MODE_CASES if c[0].endswith(("-K128-T65", "-K128-packed", "-K64-T17"))]
+_SWEEP_CASES += [c for c in _MODE_CASES if c[0].endswith(("-T1024", "-T4097", "-K64-T1", "-K64-T200"))]
+
+
+@pytest.mark.parametrize("sweep", ["wgmma64", "sub16"])
+@pytest.mark.parametrize("case", _SWEEP_CASES, ids=[c[0] for c in _SWEEP_CASES])
+def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
+    """Each chunk-parallel sweep of the CUDA backward, forced by KDA_TRAINING_SWEEP (the verbose line names the one
+    that ran): wgmma64, the Hopper 64-token sweep (sm_90a only), and sub16, the 16-token sweep of the other GPUs, in
+    every mode: the eight gradients of recurrent_kda_backward against fp64 autograd, and two calls give the same
+    bits."""
+    if sweep == "wgmma64" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the 64-token sweep is the Hopper (sm_90a) kernel")
+    if sweep == "sub16" and torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
+        pytest.skip("this GPU runs the small sweep by itself")
+    monkeypatch.delenv("KDA_TRAINING_BACKWARD_HOST", raising=False)
+    monkeypatch.setenv("KDA_TRAINING_SWEEP", sweep)
+    monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
+    label, mode, Kd, T, H, HV, lam, init = case
+    cu = None
+    if isinstance(T, list):
+        cu = [0]
+        for n in T:
+            cu.append(cu[-1] + n)
+    x, kw, do, dS = make_case(
+        mode, T=T if cu is None else 1, cu=cu, H=H, HV=HV, K=Kd, init=init is not None, seed=len(label), lb=lam
+    )
+    if init == "zero":
+        x["initial_state"].zero_()
+    ref = reference_grads(x, kw, do, dS)[2]
+    c = _to_cuda(x)
+    g = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
+    g2 = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
+    torch.cuda.synchronize()
+    err = capfd.readouterr().err
+    assert f"kda training sweep: {'wgmma64' if sweep == 'wgmma64' else 'default'}" in err, err[-500:]
+    for n_, a, b in zip(GRADS, g, g2, strict=True):
+        assert torch.equal(a, b), f"{label} {sweep}: {n_} differs between two runs"
+    grads = [None if e is None else a for a, e in zip(g, ref, strict=True)]
+    _check_mode_grads(f"{sweep} {label}", grads, ref)
+
+
 def _default_sweep_or_skip(monkeypatch):
     """Skips on GPUs that run the small sweep by themselves; clears the switches that pick a sweep."""
     if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
@@ -819,6 +861,7 @@ def test_small_sweep_same_bits(mode, Kd, monkeypatch, capfd):
     x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 167], H=1, HV=2, K=Kd, seed=23, lb=-1.0)
     c = _to_cuda(x)
     monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
+    monkeypatch.setenv("KDA_TRAINING_SWEEP", "sub16")  # (the 16-token sweep the small one shares its bits with)
     g_default = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
     assert "kda training sweep: default" in capfd.readouterr().err
@@ -844,6 +887,7 @@ def test_small_sweep_reuses_its_scratch(monkeypatch):
     T = 64 * (sms // 2 + 7)  # tasks = (T / 64) * HV > SMs with HV = 2
     x, kw, do, dS = make_case(("softplus", True, True), T=T, H=1, HV=2, K=128, seed=31)
     c = _to_cuda(x)
+    monkeypatch.setenv("KDA_TRAINING_SWEEP", "sub16")
     g_default = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     monkeypatch.setenv("KDA_TRAINING_SWEEP", "small")
     g_small = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())

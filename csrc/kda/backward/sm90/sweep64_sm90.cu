@@ -89,15 +89,21 @@ struct alignas(1024) Smem {
   float eg[kT * kLDF];  // e^{γ}; dΓ at the end
   float es[kT * kLDF];  // e^{σ}
   float L[kTriFloats], M[kTriFloats], INV[kTriFloats];  // M: Mqk, then dMqk; INV: INV, then dA
-  float tmp[3 * kB * kB];                                 // the inverse's off-diagonal blocks
+  union {
+    float tmp[3 * kB * kB];  // the inverse's off-diagonal blocks
+    struct {
+      float ext[kD];  // extra dΓ of the last token
+      float part[2][kD];
+    } fin;  // (after the inverse)
+  };
   float beta[kT], rq[kT], rq0[kT], rk[kT];                // β; ρ_q · scale, ρ_q, ρ_k
   float etb[kNB][kD];                                     // e^{T_b}
   float ep[kNB][kD], eq[kNB][kD];                         // e^{P_I}, e^{Q_J}
   float iem[kNB][kD];                                     // e^{-γ_mid} of each block (narrow blocks)
   float dbp[8][kT];                                       // dY · (V - X) partial sums per warp
-  float ext[kD];                                          // extra dΓ of the last token
-  float part[2][kD];
 };
+// (227 KiB per block on sm_90: the launcher adds 1024 bytes to align the tiles)
+static_assert(sizeof(Smem) + 1024 <= 227 * 1024, "shared memory per block");
 
 __device__ __forceinline__ float kh(const Smem& sm, int t, int c) { return __bfloat162float(sm.k[t * kLDH + c]) * sm.rk[t]; }
 __device__ __forceinline__ float qh(const Smem& sm, int t, int c) { return __bfloat162float(sm.q[t * kLDH + c]) * sm.rq[t]; }
@@ -800,7 +806,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int cc = 64 * wg + 16 * wq + (lane >> 2) + 8 * h;
-          sm.ext[cc] = ext_part[h] + sm.ep[kNB - 1][cc] * sm.etb[kNB - 1][cc] * cs[h];
+          sm.fin.ext[cc] = ext_part[h] + sm.ep[kNB - 1][cc] * sm.etb[kNB - 1][cc] * cs[h];
         }
     }
     float dgam[8][4];
@@ -866,9 +872,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       const int cc = tid & 127, h = tid >> 7;
       float tot = 0.f;
       for (int t = 32 * h + 31; t >= 32 * h; --t) tot += sm.eg[t * kLDF + cc];
-      sm.part[h][cc] = tot;
+      sm.fin.part[h][cc] = tot;
       __syncthreads();
-      float run = sm.ext[cc] + (h == 0 ? sm.part[1][cc] : 0.f);
+      float run = sm.fin.ext[cc] + (h == 0 ? sm.fin.part[1][cc] : 0.f);
       const float dtb = dt_bias_at(p, tk, cc);
       float ddt_acc = 0.f, dA_acc = 0.f;
       for (int t = 32 * h + 31; t >= 32 * h; --t) {
@@ -896,15 +902,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         st_bf16(p.dg, ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + cc, dgv);
       }
       __syncthreads();  // (part is reused)
-      sm.part[h][cc] = ddt_acc;
+      sm.fin.part[h][cc] = ddt_acc;
       __syncthreads();
-      if (tid < kD) p.ddt_partial[task * kD + tid] = sm.part[0][tid] + sm.part[1][tid];
+      if (tid < kD) p.ddt_partial[task * kD + tid] = sm.fin.part[0][tid] + sm.fin.part[1][tid];
       __syncthreads();
-      sm.part[h][cc] = dA_acc;
+      sm.fin.part[h][cc] = dA_acc;
       __syncthreads();
       if (tid == 0) {
         float a = 0.f;
-        for (int k = 0; k < kD; ++k) a += sm.part[0][k] + sm.part[1][k];
+        for (int k = 0; k < kD; ++k) a += sm.fin.part[0][k] + sm.fin.part[1][k];
         p.dA_partial[task] = a;
       }
     }
