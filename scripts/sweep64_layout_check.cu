@@ -41,6 +41,16 @@ int fragment_mismatches() {
       if ((k & 7) / 2 != q) ++bad;
     }
   }
+  // the 32-token halves of a [64][128] operand tile (dA, dMqk: each warpgroup's B operand) are the tile's rows
+  using LayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _128>{}));
+  alignas(1024) static bf16_t buf[64 * 128];
+  Tensor full = make_tensor(make_smem_ptr(buf), LayoutTile{});
+  for (int w = 0; w < 2; ++w) {
+    Tensor half = local_tile(full, Shape<_32, _128>{}, make_coord(w, _0{}));
+    for (int t = 0; t < 32; ++t)
+      for (int v = 0; v < 128; ++v)
+        if (&half(t, v) != &full(32 * w + t, v)) ++bad;
+  }
   return bad;
 }
 

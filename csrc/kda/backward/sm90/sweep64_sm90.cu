@@ -16,10 +16,10 @@
 //   Xᵀ = S_0 K⁺ᵀ, dRᵀ = dS_C Krᵀ (+ dOᵀ Mqk): wgmma with the state rows as the register A operand (WG w: value
 //     rows [64w, 64w + 64)), both operands split into bf16 hi + lo parts (three products: ~16-bit operands, as
 //     dβ = dY · (V - X) of a cancelling one-token sequence needs);
-//   Rᵀ = Yᵀ INVᵀ, dYᵀ = dRᵀ INV (mma.sync bf16, hi/lo split operands);
-//   dAᵀ = Rᵀ... (SS wgmma: dA = -stril(dY Rᵀ) on WG0, dMqk = tril(dO Rᵀ) on WG1, bf16 R, dY, dO tiles);
+//   Rᵀ = Yᵀ INVᵀ, dYᵀ = dRᵀ INV (mma.sync bf16, hi/lo split operands), then R and dY as hi + lo bf16 tiles;
+//   dA = -stril(dY Rᵀ), dMqk = tril(dO Rᵀ): SS wgmma, each warpgroup 32 of the 64 token columns;
 //   dQ⁺ᵀ = S_0ᵀ dOᵀ, dK⁺ᵀ = -S_0ᵀ (β dY)ᵀ, dKrᵀ = dS_Cᵀ Rᵀ: wgmma with the transposed state as the A operand
-//     (WG w: channels [64w, 64w + 64)), the state split hi/lo;
+//     (WG w: channels [64w, 64w + 64)), every operand but dO (exact) split hi/lo;
 //   the pair terms (3xTF32 mma.sync, factored by blocks; pairwise in wide diagonal blocks), dq, dk, dΓ per element,
 //   da = reverse cumsum of dΓ, the gate's chain rule, the L2-norm backward, dβ, dv.
 // The state is read from global memory (L2) straight into the wgmma A fragments (no shared-memory copy of it).
@@ -68,7 +68,7 @@ static_assert(kT == 64 && kD == 128 && kNB == 4, "the layouts below assume 64-to
 using LayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _128>{}));
 static_assert(cosize_v<LayoutTile> == kT * kD, "tile size");
 using MmaRS = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
-using MmaSS = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+using MmaSS = SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;  // dA, dMqk: N halves
 
 // 64 x 64 lower-block-triangular matrices: the 16 x 16 blocks (I, J), I >= J, packed row by row.
 __host__ __device__ constexpr int tri_block(int I, int J) { return I * (I + 1) / 2 + J; }
@@ -175,6 +175,26 @@ __device__ __forceinline__ void mma_block16(float (&d)[2][4], int nt0, int s0, i
   }
 }
 
+// The profile (KDA_SWEEP64_PROFILE=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
+// tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the tasks.
+constexpr int kProfSegs = 13;
+__device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
+struct Prof {
+  bool on = false;
+  long long t = 0;
+  __device__ __forceinline__ void start(bool o) {
+    on = o;
+    if (on) t = clock64(), kda_sweep64_prof[kProfSegs] += 1;
+  }
+  __device__ __forceinline__ void mark(int seg) {
+    if (on) {
+      const long long now = clock64();
+      kda_sweep64_prof[seg] += static_cast<unsigned long long>(now - t);
+      t = now;
+    }
+  }
+};
+
 struct Task {
   SeqRange s;
   int hv, hq;
@@ -194,6 +214,30 @@ __device__ __forceinline__ float log_decay(const TrainingBackwardParams& p, cons
 }
 __device__ __forceinline__ float dt_bias_at(const TrainingBackwardParams& p, const Task& tk, int c) {
   return p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + c] : 0.f;
+}
+
+// Pulls the state rows of a task (S_0 and dS_C, 64 KB each) and its token rows (q, k, v, dO, g) into L2.
+__device__ void prefetch_task(const TrainingBackwardParams& p, int64_t task) {
+  const int64_t slot = task / p.HV;
+  const int64_t n = slot_sequence(p.slot_cu_starts, p.N, slot);
+  if (n < 0) return;
+  const int hv = static_cast<int>(task % p.HV), tid = threadIdx.x;
+  const int64_t c = slot - p.slot_cu_starts[n];
+  const SeqRange s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
+  if (c * kT >= s.len) return;
+  const float* s0 = tape_state(p, n, c, hv);
+  const int sd = p.state_dim;
+  for (int i = tid; i < sd * sd / 32; i += kThreads)
+    if (s0 != nullptr) ptx::prefetch_l2(s0 + 32 * i);
+  if (slot < p.n_dstate_rows)
+    for (int i = tid; i < kD * kD / 32; i += kThreads) ptx::prefetch_l2(p.dstates + (slot * p.HV + hv) * kD * kD + 32 * i);
+  const int len = static_cast<int>(s.len - c * kT < kT ? s.len - c * kT : kT);
+  for (int i = tid; i < len * 10; i += kThreads) {  // 5 rows of 256 bytes per token
+    const int t = i / 10, r = (i % 10) >> 1;
+    const TokenTensor& tt = r == 0 ? p.k : (r == 1 ? p.q : (r == 2 ? p.v : (r == 3 ? p.dout : p.g)));
+    const int head = r < 2 ? hv / (p.HV / p.H) : hv;
+    ptx::prefetch_l2(tt.row<__nv_bfloat16>(s.batch, s.bos + c * kT + t, head) + 64 * (i & 1));
+  }
 }
 
 // Tokens, gate, β, norms, the block factors. Returns the wide flags of the four blocks (CTA-uniform): an unbounded
@@ -559,8 +603,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   Tensor bR = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutTile{}));
   Tensor bY = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutTile{}));
   Tensor bO = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dO), LayoutTile{}));
+  // SS operands of dA / dMqk: R (hi: r, lo: kp_hi) as A; dY (hi: dy, lo: kp_lo) and dO as B, the warpgroup's half
+  // of the tokens t in [32 wg, +32) (the same instructions in both warpgroups: no divergent wgmma)
+  const auto half = [&](bf16_t* ptr) {
+    return local_tile(make_tensor(make_smem_ptr(ptr), LayoutTile{}), Shape<_32, _128>{}, make_coord(wg, _0{}));
+  };
   Tensor aRs = thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(sm.r), LayoutTile{}));
-  Tensor bWs = thr_ss.partition_fragment_B(make_tensor(make_smem_ptr(wg == 0 ? sm.dy : sm.dO), LayoutTile{}));
+  Tensor aRls = thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(sm.kp_hi), LayoutTile{}));
+  Tensor bYs = thr_ss.partition_fragment_B(half(sm.dy));
+  Tensor bYls = thr_ss.partition_fragment_B(half(sm.kp_lo));
+  Tensor bOs = thr_ss.partition_fragment_B(half(sm.dO));
+  Tensor cW = thr_ss.partition_C(make_identity_tensor(Shape<_64, _32>{}));  // (t', t - 32 wg)
   Tensor aH = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _128>{}));  // ((2, 2, 2), 1, 8)
   Tensor aL = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _128>{}));
   Tensor cA = thr.partition_A(make_identity_tensor(Shape<_64, _128>{}));  // (row, k) of each A element
@@ -601,15 +654,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     const auto s0_at = [&](int v, int k) { return tk.S0 != nullptr && v < sd && k < sd ? tk.S0[v * sd + k] : 0.f; };
     const auto ds_at = [&](int v, int k) { return tk.dS != nullptr ? tk.dS[v * kD + k] : 0.f; };
 
+    Prof prof;
+    prof.start(p.profile && blockIdx.x == 0 && tid == 0);
+    if (task + gridDim.x < tasks) prefetch_task(p, task + gridDim.x);  // this CTA's next task, into L2
     bool wide[kNB];
     load_chunk(sm, p, tk, wide);
+    prof.mark(0);
     pair_matrices(sm, p, tk, wide);
     // K⁺ = k̂ e^{γ + P} (hi, lo)
     write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * egv(sm, t, cc) * sm.ep[t >> 4][cc]; });
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
 
-    // ---- Xᵀ = S_0 K⁺ᵀ (WG: value rows [64 wg, +64)), the inverse meanwhile
+    prof.mark(1);
+
+    // ---- Xᵀ = S_0 K⁺ᵀ (WG: value rows [64 wg, +64)), the inverse meanwhile; (V - X)ᵀ
     Tensor acc = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     fill_a([&](int m, int k) { return s0_at(64 * wg + m, k); });
     clear(acc);
@@ -621,35 +680,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     gemm(mma_rs, aH, bKl, acc);
     gemm(mma_rs, aL, bKh, acc);
     warpgroup_commit_batch();
+    prof.mark(2);
     unit_lower_inverse(sm);
+    prof.mark(3);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
-    float vx[8][4], y[8][4];  // (V - X)ᵀ, Yᵀ = β (V - X)ᵀ: row v, column t
+    float vx[8][4];  // (V - X)ᵀ: row v, column t
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int v = 64 * wg + get<0>(cC(i)), t = get<1>(cC(i));
       const float vv = t < tk.len ? ld_bf16(p.v.ptr, p.v.offset(tk.s.batch, tk.t0 + t, tk.hv) + v) : 0.f;
       vx[i >> 2][i & 3] = vv - acc(i);
-      y[i >> 2][i & 3] = sm.beta[t] * vx[i >> 2][i & 3];
-    }
-    // ---- Rᵀ = Yᵀ INVᵀ (INV[t][s] = 0 for s > t)
-    {
-      float r[8][4] = {};
-      mma_acc_rows<true, true>(r, y, [&](int s, int t) { return tri_at(sm.INV, t, s); },
-                               [](int kk, int nt) { return 16 * kk > 8 * nt + 7; });
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int v = 64 * wg + get<0>(cC(i)), t = get<1>(cC(i));
-        sm.r[swz_offset(LayoutTile{}, t, v)] = bf16_t(r[i >> 2][i & 3]);
-      }
     }
     __syncthreads();  // both warpgroups are done with the K⁺ tiles
     // Kr = k̂ e^{σ + Q} (hi, lo)
     write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * esv(sm, t, cc) * sm.eq[t >> 4][cc]; });
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
+    prof.mark(4);
 
-    // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk, dYᵀ = dRᵀ INV
+    // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk
     fill_a([&](int m, int k) { return ds_at(64 * wg + m, k); });
     clear(acc);
     warpgroup_fence_operand(aH);
@@ -688,11 +738,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(acc);
 #pragma unroll
     for (int i = 0; i < 32; ++i) dr[i >> 2][i & 3] += acc(i);
+    prof.mark(5);
+    // ---- Rᵀ = Yᵀ INVᵀ with Yᵀ = β (V - X)ᵀ (INV[t][s] = 0 for s > t), dYᵀ = dRᵀ INV (INV[s][t] = 0 for s < t)
+    float r[8][4] = {}, dyv[8][4] = {};
     {
-      float dyv[8][4] = {};
-      mma_acc_rows<true, true>(dyv, dr, [&](int s, int t) { return tri_at(sm.INV, s, t); },
-                               [](int kk, int nt) { return 16 * kk + 15 < 8 * nt; });
-      // dβ partial Σ_v dY (V - X) per token (fixed order: rows, then lanes, then warps), dv = β dY, the dY tile
+      float y[8][4];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) y[i >> 2][i & 3] = sm.beta[get<1>(cC(i))] * vx[i >> 2][i & 3];
+      mma_acc_rows<true, true>(r, y, [&](int s, int t) { return tri_at(sm.INV, t, s); },
+                               [](int kk, int nt) { return 16 * kk > 8 * nt + 7; });
+    }
+    mma_acc_rows<true, true>(dyv, dr, [&](int s, int t) { return tri_at(sm.INV, s, t); },
+                             [](int kk, int nt) { return 16 * kk + 15 < 8 * nt; });
+    {  // dβ partial Σ_v dY (V - X) per token (fixed order: rows, then lanes, then warps); dv = β dY
       float colsum[8][2];
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -712,20 +770,40 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
         const int v = 64 * wg + get<0>(cC(i)), t = get<1>(cC(i));
-        const float x = dyv[i >> 2][i & 3];
-        sm.dy[swz_offset(LayoutTile{}, t, v)] = bf16_t(x);
-        if (t < tk.len) st_bf16(p.dv, ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + v, sm.beta[t] * x);
+        if (t < tk.len)
+          st_bf16(p.dv, ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + v, sm.beta[t] * dyv[i >> 2][i & 3]);
       }
+    }
+    __syncthreads();  // both warpgroups are done with the Kr tiles
+    // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int o = swz_offset(LayoutTile{}, get<1>(cC(i)), 64 * wg + get<0>(cC(i)));
+      const float rv = r[i >> 2][i & 3], yv = dyv[i >> 2][i & 3];
+      const bf16_t rh = bf16_t(rv), yh = bf16_t(yv);
+      sm.r[o] = rh;
+      sm.kp_hi[o] = bf16_t(rv - float(rh));
+      sm.dy[o] = yh;
+      sm.kp_lo[o] = bf16_t(yv - float(yh));
     }
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
+    prof.mark(6);
 
-    // ---- dAᵀ (WG0) / dMqkᵀ (WG1) = R [dY | dO]ᵀ: [t'][t] = Σ_v R[t'][v] W[t][v]; dQ⁺ᵀ, dK⁺ᵀ with S_0ᵀ
-    Tensor accW = partition_fragment_C(mma_ss, Shape<_64, _64>{});
-    clear(accW);
-    warpgroup_fence_operand(accW);
+    // ---- dAᵀ, dMqkᵀ = R [dY | dO]ᵀ: [t'][t] = Σ_v R[t'][v] W[t][v], this warpgroup's tokens t; dQ⁺ᵀ, dK⁺ᵀ with S_0ᵀ
+    // (R_lo lives in the kp_hi tile, dY_lo in kp_lo)
+    Tensor accA = partition_fragment_C(mma_ss, Shape<_64, _32>{});
+    Tensor accM = partition_fragment_C(mma_ss, Shape<_64, _32>{});
+    clear(accA);
+    clear(accM);
+    warpgroup_fence_operand(accA);
+    warpgroup_fence_operand(accM);
     warpgroup_arrive();
-    gemm(mma_ss, aRs, bWs, accW);
+    gemm(mma_ss, aRs, bYs, accA);
+    gemm(mma_ss, aRs, bYls, accA);
+    gemm(mma_ss, aRls, bYs, accA);
+    gemm(mma_ss, aRs, bOs, accM);
+    gemm(mma_ss, aRls, bOs, accM);
     warpgroup_commit_batch();
     Tensor accQ = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     Tensor accK = partition_fragment_C(mma_rs, Shape<_64, _64>{});
@@ -740,23 +818,24 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     gemm(mma_rs, aH, bO, accQ);
     gemm(mma_rs, aL, bO, accQ);
     gemm(mma_rs, aH, bY, accK);
+    gemm(mma_rs, aH, bKl, accK);  // (dY lo)
     gemm(mma_rs, aL, bY, accK);
     warpgroup_commit_batch();
-    warpgroup_wait<1>();  // accW (the first batch) is done
-    warpgroup_fence_operand(accW);
+    warpgroup_wait<1>();  // dA, dMqk (the first batch) are done
+    warpgroup_fence_operand(accA);
+    warpgroup_fence_operand(accM);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {  // (t', t) -> dA(t, t') = -accW (t > t'), dMqk(t, t') = accW (t >= t')
-      const int tp = get<0>(cC(i)), t = get<1>(cC(i));
+    for (int i = 0; i < size(accA); ++i) {  // (t', t) -> dA(t, t') = -accA (t > t'), dMqk(t, t') = accM (t >= t')
+      const int tp = get<0>(cW(i)), t = 32 * wg + get<1>(cW(i));
       if ((tp >> 4) <= (t >> 4)) {
-        if (wg == 0)
-          sm.INV[tri(t, tp)] = t > tp ? -accW(i) : 0.f;
-        else
-          sm.M[tri(t, tp)] = t >= tp ? accW(i) : 0.f;
+        sm.INV[tri(t, tp)] = t > tp ? -accA(i) : 0.f;
+        sm.M[tri(t, tp)] = t >= tp ? accM(i) : 0.f;
       }
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(accQ);
     warpgroup_fence_operand(accK);
+    prof.mark(7);
     // ---- dKrᵀ = dS_Cᵀ Rᵀ, and the S_0 decay term colsum(dS_C ⊙ S_0) of this thread's channel rows
     float cs[2] = {0.f, 0.f};
 #pragma unroll
@@ -775,10 +854,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(accR);
     warpgroup_arrive();
     gemm(mma_rs, aH, bR, accR);
+    gemm(mma_rs, aH, bKh, accR);  // (R lo)
     gemm(mma_rs, aL, bR, accR);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
+    prof.mark(8);
     __syncthreads();  // dA, dMqk complete
 
     // ---- per element (row c = channel, column t): dq, dk_row, dk_col; then the pair terms
@@ -809,6 +890,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
           sm.fin.ext[cc] = ext_part[h] + sm.ep[kNB - 1][cc] * sm.etb[kNB - 1][cc] * cs[h];
         }
     }
+    prof.mark(9);
     float dgam[8][4];
     float* const sdq = reinterpret_cast<float*>(sm.kp_hi);  // [64][128] fp32 scratch (the dead K⁺/Kr tiles)
     float* const sdk = reinterpret_cast<float*>(sm.r);      // (the dead R and dY tiles)
@@ -831,6 +913,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     for (int i = 0; i < 32; ++i) sm.eg[get<1>(cC(i)) * kLDF + 64 * wg + get<0>(cC(i))] = dgam[i >> 2][i & 3];
     __syncthreads();
 
+    prof.mark(10);
     // ---- dβ: Σ_v dY (V - X) + Σ_j dA L (thread per token)
     if (tid < tk.len) {
       const int t = tid;
@@ -867,6 +950,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
             make_uint2(*reinterpret_cast<const uint32_t*>(&k01), *reinterpret_cast<const uint32_t*>(&k23));
       }
     }
+    prof.mark(11);
     // ---- da = reverse cumsum of dΓ (+ ext), the gate's chain rule; thread (channel c, tokens [32 h, +32))
     {
       const int cc = tid & 127, h = tid >> 7;
@@ -877,10 +961,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       float run = sm.fin.ext[cc] + (h == 0 ? sm.fin.part[1][cc] : 0.f);
       const float dtb = dt_bias_at(p, tk, cc);
       float ddt_acc = 0.f, dA_acc = 0.f;
-      for (int t = 32 * h + 31; t >= 32 * h; --t) {
+      float xg[32];  // the gate inputs, loaded before the serial walk
+#pragma unroll
+      for (int u = 0; u < 32; ++u) {
+        const int t = 32 * h + u;
+        xg[u] = t < tk.len ? ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + cc) + dtb : 0.f;
+      }
+#pragma unroll
+      for (int u = 31; u >= 0; --u) {
+        const int t = 32 * h + u;
         run += sm.eg[t * kLDF + cc];
         if (t >= tk.len) continue;
-        const float x = ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + cc) + dtb;
+        const float x = xg[u];
         float dgv;
         if (p.gate_mode == GateMode::kLowerBound) {
           const float z = tk.A * x, sg = sigmoidf_(z);
@@ -914,6 +1006,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         p.dA_partial[task] = a;
       }
     }
+    prof.mark(12);
   }
 #endif
 }
@@ -943,6 +1036,28 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
   if (const char* e = std::getenv("KDA_TRAINING_VERBOSE"); e != nullptr && e[0] == '1')
     std::fprintf(stderr, "kda training sweep: wgmma64 (sm_90a), grid %d x %d threads, %d B shared memory\n", p.grid,
                  sweep64::kThreads, smem);
+  // KDA_SWEEP64_PROFILE=1 (a diagnostic: synchronises, so never under graph capture): the cycles of CTA 0 per
+  // phase, to stderr.
+  const char* pe = std::getenv("KDA_SWEEP64_PROFILE");
+  if (pe != nullptr && pe[0] == '1') {
+    unsigned long long zero[sweep64::kProfSegs + 1] = {};
+    KDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(sweep64::kda_sweep64_prof, zero, sizeof(zero)));
+    TrainingBackwardParams q = p;
+    q.profile = true;
+    kernel<<<p.grid, sweep64::kThreads, smem, stream>>>(q);
+    KDA_CHECK_LAUNCH();
+    KDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    unsigned long long prof[sweep64::kProfSegs + 1];
+    KDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(prof, sweep64::kda_sweep64_prof, sizeof(prof)));
+    static const char* names[sweep64::kProfSegs] = {"load", "L/Mqk+K+", "X issue", "inverse", "X wait+Kr",
+                                                    "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms",
+                                                    "dgam", "dbeta+l2", "da+partials"};
+    const double tasks = prof[sweep64::kProfSegs] > 0 ? double(prof[sweep64::kProfSegs]) : 1.0;
+    std::fprintf(stderr, "kda sweep64 profile: CTA 0, %llu tasks, cycles per task:", prof[sweep64::kProfSegs]);
+    for (int i = 0; i < sweep64::kProfSegs; ++i) std::fprintf(stderr, " %s %.0f", names[i], prof[i] / tasks);
+    std::fprintf(stderr, "\n");
+    return cudaSuccess;
+  }
   kernel<<<p.grid, sweep64::kThreads, smem, stream>>>(p);
   KDA_CHECK_LAUNCH();
   return cudaSuccess;
