@@ -482,7 +482,7 @@ __device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, cons
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const auto wl = [&](int i, int j) { return sm.beta[i] * tri_at(sm.INV, i, j); };
   const auto wm = [&](int i, int j) { return tri_at(sm.M, i, j); };
-#pragma unroll  // (I a constant: dq, dkr, dkc stay in registers)
+#pragma unroll 1  // (a loop: a quarter of the code; dq, dkr, dkc indexed by I)
   for (int I = 0; I < kNB; ++I) {
     const int i0 = kB * I, mid = i0 + kB / 2;
     float rm[2][4] = {}, rl[2][4] = {}, cm[2][4] = {}, cl[2][4] = {};
