@@ -11,8 +11,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import kda_ops  # noqa: E402
 from _training_cases import GRADS, make_case, reference_grads  # noqa: E402
+
+import kda_ops  # noqa: E402
 from kda_ops.reference import rel_rms  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")

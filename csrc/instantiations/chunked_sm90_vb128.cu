@@ -23,12 +23,7 @@ int chunked_sm90_mode() {
 }
 
 bool chunked_sm90_supported(const RecurrentParams& p) {
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return false;
-  if (major != 9 || minor != 0) return false;
+  if (!current_device_is_sm90()) return false;
   if (p.K != chunked_sm90::kD || p.V != chunked_sm90::kD || p.token_dtype != DType::kBFloat16) return false;
   if (p.num_spec_tokens > 0 || p.checkpoint_every_n_tokens % chunked_sm90::kC != 0) return false;
   if (p.state_source != nullptr && p.state_source_dtype != DType::kFloat32 && p.state_source_dtype != DType::kBFloat16)

@@ -729,10 +729,9 @@ _MODE_CASES.append(("lower_bound-logit-l2-K64-T200", ("lower_bound", True, True)
 _MODE_CASES.append(("softplus-logit-l2-K64-packed", ("softplus", True, True), 64, [70, 0, 129], 1, 2, -1.0, "random"))
 
 
-@pytest.mark.parametrize("case", _MODE_CASES, ids=[c[0] for c in _MODE_CASES])
-def test_training_every_mode_vs_reference(case):
-    """kda_ops.kda on CUDA (forward with tapes + the backward) in each mode: output, final state and the eight
-    gradients against fp64 autograd through the token loop; recurrent_kda_backward gives the same gradients."""
+def _mode_case_inputs(case):
+    """make_case's inputs of a _MODE_CASES row (T a length or a list of packed lengths; "zero": a zero initial
+    state, None: none)."""
     label, mode, Kd, T, H, HV, lam, init = case
     cu = None
     if isinstance(T, list):
@@ -744,12 +743,19 @@ def test_training_every_mode_vs_reference(case):
     )
     if init == "zero":
         x["initial_state"].zero_()
+    return x, kw, do, dS
+
+
+@pytest.mark.parametrize("case", _MODE_CASES, ids=[c[0] for c in _MODE_CASES])
+def test_training_every_mode_vs_reference(case):
+    """kda_ops.kda on CUDA (forward with tapes + the backward) in each mode: output, final state and the eight
+    gradients against fp64 autograd through the token loop; recurrent_kda_backward gives the same gradients."""
+    label = case[0]
+    x, kw, do, dS = _mode_case_inputs(case)
     ro, rfs, ref = reference_grads(x, kw, do, dS)
     c = _to_cuda(x)
     leaves = {n: None if c[n] is None else c[n].detach().clone().requires_grad_() for n in _NAMES}
-    o, fs = kda_ops.kda(
-        *(leaves[n] for n in _NAMES), cu_seqlens=c["cu_seqlens"], output_final_state=True, **kw
-    )
+    o, fs = kda_ops.kda(*(leaves[n] for n in _NAMES), cu_seqlens=c["cu_seqlens"], output_final_state=True, **kw)
     assert rel_rms(o, ro) <= TOL_OUT, f"{label}: output rel RMS {rel_rms(o, ro):.2e}"
     assert rel_rms(fs, rfs) <= TOL_STATE, f"{label}: final state rel RMS {rel_rms(fs, rfs):.2e}"
     (o.float() * do.cuda().float()).sum().add((fs * dS.cuda()).sum()).backward()
@@ -815,17 +821,8 @@ def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     monkeypatch.delenv("KDA_TRAINING_BACKWARD_HOST", raising=False)
     monkeypatch.setenv("KDA_TRAINING_SWEEP", sweep)
     monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
-    label, mode, Kd, T, H, HV, lam, init = case
-    cu = None
-    if isinstance(T, list):
-        cu = [0]
-        for n in T:
-            cu.append(cu[-1] + n)
-    x, kw, do, dS = make_case(
-        mode, T=T if cu is None else 1, cu=cu, H=H, HV=HV, K=Kd, init=init is not None, seed=len(label), lb=lam
-    )
-    if init == "zero":
-        x["initial_state"].zero_()
+    label = case[0]
+    x, kw, do, dS = _mode_case_inputs(case)
     ref = reference_grads(x, kw, do, dS)[2]
     c = _to_cuda(x)
     g = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
@@ -927,8 +924,14 @@ def test_training_as_on_a_small_shared_memory_gpu(mode, tmp_path):
     for Kd in (128, 64):
         path = str(tmp_path / f"g{Kd}.pt")
         argv = [gate, "logit" if logit else "plain", "l2" if l2 else "nol2", str(Kd), path]
-        r = subprocess.run([sys.executable, "-c", _SMALL_GPU_CHILD, *argv], capture_output=True, text=True,
-                           timeout=300, cwd=root, env=env)
+        r = subprocess.run(
+            [sys.executable, "-c", _SMALL_GPU_CHILD, *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=root,
+            env=env,
+        )
         assert r.returncode == 0, r.stderr[-4000:]
         assert "kda training sweep: small" in r.stderr and "kda training sweep: default" not in r.stderr
         x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 230], H=2, HV=4, K=Kd, seed=29, lb=-5.0)

@@ -26,4 +26,14 @@ int cached_device_attribute(int fallback) {
   return v;
 }
 
+// Whether the current device is compute capability 9.0 (H100 / H200: the sm_90a kernels' GPUs).
+inline bool current_device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+}
+
 }  // namespace kda

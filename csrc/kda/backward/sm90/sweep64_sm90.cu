@@ -195,6 +195,24 @@ struct Prof {
   }
 };
 
+// Issues acc += A_hi·B_hi + A_hi·B_lo + A_lo·B_hi (not waited): the wgmma products of two operands split in
+// bf16 hi + lo parts, A in registers.
+template <class M, class TA, class TB1, class TB2, class TC>
+__device__ __forceinline__ void split3(M& mma, TA& a_hi, TA& a_lo, TB1& b_hi, TB2& b_lo, TC& acc) {
+  gemm(mma, a_hi, b_hi, acc);
+  gemm(mma, a_hi, b_lo, acc);
+  gemm(mma, a_lo, b_hi, acc);
+}
+// Clears acc and opens a wgmma batch reading the register operands a_hi, a_lo.
+template <class TA, class TC>
+__device__ __forceinline__ void open_batch(TA& a_hi, TA& a_lo, TC& acc) {
+  clear(acc);
+  warpgroup_fence_operand(a_hi);
+  warpgroup_fence_operand(a_lo);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+}
+
 struct Task {
   SeqRange s;
   int hv, hq;
@@ -671,14 +689,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     // ---- Xᵀ = S_0 K⁺ᵀ (WG: value rows [64 wg, +64)), the inverse meanwhile; (V - X)ᵀ
     Tensor acc = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     fill_a([&](int m, int k) { return s0_at(64 * wg + m, k); });
-    clear(acc);
-    warpgroup_fence_operand(aH);
-    warpgroup_fence_operand(aL);
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    gemm(mma_rs, aH, bKh, acc);
-    gemm(mma_rs, aH, bKl, acc);
-    gemm(mma_rs, aL, bKh, acc);
+    open_batch(aH, aL, acc);
+    split3(mma_rs, aH, aL, bKh, bKl, acc);
     warpgroup_commit_batch();
     prof.mark(2);
     unit_lower_inverse(sm);
@@ -701,14 +713,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 
     // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk
     fill_a([&](int m, int k) { return ds_at(64 * wg + m, k); });
-    clear(acc);
-    warpgroup_fence_operand(aH);
-    warpgroup_fence_operand(aL);
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    gemm(mma_rs, aH, bKh, acc);
-    gemm(mma_rs, aH, bKl, acc);
-    gemm(mma_rs, aL, bKh, acc);
+    open_batch(aH, aL, acc);
+    split3(mma_rs, aH, aL, bKh, bKl, acc);
     warpgroup_commit_batch();
     float dr[8][4] = {};
     {  // dOᵀ Mqk: A = dOᵀ [v][s] from the dO tile (exact bf16), B(s, t) = Mqk[s][t] (0 for s < t), hi + lo
@@ -809,17 +815,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     Tensor accK = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     fill_a([&](int m, int k) { return s0_at(k, 64 * wg + m); });  // S_0ᵀ: row = channel, k = value row
     clear(accQ);
-    clear(accK);
-    warpgroup_fence_operand(aH);
-    warpgroup_fence_operand(aL);
     warpgroup_fence_operand(accQ);
-    warpgroup_fence_operand(accK);
-    warpgroup_arrive();
+    open_batch(aH, aL, accK);
     gemm(mma_rs, aH, bO, accQ);
     gemm(mma_rs, aL, bO, accQ);
-    gemm(mma_rs, aH, bY, accK);
-    gemm(mma_rs, aH, bKl, accK);  // (dY lo)
-    gemm(mma_rs, aL, bY, accK);
+    split3(mma_rs, aH, aL, bY, bKl, accK);  // (dY lo in the kp_lo tile)
     warpgroup_commit_batch();
     warpgroup_wait<1>();  // dA, dMqk (the first batch) are done
     warpgroup_fence_operand(accA);
@@ -848,14 +848,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       aL(i) = bf16_t(x - float(h));
     }
     Tensor accR = partition_fragment_C(mma_rs, Shape<_64, _64>{});
-    clear(accR);
-    warpgroup_fence_operand(aH);
-    warpgroup_fence_operand(aL);
-    warpgroup_fence_operand(accR);
-    warpgroup_arrive();
-    gemm(mma_rs, aH, bR, accR);
-    gemm(mma_rs, aH, bKh, accR);  // (R lo)
-    gemm(mma_rs, aL, bR, accR);
+    open_batch(aH, aL, accR);
+    split3(mma_rs, aH, aL, bR, bKh, accR);  // (R lo in the kp_hi tile)
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
@@ -1017,13 +1011,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 int64_t training_backward_sweep64_smem_bytes() { return static_cast<int64_t>(sizeof(sweep64::Smem)) + 1024; }
 
 bool training_backward_sweep64_supported() {
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return false;
-  if (major != 9 || minor != 0) return false;
-  return training_backward_sweep64_smem_bytes() <=
+  return current_device_is_sm90() && training_backward_sweep64_smem_bytes() <=
          cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
 }
 
