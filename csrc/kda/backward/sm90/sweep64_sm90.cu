@@ -158,6 +158,7 @@ __device__ __forceinline__ void mma_acc_rows(float (&d)[8][4], const float (&x)[
 template <class FA, class FB>
 __device__ __forceinline__ void mma_block16(float (&d)[2][4], int nt0, int s0, int s1, FA fa, FB fb) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll 1
   for (int k0 = s0; k0 < s1; k0 += 8) {
     const float af[4] = {fa(g, k0 + q), fa(g + 8, k0 + q), fa(g, k0 + q + 4), fa(g + 8, k0 + q + 4)};
     uint32_t ah[4], al[4];
@@ -223,8 +224,9 @@ struct Task {
   const float* dS;  // dS_C, [128][128] (null: zeros)
 };
 
-// The log-decay of token t, channel c (0 past the chunk's end), in nats.
-__device__ __forceinline__ float log_decay(const TrainingBackwardParams& p, const Task& tk, int t, int c, float dtb) {
+// The log-decay of token t, channel c (0 past the chunk's end), in nats. Not inlined: the gate's three modes at
+// each of its call sites (unrolled loops) made the kernel's code several times larger than the instruction cache.
+__device__ __noinline__ float log_decay(const TrainingBackwardParams& p, const Task& tk, int t, int c, float dtb) {
   if (t >= tk.len) return 0.f;
   const float x = ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + c);
   if (p.gate_mode == GateMode::kLowerBound) return p.lower_bound * sigmoidf_(tk.A * (x + dtb));
@@ -365,6 +367,7 @@ __device__ void pair_matrices(Smem& sm, const TrainingBackwardParams& p, const T
     };
     // (two products share the column operand: rows k̂ for L, q̂ for Mqk)
     const int lg = lane >> 2, lq = lane & 3;
+#pragma unroll 1
     for (int k0 = 0; k0 < kD; k0 += 8) {
       float akf[4], aqf[4];
 #pragma unroll
