@@ -153,28 +153,6 @@ __device__ __forceinline__ void mma_acc_rows(float (&d)[8][4], const float (&x)[
   }
 }
 
-// d[n] += Σ_{s in [s0, s1)} A(m, s) B(s, 8 (nt0 + n) + col) for n < 2 (one 16-column block) and this warp's 16 rows:
-// 3xTF32 mma.sync m16n8k8 (~fp32), operands from accessors; s1 - s0 a multiple of 8.
-template <class FA, class FB>
-__device__ __forceinline__ void mma_block16(float (&d)[2][4], int nt0, int s0, int s1, FA fa, FB fb) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll 1
-  for (int k0 = s0; k0 < s1; k0 += 8) {
-    const float af[4] = {fa(g, k0 + q), fa(g + 8, k0 + q), fa(g, k0 + q + 4), fa(g + 8, k0 + q + 4)};
-    uint32_t ah[4], al[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) ah[i] = tf32_hi(af[i]), al[i] = tf32(af[i] - __uint_as_float(ah[i]));
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int col = 8 * (nt0 + n) + g;
-      const float b0 = fb(k0 + q, col), b1 = fb(k0 + q + 4, col);
-      const uint32_t bh0 = tf32_hi(b0), bh1 = tf32_hi(b1);
-      mma_tf32(d[n], al, bh0, bh1);
-      mma_tf32(d[n], ah, tf32(b0 - __uint_as_float(bh0)), tf32(b1 - __uint_as_float(bh1)));
-      mma_tf32(d[n], ah, bh0, bh1);
-    }
-  }
-}
 
 // The profile (KDA_SWEEP64_PROFILE=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
 // tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the tasks.
@@ -212,6 +190,46 @@ __device__ __forceinline__ void open_batch(TA& a_hi, TA& a_lo, TC& acc) {
   warpgroup_fence_operand(a_lo);
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
+}
+
+// d1[n] += Σ_{s in [s0, s1)} A1(m, s) B1(s, 8 (nt0 + n) + col) and d2[n] likewise with A2, B2, for n < 2 (one
+// 16-column block) and this warp's 16 rows: 3xTF32 mma.sync m16n8k8 (~fp32), operands from accessors, the two
+// products in one loop; kSharedA: A2 is A1 (evaluated once). s1 - s0 a multiple of 8.
+template <bool kSharedA, class FA1, class FA2, class FB1, class FB2>
+__device__ __forceinline__ void mma_block16x2(float (&d1)[2][4], float (&d2)[2][4], int nt0, int s0, int s1, FA1 fa1,
+                                              FA2 fa2, FB1 fb1, FB2 fb2) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const auto split = [](const float (&af)[4], uint32_t (&ah)[4], uint32_t (&al)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ah[i] = tf32_hi(af[i]), al[i] = tf32(af[i] - __uint_as_float(ah[i]));
+  };
+  const auto mma3 = [](float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4], float b0, float b1) {
+    const uint32_t bh0 = tf32_hi(b0), bh1 = tf32_hi(b1);
+    mma_tf32(d, al, bh0, bh1);
+    mma_tf32(d, ah, tf32(b0 - __uint_as_float(bh0)), tf32(b1 - __uint_as_float(bh1)));
+    mma_tf32(d, ah, bh0, bh1);
+  };
+#pragma unroll 1
+  for (int k0 = s0; k0 < s1; k0 += 8) {
+    uint32_t a1h[4], a1l[4], a2h[4], a2l[4];
+    {
+      const float af[4] = {fa1(g, k0 + q), fa1(g + 8, k0 + q), fa1(g, k0 + q + 4), fa1(g + 8, k0 + q + 4)};
+      split(af, a1h, a1l);
+    }
+    if constexpr (!kSharedA) {
+      const float af[4] = {fa2(g, k0 + q), fa2(g + 8, k0 + q), fa2(g, k0 + q + 4), fa2(g + 8, k0 + q + 4)};
+      split(af, a2h, a2l);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int col = 8 * (nt0 + n) + g;
+      mma3(d1[n], a1h, a1l, fb1(k0 + q, col), fb1(k0 + q + 4, col));
+      if constexpr (kSharedA)
+        mma3(d2[n], a1h, a1l, fb2(k0 + q, col), fb2(k0 + q + 4, col));
+      else
+        mma3(d2[n], a2h, a2l, fb2(k0 + q, col), fb2(k0 + q + 4, col));
+    }
+  }
 }
 
 struct Task {
@@ -510,8 +528,8 @@ __device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, cons
     // row terms, off-diagonal: Σ_{j < i0} W(i, j) k̂_j e^{σ_j} D_{I,J(j)}, then x e^{γ_i}
     if (I > 0) {
       const auto a = [&](int m, int j) { const int c = c0 + m; return kh(sm, j, c) * esv(sm, j, c) * dij(sm, I, j >> 4, c); };
-      mma_block16(rm, 2 * I, 0, i0, a, [&](int j, int i) { return wm(i, j); });
-      mma_block16(rl, 2 * I, 0, i0, a, [&](int j, int i) { return wl(i, j); });
+      mma_block16x2<true>(rm, rl, 2 * I, 0, i0, a, a, [&](int j, int i) { return wm(i, j); },
+                          [&](int j, int i) { return wl(i, j); });
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -523,12 +541,11 @@ __device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, cons
     }
     // column terms, off-diagonal: Σ_{i >= i0 + 16} W(i, j) x_i e^{γ_i} D_{I(i),J}, then x e^{σ_j}
     if (I < kNB - 1) {
-      mma_block16(cm, 2 * I, i0 + kB, kT,
-                  [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
-                  [&](int i, int j) { return wm(i, j); });
-      mma_block16(cl, 2 * I, i0 + kB, kT,
-                  [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
-                  [&](int i, int j) { return wl(i, j); });
+      mma_block16x2<false>(
+          cm, cl, 2 * I, i0 + kB, kT,
+          [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
+          [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
+          [&](int i, int j) { return wm(i, j); }, [&](int i, int j) { return wl(i, j); });
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -541,14 +558,13 @@ __device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, cons
     if (!wide[I]) {  // diagonal block, middle-token reference
       float dm_[2][4] = {}, dl_[2][4] = {}, em[2][4] = {}, el[2][4] = {};
       const auto kN = [&](int m, int j) { const int c = c0 + m; return kh(sm, j, c) * (egv(sm, mid, c) / egv(sm, j, c)); };
-      mma_block16(dm_, 2 * I, i0, i0 + kB, kN, [&](int j, int i) { return wm(i, j); });
-      mma_block16(dl_, 2 * I, i0, i0 + kB, kN, [&](int j, int i) { return wl(i, j); });
-      mma_block16(em, 2 * I, i0, i0 + kB,
-                  [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * sm.iem[I][c]; },
-                  [&](int i, int j) { return wm(i, j); });
-      mma_block16(el, 2 * I, i0, i0 + kB,
-                  [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * sm.iem[I][c]; },
-                  [&](int i, int j) { return wl(i, j); });
+      mma_block16x2<true>(dm_, dl_, 2 * I, i0, i0 + kB, kN, kN, [&](int j, int i) { return wm(i, j); },
+                          [&](int j, int i) { return wl(i, j); });
+      mma_block16x2<false>(
+          em, el, 2 * I, i0, i0 + kB,
+          [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * sm.iem[I][c]; },
+          [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * sm.iem[I][c]; },
+          [&](int i, int j) { return wm(i, j); }, [&](int i, int j) { return wl(i, j); });
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -958,15 +974,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       float run = sm.fin.ext[cc] + (h == 0 ? sm.fin.part[1][cc] : 0.f);
       const float dtb = dt_bias_at(p, tk, cc);
       float ddt_acc = 0.f, dA_acc = 0.f;
-      float xg[32];  // the gate inputs, loaded before the serial walk
+#pragma unroll 1
+      for (int u0 = 24; u0 >= 0; u0 -= 8) {  // groups of 8 tokens, last first
+      float xg[8];  // the gate inputs, loaded before the serial walk
 #pragma unroll
-      for (int u = 0; u < 32; ++u) {
-        const int t = 32 * h + u;
+      for (int u = 0; u < 8; ++u) {
+        const int t = 32 * h + u0 + u;
         xg[u] = t < tk.len ? ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + cc) + dtb : 0.f;
       }
 #pragma unroll
-      for (int u = 31; u >= 0; --u) {
-        const int t = 32 * h + u;
+      for (int u = 7; u >= 0; --u) {
+        const int t = 32 * h + u0 + u;
         run += sm.eg[t * kLDF + cc];
         if (t >= tk.len) continue;
         const float x = xg[u];
@@ -989,6 +1007,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
           }
         }
         st_bf16(p.dg, ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + cc, dgv);
+      }
       }
       __syncthreads();  // (part is reused)
       sm.fin.part[h][cc] = ddt_acc;
