@@ -80,10 +80,10 @@ __device__ __forceinline__ int tri(int i, int j) {
 __device__ __forceinline__ float tri_at(const float* m, int i, int j) { return (j >> 4) > (i >> 4) ? 0.f : m[tri(i, j)]; }
 
 struct alignas(1024) Smem {
-  bf16_t kp_hi[kT * kD];  // K⁺, then Kr (hi parts); with kp_lo, the fp32 dq̂ scratch [64][128] at the end
-  bf16_t kp_lo[kT * kD];  // K⁺, then Kr (lo parts)
-  bf16_t r[kT * kD];      // R [t][v]; with dy, the fp32 dk̂ scratch [64][128] at the end
-  bf16_t dy[kT * kD];     // dY [t][v]
+  bf16_t kp_hi[kT * kD];  // K⁺, then Kr (hi parts), then R's lo part; with kp_lo, the fp32 dq̂ scratch [64][128] last
+  bf16_t kp_lo[kT * kD];  // K⁺, then Kr (lo parts), then dY's lo part
+  bf16_t r[kT * kD];      // R [t][v] (hi part); with dy, the fp32 dk̂ scratch [64][128] last
+  bf16_t dy[kT * kD];     // dY [t][v] (hi part)
   bf16_t dO[kT * kD];     // dO [t][v]
   __nv_bfloat16 q[kT * kLDH], k[kT * kLDH];  // raw q, k (0 past the chunk's end)
   float eg[kT * kLDF];  // e^{γ}; dΓ at the end
