@@ -63,6 +63,9 @@ constexpr int kThreads = 256;  // two warpgroups
 constexpr int kLDF = kD + 4;   // fp32 [token][channel] rows
 constexpr int kLDH = kD + 8;   // bf16 [token][channel] rows (272 bytes: 16-byte aligned)
 static_assert(kT == 64 && kD == 128 && kNB == 4, "the layouts below assume 64-token tasks and 128 channels");
+// The widest |γ| of a lower-bound gate block that takes the middle-token reference: 16 |λ| for the contract's
+// λ >= -5 (each factor then <= e^{40}, e^{γ} >= e^{-80} a normal fp32 number); wider only if λ < -5 reached the kernel.
+constexpr float kLowerBoundSpan = 80.f;
 
 // wgmma operand tiles: [64 tokens][128], K-major, 128-byte swizzle (16 KB, 1024-byte aligned).
 using LayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _128>{}));
@@ -317,7 +320,7 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
 #pragma unroll
       for (int u = 0; u < kB; ++u) run += av[u], gam[u] = run;
       float suf = 0.f;
-      bool w = false;
+      bool w = false, wl = false;
 #pragma unroll
       for (int u = kB - 1; u >= 0; --u) {
         const int o = (kB * b + u) * kLDF + c;
@@ -325,10 +328,12 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
         sm.es[o] = __expf(suf);
         suf += av[u];
         w = w || !(fabsf(gam[u]) <= kNarrowSpan);
+        wl = wl || !(fabsf(gam[u]) <= kLowerBoundSpan);
       }
       sm.etb[b][c] = __expf(run);
       sm.iem[b][c] = __expf(-gam[kB / 2]);
-      w2[bb] = p.gate_mode != GateMode::kLowerBound && w;
+      // (the lower-bound gate's blocks are narrow for λ >= -5, |γ| < 80; wider only for a λ the op refuses)
+      w2[bb] = p.gate_mode != GateMode::kLowerBound ? w : wl;
     }
   }
 #pragma unroll
@@ -716,6 +721,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     prof.mark(3);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
+    warpgroup_fence_operand(aH);  // (the A fragments are refilled below)
+    warpgroup_fence_operand(aL);
     float vx[8][4];  // (V - X)ᵀ: row v, column t
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
@@ -761,6 +768,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
+    warpgroup_fence_operand(aH);
+    warpgroup_fence_operand(aL);
 #pragma unroll
     for (int i = 0; i < 32; ++i) dr[i >> 2][i & 3] += acc(i);
     prof.mark(5);
@@ -854,6 +863,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_wait<0>();
     warpgroup_fence_operand(accQ);
     warpgroup_fence_operand(accK);
+    warpgroup_fence_operand(aH);
+    warpgroup_fence_operand(aL);
     prof.mark(7);
     // ---- dKrᵀ = dS_Cᵀ Rᵀ, and the S_0 decay term colsum(dS_C ⊙ S_0) of this thread's channel rows
     float cs[2] = {0.f, 0.f};
@@ -968,7 +979,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     {
       const int cc = tid & 127, h = tid >> 7;
       float tot = 0.f;
-      for (int t = 32 * h + 31; t >= 32 * h; --t) tot += sm.eg[t * kLDF + cc];
+      for (int t = 32 * h + 31; t >= 32 * h; --t)
+        if (t < tk.len) tot += sm.eg[t * kLDF + cc];  // (padding tokens: dΓ = 0 unless something was not finite)
       sm.fin.part[h][cc] = tot;
       __syncthreads();
       float run = sm.fin.ext[cc] + (h == 0 ? sm.fin.part[1][cc] : 0.f);
@@ -985,8 +997,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll
       for (int u = 7; u >= 0; --u) {
         const int t = 32 * h + u0 + u;
-        run += sm.eg[t * kLDF + cc];
         if (t >= tk.len) continue;
+        run += sm.eg[t * kLDF + cc];
         const float x = xg[u];
         float dgv;
         if (p.gate_mode == GateMode::kLowerBound) {
