@@ -180,7 +180,8 @@ Tensor first_state_block(const Tensor& t) {
 // shared memory (sm_90/sm_100-class GPUs allow 227 KiB), the small one (S and dS in a global scratch, ~92 KiB of
 // shared memory) where it gets less (sm_120: ~99 KiB), the CPU op on host copies where even that does not fit.
 // Read on every call: KDA_TRAINING_SWEEP=small takes the small sweep on any GPU (so it can be tested where the
-// memory is there; the same bits), =sub16 the 16-token sweep; KDA_TRAINING_BACKWARD_HOST=1 the host route.
+// memory is there; the same bits); any other value (`sub16` by convention) the default route; KDA_TRAINING_BACKWARD_HOST=1
+// the host route.
 enum class SweepRoute { kDefault, kSmall, kHost, kSweep64 };
 SweepRoute sweep_route() {
   const char* e = std::getenv("KDA_TRAINING_BACKWARD_HOST");

@@ -526,6 +526,16 @@ __device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, cons
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const auto wl = [&](int i, int j) { return sm.beta[i] * tri_at(sm.INV, i, j); };
   const auto wm = [&](int i, int j) { return tri_at(sm.M, i, j); };
+  // d1, d2 of the 16-column block I *= f(column t, channel c), element by element
+  const auto scale2 = [&](float (&d1)[2][4], float (&d2)[2][4], int I, auto f) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = f(8 * (2 * I + n) + 2 * q + (e & 1), c0 + g + 8 * (e >> 1));
+        d1[n][e] *= x, d2[n][e] *= x;
+      }
+  };
 #pragma unroll 1  // (a loop: a quarter of the code; dq, dkr, dkc indexed by I)
   for (int I = 0; I < kNB; ++I) {
     const int i0 = kB * I, mid = i0 + kB / 2;
@@ -535,14 +545,7 @@ __device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, cons
       const auto a = [&](int m, int j) { const int c = c0 + m; return kh(sm, j, c) * esv(sm, j, c) * dij(sm, I, j >> 4, c); };
       mma_block16x2<true>(rm, rl, 2 * I, 0, i0, a, a, [&](int j, int i) { return wm(i, j); },
                           [&](int j, int i) { return wl(i, j); });
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = c0 + g + 8 * (e >> 1), i = 8 * (2 * I + n) + 2 * q + (e & 1);
-          const float f = egv(sm, i, c);
-          rm[n][e] *= f, rl[n][e] *= f;
-        }
+      scale2(rm, rl, I, [&](int i, int c) { return egv(sm, i, c); });
     }
     // column terms, off-diagonal: Σ_{i >= i0 + 16} W(i, j) x_i e^{γ_i} D_{I(i),J}, then x e^{σ_j}
     if (I < kNB - 1) {
@@ -551,14 +554,7 @@ __device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, cons
           [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
           [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
           [&](int i, int j) { return wm(i, j); }, [&](int i, int j) { return wl(i, j); });
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = c0 + g + 8 * (e >> 1), j = 8 * (2 * I + n) + 2 * q + (e & 1);
-          const float f = esv(sm, j, c);
-          cm[n][e] *= f, cl[n][e] *= f;
-        }
+      scale2(cm, cl, I, [&](int j, int c) { return esv(sm, j, c); });
     }
     if (!wide[I]) {  // diagonal block, middle-token reference
       float dm_[2][4] = {}, dl_[2][4] = {}, em[2][4] = {}, el[2][4] = {};
