@@ -245,13 +245,21 @@ struct Task {
   const float* dS;  // dS_C, [128][128] (null: zeros)
 };
 
-// The log-decay of token t, channel c (0 past the chunk's end), in nats. Not inlined: the gate's three modes at
-// each of its call sites (unrolled loops) made the kernel's code several times larger than the instruction cache.
+// The log-decay a of an unbounded gate from its input x (g + dt_bias), in nats. Not inlined: the call sites are in
+// unrolled loops, and its code (softplus) at each of them made the kernel several times larger than the
+// instruction cache. Scalars only (a reference to the kernel parameters would put them in local memory).
+__device__ __noinline__ float unbounded_gate(bool softplus, float x, float A) { return unbounded_log_decay(softplus, x, A); }
+// The log-decay of input x (g + dt_bias) in nats: the lower-bound gate inline (two instructions' worth), the others
+// through the call above.
+__device__ __forceinline__ float gate_of(const TrainingBackwardParams& p, float A, float x) {
+  if (p.gate_mode == GateMode::kLowerBound) return p.lower_bound * sigmoidf_(A * x);
+  return unbounded_gate(p.gate_mode == GateMode::kSoftplus, x, A);
+}
+// The log-decay of token t, channel c (0 past the chunk's end), read from global memory: the wide blocks' pairwise
+// paths (load_chunk reads the gate rows once, from shared memory). Not inlined, for the same reason.
 __device__ __noinline__ float log_decay(const TrainingBackwardParams& p, const Task& tk, int t, int c, float dtb) {
   if (t >= tk.len) return 0.f;
-  const float x = ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + c);
-  if (p.gate_mode == GateMode::kLowerBound) return p.lower_bound * sigmoidf_(tk.A * (x + dtb));
-  return unbounded_log_decay(p.gate_mode == GateMode::kSoftplus, x + dtb, tk.A);
+  return gate_of(p, tk.A, ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + c) + dtb);
 }
 __device__ __forceinline__ float dt_bias_at(const TrainingBackwardParams& p, const Task& tk, int c) {
   return p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + c] : 0.f;
@@ -285,16 +293,19 @@ __device__ void prefetch_task(const TrainingBackwardParams& p, int64_t task) {
 // gate's block with some |γ| > kNarrowSpan (or NaN) takes the pairwise exponents.
 __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB]) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // raw q, k rows (padded) and the dO tile, 16-byte cp.async, zeros past the end
-  for (int i = tid; i < 3 * kT * 16; i += kThreads) {
+  // raw q, k rows (padded), the dO tile and the raw gate rows (in the R tile, free until R is formed), 16-byte
+  // cp.async, zeros past the end
+  __nv_bfloat16* const graw = reinterpret_cast<__nv_bfloat16*>(sm.r);  // [64][128]
+  for (int i = tid; i < 4 * kT * 16; i += kThreads) {
     const int which = i / (kT * 16), t = (i >> 4) % kT, piece = i & 15;
     const bool ok = t < tk.len;
-    const TokenTensor& tt = which == 0 ? p.q : (which == 1 ? p.k : p.dout);
+    const TokenTensor& tt = which == 0 ? p.q : (which == 1 ? p.k : (which == 2 ? p.dout : p.g));
     const int head = which < 2 ? tk.hq : tk.hv;
     const __nv_bfloat16* src = tt.row<__nv_bfloat16>(tk.s.batch, tk.t0 + (ok ? t : 0), head) + 8 * piece;
     void* dst = which == 0   ? static_cast<void*>(sm.q + t * kLDH + 8 * piece)
                 : which == 1 ? static_cast<void*>(sm.k + t * kLDH + 8 * piece)
-                             : static_cast<void*>(sm.dO + swz_offset(LayoutTile{}, t, 8 * piece));
+                : which == 2 ? static_cast<void*>(sm.dO + swz_offset(LayoutTile{}, t, 8 * piece))
+                             : static_cast<void*>(graw + t * kD + 8 * piece);
     ptx::cp_async_16(dst, src, ok);
   }
   ptx::cp_async_commit();
@@ -306,17 +317,28 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
     }
     sm.beta[tid] = b;
   }
+  const float dtb = dt_bias_at(p, tk, tid & 127);
+  ptx::cp_async_wait<0>();
+  __syncthreads();
   // gate: thread (channel c, blocks 2h and 2h + 1): γ by prefix sums, σ by suffix sums (no cancellation)
   bool w2[2] = {false, false};
   {
     const int c = tid & 127, h = tid >> 7;
-    const float dtb = dt_bias_at(p, tk, c);
 #pragma unroll
     for (int bb = 0; bb < 2; ++bb) {
       const int b = 2 * h + bb;
       float av[kB], gam[kB], run = 0.f;
 #pragma unroll
-      for (int u = 0; u < kB; ++u) av[u] = log_decay(p, tk, kB * b + u, c, dtb);
+      for (int u = 0; u < kB; ++u) av[u] = __bfloat162float(graw[(kB * b + u) * kD + c]);
+      if (p.gate_mode == GateMode::kLowerBound) {
+#pragma unroll
+        for (int u = 0; u < kB; ++u) av[u] = p.lower_bound * sigmoidf_(tk.A * (av[u] + dtb));
+      } else {
+#pragma unroll
+        for (int u = 0; u < kB; ++u) av[u] = unbounded_gate(p.gate_mode == GateMode::kSoftplus, av[u] + dtb, tk.A);
+      }
+#pragma unroll
+      for (int u = 0; u < kB; ++u) av[u] = kB * b + u < tk.len ? av[u] : 0.f;
 #pragma unroll
       for (int u = 0; u < kB; ++u) run += av[u], gam[u] = run;
       float suf = 0.f;
@@ -338,8 +360,6 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
   }
 #pragma unroll
   for (int b = 0; b < kNB; ++b) wide[b] = __syncthreads_or((tid >> 7) == (b >> 1) && w2[b & 1]) != 0;
-  ptx::cp_async_wait<0>();
-  __syncthreads();
   // norms: warp per token
   for (int t = warp; t < kT; t += kThreads / 32) {
     float sk = 0.f, sq = 0.f;
