@@ -41,6 +41,26 @@ int fragment_mismatches() {
       if ((k & 7) / 2 != q) ++bad;
     }
   }
+  // the K = 64 register A fragment indexes its (row, k) elements as the m64n64 accumulator does its (row, column):
+  // an accumulator is the A operand of the next product element by element (R = INV Y, dY = INVᵀ dR)
+  for (int t = 0; t < 128; ++t) {
+    Tensor c = rs.get_slice(t).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    Tensor a = rs.get_slice(t).partition_A(make_identity_tensor(Shape<_64, _64>{}));
+    if (int(size(a)) != 32) ++bad;
+    for (int i = 0; i < 32; ++i)
+      if (get<0>(a(i)) != get<0>(c(i)) || get<1>(a(i)) != get<1>(c(i))) ++bad;
+  }
+  // a 64 x 64 [row][column] tile (Mqk, INV) read MN-major is its transpose; the MN-major view of a [64][128] tile's
+  // 64-column half (dOᵀ of a warpgroup's value rows) is that half's rows
+  using LayoutSq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _64>{}));
+  using LayoutSqT = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16_t>{}, Shape<_64, _64>{}));
+  using LayoutTile0 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _128>{}));
+  for (int r = 0; r < 64; ++r)
+    for (int m = 0; m < 64; ++m) {
+      if (int(LayoutSq{}(r, m)) != int(LayoutSqT{}(m, r))) ++bad;
+      for (int w = 0; w < 2; ++w)
+        if (int(LayoutTile0{}(r, 64 * w + m)) != 64 * 64 * w + int(LayoutSqT{}(m, r))) ++bad;
+    }
   // the 32-token halves of a [64][128] operand tile (dA, dMqk: each warpgroup's B operand) are the tile's rows
   using LayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _128>{}));
   alignas(1024) static bf16_t buf[64 * 128];

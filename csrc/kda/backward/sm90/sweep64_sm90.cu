@@ -13,10 +13,11 @@
 //     the block's middle-token reference (each factor <= e^{40}) or, in a "wide" block of an unbounded gate, exact
 //     pairwise exponents on CUDA cores (as sweep.cu);
 //   INV = (I + diag(β) L)^{-1} in fp32 (diagonal blocks by substitution, then the off-diagonal ones);
-//   Xᵀ = S_0 K⁺ᵀ, dRᵀ = dS_C Krᵀ (+ dOᵀ Mqk): wgmma with the state rows as the register A operand (WG w: value
+//   Xᵀ = S_0 K⁺ᵀ, dRᵀ = dS_C Krᵀ + dOᵀ Mqk: wgmma with the state rows as the register A operand (WG w: value
 //     rows [64w, 64w + 64)), both operands split into bf16 hi + lo parts (three products: ~16-bit operands, as
-//     dβ = dY · (V - X) of a cancelling one-token sequence needs);
-//   Rᵀ = Yᵀ INVᵀ, dYᵀ = dRᵀ INV (mma.sync bf16, hi/lo split operands), then R and dY as hi + lo bf16 tiles;
+//     dβ = dY · (V - X) of a cancelling one-token sequence needs); dOᵀ Mqk SS (dO exact, Mqk hi + lo tiles);
+//   Rᵀ = Yᵀ INVᵀ, dYᵀ = dRᵀ INV: RS wgmma, the accumulators as the register A operands, INV as hi + lo tiles read
+//     K-major and MN-major; then R and dY as hi + lo bf16 tiles;
 //   dA = -stril(dY Rᵀ), dMqk = tril(dO Rᵀ): SS wgmma, each warpgroup 32 of the 64 token columns;
 //   dQ⁺ᵀ = S_0ᵀ dOᵀ, dK⁺ᵀ = -S_0ᵀ (β dY)ᵀ, dKrᵀ = dS_Cᵀ Rᵀ: wgmma with the transposed state as the A operand
 //     (WG w: channels [64w, 64w + 64)), every operand but dO (exact) split hi/lo;
@@ -72,6 +73,13 @@ using LayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, S
 static_assert(cosize_v<LayoutTile> == kT * kD, "tile size");
 using MmaRS = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
 using MmaSS = SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;  // dA, dMqk: N halves
+// 64 x 64 token-by-token operands (Mqk, INV) as bf16 tiles [row][column], 128-byte swizzle (8 KB): read as K-major
+// (element (n, k) = tile[n][k]) or, the same bytes, as MN-major (element (mn, k) = tile[k][mn]).
+using LayoutSq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _64>{}));
+using LayoutSqT = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16_t>{}, Shape<_64, _64>{}));
+static_assert(cosize_v<LayoutSq> == kT * kT && cosize_v<LayoutSqT> == kT * kT, "square tile size");
+using MmaRSt = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>;  // dY = dR INV
+using MmaSSt = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>;  // dOᵀ Mqk
 
 // 64 x 64 lower-block-triangular matrices: the 16 x 16 blocks (I, J), I >= J, packed row by row.
 __host__ __device__ constexpr int tri_block(int I, int J) { return I * (I + 1) / 2 + J; }
@@ -85,8 +93,8 @@ __device__ __forceinline__ float tri_at(const float* m, int i, int j) { return (
 struct alignas(1024) Smem {
   bf16_t kp_hi[kT * kD];  // K⁺, then Kr (hi parts), then R's lo part; with kp_lo, the fp32 dq̂ scratch [64][128] last
   bf16_t kp_lo[kT * kD];  // K⁺, then Kr (lo parts), then dY's lo part
-  bf16_t r[kT * kD];      // R [t][v] (hi part); with dy, the fp32 dk̂ scratch [64][128] last
-  bf16_t dy[kT * kD];     // dY [t][v] (hi part)
+  bf16_t r[kT * kD];      // raw gate rows; Mqk (hi, lo: LayoutSq); R [t][v] (hi part); with dy, the fp32 dk̂ scratch
+  bf16_t dy[kT * kD];     // INV (hi, lo: LayoutSq); dY [t][v] (hi part)
   bf16_t dO[kT * kD];     // dO [t][v]
   __nv_bfloat16 q[kT * kLDH], k[kT * kLDH];  // raw q, k (0 past the chunk's end)
   float eg[kT * kLDF];  // e^{γ}; dΓ at the end
@@ -127,35 +135,6 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   hi = *reinterpret_cast<const uint32_t*>(&h);
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
-
-// d[nt] += Σ_s X[m][s] B(s, 8 nt + n) over s < 64 for this warp's 16 rows m: mma.sync m16n8k16, bf16 operands split
-// hi + lo (SA: X's, SB: B's lo parts join the product). X in the wgmma accumulator layout of a 64 x 64 product
-// (x[j][e + 2h] = X[g + 8h][8j + 2q + e], scripts/sweep64_layout_check.cu), which is also the mma.sync A layout
-// of k-block j / 2. skip(kk, nt): the 16 x 8 block (s in [16 kk, +16), n-tile nt) is zero.
-template <bool SA, bool SB, class FB, class Skip>
-__device__ __forceinline__ void mma_acc_rows(float (&d)[8][4], const float (&x)[8][4], FB fb, Skip skip) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    uint32_t ah[4], al[4];
-    split2(x[2 * kk][0], x[2 * kk][1], ah[0], al[0]);
-    split2(x[2 * kk][2], x[2 * kk][3], ah[1], al[1]);
-    split2(x[2 * kk + 1][0], x[2 * kk + 1][1], ah[2], al[2]);
-    split2(x[2 * kk + 1][2], x[2 * kk + 1][3], ah[3], al[3]);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if (skip(kk, nt)) continue;
-      const int n = 8 * nt + g, s0 = 16 * kk + 2 * q;
-      uint32_t bh0, bl0, bh1, bl1;
-      split2(fb(s0, n), fb(s0 + 1, n), bh0, bl0);
-      split2(fb(s0 + 8, n), fb(s0 + 9, n), bh1, bl1);
-      ptx::mma_bf16(d[nt], ah, bh0, bh1);
-      if constexpr (SB) ptx::mma_bf16(d[nt], ah, bl0, bl1);
-      if constexpr (SA) ptx::mma_bf16(d[nt], al, bh0, bh1);
-    }
-  }
-}
-
 
 // The profile (KDA_SWEEP64_PROFILE=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
 // tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the tasks.
@@ -538,6 +517,20 @@ __device__ __forceinline__ void write_tile(bf16_t* hi, bf16_t* lo, F f) {
   }
 }
 
+// Writes the 64 x 64 matrix f(row, column) as bf16 hi and lo tiles (LayoutSq), 8 columns per 16-byte store.
+template <class F>
+__device__ __forceinline__ void write_sq(bf16_t* hi, bf16_t* lo, F f) {
+  for (int i = threadIdx.x; i < kT * kT / 8; i += kThreads) {
+    const int r = i >> 3, c0 = (i & 7) * 8;
+    uint32_t h[4], l[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split2(f(r, c0 + 2 * e), f(r, c0 + 2 * e + 1), h[e], l[e]);
+    const int o = swz_offset(LayoutSq{}, r, c0);
+    *reinterpret_cast<uint4*>(hi + o) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(lo + o) = make_uint4(l[0], l[1], l[2], l[3]);
+  }
+}
+
 // The pair terms of this warp's 16 channel rows (c = c0 + row) for every token column, added into dq (rowM), dkr
 // (rowL) and dkc (colM + colL), the accumulator layout (x[j][e + 2h]: row g + 8h, column 8j + 2q + e). W_L(i, j) =
 // β_i dA(i, j) (dA in sm.INV), W_M = dMqk (sm.M); both zero above the diagonal.
@@ -661,6 +654,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   Tensor bR = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutTile{}));
   Tensor bY = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutTile{}));
   Tensor bO = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dO), LayoutTile{}));
+  // dR's dOᵀ Mqk (SS, both MN-major) and R = INV Y, dY = INVᵀ dR (RS): the square tiles in the R and dY tiles' space
+  auto mma_sst = make_tiled_mma(MmaSSt{});
+  auto mma_rst = make_tiled_mma(MmaRSt{});
+  auto thr_sst = mma_sst.get_slice(wtid);
+  auto thr_rst = mma_rst.get_slice(wtid);
+  Tensor aOt = thr_sst.partition_fragment_A(make_tensor(make_smem_ptr(sm.dO + wg * kT * kT), LayoutSqT{}));
+  Tensor bMh = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutSqT{}));
+  Tensor bMl = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.r + kT * kT), LayoutSqT{}));
+  Tensor bIh = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSq{}));
+  Tensor bIl = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSq{}));
+  Tensor bIth = thr_rst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSqT{}));
+  Tensor bItl = thr_rst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSqT{}));
   // SS operands of dA / dMqk: R (hi: r, lo: kp_hi) as A; dY (hi: dy, lo: kp_lo) and dO as B, the warpgroup's half
   // of the tokens t in [32 wg, +32) (the same instructions in both warpgroups: no divergent wgmma)
   const auto half = [&](bf16_t* ptr) {
@@ -721,6 +726,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     pair_matrices(sm, p, tk, wide);
     // K⁺ = k̂ e^{γ + P} (hi, lo)
     write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * egv(sm, t, cc) * sm.ep[t >> 4][cc]; });
+    write_sq(sm.r, sm.r + kT * kT, [&](int s, int t) { return tri_at(sm.M, s, t); });  // Mqk [s][t] (hi, lo)
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
 
@@ -734,6 +740,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_commit_batch();
     prof.mark(2);
     unit_lower_inverse(sm);
+    write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int s) { return tri_at(sm.INV, t, s); });  // INV [t][s] (hi, lo)
+    // (fenced and synchronised with the Kr tiles below)
     prof.mark(3);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
@@ -753,53 +761,56 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     __syncthreads();
     prof.mark(4);
 
-    // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk
+    // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk: one accumulator; dOᵀ (exact bf16) is this warpgroup's half of the dO tile read
+    // MN-major, Mqk [s][t] (hi + lo) MN-major
     fill_a([&](int m, int k) { return ds_at(64 * wg + m, k); });
     open_batch(aH, aL, acc);
     split3(mma_rs, aH, aL, bKh, bKl, acc);
+    gemm(mma_sst, aOt, bMh, acc);
+    gemm(mma_sst, aOt, bMl, acc);
     warpgroup_commit_batch();
-    float dr[8][4] = {};
-    {  // dOᵀ Mqk: A = dOᵀ [v][s] from the dO tile (exact bf16), B(s, t) = Mqk[s][t] (0 for s < t), hi + lo
-      const int g = lane >> 2, q = lane & 3, v = 64 * wg + 16 * wq + g;
-      const auto pk = [&](int vr, int s) {  // (dO[s][vr], dO[s + 1][vr]): the low half first
-        const uint16_t lo = sm.dO[swz_offset(LayoutTile{}, s, vr)].raw();
-        const uint16_t hi = sm.dO[swz_offset(LayoutTile{}, s + 1, vr)].raw();
-        return uint32_t(lo) | (uint32_t(hi) << 16);
-      };
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const int s0 = 16 * kk + 2 * q;
-        const uint32_t a[4] = {pk(v, s0), pk(v + 8, s0), pk(v, s0 + 8), pk(v + 8, s0 + 8)};
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          if (16 * kk + 15 < 8 * nt) continue;
-          const int t = 8 * nt + g;
-          uint32_t bh0, bl0, bh1, bl1;
-          split2(tri_at(sm.M, s0, t), tri_at(sm.M, s0 + 1, t), bh0, bl0);
-          split2(tri_at(sm.M, s0 + 8, t), tri_at(sm.M, s0 + 9, t), bh1, bl1);
-          ptx::mma_bf16(dr[nt], a, bh0, bh1);
-          ptx::mma_bf16(dr[nt], a, bl0, bl1);
-        }
-      }
-    }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(aH);
     warpgroup_fence_operand(aL);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) dr[i >> 2][i & 3] += acc(i);
     prof.mark(5);
-    // ---- Rᵀ = Yᵀ INVᵀ with Yᵀ = β (V - X)ᵀ (INV[t][s] = 0 for s > t), dYᵀ = dRᵀ INV (INV[s][t] = 0 for s < t)
-    float r[8][4] = {}, dyv[8][4] = {};
+    // ---- Rᵀ = Yᵀ INVᵀ with Yᵀ = β (V - X)ᵀ (B(t, s) = INV[t][s]: K-major), dYᵀ = dRᵀ INV (B(t, s) = INV[s][t]:
+    // the same tile MN-major); the accumulator values are the register A operand of the same (row, k) (the m64n64
+    // accumulator and the K = 64 A fragment index their elements alike: scripts/sweep64_layout_check.cu)
+    float r[8][4], dyv[8][4];
     {
-      float y[8][4];
+      Tensor aYh = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _64>{}));  // ((2, 2, 2), 1, 4)
+      Tensor aYl = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _64>{}));
+      Tensor aDh = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _64>{}));
+      Tensor aDl = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _64>{}));
+      static_assert(decltype(size(aYh))::value == 32, "A fragment of K = 64: 32 elements");
 #pragma unroll
-      for (int i = 0; i < 32; ++i) y[i >> 2][i & 3] = sm.beta[get<1>(cC(i))] * vx[i >> 2][i & 3];
-      mma_acc_rows<true, true>(r, y, [&](int s, int t) { return tri_at(sm.INV, t, s); },
-                               [](int kk, int nt) { return 16 * kk > 8 * nt + 7; });
+      for (int i = 0; i < 32; ++i) {
+        const float y = sm.beta[get<1>(cC(i))] * vx[i >> 2][i & 3], d = acc(i);
+        const bf16_t yh = bf16_t(y), dh = bf16_t(d);
+        aYh(i) = yh, aYl(i) = bf16_t(y - float(yh));
+        aDh(i) = dh, aDl(i) = bf16_t(d - float(dh));
+      }
+      Tensor accY = partition_fragment_C(mma_rs, Shape<_64, _64>{});
+      Tensor accR_ = partition_fragment_C(mma_rs, Shape<_64, _64>{});
+      clear(accR_);
+      warpgroup_fence_operand(aYh);
+      warpgroup_fence_operand(aYl);
+      warpgroup_fence_operand(accR_);
+      open_batch(aDh, aDl, accY);
+      gemm(mma_rs, aYh, bIh, accR_);
+      gemm(mma_rs, aYh, bIl, accR_);
+      gemm(mma_rs, aYl, bIh, accR_);
+      gemm(mma_rst, aDh, bIth, accY);
+      gemm(mma_rst, aDh, bItl, accY);
+      gemm(mma_rst, aDl, bIth, accY);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accR_);
+      warpgroup_fence_operand(accY);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) r[i >> 2][i & 3] = accR_(i), dyv[i >> 2][i & 3] = accY(i);
     }
-    mma_acc_rows<true, true>(dyv, dr, [&](int s, int t) { return tri_at(sm.INV, s, t); },
-                             [](int kk, int nt) { return 16 * kk + 15 < 8 * nt; });
     {  // dβ partial Σ_v dY (V - X) per token (fixed order: rows, then lanes, then warps); dv = β dY
       float colsum[8][2];
 #pragma unroll
