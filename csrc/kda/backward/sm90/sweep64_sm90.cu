@@ -79,7 +79,8 @@ using LayoutSq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Sha
 using LayoutSqT = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16_t>{}, Shape<_64, _64>{}));
 static_assert(cosize_v<LayoutSq> == kT * kT && cosize_v<LayoutSqT> == kT * kT, "square tile size");
 using MmaRSt = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>;  // dY = dR INV
-using MmaSSt = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>;  // dOᵀ Mqk
+using MmaSSt = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>;  // dOᵀ Mqk; columns
+using MmaSSr = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::K>;  // the pair terms' rows
 
 // 64 x 64 lower-block-triangular matrices: the 16 x 16 blocks (I, J), I >= J, packed row by row.
 __host__ __device__ constexpr int tri_block(int I, int J) { return I * (I + 1) / 2 + J; }
@@ -113,6 +114,8 @@ struct alignas(1024) Smem {
   float iem[kNB][kD];                                     // e^{-γ_mid} of each block (narrow blocks)
   float dbp[8][kT];                                       // dY · (V - X) partial sums per warp
 };
+// the pair terms' Qg tiles (hi, lo: two 16 KB wgmma tiles) over e^{σ}
+static_assert(offsetof(Smem, es) % 1024 == 0 && sizeof(Smem::es) >= 2 * sizeof(Smem::kp_hi), "Qg tiles over e^{σ}");
 // (227 KiB per block on sm_90: the launcher adds 1024 bytes to align the tiles)
 static_assert(sizeof(Smem) + 1024 <= 227 * 1024, "shared memory per block");
 
@@ -172,46 +175,6 @@ __device__ __forceinline__ void open_batch(TA& a_hi, TA& a_lo, TC& acc) {
   warpgroup_fence_operand(a_lo);
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
-}
-
-// d1[n] += Σ_{s in [s0, s1)} A1(m, s) B1(s, 8 (nt0 + n) + col) and d2[n] likewise with A2, B2, for n < 2 (one
-// 16-column block) and this warp's 16 rows: 3xTF32 mma.sync m16n8k8 (~fp32), operands from accessors, the two
-// products in one loop; kSharedA: A2 is A1 (evaluated once). s1 - s0 a multiple of 8.
-template <bool kSharedA, class FA1, class FA2, class FB1, class FB2>
-__device__ __forceinline__ void mma_block16x2(float (&d1)[2][4], float (&d2)[2][4], int nt0, int s0, int s1, FA1 fa1,
-                                              FA2 fa2, FB1 fb1, FB2 fb2) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const auto split = [](const float (&af)[4], uint32_t (&ah)[4], uint32_t (&al)[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) ah[i] = tf32_hi(af[i]), al[i] = tf32(af[i] - __uint_as_float(ah[i]));
-  };
-  const auto mma3 = [](float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4], float b0, float b1) {
-    const uint32_t bh0 = tf32_hi(b0), bh1 = tf32_hi(b1);
-    mma_tf32(d, al, bh0, bh1);
-    mma_tf32(d, ah, tf32(b0 - __uint_as_float(bh0)), tf32(b1 - __uint_as_float(bh1)));
-    mma_tf32(d, ah, bh0, bh1);
-  };
-#pragma unroll 1
-  for (int k0 = s0; k0 < s1; k0 += 8) {
-    uint32_t a1h[4], a1l[4], a2h[4], a2l[4];
-    {
-      const float af[4] = {fa1(g, k0 + q), fa1(g + 8, k0 + q), fa1(g, k0 + q + 4), fa1(g + 8, k0 + q + 4)};
-      split(af, a1h, a1l);
-    }
-    if constexpr (!kSharedA) {
-      const float af[4] = {fa2(g, k0 + q), fa2(g + 8, k0 + q), fa2(g, k0 + q + 4), fa2(g + 8, k0 + q + 4)};
-      split(af, a2h, a2l);
-    }
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int col = 8 * (nt0 + n) + g;
-      mma3(d1[n], a1h, a1l, fb1(k0 + q, col), fb1(k0 + q + 4, col));
-      if constexpr (kSharedA)
-        mma3(d2[n], a1h, a1l, fb2(k0 + q, col), fb2(k0 + q + 4, col));
-      else
-        mma3(d2[n], a2h, a2l, fb2(k0 + q, col), fb2(k0 + q + 4, col));
-    }
-  }
 }
 
 struct Task {
@@ -531,107 +494,51 @@ __device__ __forceinline__ void write_sq(bf16_t* hi, bf16_t* lo, F f) {
   }
 }
 
-// The pair terms of this warp's 16 channel rows (c = c0 + row) for every token column, added into dq (rowM), dkr
-// (rowL) and dkc (colM + colL), the accumulator layout (x[j][e + 2h]: row g + 8h, column 8j + 2q + e). W_L(i, j) =
-// β_i dA(i, j) (dA in sm.INV), W_M = dMqk (sm.M); both zero above the diagonal.
-__device__ void pair_terms(const Smem& sm, const TrainingBackwardParams& p, const Task& tk, int c0,
-                           const bool (&wide)[kNB], float (&dq)[8][4], float (&dkr)[8][4], float (&dkc)[8][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+// The pair terms of a wide diagonal block I (an unbounded gate's block with some |γ| > kNarrowSpan) for this warp's
+// 16 channel rows (c = c0 + row) and the block's 16 token columns, in the accumulator layout (x[n][e + 2h]: row
+// g + 8h, column 16 I + 8n + 2q + e): exact pairwise exponents summed outward from each element's own token (every
+// factor <= 1), on CUDA cores. rm, rl: the row terms of dq and dk (W_M = dMqk, W_L = β_i dA); cm, cl: the column
+// terms of dk; esig: e^{σ_t} of each element (the block's column factor, from the same log-decays).
+__device__ void wide_diag_terms(const Smem& sm, const TrainingBackwardParams& p, const Task& tk, int c0, int I,
+                                float (&rm)[2][4], float (&rl)[2][4], float (&cm)[2][4], float (&cl)[2][4],
+                                float (&esig)[2][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, i0 = kB * I;
   const auto wl = [&](int i, int j) { return sm.beta[i] * tri_at(sm.INV, i, j); };
   const auto wm = [&](int i, int j) { return tri_at(sm.M, i, j); };
-  // d1, d2 of the 16-column block I *= f(column t, channel c), element by element
-  const auto scale2 = [&](float (&d1)[2][4], float (&d2)[2][4], int I, auto f) {
+  float av[2][kB];
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = f(8 * (2 * I + n) + 2 * q + (e & 1), c0 + g + 8 * (e >> 1));
-        d1[n][e] *= x, d2[n][e] *= x;
-      }
-  };
-#pragma unroll 1  // (a loop: a quarter of the code; dq, dkr, dkc indexed by I)
-  for (int I = 0; I < kNB; ++I) {
-    const int i0 = kB * I, mid = i0 + kB / 2;
-    float rm[2][4] = {}, rl[2][4] = {}, cm[2][4] = {}, cl[2][4] = {};
-    // row terms, off-diagonal: Σ_{j < i0} W(i, j) k̂_j e^{σ_j} D_{I,J(j)}, then x e^{γ_i}
-    if (I > 0) {
-      const auto a = [&](int m, int j) { const int c = c0 + m; return kh(sm, j, c) * esv(sm, j, c) * dij(sm, I, j >> 4, c); };
-      mma_block16x2<true>(rm, rl, 2 * I, 0, i0, a, a, [&](int j, int i) { return wm(i, j); },
-                          [&](int j, int i) { return wl(i, j); });
-      scale2(rm, rl, I, [&](int i, int c) { return egv(sm, i, c); });
-    }
-    // column terms, off-diagonal: Σ_{i >= i0 + 16} W(i, j) x_i e^{γ_i} D_{I(i),J}, then x e^{σ_j}
-    if (I < kNB - 1) {
-      mma_block16x2<false>(
-          cm, cl, 2 * I, i0 + kB, kT,
-          [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
-          [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * dij(sm, i >> 4, I, c); },
-          [&](int i, int j) { return wm(i, j); }, [&](int i, int j) { return wl(i, j); });
-      scale2(cm, cl, I, [&](int j, int c) { return esv(sm, j, c); });
-    }
-    if (!wide[I]) {  // diagonal block, middle-token reference
-      float dm_[2][4] = {}, dl_[2][4] = {}, em[2][4] = {}, el[2][4] = {};
-      const auto kN = [&](int m, int j) { const int c = c0 + m; return kh(sm, j, c) * (egv(sm, mid, c) / egv(sm, j, c)); };
-      mma_block16x2<true>(dm_, dl_, 2 * I, i0, i0 + kB, kN, kN, [&](int j, int i) { return wm(i, j); },
-                          [&](int j, int i) { return wl(i, j); });
-      mma_block16x2<false>(
-          em, el, 2 * I, i0, i0 + kB,
-          [&](int m, int i) { const int c = c0 + m; return qh(sm, i, c) * egv(sm, i, c) * sm.iem[I][c]; },
-          [&](int m, int i) { const int c = c0 + m; return kh(sm, i, c) * egv(sm, i, c) * sm.iem[I][c]; },
-          [&](int i, int j) { return wm(i, j); }, [&](int i, int j) { return wl(i, j); });
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = c0 + g + 8 * (e >> 1), t = 8 * (2 * I + n) + 2 * q + (e & 1);
-          const float fr = egv(sm, t, c) * sm.iem[I][c], fc = egv(sm, mid, c) / egv(sm, t, c);
-          rm[n][e] += fr * dm_[n][e], rl[n][e] += fr * dl_[n][e];
-          cm[n][e] += fc * em[n][e], cl[n][e] += fc * el[n][e];
-        }
-    } else {  // wide diagonal block: exact pairwise exponents, summed outward from each element's own token
-      float av[2][kB];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int c = c0 + g + 8 * h;
-        const float dtb = dt_bias_at(p, tk, c);
-#pragma unroll
-        for (int u = 0; u < kB; ++u) av[h][u] = log_decay(p, tk, i0 + u, c, dtb);
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e >> 1, c = c0 + g + 8 * h, tl = 8 * n + 2 * q + (e & 1), t = i0 + tl;
-          float ex = 0.f, sm_ = 0.f, sl_ = 0.f;
-          for (int jl = tl; jl >= 0; --jl) {  // row terms: j <= t
-            const int j = i0 + jl;
-            const float w = kh(sm, j, c) * __expf(ex);
-            sm_ = fmaf(wm(t, j), w, sm_);
-            sl_ = fmaf(wl(t, j), w, sl_);
-            ex += av[h][jl];
-          }
-          rm[n][e] += sm_, rl[n][e] += sl_;
-          ex = 0.f;
-          float scm = 0.f, scl = 0.f;
-          for (int il = tl; il < kB; ++il) {  // column terms: i >= t
-            if (il > tl) ex += av[h][il];
-            const int i = i0 + il;
-            const float w = __expf(ex);
-            scm = fmaf(wm(i, t), qh(sm, i, c) * w, scm);
-            scl = fmaf(wl(i, t), kh(sm, i, c) * w, scl);
-          }
-          cm[n][e] += scm, cl[n][e] += scl;
-        }
-    }
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        dq[2 * I + n][e] += rm[n][e];
-        dkr[2 * I + n][e] += rl[n][e];
-        dkc[2 * I + n][e] += cm[n][e] + cl[n][e];
-      }
+  for (int h = 0; h < 2; ++h) {
+    const int c = c0 + g + 8 * h;
+    const float dtb = dt_bias_at(p, tk, c);
+#pragma unroll 1
+    for (int u = 0; u < kB; ++u) av[h][u] = log_decay(p, tk, i0 + u, c, dtb);
   }
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = e >> 1, c = c0 + g + 8 * h, tl = 8 * n + 2 * q + (e & 1), t = i0 + tl;
+      float ex = 0.f, sm_ = 0.f, sl_ = 0.f;
+      for (int jl = tl; jl >= 0; --jl) {  // row terms: j <= t
+        const int j = i0 + jl;
+        const float w = kh(sm, j, c) * __expf(ex);
+        sm_ = fmaf(wm(t, j), w, sm_);
+        sl_ = fmaf(wl(t, j), w, sl_);
+        ex += av[h][jl];
+      }
+      rm[n][e] = sm_, rl[n][e] = sl_;
+      ex = 0.f;
+      float scm = 0.f, scl = 0.f;
+      for (int il = tl; il < kB; ++il) {  // column terms: i >= t
+        if (il > tl) ex += av[h][il];
+        const int i = i0 + il;
+        const float w = __expf(ex);
+        scm = fmaf(wm(i, t), qh(sm, i, c) * w, scm);
+        scl = fmaf(wl(i, t), kh(sm, i, c) * w, scl);
+      }
+      cm[n][e] = scm, cl[n][e] = scl;
+      esig[n][e] = __expf(ex);  // (ex = σ_t: the log-decays of the block's tokens after t)
+    }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_kernel(const TrainingBackwardParams p) {
@@ -666,6 +573,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   Tensor bIl = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSq{}));
   Tensor bIth = thr_rst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSqT{}));
   Tensor bItl = thr_rst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSqT{}));
+  // the pair terms (SS; the k-blocks are the four 16-token blocks): rows A = Kσ (MN-major: this warpgroup's channel
+  // half of the [t][c] tile), B = dMqk, dA [t][j] K-major; columns A = Qg, Kgβ, B = the same tiles MN-major
+  auto mma_ssr = make_tiled_mma(MmaSSr{});
+  auto thr_ssr = mma_ssr.get_slice(wtid);
+  bf16_t* const qg = reinterpret_cast<bf16_t*>(sm.es);  // Qg hi, lo: two [64][128] tiles over e^{σ}
+  const auto half_sq = [&](bf16_t* tile) { return make_tensor(make_smem_ptr(tile + wg * kT * kT), LayoutSqT{}); };
+  Tensor aSh = thr_ssr.partition_fragment_A(half_sq(sm.kp_hi));
+  Tensor aSl = thr_ssr.partition_fragment_A(half_sq(sm.kp_lo));
+  Tensor bWmh = thr_ssr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutSq{}));
+  Tensor bWml = thr_ssr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r + kT * kT), LayoutSq{}));
+  Tensor bWlh = thr_ssr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSq{}));
+  Tensor bWll = thr_ssr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSq{}));
+  Tensor aQgh = thr_sst.partition_fragment_A(half_sq(qg));
+  Tensor aQgl = thr_sst.partition_fragment_A(half_sq(qg + kT * kD));
+  Tensor aKgh = thr_sst.partition_fragment_A(half_sq(sm.dO));
+  Tensor aKgl = thr_sst.partition_fragment_A(half_sq(sm.kp_hi));
+  Tensor bMth = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutSqT{}));
+  Tensor bMtl = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.r + kT * kT), LayoutSqT{}));
+  Tensor bLth = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSqT{}));
+  Tensor bLtl = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSqT{}));
   // SS operands of dA / dMqk: R (hi: r, lo: kp_hi) as A; dY (hi: dy, lo: kp_lo) and dO as B, the warpgroup's half
   // of the tokens t in [32 wg, +32) (the same instructions in both warpgroups: no divergent wgmma)
   const auto half = [&](bf16_t* ptr) {
@@ -913,19 +840,121 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     prof.mark(8);
     __syncthreads();  // dA, dMqk complete
 
-    // ---- per element (row c = channel, column t): dq, dk_row, dk_col; then the pair terms
-    float dq[8][4], dkr[8][4], dkc[8][4];
+    // ---- the pair terms on wgmma, in the transposed accumulators (row c = channel, column t = token), folded into
+    // the state products by a Horner walk over the 16-token blocks (every step's factor <= 1; docs/design.md):
+    //   rows (dq, dk_row):  acc = dQ⁺ᵀ (-dK⁺ᵀ); for J = 0..3: columns of blocks > J *= e^{T_J}, block J *= ρ_J,
+    //                       acc += Kσ_J W_Jᵀ (Kσ = k̂ e^{σ}, W = dMqk, dA; K = the block's 16 tokens j);
+    //                       then column t *= e^{-σ_t} (ρ = e^{T}: narrow blocks) or e^{γ_t} (ρ = 1: wide blocks);
+    //                       dk_row also *= β_t;
+    //   columns (dk_col):   acc = dKrᵀ; for I = 3..0: columns of blocks < I *= e^{T_I}, block I *= ρ_I,
+    //                       acc += Qg_I dMqk_I + Kgβ_I dA_I (Qg = q̂ e^{γ}, Kgβ = β k̂ e^{γ}; K = block I's tokens i);
+    //                       then column t *= e^{-γ_t} (narrow) or e^{σ_t} (wide);
+    // the wide diagonal blocks (zero in the W tiles) pairwise on CUDA cores. Operand tiles bf16 hi + lo: Kσ in the
+    // K⁺/Kr tiles' space, dMqk in R's, dA in dY's, Qg in e^{σ}'s (dead once Kσ and the Kr factors are formed), Kgβ
+    // hi in dO's and lo in Kσ hi's (after the row walk).
     float ext_part[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int m = get<0>(cC(i)), t = get<1>(cC(i)), cc = 64 * wg + m;
-      const float eg_ = egv(sm, t, cc) * sm.ep[t >> 4][cc], er = esv(sm, t, cc) * sm.eq[t >> 4][cc];
-      dq[i >> 2][i & 3] = accQ(i) * eg_;
-      dkr[i >> 2][i & 3] = -sm.beta[t] * accK(i) * eg_;
-      dkc[i >> 2][i & 3] = accR(i) * er;
+      const float er = esv(sm, t, cc) * sm.eq[t >> 4][cc];
       ext_part[(m >> 3) & 1] = fmaf(kh(sm, t, cc) * er, accR(i), ext_part[(m >> 3) & 1]);  // Kr · dKr
+      accK(i) = -accK(i);
     }
-    pair_terms(sm, p, tk, 64 * wg + 16 * wq, wide, dq, dkr, dkc);
+    const auto wide_diag = [&](int t, int j) { return wide[t >> 4] && (t >> 4) == (j >> 4); };
+    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * esv(sm, t, cc); });
+    write_sq(sm.r, sm.r + kT * kT, [&](int t, int j) { return wide_diag(t, j) ? 0.f : tri_at(sm.M, t, j); });
+    write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int j) { return wide_diag(t, j) ? 0.f : tri_at(sm.INV, t, j); });
+    write_tile(sm.dO, nullptr, [&](int t, int cc) { return sm.beta[t] * kh(sm, t, cc) * egv(sm, t, cc); });
+    __syncthreads();  // every read of e^{σ} is done
+    write_tile(qg, qg + kT * kD, [&](int t, int cc) { return qh(sm, t, cc) * egv(sm, t, cc); });
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    // this thread's two channel rows (accumulator row g + 8h); the wide blocks as bits
+    const int crow = 64 * wg + 16 * wq + (lane >> 2);
+    const int wmask = int(wide[0]) | (int(wide[1]) << 1) | (int(wide[2]) << 2) | (int(wide[3]) << 3);
+    // acc *= (block of t) > J ? e^{T_J} : (== J ? ρ_J : 1) (descending: < J)
+    const auto horner_scale = [&](auto& acc, int J, bool descending) {
+      const float e[2] = {sm.etb[J][crow], sm.etb[J][crow + 8]};
+      const bool rho1 = (wmask >> J) & 1;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int b = get<1>(cC(i)) >> 4;
+        const float x = e[(i >> 1) & 1];
+        const bool past = descending ? b < J : b > J;
+        acc(i) *= past ? x : (b == J && !rho1 ? x : 1.f);
+      }
+    };
+#pragma unroll 1
+    for (int J = 0; J < kNB; ++J) {
+      warpgroup_wait<0>();  // (the previous step's products; unconditional, so that ptxas sees every stage closed)
+      warpgroup_fence_operand(accQ);
+      warpgroup_fence_operand(accK);
+      horner_scale(accQ, J, false);
+      horner_scale(accK, J, false);
+      warpgroup_fence_operand(accQ);
+      warpgroup_fence_operand(accK);
+      warpgroup_arrive();
+      gemm(mma_ssr, aSh(_, _, J), bWmh(_, _, J), accQ);
+      gemm(mma_ssr, aSh(_, _, J), bWml(_, _, J), accQ);
+      gemm(mma_ssr, aSl(_, _, J), bWmh(_, _, J), accQ);
+      gemm(mma_ssr, aSh(_, _, J), bWlh(_, _, J), accK);
+      gemm(mma_ssr, aSh(_, _, J), bWll(_, _, J), accK);
+      gemm(mma_ssr, aSl(_, _, J), bWlh(_, _, J), accK);
+      warpgroup_commit_batch();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accQ);
+    warpgroup_fence_operand(accK);
+    __syncthreads();  // both warpgroups are done with Kσ
+    write_tile(sm.kp_hi, nullptr, [&](int t, int cc) {  // Kgβ lo
+      const float x = sm.beta[t] * kh(sm, t, cc) * egv(sm, t, cc);
+      return x - float(bf16_t(x));
+    });
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+#pragma unroll 1
+    for (int I = kNB - 1; I >= 0; --I) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accR);
+      horner_scale(accR, I, true);
+      warpgroup_fence_operand(accR);
+      warpgroup_arrive();
+      gemm(mma_sst, aQgh(_, _, I), bMth(_, _, I), accR);
+      gemm(mma_sst, aQgh(_, _, I), bMtl(_, _, I), accR);
+      gemm(mma_sst, aQgl(_, _, I), bMth(_, _, I), accR);
+      gemm(mma_sst, aKgh(_, _, I), bLth(_, _, I), accR);
+      gemm(mma_sst, aKgh(_, _, I), bLtl(_, _, I), accR);
+      gemm(mma_sst, aKgl(_, _, I), bLth(_, _, I), accR);
+      warpgroup_commit_batch();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accR);
+    float dq[8][4], dkr[8][4], dkc[8][4];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int t = get<1>(cC(i)), b = t >> 4, cc = 64 * wg + get<0>(cC(i));
+      const float eg_ = egv(sm, t, cc);
+      const float fr = wide[b] ? eg_ : __fdividef(eg_, sm.etb[b][cc]);
+      dq[i >> 2][i & 3] = fr * accQ(i);
+      dkr[i >> 2][i & 3] = sm.beta[t] * fr * accK(i);
+      dkc[i >> 2][i & 3] = wide[b] ? accR(i) : __fdividef(accR(i), eg_);  // (wide: e^{σ} below)
+    }
+#pragma unroll 1
+    for (int I = 0; I < kNB; ++I) {
+      if (!wide[I]) continue;
+      float rm[2][4], rl[2][4], cm[2][4], cl[2][4], esig[2][4];
+      wide_diag_terms(sm, p, tk, 64 * wg + 16 * wq, I, rm, rl, cm, cl, esig);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // (j >> 1 == I: the block's two column groups; static indices)
+        if ((j >> 1) != I) continue;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dq[j][e] += rm[j & 1][e];
+          dkr[j][e] += rl[j & 1][e];
+          dkc[j][e] = dkc[j][e] * esig[j & 1][e] + cm[j & 1][e] + cl[j & 1][e];
+        }
+      }
+    }
     {  // ext[c] = Σ_t Kr dKr + g_C colsum(dS_C ⊙ S_0): the four lanes of a row (q) hold its parts
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
