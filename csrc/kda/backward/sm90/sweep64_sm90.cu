@@ -141,7 +141,7 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
 
 // The profile (KDA_SWEEP64_PROFILE=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
 // tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the tasks.
-constexpr int kProfSegs = 13;
+constexpr int kProfSegs = 14;
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
 struct Prof {
   bool on = false;
@@ -218,11 +218,14 @@ __device__ void prefetch_task(const TrainingBackwardParams& p, int64_t task) {
   if (c * kT >= s.len) return;
   const float* s0 = tape_state(p, n, c, hv);
   const int sd = p.state_dim;
+#pragma unroll 1
   for (int i = tid; i < sd * sd / 32; i += kThreads)
     if (s0 != nullptr) ptx::prefetch_l2(s0 + 32 * i);
   if (slot < p.n_dstate_rows)
+#pragma unroll 1
     for (int i = tid; i < kD * kD / 32; i += kThreads) ptx::prefetch_l2(p.dstates + (slot * p.HV + hv) * kD * kD + 32 * i);
   const int len = static_cast<int>(s.len - c * kT < kT ? s.len - c * kT : kT);
+#pragma unroll 1
   for (int i = tid; i < len * 10; i += kThreads) {  // 5 rows of 256 bytes per token
     const int t = i / 10, r = (i % 10) >> 1;
     const TokenTensor& tt = r == 0 ? p.k : (r == 1 ? p.q : (r == 2 ? p.v : (r == 3 ? p.dout : p.g)));
@@ -238,6 +241,7 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
   // raw q, k rows (padded), the dO tile and the raw gate rows (in the R tile, free until R is formed), 16-byte
   // cp.async, zeros past the end
   __nv_bfloat16* const graw = reinterpret_cast<__nv_bfloat16*>(sm.r);  // [64][128]
+#pragma unroll 1
   for (int i = tid; i < 4 * kT * 16; i += kThreads) {
     const int which = i / (kT * 16), t = (i >> 4) % kT, piece = i & 15;
     const bool ok = t < tk.len;
@@ -303,6 +307,7 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
 #pragma unroll
   for (int b = 0; b < kNB; ++b) wide[b] = __syncthreads_or((tid >> 7) == (b >> 1) && w2[b & 1]) != 0;
   // norms: warp per token
+#pragma unroll 1
   for (int t = warp; t < kT; t += kThreads / 32) {
     float sk = 0.f, sq = 0.f;
 #pragma unroll
@@ -338,6 +343,7 @@ __device__ void pair_matrices(Smem& sm, const TrainingBackwardParams& p, const T
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // units: (job, n-tile), job 0-3 the diagonal blocks, 4-9 the off-diagonal (I, J)
   constexpr int kOffI[6] = {1, 2, 2, 3, 3, 3}, kOffJ[6] = {0, 0, 1, 0, 1, 2};
+#pragma unroll 1
   for (int u = warp; u < 20; u += kThreads / 32) {
     const int job = u >> 1, nt = u & 1;
     const int I = job < 4 ? job : kOffI[job - 4], J = job < 4 ? job : kOffJ[job - 4];
@@ -397,6 +403,7 @@ __device__ void pair_matrices(Smem& sm, const TrainingBackwardParams& p, const T
     float dtb[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) dtb[e] = dt_bias_at(p, tk, c0 + e);
+#pragma unroll 1
     for (int jj = warp; jj < kB; jj += kThreads / 32) {
       const int j = kB * I + jj;
       float kj[4], ex[4] = {0.f, 0.f, 0.f, 0.f}, vl[kB], vm[kB];
@@ -469,6 +476,7 @@ __device__ void unit_lower_inverse(Smem& sm) {
 // 16-byte store.
 template <class F>
 __device__ __forceinline__ void write_tile(bf16_t* hi, bf16_t* lo, F f) {
+#pragma unroll 1
   for (int i = threadIdx.x; i < kT * kD / 8; i += kThreads) {
     const int t = i >> 4, c0 = (i & 15) * 8;
     uint32_t h[4], l[4];
@@ -483,6 +491,7 @@ __device__ __forceinline__ void write_tile(bf16_t* hi, bf16_t* lo, F f) {
 // Writes the 64 x 64 matrix f(row, column) as bf16 hi and lo tiles (LayoutSq), 8 columns per 16-byte store.
 template <class F>
 __device__ __forceinline__ void write_sq(bf16_t* hi, bf16_t* lo, F f) {
+#pragma unroll 1
   for (int i = threadIdx.x; i < kT * kT / 8; i += kThreads) {
     const int r = i >> 3, c0 = (i & 7) * 8;
     uint32_t h[4], l[4];
@@ -643,13 +652,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     const int sd = p.state_dim;
     const auto s0_at = [&](int v, int k) { return tk.S0 != nullptr && v < sd && k < sd ? tk.S0[v * sd + k] : 0.f; };
     const auto ds_at = [&](int v, int k) { return tk.dS != nullptr ? tk.dS[v * kD + k] : 0.f; };
+    // the unchecked forms (state rows as stored, 128 wide): constant offsets from one base, no selects
+    const bool s0_full = tk.S0 != nullptr && sd == kD, ds_full = tk.dS != nullptr;
+    const auto s0_raw = [&](int v, int k) { return tk.S0[v * kD + k]; };
+    const auto ds_raw = [&](int v, int k) { return tk.dS[v * kD + k]; };
 
     Prof prof;
     prof.start(p.profile && blockIdx.x == 0 && tid == 0);
     if (task + gridDim.x < tasks) prefetch_task(p, task + gridDim.x);  // this CTA's next task, into L2
+    prof.mark(0);
     bool wide[kNB];
     load_chunk(sm, p, tk, wide);
-    prof.mark(0);
+    prof.mark(1);
     pair_matrices(sm, p, tk, wide);
     // K⁺ = k̂ e^{γ + P} (hi, lo)
     write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * egv(sm, t, cc) * sm.ep[t >> 4][cc]; });
@@ -657,19 +671,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
 
-    prof.mark(1);
+    prof.mark(2);
 
     // ---- Xᵀ = S_0 K⁺ᵀ (WG: value rows [64 wg, +64)), the inverse meanwhile; (V - X)ᵀ
     Tensor acc = partition_fragment_C(mma_rs, Shape<_64, _64>{});
-    fill_a([&](int m, int k) { return s0_at(64 * wg + m, k); });
+    if (s0_full)
+      fill_a([&](int m, int k) { return s0_raw(64 * wg + m, k); });
+    else
+      fill_a([&](int m, int k) { return s0_at(64 * wg + m, k); });
     open_batch(aH, aL, acc);
     split3(mma_rs, aH, aL, bKh, bKl, acc);
     warpgroup_commit_batch();
-    prof.mark(2);
+    prof.mark(3);
     unit_lower_inverse(sm);
     write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int s) { return tri_at(sm.INV, t, s); });  // INV [t][s] (hi, lo)
     // (fenced and synchronised with the Kr tiles below)
-    prof.mark(3);
+    prof.mark(4);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(aH);  // (the A fragments are refilled below)
@@ -686,11 +703,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * esv(sm, t, cc) * sm.eq[t >> 4][cc]; });
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    prof.mark(4);
+    prof.mark(5);
 
     // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk: one accumulator; dOᵀ (exact bf16) is this warpgroup's half of the dO tile read
     // MN-major, Mqk [s][t] (hi + lo) MN-major
-    fill_a([&](int m, int k) { return ds_at(64 * wg + m, k); });
+    if (ds_full)
+      fill_a([&](int m, int k) { return ds_raw(64 * wg + m, k); });
+    else
+      fill_a([](int, int) { return 0.f; });
     open_batch(aH, aL, acc);
     split3(mma_rs, aH, aL, bKh, bKl, acc);
     gemm(mma_sst, aOt, bMh, acc);
@@ -700,7 +720,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(aH);
     warpgroup_fence_operand(aL);
-    prof.mark(5);
+    prof.mark(6);
     // ---- Rᵀ = Yᵀ INVᵀ with Yᵀ = β (V - X)ᵀ (B(t, s) = INV[t][s]: K-major), dYᵀ = dRᵀ INV (B(t, s) = INV[s][t]:
     // the same tile MN-major); the accumulator values are the register A operand of the same (row, k) (the m64n64
     // accumulator and the K = 64 A fragment index their elements alike: scripts/sweep64_layout_check.cu)
@@ -776,7 +796,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     }
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    prof.mark(6);
+    prof.mark(7);
 
     // ---- dAᵀ, dMqkᵀ = R [dY | dO]ᵀ: [t'][t] = Σ_v R[t'][v] W[t][v], this warpgroup's tokens t; dQ⁺ᵀ, dK⁺ᵀ with S_0ᵀ
     // (R_lo lives in the kp_hi tile, dY_lo in kp_lo)
@@ -795,7 +815,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_commit_batch();
     Tensor accQ = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     Tensor accK = partition_fragment_C(mma_rs, Shape<_64, _64>{});
-    fill_a([&](int m, int k) { return s0_at(k, 64 * wg + m); });  // S_0ᵀ: row = channel, k = value row
+    if (s0_full)  // S_0ᵀ: row = channel, k = value row
+      fill_a([&](int m, int k) { return s0_raw(k, 64 * wg + m); });
+    else
+      fill_a([&](int m, int k) { return s0_at(k, 64 * wg + m); });
     clear(accQ);
     warpgroup_fence_operand(accQ);
     open_batch(aH, aL, accK);
@@ -819,25 +842,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(accK);
     warpgroup_fence_operand(aH);
     warpgroup_fence_operand(aL);
-    prof.mark(7);
+    prof.mark(8);
     // ---- dKrᵀ = dS_Cᵀ Rᵀ, and the S_0 decay term colsum(dS_C ⊙ S_0) of this thread's channel rows
     float cs[2] = {0.f, 0.f};
+    const auto fill_dkr = [&](auto ds_f, auto s0_f) {
 #pragma unroll
-    for (int i = 0; i < size(aH); ++i) {
-      const int m = get<0>(cA(i)), v = get<1>(cA(i)), cc = 64 * wg + m;
-      const float x = ds_at(v, cc);
-      cs[(m >> 3) & 1] = fmaf(x, s0_at(v, cc), cs[(m >> 3) & 1]);
-      const bf16_t h = bf16_t(x);
-      aH(i) = h;
-      aL(i) = bf16_t(x - float(h));
-    }
+      for (int i = 0; i < size(aH); ++i) {
+        const int m = get<0>(cA(i)), v = get<1>(cA(i)), cc = 64 * wg + m;
+        const float x = ds_f(v, cc);
+        cs[(m >> 3) & 1] = fmaf(x, s0_f(v, cc), cs[(m >> 3) & 1]);
+        const bf16_t h = bf16_t(x);
+        aH(i) = h;
+        aL(i) = bf16_t(x - float(h));
+      }
+    };
+    if (ds_full && s0_full)
+      fill_dkr(ds_raw, s0_raw);
+    else
+      fill_dkr(ds_at, s0_at);
     Tensor accR = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     open_batch(aH, aL, accR);
     split3(mma_rs, aH, aL, bR, bKh, accR);  // (R lo in the kp_hi tile)
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
-    prof.mark(8);
+    prof.mark(9);
     __syncthreads();  // dA, dMqk complete
 
     // ---- the pair terms on wgmma, in the transposed accumulators (row c = channel, column t = token), folded into
@@ -970,7 +999,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
           sm.fin.ext[cc] = ext_part[h] + sm.ep[kNB - 1][cc] * sm.etb[kNB - 1][cc] * cs[h];
         }
     }
-    prof.mark(9);
+    prof.mark(10);
     float dgam[8][4];
     float* const sdq = reinterpret_cast<float*>(sm.kp_hi);  // [64][128] fp32 scratch (the dead K⁺/Kr tiles)
     float* const sdk = reinterpret_cast<float*>(sm.r);      // (the dead R and dY tiles)
@@ -993,7 +1022,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     for (int i = 0; i < 32; ++i) sm.eg[get<1>(cC(i)) * kLDF + 64 * wg + get<0>(cC(i))] = dgam[i >> 2][i & 3];
     __syncthreads();
 
-    prof.mark(10);
+    prof.mark(11);
     // ---- dβ: Σ_v dY (V - X) + Σ_j dA L (thread per token)
     if (tid < tk.len) {
       const int t = tid;
@@ -1030,7 +1059,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
             make_uint2(*reinterpret_cast<const uint32_t*>(&k01), *reinterpret_cast<const uint32_t*>(&k23));
       }
     }
-    prof.mark(11);
+    prof.mark(12);
     // ---- da = reverse cumsum of dΓ (+ ext), the gate's chain rule; thread (channel c, tokens [32 h, +32))
     {
       const int cc = tid & 127, h = tid >> 7;
@@ -1090,7 +1119,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         p.dA_partial[task] = a;
       }
     }
-    prof.mark(12);
+    prof.mark(13);
   }
 #endif
 }
@@ -1127,7 +1156,7 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
     KDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     unsigned long long prof[sweep64::kProfSegs + 1];
     KDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(prof, sweep64::kda_sweep64_prof, sizeof(prof)));
-    static const char* names[sweep64::kProfSegs] = {"load", "L/Mqk+K+", "X issue", "inverse", "X wait+Kr",
+    static const char* names[sweep64::kProfSegs] = {"prefetch", "load", "L/Mqk+K+", "X issue", "inverse", "X wait+Kr",
                                                     "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms",
                                                     "dgam", "dbeta+l2", "da+partials"};
     const double tasks = prof[sweep64::kProfSegs] > 0 ? double(prof[sweep64::kProfSegs]) : 1.0;
