@@ -1,8 +1,10 @@
-// Host check of the shared-memory layout fact the planned 64-token wgmma backward sweep relies on
-// (docs/design.md, "Where the sweep goes next"): one bf16 [v][k] buffer of a 128 x 128 state serves as both wgmma
-// B operands, the K-major B of X = K⁺ S_0ᵀ and dR_S = Kr dS_Cᵀ (N = v, K = k) and the MN-major B of dQ⁺ = dO S_0
-// and dKr = R dS_C (N = k, K = v), when the MN-major layout tiles its 128-byte swizzle atoms K-mode first. Prints
-// the mismatches (0 expected) and the same count for the default (N-mode first) tiling, which does not match.
+// Host check of the layout facts of the Hopper 64-token backward sweep (csrc/kda/backward/sm90/sweep64_sm90.cu):
+// the fragment layouts it indexes by hand (the m64n64 accumulator, the register A operand of K = 128 and K = 64, which
+// index their elements alike, so an accumulator is the next product's A operand), a 64 x 64 bf16 tile read K-major
+// or MN-major (its transpose) and a [64][128] tile's 64-column half read MN-major; and one bf16 [v][k] buffer of a
+// 128 x 128 state serving as both wgmma B operands, the K-major B of X = K⁺ S_0ᵀ (N = v, K = k) and the MN-major B of
+// dQ⁺ = dO S_0 (N = k, K = v), when the MN-major layout tiles its 128-byte swizzle atoms K-mode first. Prints the
+// mismatches (0 expected) and the same count for the default (N-mode first) tiling, which does not match.
 //   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> scripts/sweep64_layout_check.cu -o /tmp/slc
 //   /tmp/slc
 #include <cstdio>

@@ -21,8 +21,9 @@
 //   dA = -stril(dY Rᵀ), dMqk = tril(dO Rᵀ): SS wgmma, each warpgroup 32 of the 64 token columns;
 //   dQ⁺ᵀ = S_0ᵀ dOᵀ, dK⁺ᵀ = -S_0ᵀ (β dY)ᵀ, dKrᵀ = dS_Cᵀ Rᵀ: wgmma with the transposed state as the A operand
 //     (WG w: channels [64w, 64w + 64)), every operand but dO (exact) split hi/lo;
-//   the pair terms (3xTF32 mma.sync, factored by blocks; pairwise in wide diagonal blocks), dq, dk, dΓ per element,
-//   da = reverse cumsum of dΓ, the gate's chain rule, the L2-norm backward, dβ, dv.
+//   the pair terms on wgmma, folded into the dQ⁺ / dK⁺ / dKr accumulators by a Horner walk over the 16-token blocks
+//     (every step's factor <= 1; operands bf16 hi + lo; pairwise on CUDA cores in wide diagonal blocks), dq, dk, dΓ
+//     per element, da = reverse cumsum of dΓ, the gate's chain rule, the L2-norm backward, dβ, dv.
 // The state is read from global memory (L2) straight into the wgmma A fragments (no shared-memory copy of it).
 // No atomics: every sum has a fixed order; the parameter partials are one row per task (as sweep.cu).
 #include <cuda_bf16.h>
