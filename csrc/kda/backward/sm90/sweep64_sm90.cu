@@ -162,8 +162,8 @@ struct Prof {
 
 // Issues acc += A_hi·B_hi + A_hi·B_lo + A_lo·B_hi (not waited): the wgmma products of two operands split in
 // bf16 hi + lo parts, A in registers.
-template <class M, class TA, class TB1, class TB2, class TC>
-__device__ __forceinline__ void split3(M& mma, TA& a_hi, TA& a_lo, TB1& b_hi, TB2& b_lo, TC& acc) {
+template <class M, class TA1, class TA2, class TB1, class TB2, class TC>
+__device__ __forceinline__ void split3(M& mma, TA1&& a_hi, TA2&& a_lo, TB1&& b_hi, TB2&& b_lo, TC& acc) {
   gemm(mma, a_hi, b_hi, acc);
   gemm(mma, a_hi, b_lo, acc);
   gemm(mma, a_lo, b_hi, acc);
@@ -924,12 +924,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       warpgroup_fence_operand(accQ);
       warpgroup_fence_operand(accK);
       warpgroup_arrive();
-      gemm(mma_ssr, aSh(_, _, J), bWmh(_, _, J), accQ);
-      gemm(mma_ssr, aSh(_, _, J), bWml(_, _, J), accQ);
-      gemm(mma_ssr, aSl(_, _, J), bWmh(_, _, J), accQ);
-      gemm(mma_ssr, aSh(_, _, J), bWlh(_, _, J), accK);
-      gemm(mma_ssr, aSh(_, _, J), bWll(_, _, J), accK);
-      gemm(mma_ssr, aSl(_, _, J), bWlh(_, _, J), accK);
+      split3(mma_ssr, aSh(_, _, J), aSl(_, _, J), bWmh(_, _, J), bWml(_, _, J), accQ);
+      split3(mma_ssr, aSh(_, _, J), aSl(_, _, J), bWlh(_, _, J), bWll(_, _, J), accK);
       warpgroup_commit_batch();
     }
     warpgroup_wait<0>();
@@ -949,12 +945,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       horner_scale(accR, I, true);
       warpgroup_fence_operand(accR);
       warpgroup_arrive();
-      gemm(mma_sst, aQgh(_, _, I), bMth(_, _, I), accR);
-      gemm(mma_sst, aQgh(_, _, I), bMtl(_, _, I), accR);
-      gemm(mma_sst, aQgl(_, _, I), bMth(_, _, I), accR);
-      gemm(mma_sst, aKgh(_, _, I), bLth(_, _, I), accR);
-      gemm(mma_sst, aKgh(_, _, I), bLtl(_, _, I), accR);
-      gemm(mma_sst, aKgl(_, _, I), bLth(_, _, I), accR);
+      split3(mma_sst, aQgh(_, _, I), aQgl(_, _, I), bMth(_, _, I), bMtl(_, _, I), accR);
+      split3(mma_sst, aKgh(_, _, I), aKgl(_, _, I), bLth(_, _, I), bLtl(_, _, I), accR);
       warpgroup_commit_batch();
     }
     warpgroup_wait<0>();
