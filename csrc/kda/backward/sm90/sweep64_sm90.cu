@@ -473,35 +473,29 @@ __device__ void unit_lower_inverse(Smem& sm) {
   }
 }
 
-// Writes a [64 tokens][128] tile of bf16 parts of f(t, c) (hi, and lo = f - hi when lo is given), 8 channels per
-// 16-byte store.
-template <class F>
-__device__ __forceinline__ void write_tile(bf16_t* hi, bf16_t* lo, F f) {
+// Writes the [64][kCols] matrix f(row, column) as bf16 tiles of layout L (hi, and lo = f - hi when lo is given), 8
+// columns per 16-byte store. write_tile: [64 tokens][128 channels] (LayoutTile); write_sq: 64 x 64 (LayoutSq).
+template <class L, int kCols, class F>
+__device__ __forceinline__ void write_split(bf16_t* hi, bf16_t* lo, F f) {
+  constexpr int kPieces = kCols / 8;
 #pragma unroll 1
-  for (int i = threadIdx.x; i < kT * kD / 8; i += kThreads) {
-    const int t = i >> 4, c0 = (i & 15) * 8;
+  for (int i = threadIdx.x; i < kT * kPieces; i += kThreads) {
+    const int r = i / kPieces, c0 = (i % kPieces) * 8;
     uint32_t h[4], l[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) split2(f(t, c0 + 2 * e), f(t, c0 + 2 * e + 1), h[e], l[e]);
-    const int o = swz_offset(LayoutTile{}, t, c0);
+    for (int e = 0; e < 4; ++e) split2(f(r, c0 + 2 * e), f(r, c0 + 2 * e + 1), h[e], l[e]);
+    const int o = swz_offset(L{}, r, c0);
     *reinterpret_cast<uint4*>(hi + o) = make_uint4(h[0], h[1], h[2], h[3]);
     if (lo != nullptr) *reinterpret_cast<uint4*>(lo + o) = make_uint4(l[0], l[1], l[2], l[3]);
   }
 }
-
-// Writes the 64 x 64 matrix f(row, column) as bf16 hi and lo tiles (LayoutSq), 8 columns per 16-byte store.
+template <class F>
+__device__ __forceinline__ void write_tile(bf16_t* hi, bf16_t* lo, F f) {
+  write_split<LayoutTile, kD>(hi, lo, f);
+}
 template <class F>
 __device__ __forceinline__ void write_sq(bf16_t* hi, bf16_t* lo, F f) {
-#pragma unroll 1
-  for (int i = threadIdx.x; i < kT * kT / 8; i += kThreads) {
-    const int r = i >> 3, c0 = (i & 7) * 8;
-    uint32_t h[4], l[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) split2(f(r, c0 + 2 * e), f(r, c0 + 2 * e + 1), h[e], l[e]);
-    const int o = swz_offset(LayoutSq{}, r, c0);
-    *reinterpret_cast<uint4*>(hi + o) = make_uint4(h[0], h[1], h[2], h[3]);
-    *reinterpret_cast<uint4*>(lo + o) = make_uint4(l[0], l[1], l[2], l[3]);
-  }
+  write_split<LayoutSq, kT>(hi, lo, f);
 }
 
 // The pair terms of a wide diagonal block I (an unbounded gate's block with some |γ| > kNarrowSpan) for this warp's
