@@ -861,6 +861,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
+    warpgroup_fence_operand(aH);  // (refilled by the next task)
+    warpgroup_fence_operand(aL);
     prof.mark(9);
     __syncthreads();  // dA, dMqk complete
 
