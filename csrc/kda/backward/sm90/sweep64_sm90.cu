@@ -23,7 +23,7 @@
 //     (WG w: channels [64w, 64w + 64)), every operand but dO (exact) split hi/lo;
 //   the pair terms on wgmma, folded into the dQ⁺ / dK⁺ / dKr accumulators by a Horner walk over the 16-token blocks
 //     (every step's factor <= 1; operands bf16 hi + lo; pairwise on CUDA cores in wide diagonal blocks), dq, dk, dΓ
-//     per element, da = reverse cumsum of dΓ, the gate's chain rule, the L2-norm backward, dβ, dv.
+//     per element, dβ, the L2-norm backward, da = reverse cumsum of dΓ and the gate's chain rule (dv comes with dY).
 // The state is read from global memory (L2) straight into the wgmma A fragments (no shared-memory copy of it).
 // No atomics: every sum has a fixed order; the parameter partials are one row per task (as sweep.cu).
 #include <cuda_bf16.h>
@@ -93,14 +93,15 @@ __device__ __forceinline__ int tri(int i, int j) {
 __device__ __forceinline__ float tri_at(const float* m, int i, int j) { return (j >> 4) > (i >> 4) ? 0.f : m[tri(i, j)]; }
 
 struct alignas(1024) Smem {
-  bf16_t kp_hi[kT * kD];  // K⁺, then Kr (hi parts), then R's lo part; with kp_lo, the fp32 dq̂ scratch [64][128] last
-  bf16_t kp_lo[kT * kD];  // K⁺, then Kr (lo parts), then dY's lo part
-  bf16_t r[kT * kD];      // raw gate rows; Mqk (hi, lo: LayoutSq); R [t][v] (hi part); with dy, the fp32 dk̂ scratch
-  bf16_t dy[kT * kD];     // INV (hi, lo: LayoutSq); dY [t][v] (hi part)
-  bf16_t dO[kT * kD];     // dO [t][v]
+  // (in order of use within a task; the pair terms' operands after dKr)
+  bf16_t kp_hi[kT * kD];  // K⁺, Kr (hi parts); R's lo part; Kσ hi; Kgβ lo; with kp_lo, the fp32 dq̂ scratch [64][128]
+  bf16_t kp_lo[kT * kD];  // K⁺, Kr (lo parts); dY's lo part; Kσ lo
+  bf16_t r[kT * kD];      // raw gate rows; Mqk (hi, lo: LayoutSq); R [t][v] (hi); dMqk (hi, lo); with dy, the dk̂ scratch
+  bf16_t dy[kT * kD];     // INV (hi, lo: LayoutSq); dY [t][v] (hi part); dA (hi, lo)
+  bf16_t dO[kT * kD];     // dO [t][v]; Kgβ hi
   __nv_bfloat16 q[kT * kLDH], k[kT * kLDH];  // raw q, k (0 past the chunk's end)
   float eg[kT * kLDF];  // e^{γ}; dΓ at the end
-  float es[kT * kLDF];  // e^{σ}
+  float es[kT * kLDF];  // e^{σ}; the Qg tiles (hi, lo) in the pair terms
   float L[kTriFloats], M[kTriFloats], INV[kTriFloats];  // M: Mqk, then dMqk; INV: INV, then dA
   union {
     float tmp[3 * kB * kB];  // the inverse's off-diagonal blocks
@@ -161,7 +162,7 @@ struct Prof {
 };
 
 // Issues acc += A_hi·B_hi + A_hi·B_lo + A_lo·B_hi (not waited): the wgmma products of two operands split in
-// bf16 hi + lo parts, A in registers.
+// bf16 hi + lo parts, A in registers (RS) or shared memory (SS).
 template <class M, class TA1, class TA2, class TB1, class TB2, class TC>
 __device__ __forceinline__ void split3(M& mma, TA1&& a_hi, TA2&& a_lo, TB1&& b_hi, TB2&& b_lo, TC& acc) {
   gemm(mma, a_hi, b_hi, acc);
@@ -868,7 +869,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 
     // ---- the pair terms on wgmma, in the transposed accumulators (row c = channel, column t = token), folded into
     // the state products by a Horner walk over the 16-token blocks (every step's factor <= 1; docs/design.md):
-    //   rows (dq, dk_row):  acc = dQ⁺ᵀ (-dK⁺ᵀ); for J = 0..3: columns of blocks > J *= e^{T_J}, block J *= ρ_J,
+    //   rows (dq, dk_row):  acc = dQ⁺ᵀ (-S_0ᵀ dYᵀ: dK⁺ᵀ / β); for J = 0..3: columns of blocks > J *= e^{T_J}, block J *= ρ_J,
     //                       acc += Kσ_J W_Jᵀ (Kσ = k̂ e^{σ}, W = dMqk, dA; K = the block's 16 tokens j);
     //                       then column t *= e^{-σ_t} (ρ = e^{T}: narrow blocks) or e^{γ_t} (ρ = 1: wide blocks);
     //                       dk_row also *= β_t;
