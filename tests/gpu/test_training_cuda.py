@@ -807,19 +807,34 @@ _SWEEP_CASES = [c for c in _MODE_CASES if c[0].endswith(("-K128-T65", "-K128-pac
 _SWEEP_CASES += [c for c in _MODE_CASES if c[0].endswith(("-T1024", "-T4097", "-K64-T1", "-K64-T200"))]
 
 
-@pytest.mark.parametrize("sweep", ["wgmma64", "sub16"])
+def _force_sweep(monkeypatch, sweep):
+    """Skips where the sweep cannot run; sets the switches that force it: wgmma64 (the Hopper 64-token sweep,
+    variant 1), wgmma64-v2 (its variant 2: KDA_SWEEP64_VARIANT=2), sub16 (the 16-token sweep)."""
+    if sweep.startswith("wgmma64") and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the 64-token sweep is the Hopper (sm_90a) kernel")
+    if sweep == "sub16" and torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
+        pytest.skip("this GPU runs the small sweep by itself")
+    monkeypatch.delenv("KDA_TRAINING_BACKWARD_HOST", raising=False)
+    monkeypatch.setenv("KDA_TRAINING_SWEEP", "wgmma64" if sweep.startswith("wgmma64") else sweep)
+    if sweep == "wgmma64-v2":
+        monkeypatch.setenv("KDA_SWEEP64_VARIANT", "2")
+    else:
+        monkeypatch.delenv("KDA_SWEEP64_VARIANT", raising=False)
+
+
+_LONG_IDS = ("-T1024", "-T4097")
+
+
+@pytest.mark.parametrize("sweep", ["wgmma64", "wgmma64-v2", "sub16"])
 @pytest.mark.parametrize("case", _SWEEP_CASES, ids=[c[0] for c in _SWEEP_CASES])
 def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     """Each chunk-parallel sweep of the CUDA backward, forced by KDA_TRAINING_SWEEP (the verbose line names the one
     that ran): wgmma64, the Hopper 64-token sweep (sm_90a only), and sub16, the 16-token sweep of the other GPUs, in
     every mode: the eight gradients of recurrent_kda_backward against fp64 autograd, and two calls give the same
-    bits."""
-    if sweep == "wgmma64" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the 64-token sweep is the Hopper (sm_90a) kernel")
-    if sweep == "sub16" and torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
-        pytest.skip("this GPU runs the small sweep by itself")
-    monkeypatch.delenv("KDA_TRAINING_BACKWARD_HOST", raising=False)
-    monkeypatch.setenv("KDA_TRAINING_SWEEP", sweep)
+    bits. wgmma64-v2, the 64-token sweep's variant 2, on the shorter cases."""
+    if sweep == "wgmma64-v2" and case[0].endswith(_LONG_IDS):
+        pytest.skip("variant 2 on the shorter cases (the long ones' fp64 references take minutes)")
+    _force_sweep(monkeypatch, sweep)
     monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
     label = case[0]
     x, kw, do, dS = _mode_case_inputs(case)
@@ -829,7 +844,10 @@ def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     g2 = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
     err = capfd.readouterr().err
-    assert f"kda training sweep: {'wgmma64' if sweep == 'wgmma64' else 'default'}" in err, err[-500:]
+    expect = {"wgmma64": "wgmma64 (sm_90a, variant 1)", "wgmma64-v2": "wgmma64 (sm_90a, variant 2)"}.get(
+        sweep, "default"
+    )
+    assert f"kda training sweep: {expect}" in err, err[-500:]
     for n_, a, b in zip(GRADS, g, g2, strict=True):
         assert torch.equal(a, b), f"{label} {sweep}: {n_} differs between two runs"
     grads = [None if e is None else a for a, e in zip(g, ref, strict=True)]
@@ -856,7 +874,7 @@ def _edge_collinear(x):  # near-collinear keys and β ≈ 1: deltas that cancel
 _EDGES = {"pinned": _edge_pinned, "no_decay": _edge_no_decay, "small_qk": _edge_small_qk, "collinear": _edge_collinear}
 
 
-@pytest.mark.parametrize("sweep", ["wgmma64", "sub16"])
+@pytest.mark.parametrize("sweep", ["wgmma64", "wgmma64-v2", "sub16"])
 @pytest.mark.parametrize("edge", list(_EDGES))
 def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch):
     """The lower-bound gate's edge inputs on each sweep (forced as in test_each_sweep_every_mode), T=130 (three
@@ -865,12 +883,7 @@ def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch):
     recurrent_kda_backward are finite and within 1e-2 of fp64 autograd through the token loop; pinned, the gate's
     three gradients are ~1e-18 in fp64 (below fp32's resolution of the sums that form them), so they are only held
     finite and below 1e-4."""
-    if sweep == "wgmma64" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the 64-token sweep is the Hopper (sm_90a) kernel")
-    if sweep == "sub16" and torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
-        pytest.skip("this GPU runs the small sweep by itself")
-    monkeypatch.delenv("KDA_TRAINING_BACKWARD_HOST", raising=False)
-    monkeypatch.setenv("KDA_TRAINING_SWEEP", sweep)
+    _force_sweep(monkeypatch, sweep)
     x, kw, do, dS = make_case(("lower_bound", True, True), T=130, H=1, HV=2, K=128, seed=7, lb=-5.0)
     _EDGES[edge](x)
     ref = reference_grads(x, kw, do, dS)[2]
