@@ -8,6 +8,8 @@
 #
 #   OUT=/tmp/out bash scripts/device_sweep64.sh
 #   TESTS=0 bash scripts/device_sweep64.sh       # build, smoke, times and clocks only (~2.5 min)
+#   VARIANT=2 bash scripts/device_sweep64.sh     # the smoke, clocks and gate tests on variant 2 (KDA_SWEEP64_VARIANT)
+# The times cover both variants of the 64-token sweep and the 16-token sweep either way.
 #
 # Success: smoke.log lists every case with errors below 1e-2 and "finite" for both sweeps; tests_*.log end with
 # "N passed" and no "failed".
@@ -16,6 +18,7 @@ source "$(dirname "$0")/_device_env.sh"
 kda_install_wheels
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 TESTS=${TESTS:-1}
+export KDA_SWEEP64_VARIANT=${VARIANT:-1}
 
 run() {  # run NAME TIMEOUT_S CMD...: CMD under timeout, its output in $OUT/NAME.log
   local name=$1 to=$2
@@ -30,9 +33,9 @@ run() {  # run NAME TIMEOUT_S CMD...: CMD under timeout, its output in $OUT/NAME
 run build 300 python3 setup.py -q build_ext --inplace || { tail -30 "$OUT/build.log"; exit 1; }
 run smoke 120 python3 scripts/sweep64_smoke.py
 grep -a "wgmma64\|sub16\|rror" "$OUT/smoke.log" | head -24
-for s in wgmma64 sub16; do
-  KDA_TRAINING_SWEEP=$s run "times_$s" 90 python3 scripts/train_profile.py 96,32
-  grep -a "##\|sweep\|backward_chunked" "$OUT/times_$s.log" | head -6
+for s in wgmma64:1 wgmma64:2 sub16:1; do
+  KDA_TRAINING_SWEEP=${s%:*} KDA_SWEEP64_VARIANT=${s#*:} run "times_${s/:/_v}" 90 python3 scripts/train_profile.py 96,32
+  grep -a "##\|sweep\|backward_chunked" "$OUT/times_${s/:/_v}.log" | head -6
 done
 KDA_SWEEP64_PROFILE=1 KDA_TRAINING_SWEEP=wgmma64 run clocks 90 python3 scripts/train_profile.py 96
 grep -a "profile:" "$OUT/clocks.log" | head -1
