@@ -508,10 +508,11 @@ __device__ void unit_lower_inverse(Smem& sm) {
 // columns per 16-byte store. write_tile: [64 tokens][128 channels] (LayoutTile); write_sq: 64 x 64 (LayoutSq).
 template <class L, int kCols, class F>
 __device__ __forceinline__ void write_split(bf16_t* hi, bf16_t* lo, F f) {
-  constexpr int kPieces = kCols / 8;
+  constexpr int kPieces = kCols / 8, kShift = kPieces == 16 ? 4 : 3;
+  static_assert(kPieces == 1 << kShift, "16-byte pieces per row: 8 or 16");
 #pragma unroll 1
   for (int i = threadIdx.x; i < kT * kPieces; i += kThreads) {
-    const int r = i / kPieces, c0 = (i % kPieces) * 8;
+    const int r = i >> kShift, c0 = (i & (kPieces - 1)) * 8;
     uint32_t h[4], l[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) split2(f(r, c0 + 2 * e), f(r, c0 + 2 * e + 1), h[e], l[e]);
