@@ -702,8 +702,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       {
         const int wbits = int(wide[0]) | (int(wide[1]) << 1) | (int(wide[2]) << 2) | (int(wide[3]) << 3);
         const bool wide_rows = (wbits >> wq) & 1;
+        const __nv_bfloat16* const x = wg == 0 ? sm.k : sm.q;  // k̂ = k ρ_k, q̂ = q ρ_q · scale
+        const float* const rho = wg == 0 ? sm.rk : sm.rq;
         fill_a([&](int m, int k) {  // (row m is in block wq)
-          return (wg == 0 ? kh(sm, m, k) : qh(sm, m, k)) * egv(sm, m, k) * (wide_rows ? 1.f : sm.iem[wq][k]);
+          const float f = egv(sm, m, k) * (wide_rows ? 1.f : sm.iem[wq][k]);
+          return __bfloat162float(x[m * kLDH + k]) * rho[m] * f;
         });
       }
       {
