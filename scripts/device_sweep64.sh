@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# The Hopper 64-token backward sweep (KDA_TRAINING_SWEEP=wgmma64) in one GPU-machine call, for checking a change
-# to csrc/kda/backward/sm90/sweep64_sm90.cu: build for sm_90a, scripts/sweep64_smoke.py (both sweeps' eight
-# errors per case), the kernel times of both sweeps (scripts/train_profile.py, H=96 and H=32, T=8192, on the same
-# machine), the phase clocks (KDA_SWEEP64_PROFILE=1), then training GPU tests with the sweep forced, most telling
-# first (extreme and banded unbounded gates: the wide blocks; determinism; golden; dβ; then the forced-sweep mode
-# cases), each step under timeout, logs in $OUT. The whole takes ~5 min on a fresh machine (build ~60 s).
+# The Hopper 64-token backward sweep (KDA_TRAINING_SWEEP=wgmma64) checked on the GPU machine after a change to
+# csrc/kda/backward/sm90/sweep64_sm90.cu: build for sm_90a; scripts/sweep64_smoke.py (the 64-token and the
+# 16-token sweep's eight errors per case); the kernel times of the 64-token sweep's variants 1 and 2
+# (KDA_SWEEP64_VARIANT) and of the 16-token sweep on the same machine (scripts/train_profile.py, H=96 and H=32,
+# T=8192); the phase clocks (KDA_SWEEP64_PROFILE=1); then training GPU tests with the sweep forced, most telling
+# first: extreme and banded unbounded gates (the wide blocks), determinism, golden, dβ, the lower-bound edges
+# (gates pinned at the bound, ...), then the forced-sweep mode cases of the variant. Each step under timeout; logs
+# in $OUT, named by variant. The whole takes ~6-7 min on a fresh machine (build ~60 s).
 #
 #   OUT=/tmp/out bash scripts/device_sweep64.sh
-#   TESTS=0 bash scripts/device_sweep64.sh       # build, smoke, times and clocks only (~2.5 min)
-#   VARIANT=2 bash scripts/device_sweep64.sh     # the smoke, clocks and gate tests on variant 2 (KDA_SWEEP64_VARIANT)
-# The times cover both variants of the 64-token sweep and the 16-token sweep either way.
+#   TESTS=0 bash scripts/device_sweep64.sh       # build, smoke, times and clocks only (~3 min)
+#   VARIANT=2 bash scripts/device_sweep64.sh     # the smoke, clocks and tests on variant 2 (the times: both)
 #
-# Success: smoke.log lists every case with errors below 1e-2 and "finite" for both sweeps; tests_*.log end with
-# "N passed" and no "failed".
+# Success: the smoke lists every case with errors below 1e-2 and "finite" for both sweeps; tests_*.log end with
+# "N passed" and no "failed". The exit status is 1 when a step failed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 kda_install_wheels
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 TESTS=${TESTS:-1}
-export KDA_SWEEP64_VARIANT=${VARIANT:-1}
+V=${VARIANT:-${KDA_SWEEP64_VARIANT:-1}}
+case "$V" in 1 | 2) ;; *) echo "VARIANT must be 1 or 2, got '$V'"; exit 2 ;; esac
+export KDA_SWEEP64_VARIANT=$V
+echo "== the 64-token sweep's variant $V (smoke, clocks, tests)"
+status=0
 
 run() {  # run NAME TIMEOUT_S CMD...: CMD under timeout, its output in $OUT/NAME.log
   local name=$1 to=$2
@@ -26,22 +31,27 @@ run() {  # run NAME TIMEOUT_S CMD...: CMD under timeout, its output in $OUT/NAME
   echo "== $name (timeout ${to}s)"
   timeout "$to" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  [ $rc -ne 0 ] && echo "   rc=$rc"
+  [ $rc -ne 0 ] && echo "   rc=$rc" && status=1
   return $rc
 }
 
 run build 300 python3 setup.py -q build_ext --inplace || { tail -30 "$OUT/build.log"; exit 1; }
-run smoke 120 python3 scripts/sweep64_smoke.py
-grep -a "wgmma64\|sub16\|rror" "$OUT/smoke.log" | head -24
+run "smoke_v$V" 120 python3 scripts/sweep64_smoke.py
+grep -a "wgmma64\|sub16\|rror" "$OUT/smoke_v$V.log" | head -24
 for s in wgmma64:1 wgmma64:2 sub16:1; do
   KDA_TRAINING_SWEEP=${s%:*} KDA_SWEEP64_VARIANT=${s#*:} run "times_${s/:/_v}" 90 python3 scripts/train_profile.py 96,32
   grep -a "##\|sweep\|backward_chunked" "$OUT/times_${s/:/_v}.log" | head -6
 done
-KDA_SWEEP64_PROFILE=1 KDA_TRAINING_SWEEP=wgmma64 run clocks 90 python3 scripts/train_profile.py 96
-grep -a "profile:" "$OUT/clocks.log" | head -1
-[ "$TESTS" = 1 ] || exit 0
+KDA_SWEEP64_PROFILE=1 KDA_TRAINING_SWEEP=wgmma64 run "clocks_v$V" 90 python3 scripts/train_profile.py 96
+grep -a "profile:" "$OUT/clocks_v$V.log" | head -1
+[ "$TESTS" = 1 ] || exit $status
 PYTEST=(python3 -m pytest -q -rf -n 14 -p no:cacheprovider -o addopts= tests/gpu/test_training_cuda.py)
-KDA_TRAINING_SWEEP=wgmma64 run tests_gates 240 "${PYTEST[@]}" -k "extreme or deterministic or golden or dbeta"
-tail -3 "$OUT/tests_gates.log"
-KDA_TRAINING_SWEEP=wgmma64 run tests_modes 300 "${PYTEST[@]}" -k "each_sweep and wgmma64"
-tail -3 "$OUT/tests_modes.log"
+# (the gate tests take the variant from the environment; the edge and mode tests name it in their ids)
+KDA_TRAINING_SWEEP=wgmma64 run "tests_gates_v$V" 240 "${PYTEST[@]}" -k "extreme or deterministic or golden or dbeta"
+tail -3 "$OUT/tests_gates_v$V.log"
+SEL=$([ "$V" = 2 ] && echo "v2" || echo "wgmma64 and not v2")
+run "tests_edges_v$V" 200 "${PYTEST[@]}" -k "lower_bound_edges and $SEL"
+tail -3 "$OUT/tests_edges_v$V.log"
+run "tests_modes_v$V" 360 "${PYTEST[@]}" -k "each_sweep_every_mode and $SEL"
+tail -3 "$OUT/tests_modes_v$V.log"
+exit $status

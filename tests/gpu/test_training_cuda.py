@@ -823,6 +823,8 @@ def _force_sweep(monkeypatch, sweep):
 
 
 _LONG_IDS = ("-T1024", "-T4097")
+# what KDA_TRAINING_VERBOSE=1 prints after "kda training sweep: " for each forced sweep
+_SWEEP_LINES = {"wgmma64": "wgmma64 (sm_90a, variant 1)", "wgmma64-v2": "wgmma64 (sm_90a, variant 2)"}
 
 
 @pytest.mark.parametrize("sweep", ["wgmma64", "wgmma64-v2", "sub16"])
@@ -844,10 +846,7 @@ def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     g2 = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
     err = capfd.readouterr().err
-    expect = {"wgmma64": "wgmma64 (sm_90a, variant 1)", "wgmma64-v2": "wgmma64 (sm_90a, variant 2)"}.get(
-        sweep, "default"
-    )
-    assert f"kda training sweep: {expect}" in err, err[-500:]
+    assert f"kda training sweep: {_SWEEP_LINES.get(sweep, 'default')}" in err, err[-500:]
     for n_, a, b in zip(GRADS, g, g2, strict=True):
         assert torch.equal(a, b), f"{label} {sweep}: {n_} differs between two runs"
     grads = [None if e is None else a for a, e in zip(g, ref, strict=True)]
@@ -876,7 +875,7 @@ _EDGES = {"pinned": _edge_pinned, "no_decay": _edge_no_decay, "small_qk": _edge_
 
 @pytest.mark.parametrize("sweep", ["wgmma64", "wgmma64-v2", "sub16"])
 @pytest.mark.parametrize("edge", list(_EDGES))
-def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch):
+def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
     """The lower-bound gate's edge inputs on each sweep (forced as in test_each_sweep_every_mode), T=130 (three
     tape chunks), λ = -5: gates pinned at the bound (every 16-token block decays by e^{-80}: the factorised
     exponents' widest case), no decay, small-norm q/k, near-collinear keys with β ≈ 1. The eight gradients of
@@ -884,10 +883,14 @@ def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch):
     three gradients are ~1e-18 in fp64 (below fp32's resolution of the sums that form them), so they are only held
     finite and below 1e-4."""
     _force_sweep(monkeypatch, sweep)
+    monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
     x, kw, do, dS = make_case(("lower_bound", True, True), T=130, H=1, HV=2, K=128, seed=7, lb=-5.0)
     _EDGES[edge](x)
     ref = reference_grads(x, kw, do, dS)[2]
     g = _raw_mode_backward(_to_cuda(x), kw, do.cuda(), dS.cuda())
+    torch.cuda.synchronize()
+    err = capfd.readouterr().err
+    assert f"kda training sweep: {_SWEEP_LINES.get(sweep, 'default')}" in err, err[-500:]
     label = f"{sweep} lower-bound {edge}"
     if edge == "pinned":
         for n_ in ("dg", "dA_log", "ddt_bias"):
