@@ -14,7 +14,8 @@
 //     pairwise exponents on CUDA cores (as sweep.cu). Variant 2 (KDA_SWEEP64_VARIANT=2, the kernel's template flag,
 //     not yet measured against variant 1): RS wgmma, A = k̂ e^{γ - r} (L) or q̂ e^{γ - r} (Mqk) in registers
 //     (r: the row block's middle-token γ), one pass per row block I against B_I = k̂_j e^{σ_j} D_IJ e^{r_I}
-//     (earlier blocks) and k̂_j e^{r_I - γ_j} (block I); and bulk L2 prefetches of the next task;
+//     (earlier blocks) and k̂_j e^{r_I - γ_j} (block I); bulk L2 prefetches of the next task; the wide blocks'
+//     pairwise code out of line;
 //   INV = (I + diag(β) L)^{-1} in fp32 (diagonal blocks by substitution, then the off-diagonal ones);
 //   Xᵀ = S_0 K⁺ᵀ, dRᵀ = dS_C Krᵀ + dOᵀ Mqk: wgmma with the state rows as the register A operand (WG w: value
 //     rows [64w, 64w + 64)), both operands split into bf16 hi + lo parts (three products: ~16-bit operands, as
@@ -423,7 +424,7 @@ __device__ void narrow_pair_matrices(Smem& sm, const bool (&wide)[kNB]) {
   }
 }
 
-// The wide diagonal blocks of L and Mqk, pairwise on CUDA cores. Ends synchronised.
+// The wide diagonal blocks of L and Mqk, pairwise on CUDA cores (the caller synchronises after it).
 __device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, const Task& tk, const bool (&wide)[kNB]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // wide diagonal blocks: warp per column (two per warp), lane: channels [4 lane, +4), exponents summed from the
@@ -461,7 +462,11 @@ __device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, co
       pair_column_store(vm, lane, [&](int ii, float x) { sm.M[tri(kB * I + ii, j)] = ii >= jj ? x : 0.f; });
     }
   }
-  __syncthreads();
+}
+// (variant 2: out of line, so that the hot path's code stays contiguous without this rarely taken block)
+__device__ __noinline__ void wide_pair_matrices_call(Smem& sm, const TrainingBackwardParams& p, const Task& tk,
+                                                     const bool (&wide)[kNB]) {
+  wide_pair_matrices(sm, p, tk, wide);
 }
 
 // INV = (I + diag(β) L)^{-1}, unit lower triangular, fp32: the diagonal blocks by forward substitution (thread per
@@ -575,6 +580,12 @@ __device__ void wide_diag_terms(const Smem& sm, const TrainingBackwardParams& p,
       cm[n][e] = scm, cl[n][e] = scl;
       esig[n][e] = __expf(ex);  // (ex = σ_t: the log-decays of the block's tokens after t)
     }
+}
+// (variant 2: out of line, as wide_pair_matrices_call)
+__device__ __noinline__ void wide_diag_terms_call(const Smem& sm, const TrainingBackwardParams& p, const Task& tk,
+                                                  int c0, int I, float (&rm)[2][4], float (&rl)[2][4],
+                                                  float (&cm)[2][4], float (&cl)[2][4], float (&esig)[2][4]) {
+  wide_diag_terms(sm, p, tk, c0, I, rm, rl, cm, cl, esig);
 }
 
 template <bool kV2>
@@ -757,7 +768,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     } else {  // variant 1: 3xTF32 mma.sync
       narrow_pair_matrices(sm, wide);
     }
-    wide_pair_matrices(sm, p, tk, wide);
+    if constexpr (kV2) {
+      if (wide[0] || wide[1] || wide[2] || wide[3]) wide_pair_matrices_call(sm, p, tk, wide);
+    } else {
+      wide_pair_matrices(sm, p, tk, wide);
+    }
+    __syncthreads();
     // K⁺ = k̂ e^{γ + P} (hi, lo)
     write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * egv(sm, t, cc) * sm.ep[t >> 4][cc]; });
     write_sq(sm.r, sm.r + kT * kT, [&](int s, int t) { return tri_at(sm.M, s, t); });  // Mqk [s][t] (hi, lo)
@@ -1059,7 +1075,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     for (int I = 0; I < kNB; ++I) {
       if (!wide[I]) continue;
       float rm[2][4], rl[2][4], cm[2][4], cl[2][4], esig[2][4];
-      wide_diag_terms(sm, p, tk, 64 * wg + 16 * wq, I, rm, rl, cm, cl, esig);
+      if constexpr (kV2)
+        wide_diag_terms_call(sm, p, tk, 64 * wg + 16 * wq, I, rm, rl, cm, cl, esig);
+      else
+        wide_diag_terms(sm, p, tk, 64 * wg + 16 * wq, I, rm, rl, cm, cl, esig);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {  // (j >> 1 == I: the block's two column groups; static indices)
         if ((j >> 1) != I) continue;
