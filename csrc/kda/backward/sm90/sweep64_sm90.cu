@@ -1267,7 +1267,7 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
     KDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     unsigned long long prof[sweep64::kProfSegs + 1];
     KDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(prof, sweep64::kda_sweep64_prof, sizeof(prof)));
-    static const char* names[sweep64::kProfSegs] = {"prefetch", "load", "L/Mqk+K+", "X issue", "inverse", "X wait+Kr",
+    static const char* names[sweep64::kProfSegs] = {"prefetch", "load", "L/Mqk+K+", "X start", "inverse", "X wait+Kr",
                                                     "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms",
                                                     "dgam", "dbeta+l2", "da+partials"};
     const double tasks = prof[sweep64::kProfSegs] > 0 ? double(prof[sweep64::kProfSegs]) : 1.0;
