@@ -1024,20 +1024,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         acc(i) *= past ? x : (b == J && !rho1 ? x : 1.f);
       }
     };
-#pragma unroll 1
-    for (int J = 0; J < kNB; ++J) {
-      warpgroup_wait<0>();  // (the previous step's products; unconditional, so that ptxas sees every stage closed)
-      warpgroup_fence_operand(accQ);
-      warpgroup_fence_operand(accK);
-      horner_scale(accQ, J, false);
-      horner_scale(accK, J, false);
-      warpgroup_fence_operand(accQ);
-      warpgroup_fence_operand(accK);
+    // one step of a walk: the previous step's products waited for (unconditionally, so that ptxas sees every stage
+    // closed), the accumulators scaled for block J, the next products issued
+    const auto horner_step = [&](int J, bool descending, auto issue, auto&... accs) {
+      warpgroup_wait<0>();
+      (warpgroup_fence_operand(accs), ...);
+      (horner_scale(accs, J, descending), ...);
+      (warpgroup_fence_operand(accs), ...);
       warpgroup_arrive();
-      split3(mma_ssr, aSh(_, _, J), aSl(_, _, J), bWmh(_, _, J), bWml(_, _, J), accQ);
-      split3(mma_ssr, aSh(_, _, J), aSl(_, _, J), bWlh(_, _, J), bWll(_, _, J), accK);
+      issue();
       warpgroup_commit_batch();
-    }
+    };
+#pragma unroll 1
+    for (int J = 0; J < kNB; ++J)
+      horner_step(J, false, [&] {
+        split3(mma_ssr, aSh(_, _, J), aSl(_, _, J), bWmh(_, _, J), bWml(_, _, J), accQ);
+        split3(mma_ssr, aSh(_, _, J), aSl(_, _, J), bWlh(_, _, J), bWll(_, _, J), accK);
+      }, accQ, accK);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accQ);
     warpgroup_fence_operand(accK);
@@ -1049,16 +1052,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
 #pragma unroll 1
-    for (int I = kNB - 1; I >= 0; --I) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accR);
-      horner_scale(accR, I, true);
-      warpgroup_fence_operand(accR);
-      warpgroup_arrive();
-      split3(mma_sst, aQgh(_, _, I), aQgl(_, _, I), bMth(_, _, I), bMtl(_, _, I), accR);
-      split3(mma_sst, aKgh(_, _, I), aKgl(_, _, I), bLth(_, _, I), bLtl(_, _, I), accR);
-      warpgroup_commit_batch();
-    }
+    for (int I = kNB - 1; I >= 0; --I)
+      horner_step(I, true, [&] {
+        split3(mma_sst, aQgh(_, _, I), aQgl(_, _, I), bMth(_, _, I), bMtl(_, _, I), accR);
+        split3(mma_sst, aKgh(_, _, I), aKgl(_, _, I), bLth(_, _, I), bLtl(_, _, I), accR);
+      }, accR);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
     float dq[8][4], dkr[8][4], dkc[8][4];
