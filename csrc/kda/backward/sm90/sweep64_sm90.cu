@@ -609,38 +609,41 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   Tensor bR = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutTile{}));
   Tensor bY = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutTile{}));
   Tensor bO = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dO), LayoutTile{}));
+  // 64 x 64 tiles read K-major (sq) or MN-major (sq_t, the transpose)
+  const auto sq = [](bf16_t* tile) { return make_tensor(make_smem_ptr(tile), LayoutSq{}); };
+  const auto sq_t = [](bf16_t* tile) { return make_tensor(make_smem_ptr(tile), LayoutSqT{}); };
+  // this warpgroup's 64-column half of a [64][128] tile, MN-major (the [t][c] tile's transpose)
+  const auto half_sq = [&](bf16_t* tile) { return sq_t(tile + wg * kT * kT); };
   // dR's dOᵀ Mqk (SS, both MN-major) and R = INV Y, dY = INVᵀ dR (RS): the square tiles in the R and dY tiles' space
   auto mma_sst = make_tiled_mma(MmaSSt{});
   auto mma_rst = make_tiled_mma(MmaRSt{});
   auto thr_sst = mma_sst.get_slice(wtid);
   auto thr_rst = mma_rst.get_slice(wtid);
-  Tensor aOt = thr_sst.partition_fragment_A(make_tensor(make_smem_ptr(sm.dO + wg * kT * kT), LayoutSqT{}));
-  Tensor bMh = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutSqT{}));
-  Tensor bMl = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.r + kT * kT), LayoutSqT{}));
-  Tensor bIh = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSq{}));
-  Tensor bIl = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSq{}));
-  Tensor bIth = thr_rst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSqT{}));
-  Tensor bItl = thr_rst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSqT{}));
+  Tensor aOt = thr_sst.partition_fragment_A(half_sq(sm.dO));
+  Tensor bMh = thr_sst.partition_fragment_B(sq_t(sm.r));
+  Tensor bMl = thr_sst.partition_fragment_B(sq_t(sm.r + kT * kT));
+  Tensor bIh = thr.partition_fragment_B(sq(sm.dy));
+  Tensor bIl = thr.partition_fragment_B(sq(sm.dy + kT * kT));
+  Tensor bIth = thr_rst.partition_fragment_B(sq_t(sm.dy));
+  Tensor bItl = thr_rst.partition_fragment_B(sq_t(sm.dy + kT * kT));
   // the pair terms (SS; the k-blocks are the four 16-token blocks): rows A = Kσ (MN-major: this warpgroup's channel
-  // half of the [t][c] tile), B = dMqk, dA [t][j] K-major; columns A = Qg, Kgβ, B = the same tiles MN-major
+  // half of the [t][c] tile), B = dMqk, dA [t][j] K-major; columns A = Qg, Kgβ, B = the same tiles MN-major (dMqk
+  // through bMh / bMl, which read the R tiles' space MN-major for dR's Mqk as well)
   auto mma_ssr = make_tiled_mma(MmaSSr{});
   auto thr_ssr = mma_ssr.get_slice(wtid);
   bf16_t* const qg = reinterpret_cast<bf16_t*>(sm.es);  // Qg hi, lo: two [64][128] tiles over e^{σ}
-  const auto half_sq = [&](bf16_t* tile) { return make_tensor(make_smem_ptr(tile + wg * kT * kT), LayoutSqT{}); };
   Tensor aSh = thr_ssr.partition_fragment_A(half_sq(sm.kp_hi));
   Tensor aSl = thr_ssr.partition_fragment_A(half_sq(sm.kp_lo));
-  Tensor bWmh = thr_ssr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutSq{}));
-  Tensor bWml = thr_ssr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r + kT * kT), LayoutSq{}));
-  Tensor bWlh = thr_ssr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSq{}));
-  Tensor bWll = thr_ssr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSq{}));
+  Tensor bWmh = thr_ssr.partition_fragment_B(sq(sm.r));
+  Tensor bWml = thr_ssr.partition_fragment_B(sq(sm.r + kT * kT));
+  Tensor bWlh = thr_ssr.partition_fragment_B(sq(sm.dy));
+  Tensor bWll = thr_ssr.partition_fragment_B(sq(sm.dy + kT * kT));
   Tensor aQgh = thr_sst.partition_fragment_A(half_sq(qg));
   Tensor aQgl = thr_sst.partition_fragment_A(half_sq(qg + kT * kD));
   Tensor aKgh = thr_sst.partition_fragment_A(half_sq(sm.dO));
   Tensor aKgl = thr_sst.partition_fragment_A(half_sq(sm.kp_hi));
-  Tensor bMth = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutSqT{}));
-  Tensor bMtl = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.r + kT * kT), LayoutSqT{}));
-  Tensor bLth = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutSqT{}));
-  Tensor bLtl = thr_sst.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy + kT * kT), LayoutSqT{}));
+  Tensor bLth = thr_sst.partition_fragment_B(sq_t(sm.dy));
+  Tensor bLtl = thr_sst.partition_fragment_B(sq_t(sm.dy + kT * kT));
   // SS operands of dA / dMqk: R (hi: r, lo: kp_hi) as A; dY (hi: dy, lo: kp_lo) and dO as B, the warpgroup's half
   // of the tokens t in [32 wg, +32) (the same instructions in both warpgroups: no divergent wgmma)
   const auto half = [&](bf16_t* ptr) {
@@ -1054,7 +1057,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll 1
     for (int I = kNB - 1; I >= 0; --I)
       horner_step(I, true, [&] {
-        split3(mma_sst, aQgh(_, _, I), aQgl(_, _, I), bMth(_, _, I), bMtl(_, _, I), accR);
+        split3(mma_sst, aQgh(_, _, I), aQgl(_, _, I), bMh(_, _, I), bMl(_, _, I), accR);
         split3(mma_sst, aKgh(_, _, I), aKgl(_, _, I), bLth(_, _, I), bLtl(_, _, I), accR);
       }, accR);
     warpgroup_wait<0>();
