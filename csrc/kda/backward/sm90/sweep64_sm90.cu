@@ -857,12 +857,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       warpgroup_fence_operand(aYl);
       warpgroup_fence_operand(accR_);
       open_batch(aDh, aDl, accY);
-      gemm(mma_rs, aYh, bIh, accR_);
-      gemm(mma_rs, aYh, bIl, accR_);
-      gemm(mma_rs, aYl, bIh, accR_);
-      gemm(mma_rst, aDh, bIth, accY);
-      gemm(mma_rst, aDh, bItl, accY);
-      gemm(mma_rst, aDl, bIth, accY);
+      split3(mma_rs, aYh, aYl, bIh, bIl, accR_);
+      split3(mma_rst, aDh, aDl, bIth, bItl, accY);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accR_);
@@ -919,9 +915,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(accA);
     warpgroup_fence_operand(accM);
     warpgroup_arrive();
-    gemm(mma_ss, aRs, bYs, accA);
-    gemm(mma_ss, aRs, bYls, accA);
-    gemm(mma_ss, aRls, bYs, accA);
+    split3(mma_ss, aRs, aRls, bYs, bYls, accA);
     gemm(mma_ss, aRs, bOs, accM);
     gemm(mma_ss, aRls, bOs, accM);
     warpgroup_commit_batch();
