@@ -1,5 +1,6 @@
 """Cases of the training ops in every mode (gate x beta x L2 norm) and their fp64 autograd reference, shared by
-tests/test_training_modes.py (CPU tier) and tests/gpu/test_training_cuda.py (GPU tier)."""
+tests/test_training_modes.py (CPU tier) and tests/gpu/test_training_cuda.py (GPU tier); the lower-bound gate's edge
+inputs (EDGES), shared with tests/test_reference_chunked_backward.py and scripts/sweep64_smoke.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,29 @@ from kda_ops.reference import recurrent_kda_reference
 GATES = ("precomputed", "softplus", "lower_bound")
 MODES = list(itertools.product(GATES, (True, False), (True, False)))  # (gate, beta_is_logit, l2)
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
+
+
+def edge_pinned(x):  # sigmoid saturated: a = λ on every channel, a 16-token block decays by 16 |λ| (dg ~ 1e-18)
+    x["g"] = (x["g"].float() + 30).bfloat16()
+
+
+def edge_no_decay(x):  # a -> 0: the state never forgets, the chain's errors accumulate
+    x["g"] = (x["g"].float() - 30).bfloat16()
+
+
+def edge_collinear(x):  # near-collinear keys and β ≈ 1: a state of cancelling deltas
+    x["k"] = (x["k"][:, :1].float() + 0.05 * x["k"].float()).bfloat16()
+    x["beta"] = torch.full_like(x["beta"], 8.0)
+
+
+def edge_small_qk(x):  # q, k of norm ~1e-3 before the L2 norm
+    x["q"], x["k"] = (x["q"].float() * 1e-3).bfloat16(), (x["k"].float() * 1e-3).bfloat16()
+
+
+# the lower-bound gate's edge inputs, each changing a dict of inputs (q, k, g, beta: [B, T, H(V), K]) in place; pinned,
+# the gate's three gradients are ~1e-18 in fp64, below fp32's resolution of the sums that form them (not compared)
+EDGES = {"pinned": edge_pinned, "no_decay": edge_no_decay, "small_qk": edge_small_qk, "collinear": edge_collinear}
+PINNED_UNCOMPARED = ("dg", "dA_log", "ddt_bias")
 
 
 def mode_id(m) -> str:

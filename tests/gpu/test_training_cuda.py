@@ -650,7 +650,7 @@ def test_uncovered_tokens_hold_inf(group):
 # channels, csrc/api/training_cuda.cpp). _check_backward_route checks that it stays on the kernels: the host
 # route (the CPU op on host copies) would refuse CUDA-graph capture.
 
-from _training_cases import MODES, make_case, mode_id, reference_grads  # noqa: E402
+from _training_cases import EDGES, MODES, PINNED_UNCOMPARED, make_case, mode_id, reference_grads  # noqa: E402
 from conftest import lengths_to_cu  # noqa: E402
 
 _NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -853,28 +853,8 @@ def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     _check_mode_grads(f"{sweep} {label}", grads, ref)
 
 
-def _edge_pinned(x):  # sigmoid saturated: a = λ = -5 on every channel, so a 16-token block decays by e^{-80}
-    x["g"] = (x["g"].float() + 30).bfloat16()
-
-
-def _edge_no_decay(x):  # a -> 0: nothing decays, the state only accumulates
-    x["g"] = (x["g"].float() - 30).bfloat16()
-
-
-def _edge_small_qk(x):  # q, k of norm ~1e-3 before the L2 norm
-    x["q"], x["k"] = (x["q"].float() * 1e-3).bfloat16(), (x["k"].float() * 1e-3).bfloat16()
-
-
-def _edge_collinear(x):  # near-collinear keys and β ≈ 1: deltas that cancel
-    x["k"] = (x["k"][:, :1].float() + 0.05 * x["k"].float()).bfloat16()
-    x["beta"] = torch.full_like(x["beta"], 8.0)
-
-
-_EDGES = {"pinned": _edge_pinned, "no_decay": _edge_no_decay, "small_qk": _edge_small_qk, "collinear": _edge_collinear}
-
-
 @pytest.mark.parametrize("sweep", ["wgmma64", "wgmma64-v2", "sub16"])
-@pytest.mark.parametrize("edge", list(_EDGES))
+@pytest.mark.parametrize("edge", list(EDGES))
 def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
     """The lower-bound gate's edge inputs on each sweep (forced as in test_each_sweep_every_mode), T=130 (three
     tape chunks), λ = -5: gates pinned at the bound (every 16-token block decays by e^{-80}: the factorised
@@ -885,7 +865,7 @@ def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
     _force_sweep(monkeypatch, sweep)
     monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
     x, kw, do, dS = make_case(("lower_bound", True, True), T=130, H=1, HV=2, K=128, seed=7, lb=-5.0)
-    _EDGES[edge](x)
+    EDGES[edge](x)
     ref = reference_grads(x, kw, do, dS)[2]
     g = _raw_mode_backward(_to_cuda(x), kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
@@ -893,12 +873,12 @@ def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
     assert f"kda training sweep: {_SWEEP_LINES.get(sweep, 'default')}" in err, err[-500:]
     label = f"{sweep} lower-bound {edge}"
     if edge == "pinned":
-        for n_ in ("dg", "dA_log", "ddt_bias"):
+        for n_ in PINNED_UNCOMPARED:
             i = GRADS.index(n_)
             assert torch.isfinite(g[i].float()).all(), f"{label}: {n_} not finite"
             assert g[i].float().abs().max() < 1e-4, f"{label}: {n_} max {g[i].float().abs().max():.2e}"
-        g = [None if n_ in ("dg", "dA_log", "ddt_bias") else a for n_, a in zip(GRADS, g, strict=True)]
-        ref = [None if n_ in ("dg", "dA_log", "ddt_bias") else e for n_, e in zip(GRADS, ref, strict=True)]
+        g = [None if n_ in PINNED_UNCOMPARED else a for n_, a in zip(GRADS, g, strict=True)]
+        ref = [None if n_ in PINNED_UNCOMPARED else e for n_, e in zip(GRADS, ref, strict=True)]
     _check_mode_grads(label, list(g), ref)
 
 
