@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
 # The Hopper 64-token backward sweep (KDA_TRAINING_SWEEP=wgmma64) checked on the GPU machine after a change to
 # csrc/kda/backward/sm90/sweep64_sm90.cu: build for sm_90a; scripts/sweep64_smoke.py (the 64-token and the
-# 16-token sweep's eight errors per case); the kernel times of the 64-token sweep's variants 1 and 2
-# (KDA_SWEEP64_VARIANT) and of the 16-token sweep on the same machine (scripts/train_profile.py, H=96 and H=32,
-# T=8192); the phase clocks (KDA_SWEEP64_PROFILE=1); then training GPU tests with the sweep forced, most telling
+# 16-token sweep's eight errors per case); the kernel times of both sweeps on the same machine
+# (scripts/train_profile.py, H=96 and H=32, T=8192); the phase clocks (KDA_SWEEP64_PROFILE=1); then training GPU tests with the sweep forced, most telling
 # first: extreme and banded unbounded gates (the wide blocks), determinism, golden, dβ, the lower-bound edges
-# (gates pinned at the bound, ...), then the forced-sweep mode cases of the variant. Each step under timeout; logs
-# in $OUT, named by variant. The whole takes ~6-7 min on a fresh machine (build ~60 s).
+# (gates pinned at the bound, ...), then the forced-sweep mode cases. Each step under timeout; logs in $OUT. The
+# whole takes ~6-7 min on a fresh machine (build ~60 s).
 #
 #   OUT=/tmp/out bash scripts/device_sweep64.sh
 #   TESTS=0 bash scripts/device_sweep64.sh       # build, smoke, times and clocks only (~3 min)
-#   VARIANT=2 bash scripts/device_sweep64.sh     # the smoke, clocks and tests on variant 2 (the times: both)
 #   STEPS="build gates edges" bash scripts/device_sweep64.sh   # some steps only (the build first on a fresh machine)
 # Steps: build smoke times clocks gates edges modes. Their timeouts add up to more than one 10-minute call; on a
 # warm machine the build is incremental, so a second call can run the tests the first did not reach.
@@ -27,10 +25,6 @@ STEPS=${STEPS:-build smoke times clocks gates edges modes}
 [ "$TESTS" = 1 ] || STEPS=${STEPS//edges/}
 [ "$TESTS" = 1 ] || STEPS=${STEPS//modes/}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
-V=${VARIANT:-${KDA_SWEEP64_VARIANT:-1}}
-case "$V" in 1 | 2) ;; *) echo "VARIANT must be 1 or 2, got '$V'"; exit 2 ;; esac
-export KDA_SWEEP64_VARIANT=$V
-echo "== the 64-token sweep's variant $V (smoke, clocks, tests)"
 status=0
 
 run() {  # run NAME TIMEOUT_S CMD...: CMD under timeout, its output in $OUT/NAME.log
@@ -47,32 +41,30 @@ if want build; then
   run build 300 python3 setup.py -q build_ext --inplace || { tail -30 "$OUT/build.log"; exit 1; }
 fi
 if want smoke; then
-  run "smoke_v$V" 150 python3 scripts/sweep64_smoke.py
-  grep -a "wgmma64\|sub16\|rror" "$OUT/smoke_v$V.log" | head -30
+  run smoke 150 python3 scripts/sweep64_smoke.py
+  grep -a "wgmma64\|sub16\|rror" "$OUT/smoke.log" | head -30
 fi
 if want times; then
-  for s in wgmma64:1 wgmma64:2 sub16:1; do
-    KDA_TRAINING_SWEEP=${s%:*} KDA_SWEEP64_VARIANT=${s#*:} run "times_${s/:/_v}" 90 python3 scripts/train_profile.py 96,32
-    grep -a "##\|sweep\|backward_chunked" "$OUT/times_${s/:/_v}.log" | head -6
+  for s in wgmma64 sub16; do
+    KDA_TRAINING_SWEEP=$s run "times_$s" 90 python3 scripts/train_profile.py 96,32
+    grep -a "##\|sweep\|backward_chunked" "$OUT/times_$s.log" | head -6
   done
 fi
 if want clocks; then
-  KDA_SWEEP64_PROFILE=1 KDA_TRAINING_SWEEP=wgmma64 run "clocks_v$V" 90 python3 scripts/train_profile.py 96
-  grep -a "profile:" "$OUT/clocks_v$V.log" | head -1
+  KDA_SWEEP64_PROFILE=1 KDA_TRAINING_SWEEP=wgmma64 run clocks 90 python3 scripts/train_profile.py 96
+  grep -a "profile:" "$OUT/clocks.log" | head -1
 fi
 PYTEST=(python3 -m pytest -q -rf -n 14 -p no:cacheprovider -o addopts= tests/gpu/test_training_cuda.py)
-# (the gate tests take the variant from the environment; the edge and mode tests name it in their ids)
-SEL=$([ "$V" = 2 ] && echo "v2" || echo "wgmma64 and not v2")
 if want gates; then
-  KDA_TRAINING_SWEEP=wgmma64 run "tests_gates_v$V" 240 "${PYTEST[@]}" -k "extreme or deterministic or golden or dbeta"
-  tail -3 "$OUT/tests_gates_v$V.log"
+  KDA_TRAINING_SWEEP=wgmma64 run tests_gates 240 "${PYTEST[@]}" -k "extreme or deterministic or golden or dbeta"
+  tail -3 "$OUT/tests_gates.log"
 fi
 if want edges; then
-  run "tests_edges_v$V" 200 "${PYTEST[@]}" -k "lower_bound_edges and $SEL"
-  tail -3 "$OUT/tests_edges_v$V.log"
+  run tests_edges 200 "${PYTEST[@]}" -k "lower_bound_edges and wgmma64"
+  tail -3 "$OUT/tests_edges.log"
 fi
 if want modes; then
-  run "tests_modes_v$V" 360 "${PYTEST[@]}" -k "each_sweep_every_mode and $SEL"
-  tail -3 "$OUT/tests_modes_v$V.log"
+  run tests_modes 360 "${PYTEST[@]}" -k "each_sweep_every_mode and wgmma64"
+  tail -3 "$OUT/tests_modes.log"
 fi
 exit $status

@@ -808,34 +808,27 @@ _SWEEP_CASES += [c for c in _MODE_CASES if c[0].endswith(("-T1024", "-T4097", "-
 
 
 def _force_sweep(monkeypatch, sweep):
-    """Skips where the sweep cannot run; sets the switches that force it: wgmma64 (the Hopper 64-token sweep,
-    variant 1), wgmma64-v2 (its variant 2: KDA_SWEEP64_VARIANT=2), sub16 (the 16-token sweep)."""
-    if sweep.startswith("wgmma64") and torch.cuda.get_device_capability() != (9, 0):
+    """Skips where the sweep cannot run; sets the switch that forces it: wgmma64 (the Hopper 64-token sweep),
+    sub16 (the 16-token sweep)."""
+    if sweep == "wgmma64" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the 64-token sweep is the Hopper (sm_90a) kernel")
     if sweep == "sub16" and torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
         pytest.skip("this GPU runs the small sweep by itself")
     monkeypatch.delenv("KDA_TRAINING_BACKWARD_HOST", raising=False)
-    monkeypatch.setenv("KDA_TRAINING_SWEEP", "wgmma64" if sweep.startswith("wgmma64") else sweep)
-    if sweep == "wgmma64-v2":
-        monkeypatch.setenv("KDA_SWEEP64_VARIANT", "2")
-    else:
-        monkeypatch.delenv("KDA_SWEEP64_VARIANT", raising=False)
+    monkeypatch.setenv("KDA_TRAINING_SWEEP", sweep)
 
 
-_LONG_IDS = ("-T1024", "-T4097")
 # what KDA_TRAINING_VERBOSE=1 prints after "kda training sweep: " for each forced sweep
-_SWEEP_LINES = {"wgmma64": "wgmma64 (sm_90a, variant 1)", "wgmma64-v2": "wgmma64 (sm_90a, variant 2)"}
+_SWEEP_LINES = {"wgmma64": "wgmma64 (sm_90a)"}
 
 
-@pytest.mark.parametrize("sweep", ["wgmma64", "wgmma64-v2", "sub16"])
+@pytest.mark.parametrize("sweep", ["wgmma64", "sub16"])
 @pytest.mark.parametrize("case", _SWEEP_CASES, ids=[c[0] for c in _SWEEP_CASES])
 def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     """Each chunk-parallel sweep of the CUDA backward, forced by KDA_TRAINING_SWEEP (the verbose line names the one
     that ran): wgmma64, the Hopper 64-token sweep (sm_90a only), and sub16, the 16-token sweep of the other GPUs, in
     every mode: the eight gradients of recurrent_kda_backward against fp64 autograd, and two calls give the same
-    bits. wgmma64-v2, the 64-token sweep's variant 2, on the shorter cases."""
-    if sweep == "wgmma64-v2" and case[0].endswith(_LONG_IDS):
-        pytest.skip("variant 2 on the shorter cases (the long ones' fp64 references take minutes)")
+    bits."""
     _force_sweep(monkeypatch, sweep)
     monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
     label = case[0]
@@ -853,7 +846,7 @@ def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     _check_mode_grads(f"{sweep} {label}", grads, ref)
 
 
-@pytest.mark.parametrize("sweep", ["wgmma64", "wgmma64-v2", "sub16"])
+@pytest.mark.parametrize("sweep", ["wgmma64", "sub16"])
 @pytest.mark.parametrize("edge", list(EDGES))
 def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
     """The lower-bound gate's edge inputs on each sweep (forced as in test_each_sweep_every_mode), T=130 (three

@@ -11,11 +11,7 @@
 //   K⁺ = k̂ e^{γ+P}, Kr = k̂ e^{σ+Q}, g_C = e^{Σ T_b};
 //   L, Mqk (64 x 64, 3xTF32 mma.sync): off-diagonal blocks (k̂_i e^{γ_i} D_IJ)·(k̂_j e^{σ_j}); diagonal blocks with
 //     the block's middle-token reference (each factor <= e^{40}) or, in a "wide" block of an unbounded gate, exact
-//     pairwise exponents on CUDA cores (as sweep.cu). Variant 2 (KDA_SWEEP64_VARIANT=2, the kernel's template flag,
-//     not yet measured against variant 1): RS wgmma, A = k̂ e^{γ - r} (L) or q̂ e^{γ - r} (Mqk) in registers
-//     (r: the row block's middle-token γ), one pass per row block I against B_I = k̂_j e^{σ_j} D_IJ e^{r_I}
-//     (earlier blocks) and k̂_j e^{r_I - γ_j} (block I); bulk L2 prefetches of the next task; the wide blocks'
-//     pairwise code out of line;
+//     pairwise exponents on CUDA cores (as sweep.cu);
 //   INV = (I + diag(β) L)^{-1} in fp32 (diagonal blocks by substitution, then the off-diagonal ones);
 //   Xᵀ = S_0 K⁺ᵀ, dRᵀ = dS_C Krᵀ + dOᵀ Mqk: wgmma with the state rows as the register A operand (WG w: value
 //     rows [64w, 64w + 64)), both operands split into bf16 hi + lo parts (three products: ~16-bit operands, as
@@ -213,14 +209,8 @@ __device__ __forceinline__ float dt_bias_at(const TrainingBackwardParams& p, con
   return p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + c] : 0.f;
 }
 
-// A bulk prefetch of [ptr, ptr + bytes) into L2 (sm_90: one instruction; ptr 16-byte aligned, bytes a multiple of 16).
-__device__ __forceinline__ void prefetch_bulk_l2(const void* ptr, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
-}
-
-// Pulls the state rows of a task (S_0 and dS_C, 64 KB each) and its token rows (q, k, v, dO, g) into L2: 128-byte
-// line prefetches (variant 1) or bulk prefetches (variant 2).
-template <bool kV2>
+// Pulls the state rows of a task (S_0 and dS_C, 64 KB each) and its token rows (q, k, v, dO, g) into L2 (128-byte
+// line prefetches).
 __device__ void prefetch_task(const TrainingBackwardParams& p, int64_t task) {
   const int64_t slot = task / p.HV;
   const int64_t n = slot_sequence(p.slot_cu_starts, p.N, slot);
@@ -238,28 +228,14 @@ __device__ void prefetch_task(const TrainingBackwardParams& p, int64_t task) {
     const int head = r < 2 ? hv / (p.HV / p.H) : hv;
     return tt.row<__nv_bfloat16>(s.batch, s.bos + c * kT + t, head);
   };
-  if constexpr (kV2) {
-    // one bulk prefetch per state (16-byte aligned fp32 copies; 128-byte lines otherwise) and per 256-byte token row
-    // (kernel_tokens in csrc/api/training_cuda.cpp keeps the rows 16-byte aligned)
-    if (s0 != nullptr && (reinterpret_cast<uintptr_t>(s0) & 15) == 0) {
-      if (tid == 0) prefetch_bulk_l2(s0, static_cast<uint32_t>(sd * sd * sizeof(float)));
-    } else if (s0 != nullptr) {
 #pragma unroll 1
-      for (int i = tid; i < sd * sd / 32; i += kThreads) ptx::prefetch_l2(s0 + 32 * i);
-    }
-    if (ds != nullptr && tid == 32) prefetch_bulk_l2(ds, static_cast<uint32_t>(kD * kD * sizeof(float)));
+  for (int i = tid; i < sd * sd / 32; i += kThreads)
+    if (s0 != nullptr) ptx::prefetch_l2(s0 + 32 * i);
 #pragma unroll 1
-    for (int i = tid; i < len * 5; i += kThreads) prefetch_bulk_l2(token_row(i / 5, i % 5), kD * sizeof(__nv_bfloat16));
-  } else {  // 128-byte lines
+  for (int i = tid; i < kD * kD / 32; i += kThreads)
+    if (ds != nullptr) ptx::prefetch_l2(ds + 32 * i);
 #pragma unroll 1
-    for (int i = tid; i < sd * sd / 32; i += kThreads)
-      if (s0 != nullptr) ptx::prefetch_l2(s0 + 32 * i);
-#pragma unroll 1
-    for (int i = tid; i < kD * kD / 32; i += kThreads)
-      if (ds != nullptr) ptx::prefetch_l2(ds + 32 * i);
-#pragma unroll 1
-    for (int i = tid; i < len * 10; i += kThreads) ptx::prefetch_l2(token_row(i / 10, (i % 10) >> 1) + 64 * (i & 1));
-  }
+  for (int i = tid; i < len * 10; i += kThreads) ptx::prefetch_l2(token_row(i / 10, (i % 10) >> 1) + 64 * (i & 1));
 }
 
 // Tokens, gate, β, norms, the block factors. Returns the wide flags of the four blocks (CTA-uniform): an unbounded
@@ -365,7 +341,7 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
   __syncthreads();
 }
 
-// L and Mqk (packed lower blocks), variant 1: the narrow diagonal blocks and every off-diagonal block on tensor cores
+// L and Mqk (packed lower blocks): the narrow diagonal blocks and every off-diagonal block on tensor cores
 // (3xTF32 mma.sync, the middle-token reference in the diagonal blocks); wide_pair_matrices does the rest.
 __device__ void narrow_pair_matrices(Smem& sm, const bool (&wide)[kNB]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -462,11 +438,6 @@ __device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, co
       pair_column_store(vm, lane, [&](int ii, float x) { sm.M[tri(kB * I + ii, j)] = ii >= jj ? x : 0.f; });
     }
   }
-}
-// (variant 2: out of line, so that the hot path's code stays contiguous without this rarely taken block)
-__device__ __noinline__ void wide_pair_matrices_call(Smem& sm, const TrainingBackwardParams& p, const Task& tk,
-                                                     const bool (&wide)[kNB]) {
-  wide_pair_matrices(sm, p, tk, wide);
 }
 
 // INV = (I + diag(β) L)^{-1}, unit lower triangular, fp32: the diagonal blocks by forward substitution (thread per
@@ -581,14 +552,7 @@ __device__ void wide_diag_terms(const Smem& sm, const TrainingBackwardParams& p,
       esig[n][e] = __expf(ex);  // (ex = σ_t: the log-decays of the block's tokens after t)
     }
 }
-// (variant 2: out of line, as wide_pair_matrices_call)
-__device__ __noinline__ void wide_diag_terms_call(const Smem& sm, const TrainingBackwardParams& p, const Task& tk,
-                                                  int c0, int I, float (&rm)[2][4], float (&rl)[2][4],
-                                                  float (&cm)[2][4], float (&cl)[2][4], float (&esig)[2][4]) {
-  wide_diag_terms(sm, p, tk, c0, I, rm, rl, cm, cl, esig);
-}
 
-template <bool kV2>
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_kernel(const TrainingBackwardParams p) {
 #if defined(KDA_SWEEP64_DEVICE)
   extern __shared__ char smem_raw[];
@@ -701,81 +665,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 
     Prof prof;
     prof.start(p.profile && blockIdx.x == 0 && tid == 0);
-    if (task + gridDim.x < tasks) prefetch_task<kV2>(p, task + gridDim.x);  // this CTA's next task, into L2
+    if (task + gridDim.x < tasks) prefetch_task(p, task + gridDim.x);  // this CTA's next task, into L2
     prof.mark(0);
     bool wide[kNB];
     load_chunk(sm, p, tk, wide);
     prof.mark(1);
-    if constexpr (kV2) {
-      // ---- variant 2, L and Mqk on wgmma: warpgroup 0 forms L with A = k̂ e^{γ - r}, warpgroup 1 Mqk with A = q̂ e^{γ - r} (the
-      // register A operand, hi + lo, every token row; r = the row block's middle-token γ, 0 in a wide block), against
-      // B_I, one pass per row block I: B_I(j) = k̂_j e^{σ_j} D_IJ e^{r_I} for the earlier blocks J (every factor <= 1),
-      // k̂_j e^{r_I - γ_j} in block I itself (0 in a wide block, whose diagonal is pairwise below): every factor
-      // <= e^{40} either side in a narrow block (as sweep.cu's), <= 1 otherwise. B_I in the R (hi) and dY (lo) tiles;
-      // the warp holding the rows of block I keeps its rows of the result.
-      {
-        const int wbits = int(wide[0]) | (int(wide[1]) << 1) | (int(wide[2]) << 2) | (int(wide[3]) << 3);
-        const bool wide_rows = (wbits >> wq) & 1;
-        const __nv_bfloat16* const x = wg == 0 ? sm.k : sm.q;  // k̂ = k ρ_k, q̂ = q ρ_q · scale
-        const float* const rho = wg == 0 ? sm.rk : sm.rq;
-        fill_a([&](int m, int k) {  // (row m is in block wq)
-          const float f = egv(sm, m, k) * (wide_rows ? 1.f : sm.iem[wq][k]);
-          return __bfloat162float(x[m * kLDH + k]) * rho[m] * f;
-        });
-      }
-      {
-        Tensor accL = partition_fragment_C(mma_rs, Shape<_64, _64>{});
-#pragma unroll 1
-        for (int I = 0; I < kNB; ++I) {
-#pragma unroll 1
-          for (int e = tid; e < kB * (I + 1) * (kD / 8); e += kThreads) {
-            const int j = e >> 4, c0 = (e & 15) * 8, J = j >> 4;
-            uint32_t h[4], l[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              float x[2];
-#pragma unroll
-              for (int v = 0; v < 2; ++v) {
-                const int c = c0 + 2 * u + v;
-                const float er = wide[I] ? 1.f : egv(sm, kB * I + kB / 2, c);  // e^{r_I}
-                x[v] = J < I ? kh(sm, j, c) * esv(sm, j, c) * dij(sm, I, J, c) * er
-                             : (wide[I] ? 0.f : kh(sm, j, c) * __fdividef(er, egv(sm, j, c)));
-              }
-              split2(x[0], x[1], h[u], l[u]);
-            }
-            const int o = swz_offset(LayoutTile{}, j, c0);
-            *reinterpret_cast<uint4*>(sm.r + o) = make_uint4(h[0], h[1], h[2], h[3]);
-            *reinterpret_cast<uint4*>(sm.dy + o) = make_uint4(l[0], l[1], l[2], l[3]);
-          }
-          cutlass::arch::fence_view_async_shared();
-          __syncthreads();
-          open_batch(aH, aL, accL);
-          split3(mma_rs, aH, aL, bR, bY, accL);
-          warpgroup_commit_batch();
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(accL);
-          warpgroup_fence_operand(aH);
-          warpgroup_fence_operand(aL);
-          if (wq == I) {
-            float* const dst = wg == 0 ? sm.L : sm.M;
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-              const int row = get<0>(cC(i)), j = get<1>(cC(i)), J = j >> 4;
-              if (J > I || (J == I && wide[I])) continue;
-              dst[tri(row, j)] = (J < I || j < row || (wg == 1 && j == row)) ? accL(i) : 0.f;
-            }
-          }
-          __syncthreads();  // B_I read by both warpgroups
-        }
-      }
-    } else {  // variant 1: 3xTF32 mma.sync
-      narrow_pair_matrices(sm, wide);
-    }
-    if constexpr (kV2) {
-      if (wide[0] || wide[1] || wide[2] || wide[3]) wide_pair_matrices_call(sm, p, tk, wide);
-    } else {
-      wide_pair_matrices(sm, p, tk, wide);
-    }
+    narrow_pair_matrices(sm, wide);
+    wide_pair_matrices(sm, p, tk, wide);
     __syncthreads();
     // K⁺ = k̂ e^{γ + P} (hi, lo)
     write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * egv(sm, t, cc) * sm.ep[t >> 4][cc]; });
@@ -1070,10 +966,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     for (int I = 0; I < kNB; ++I) {
       if (!wide[I]) continue;
       float rm[2][4], rl[2][4], cm[2][4], cl[2][4], esig[2][4];
-      if constexpr (kV2)
-        wide_diag_terms_call(sm, p, tk, 64 * wg + 16 * wq, I, rm, rl, cm, cl, esig);
-      else
-        wide_diag_terms(sm, p, tk, 64 * wg + 16 * wq, I, rm, rl, cm, cl, esig);
+      wide_diag_terms(sm, p, tk, 64 * wg + 16 * wq, I, rm, rl, cm, cl, esig);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {  // (j >> 1 == I: the block's two column groups; static indices)
         if ((j >> 1) != I) continue;
@@ -1238,17 +1131,12 @@ bool training_backward_sweep64_supported() {
 cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cudaStream_t stream) {
   if (p.dstates == nullptr || p.slot_cu_starts == nullptr) return cudaErrorInvalidValue;
   const int smem = static_cast<int>(training_backward_sweep64_smem_bytes());
-  // KDA_SWEEP64_VARIANT=2 (read on every call): L and Mqk on wgmma and the bulk L2 prefetch, a candidate not yet
-  // measured against variant 1 (the default)
-  const char* ve = std::getenv("KDA_SWEEP64_VARIANT");
-  const bool v2 = ve != nullptr && ve[0] == '2';
-  const auto kernel = v2 ? sweep64::kda_training_backward_sweep64_kernel<true>
-                         : sweep64::kda_training_backward_sweep64_kernel<false>;
+  const auto kernel = sweep64::kda_training_backward_sweep64_kernel;
   KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.n_slots * p.HV <= 0) return cudaSuccess;
   if (const char* e = std::getenv("KDA_TRAINING_VERBOSE"); e != nullptr && e[0] == '1')
-    std::fprintf(stderr, "kda training sweep: wgmma64 (sm_90a, variant %d), grid %d x %d threads, %d B shared memory\n",
-                 v2 ? 2 : 1, p.grid, sweep64::kThreads, smem);
+    std::fprintf(stderr, "kda training sweep: wgmma64 (sm_90a), grid %d x %d threads, %d B shared memory\n", p.grid,
+                 sweep64::kThreads, smem);
   // KDA_SWEEP64_PROFILE=1 (a diagnostic: synchronises, so never under graph capture): the cycles of CTA 0 per
   // phase, to stderr.
   const char* pe = std::getenv("KDA_SWEEP64_PROFILE");
