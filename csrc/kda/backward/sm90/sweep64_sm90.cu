@@ -143,7 +143,13 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
 
 // The profile (KDA_SWEEP64_PROFILE=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
 // tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the tasks.
-constexpr int kProfSegs = 14;
+enum ProfSeg : int {
+  kPfPrefetch, kPfLoadWait, kPfGate, kPfNorms, kPfPairMatrices, kPfXStart, kPfInverseDiag, kPfInverse, kPfXWaitKr, kPfDR, kPfRdY,
+  kPfDaDmDqDk, kPfDKr, kPfPairTerms, kPfDGamma, kPfDBetaL2, kPfDa, kProfSegs
+};
+constexpr const char* kProfNames[kProfSegs] = {
+    "prefetch", "load+wait", "gate", "norms", "L/Mqk+K+", "X start", "inverse diag", "inverse rest", "X wait+Kr", "dR", "R/dY/dbeta",
+    "dA/dM/dQ/dK", "dKr", "pair terms", "dgam", "dbeta+l2", "da+partials"};
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
 struct Prof {
   bool on = false;
@@ -240,7 +246,7 @@ __device__ void prefetch_task(const TrainingBackwardParams& p, int64_t task) {
 
 // Tokens, gate, β, norms, the block factors. Returns the wide flags of the four blocks (CTA-uniform): an unbounded
 // gate's block with some |γ| > kNarrowSpan (or NaN) takes the pairwise exponents.
-__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB]) {
+__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB], Prof& prof) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // raw q, k rows (padded), the dO tile and the raw gate rows (in the R tile, free until R is formed), 16-byte
   // cp.async, zeros past the end
@@ -270,6 +276,7 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
   const float dtb = dt_bias_at(p, tk, tid & 127);
   ptx::cp_async_wait<0>();
   __syncthreads();
+  prof.mark(kPfLoadWait);
   // gate: thread (channel c, blocks 2h and 2h + 1): γ by prefix sums, σ by suffix sums (no cancellation)
   bool w2[2] = {false, false};
   {
@@ -310,6 +317,7 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
   }
 #pragma unroll
   for (int b = 0; b < kNB; ++b) wide[b] = __syncthreads_or((tid >> 7) == (b >> 1) && w2[b & 1]) != 0;
+  prof.mark(kPfGate);
   // norms: warp per token
 #pragma unroll 1
   for (int t = warp; t < kT; t += kThreads / 32) {
@@ -443,7 +451,7 @@ __device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, co
 // INV = (I + diag(β) L)^{-1}, unit lower triangular, fp32: the diagonal blocks by forward substitution (thread per
 // column), then the off-diagonal blocks by distance d = I - J: INV_IJ = -INV_II Σ_{J<=K<I} diag(β_I) L_IK INV_KJ.
 // Starts and ends synchronised (the caller's wgmma may run meanwhile: it touches none of these arrays).
-__device__ void unit_lower_inverse(Smem& sm) {
+__device__ void unit_lower_inverse(Smem& sm, Prof& prof) {
   const int tid = threadIdx.x;
   if (tid < kT) {
     const int I = tid >> 4, jj = tid & 15, i0 = kB * I;
@@ -459,6 +467,7 @@ __device__ void unit_lower_inverse(Smem& sm) {
     for (int ii = 0; ii < kB; ++ii) sm.INV[tri(i0 + ii, i0 + jj)] = x[ii];
   }
   __syncthreads();
+  prof.mark(kPfInverseDiag);
 #pragma unroll 1
   for (int d = 1; d < kNB; ++d) {
     const int pairs = kNB - d;
@@ -666,10 +675,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     Prof prof;
     prof.start(p.profile && blockIdx.x == 0 && tid == 0);
     if (task + gridDim.x < tasks) prefetch_task(p, task + gridDim.x);  // this CTA's next task, into L2
-    prof.mark(0);
+    prof.mark(kPfPrefetch);
     bool wide[kNB];
-    load_chunk(sm, p, tk, wide);
-    prof.mark(1);
+    load_chunk(sm, p, tk, wide, prof);
+    prof.mark(kPfNorms);
     narrow_pair_matrices(sm, wide);
     wide_pair_matrices(sm, p, tk, wide);
     __syncthreads();
@@ -679,7 +688,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
 
-    prof.mark(2);
+    prof.mark(kPfPairMatrices);
 
     // ---- Xᵀ = S_0 K⁺ᵀ (WG: value rows [64 wg, +64)), the inverse meanwhile; (V - X)ᵀ
     Tensor acc = partition_fragment_C(mma_rs, Shape<_64, _64>{});
@@ -690,11 +699,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     open_batch(aH, aL, acc);
     split3(mma_rs, aH, aL, bKh, bKl, acc);
     warpgroup_commit_batch();
-    prof.mark(3);
-    unit_lower_inverse(sm);
+    prof.mark(kPfXStart);
+    unit_lower_inverse(sm, prof);
     write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int s) { return tri_at(sm.INV, t, s); });  // INV [t][s] (hi, lo)
     // (fenced and synchronised with the Kr tiles below)
-    prof.mark(4);
+    prof.mark(kPfInverse);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(aH);  // (the A fragments are refilled below)
@@ -711,7 +720,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * esv(sm, t, cc) * sm.eq[t >> 4][cc]; });
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    prof.mark(5);
+    prof.mark(kPfXWaitKr);
 
     // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk: one accumulator; dOᵀ (exact bf16) is this warpgroup's half of the dO tile read
     // MN-major, Mqk [s][t] (hi + lo) MN-major
@@ -728,7 +737,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(aH);
     warpgroup_fence_operand(aL);
-    prof.mark(6);
+    prof.mark(kPfDR);
     // ---- Rᵀ = Yᵀ INVᵀ with Yᵀ = β (V - X)ᵀ (B(t, s) = INV[t][s]: K-major), dYᵀ = dRᵀ INV (B(t, s) = INV[s][t]:
     // the same tile MN-major); the accumulator values are the register A operand of the same (row, k) (the m64n64
     // accumulator and the K = 64 A fragment index their elements alike: scripts/sweep64_layout_check.cu)
@@ -800,7 +809,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     }
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    prof.mark(7);
+    prof.mark(kPfRdY);
 
     // ---- dAᵀ, dMqkᵀ = R [dY | dO]ᵀ: [t'][t] = Σ_v R[t'][v] W[t][v], this warpgroup's tokens t; dQ⁺ᵀ, dK⁺ᵀ with S_0ᵀ
     // (R_lo lives in the kp_hi tile, dY_lo in kp_lo)
@@ -844,7 +853,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(accK);
     warpgroup_fence_operand(aH);
     warpgroup_fence_operand(aL);
-    prof.mark(8);
+    prof.mark(kPfDaDmDqDk);
     // ---- dKrᵀ = dS_Cᵀ Rᵀ, and the S_0 decay term colsum(dS_C ⊙ S_0) of this thread's channel rows
     float cs[2] = {0.f, 0.f};
     const auto fill_dkr = [&](auto ds_f, auto s0_f) {
@@ -870,7 +879,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(accR);
     warpgroup_fence_operand(aH);  // (refilled by the next task)
     warpgroup_fence_operand(aL);
-    prof.mark(9);
+    prof.mark(kPfDKr);
     __syncthreads();  // dA, dMqk complete
 
     // ---- the pair terms on wgmma, in the transposed accumulators (row c = channel, column t = token), folded into
@@ -993,7 +1002,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
           sm.fin.ext[cc] = ext_part[h] + sm.ep[kNB - 1][cc] * sm.etb[kNB - 1][cc] * cs[h];
         }
     }
-    prof.mark(10);
+    prof.mark(kPfPairTerms);
     float dgam[8][4];
     float* const sdq = reinterpret_cast<float*>(sm.kp_hi);  // [64][128] fp32 scratch (the dead K⁺/Kr tiles)
     float* const sdk = reinterpret_cast<float*>(sm.r);      // (the dead R and dY tiles)
@@ -1016,7 +1025,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     for (int i = 0; i < 32; ++i) sm.eg[get<1>(cC(i)) * kLDF + 64 * wg + get<0>(cC(i))] = dgam[i >> 2][i & 3];
     __syncthreads();
 
-    prof.mark(11);
+    prof.mark(kPfDGamma);
     // ---- dβ: Σ_v dY (V - X) + Σ_j dA L (thread per token)
     if (tid < tk.len) {
       const int t = tid;
@@ -1053,7 +1062,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
             make_uint2(*reinterpret_cast<const uint32_t*>(&k01), *reinterpret_cast<const uint32_t*>(&k23));
       }
     }
-    prof.mark(12);
+    prof.mark(kPfDBetaL2);
     // ---- da = reverse cumsum of dΓ (+ ext), the gate's chain rule; thread (channel c, tokens [32 h, +32))
     {
       const int cc = tid & 127, h = tid >> 7;
@@ -1113,7 +1122,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         p.dA_partial[task] = a;
       }
     }
-    prof.mark(13);
+    prof.mark(kPfDa);
   }
 #endif
 }
@@ -1150,12 +1159,9 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
     KDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     unsigned long long prof[sweep64::kProfSegs + 1];
     KDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(prof, sweep64::kda_sweep64_prof, sizeof(prof)));
-    static const char* names[sweep64::kProfSegs] = {"prefetch", "load", "L/Mqk+K+", "X start", "inverse", "X wait+Kr",
-                                                    "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms",
-                                                    "dgam", "dbeta+l2", "da+partials"};
     const double tasks = prof[sweep64::kProfSegs] > 0 ? double(prof[sweep64::kProfSegs]) : 1.0;
     std::fprintf(stderr, "kda sweep64 profile: CTA 0, %llu tasks, cycles per task:", prof[sweep64::kProfSegs]);
-    for (int i = 0; i < sweep64::kProfSegs; ++i) std::fprintf(stderr, " %s %.0f", names[i], prof[i] / tasks);
+    for (int i = 0; i < sweep64::kProfSegs; ++i) std::fprintf(stderr, " %s %.0f", sweep64::kProfNames[i], prof[i] / tasks);
     std::fprintf(stderr, "\n");
     return cudaSuccess;
   }
