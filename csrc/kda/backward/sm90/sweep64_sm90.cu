@@ -132,6 +132,9 @@ __device__ __forceinline__ float dij(const Smem& sm, int I, int J, int c) {
   return d;
 }
 
+// the float of a bf16 bit pattern
+__device__ __forceinline__ float bf16_bits(unsigned short x) { return __uint_as_float(uint32_t(x) << 16); }
+
 // bf16 hi + lo split of x (x - hi exact in fp32), two values packed per 32-bit register (low half: first)
 __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
@@ -709,11 +712,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(aH);  // (the A fragments are refilled below)
     warpgroup_fence_operand(aL);
     float vx[8][4];  // (V - X)ᵀ: row v, column t
+    {
+      // V[t][v] of this thread's elements, the 32 loads issued together: no branch per element (a token past the
+      // chunk's end reads the chunk's first token row and counts as 0)
+      const int64_t vts = p.v.token_stride;
+      const __nv_bfloat16* const v0 = p.v.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + 64 * wg;
+      unsigned short raw[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int v = 64 * wg + get<0>(cC(i)), t = get<1>(cC(i));
-      const float vv = t < tk.len ? ld_bf16(p.v.ptr, p.v.offset(tk.s.batch, tk.t0 + t, tk.hv) + v) : 0.f;
-      vx[i >> 2][i & 3] = vv - acc(i);
+      for (int i = 0; i < 32; ++i) {
+        const int t = get<1>(cC(i));
+        raw[i] = __ldg(reinterpret_cast<const unsigned short*>(v0 + (t < tk.len ? t : 0) * vts + get<0>(cC(i))));
+      }
+#pragma unroll
+      for (int i = 0; i < 32; ++i) vx[i >> 2][i & 3] = (get<1>(cC(i)) < tk.len ? bf16_bits(raw[i]) : 0.f) - acc(i);
     }
     __syncthreads();  // both warpgroups are done with the K⁺ tiles
     // Kr = k̂ e^{σ + Q} (hi, lo)
@@ -788,11 +799,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         for (int j = 0; j < 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) sm.dbp[warp][8 * j + 2 * lane + e] = colsum[j][e];
+      __nv_bfloat16* const dv0 = static_cast<__nv_bfloat16*>(p.dv) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD;
+      const int64_t rows = int64_t(p.HV) * kD;  // (dv: [B, T, HV, 128] compact)
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
-        const int v = 64 * wg + get<0>(cC(i)), t = get<1>(cC(i));
-        if (t < tk.len)
-          st_bf16(p.dv, ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + v, sm.beta[t] * dyv[i >> 2][i & 3]);
+        const int t = get<1>(cC(i));
+        if (t < tk.len) dv0[t * rows + 64 * wg + get<0>(cC(i))] = __float2bfloat16_rn(sm.beta[t] * dyv[i >> 2][i & 3]);
       }
     }
     __syncthreads();  // both warpgroups are done with the Kr tiles
@@ -1008,16 +1020,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     float* const sdk = reinterpret_cast<float*>(sm.r);      // (the dead R and dY tiles)
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int m = get<0>(cC(i)), t = get<1>(cC(i)), cc = 64 * wg + m;
-      const float dqv = dq[i >> 2][i & 3], dkrv = dkr[i >> 2][i & 3], dkcv = dkc[i >> 2][i & 3];
-      dgam[i >> 2][i & 3] = fmaf(qh(sm, t, cc), dqv, kh(sm, t, cc) * (dkrv - dkcv));
-      if (p.fused_qk) {
-        sdq[t * kD + cc] = dqv * p.scale;
-        sdk[t * kD + cc] = dkrv + dkcv;
-      } else if (t < tk.len) {
-        const int64_t ho = ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + cc;
-        p.dq_head[ho] = dqv * p.scale;
-        p.dk_head[ho] = dkrv + dkcv;
+      const int t = get<1>(cC(i)), cc = 64 * wg + get<0>(cC(i));
+      dgam[i >> 2][i & 3] = fmaf(qh(sm, t, cc), dq[i >> 2][i & 3], kh(sm, t, cc) * (dkr[i >> 2][i & 3] - dkc[i >> 2][i & 3]));
+    }
+    if (p.fused_qk) {  // dq̂, dk̂ to the scratch for the L2-norm backward below
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int o = get<1>(cC(i)) * kD + 64 * wg + get<0>(cC(i));
+        sdq[o] = dq[i >> 2][i & 3] * p.scale;
+        sdk[o] = dkr[i >> 2][i & 3] + dkc[i >> 2][i & 3];
+      }
+    } else {  // per value head ([B, T, HV, 128] fp32, compact), for the finishing kernel's GQA sum
+      const int64_t o0 = ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD + 64 * wg, rows = int64_t(p.HV) * kD;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int t = get<1>(cC(i));
+        if (t < tk.len) {
+          p.dq_head[o0 + t * rows + get<0>(cC(i))] = dq[i >> 2][i & 3] * p.scale;
+          p.dk_head[o0 + t * rows + get<0>(cC(i))] = dkr[i >> 2][i & 3] + dkc[i >> 2][i & 3];
+        }
       }
     }
     __syncthreads();  // every read of e^{γ} is done
@@ -1074,14 +1095,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       float run = sm.fin.ext[cc] + (h == 0 ? sm.fin.part[1][cc] : 0.f);
       const float dtb = dt_bias_at(p, tk, cc);
       float ddt_acc = 0.f, dA_acc = 0.f;
+      // the gate inputs of channel cc by pointer from the chunk's first token (a token past the end reads that row,
+      // unused), one group of 8 loaded ahead of the serial walk over the one before; dg ([B, T, HV, 128] compact)
+      const int64_t gts = p.g.token_stride, rows = int64_t(p.HV) * kD;
+      const __nv_bfloat16* const g0 = p.g.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + cc;
+      __nv_bfloat16* const dg0 = static_cast<__nv_bfloat16*>(p.dg) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD + cc;
+      unsigned short gnext[8];
+      const auto load_group = [&](int u0) {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int t = 32 * h + u0 + u;
+          gnext[u] = __ldg(reinterpret_cast<const unsigned short*>(g0 + (t < tk.len ? t : 0) * gts));
+        }
+      };
+      load_group(24);
 #pragma unroll 1
       for (int u0 = 24; u0 >= 0; u0 -= 8) {  // groups of 8 tokens, last first
-      float xg[8];  // the gate inputs, loaded before the serial walk
+      float xg[8];  // the gate inputs (unused past the end)
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int t = 32 * h + u0 + u;
-        xg[u] = t < tk.len ? ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + cc) + dtb : 0.f;
-      }
+      for (int u = 0; u < 8; ++u) xg[u] = bf16_bits(gnext[u]) + dtb;
+      if (u0 > 0) load_group(u0 - 8);
 #pragma unroll
       for (int u = 7; u >= 0; --u) {
         const int t = 32 * h + u0 + u;
@@ -1106,7 +1139,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
             dA_acc = fmaf(da, a, dA_acc);
           }
         }
-        st_bf16(p.dg, ((tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv) * kD + cc, dgv);
+        dg0[t * rows] = __float2bfloat16_rn(dgv);
       }
       }
       __syncthreads();  // (part is reused)
