@@ -92,6 +92,17 @@ __device__ __forceinline__ int tri(int i, int j) {
 // m(i, j), 0 in the blocks above the diagonal (never stored)
 __device__ __forceinline__ float tri_at(const float* m, int i, int j) { return (j >> 4) > (i >> 4) ? 0.f : m[tri(i, j)]; }
 
+// Where a task's data lives: its sequence n (-1: an unused slot), its chunk c within the sequence, the sequence's
+// token range and the state rows S_0 and dS_C (null: zeros). Resolving it is a chain of dependent global loads
+// (the slot's sequence by binary search, cu_seqlens, the tape row), so each task is resolved once, by the threads
+// that prefetch it while the CTA works on the task before (TaskRef in shared memory).
+struct TaskRef {
+  int64_t n, c;
+  SeqRange s;
+  const float* S0;
+  const float* dS;
+};
+
 struct alignas(1024) Smem {
   // (in order of use within a task; the pair terms' operands after dKr)
   bf16_t kp_hi[kT * kD];  // K⁺, Kr (hi parts); R's lo part; Kσ hi; Kgβ lo; with kp_lo, the fp32 dq̂ scratch [64][128]
@@ -115,6 +126,7 @@ struct alignas(1024) Smem {
   float ep[kNB][kD], eq[kNB][kD];                         // e^{P_I}, e^{Q_J}
   float iem[kNB][kD];                                     // e^{-γ_mid} of each block (narrow blocks)
   float dbp[8][kT];                                       // dY · (V - X) partial sums per warp
+  TaskRef next;                                           // the CTA's next task (written during the inverse)
 };
 // the pair terms' Qg tiles (hi, lo: two 16 KB wgmma tiles) over e^{σ}
 static_assert(offsetof(Smem, es) % 1024 == 0 && sizeof(Smem::es) >= 2 * sizeof(Smem::kp_hi), "Qg tiles over e^{σ}");
@@ -218,33 +230,42 @@ __device__ __forceinline__ float dt_bias_at(const TrainingBackwardParams& p, con
   return p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + c] : 0.f;
 }
 
-// Pulls the state rows of a task (S_0 and dS_C, 64 KB each) and its token rows (q, k, v, dO, g) into L2 (128-byte
-// line prefetches).
-__device__ void prefetch_task(const TrainingBackwardParams& p, int64_t task) {
+__device__ TaskRef resolve_task(const TrainingBackwardParams& p, int64_t task) {
+  TaskRef r{};
   const int64_t slot = task / p.HV;
-  const int64_t n = slot_sequence(p.slot_cu_starts, p.N, slot);
-  if (n < 0) return;
-  const int hv = static_cast<int>(task % p.HV), tid = threadIdx.x;
-  const int64_t c = slot - p.slot_cu_starts[n];
-  const SeqRange s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
-  if (c * kT >= s.len) return;
-  const float* s0 = tape_state(p, n, c, hv);
-  const float* ds = slot < p.n_dstate_rows ? p.dstates + (slot * p.HV + hv) * kD * kD : nullptr;
-  const int sd = p.state_dim;
-  const int len = static_cast<int>(s.len - c * kT < kT ? s.len - c * kT : kT);
-  const auto token_row = [&](int t, int r) {  // r: k, q, v, dO, g
-    const TokenTensor& tt = r == 0 ? p.k : (r == 1 ? p.q : (r == 2 ? p.v : (r == 3 ? p.dout : p.g)));
-    const int head = r < 2 ? hv / (p.HV / p.H) : hv;
-    return tt.row<__nv_bfloat16>(s.batch, s.bos + c * kT + t, head);
+  const int hv = static_cast<int>(task % p.HV);
+  r.n = slot_sequence(p.slot_cu_starts, p.N, slot);
+  if (r.n < 0) return r;
+  r.c = slot - p.slot_cu_starts[r.n];
+  r.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, r.n);
+  if (r.c < 0 || r.c * kT >= r.s.len) {
+    r.n = -1;
+    return r;
+  }
+  r.S0 = tape_state(p, r.n, r.c, hv);
+  r.dS = slot < p.n_dstate_rows ? p.dstates + (slot * p.HV + hv) * kD * kD : nullptr;
+  return r;
+}
+
+// Pulls the state rows of a task (S_0 and dS_C, 64 KB each) and its token rows (q, k, v, dO, g) into L2 (128-byte
+// line prefetches), spread over `count` threads from thread `first`.
+__device__ void prefetch_task(const TrainingBackwardParams& p, const TaskRef& r, int hv, int first, int count) {
+  if (r.n < 0) return;
+  const int i0 = static_cast<int>(threadIdx.x) - first, sd = p.state_dim;
+  const int len = static_cast<int>(r.s.len - r.c * kT < kT ? r.s.len - r.c * kT : kT);
+  const auto token_row = [&](int t, int w) {  // w: k, q, v, dO, g
+    const TokenTensor& tt = w == 0 ? p.k : (w == 1 ? p.q : (w == 2 ? p.v : (w == 3 ? p.dout : p.g)));
+    const int head = w < 2 ? hv / (p.HV / p.H) : hv;
+    return tt.row<__nv_bfloat16>(r.s.batch, r.s.bos + r.c * kT + t, head);
   };
 #pragma unroll 1
-  for (int i = tid; i < sd * sd / 32; i += kThreads)
-    if (s0 != nullptr) ptx::prefetch_l2(s0 + 32 * i);
+  for (int i = i0; i < sd * sd / 32; i += count)
+    if (r.S0 != nullptr) ptx::prefetch_l2(r.S0 + 32 * i);
 #pragma unroll 1
-  for (int i = tid; i < kD * kD / 32; i += kThreads)
-    if (ds != nullptr) ptx::prefetch_l2(ds + 32 * i);
+  for (int i = i0; i < kD * kD / 32; i += count)
+    if (r.dS != nullptr) ptx::prefetch_l2(r.dS + 32 * i);
 #pragma unroll 1
-  for (int i = tid; i < len * 10; i += kThreads) ptx::prefetch_l2(token_row(i / 10, (i % 10) >> 1) + 64 * (i & 1));
+  for (int i = i0; i < len * 10; i += count) ptx::prefetch_l2(token_row(i / 10, (i % 10) >> 1) + 64 * (i & 1));
 }
 
 // Tokens, gate, β, norms, the block factors. Returns the wide flags of the four blocks (CTA-uniform): an unbounded
@@ -454,9 +475,13 @@ __device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, co
 // INV = (I + diag(β) L)^{-1}, unit lower triangular, fp32: the diagonal blocks by forward substitution (thread per
 // column), then the off-diagonal blocks by distance d = I - J: INV_IJ = -INV_II Σ_{J<=K<I} diag(β_I) L_IK INV_KJ.
 // Starts and ends synchronised (the caller's wgmma may run meanwhile: it touches none of these arrays).
-__device__ void unit_lower_inverse(Smem& sm, Prof& prof) {
+// Threads kT.. run side_work() meanwhile (the diagonal blocks keep threads 0..kT-1 busy).
+template <class F>
+__device__ void unit_lower_inverse(Smem& sm, Prof& prof, F&& side_work) {
   const int tid = threadIdx.x;
-  if (tid < kT) {
+  if (tid >= kT) {
+    side_work();
+  } else {
     const int I = tid >> 4, jj = tid & 15, i0 = kB * I;
     float x[kB];
 #pragma unroll
@@ -574,7 +599,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   const int wq = wtid >> 5;  // warp within the warpgroup
   const int64_t tasks = p.n_slots * p.HV;
   const int group = p.HV / p.H;
-  constexpr int64_t kState = int64_t(kD) * kD;
 
   auto mma_rs = make_tiled_mma(MmaRS{});
   auto mma_ss = make_tiled_mma(MmaSS{});
@@ -649,24 +673,27 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   };
 
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int64_t slot = task / p.HV;
-    const int64_t n = slot_sequence(p.slot_cu_starts, p.N, slot);
+    __syncthreads();  // the previous task is done with shared memory (and has resolved this one: sm.next)
+    // (sm.next holds this task when the previous task had one of its own to prefetch it from: always but first)
+    const TaskRef ref = task == blockIdx.x ? resolve_task(p, task) : sm.next;
+    const int64_t next_task = task + gridDim.x;
     Task tk;
     tk.hv = static_cast<int>(task % p.HV);
-    const int64_t c = n < 0 ? -1 : slot - p.slot_cu_starts[n];
-    if (n >= 0) tk.s = seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
-    __syncthreads();  // the previous task is done with shared memory
-    if (n < 0 || c < 0 || c * kT >= tk.s.len) {  // an unused slot: zero partials
+    if (ref.n < 0) {  // an unused slot: zero partials
       if (tid < kD) p.ddt_partial[task * kD + tid] = 0.f;
       if (tid == 0) p.dA_partial[task] = 0.f;
+      // (the next task is resolved here, as no inverse runs; sm.next is read above before any thread writes it)
+      __syncthreads();
+      if (tid == 0 && next_task < tasks) sm.next = resolve_task(p, next_task);
       continue;
     }
+    tk.s = ref.s;
     tk.hq = tk.hv / group;
     tk.A = p.A_log != nullptr ? __expf(p.A_log[tk.hv]) : 0.f;
-    tk.t0 = tk.s.bos + c * kT;
-    tk.len = static_cast<int>(tk.s.len - c * kT < kT ? tk.s.len - c * kT : kT);
-    tk.S0 = tape_state(p, n, c, tk.hv);
-    tk.dS = slot < p.n_dstate_rows ? p.dstates + (slot * p.HV + tk.hv) * kState : nullptr;
+    tk.t0 = tk.s.bos + ref.c * kT;
+    tk.len = static_cast<int>(tk.s.len - ref.c * kT < kT ? tk.s.len - ref.c * kT : kT);
+    tk.S0 = ref.S0;
+    tk.dS = ref.dS;
     const int sd = p.state_dim;
     const auto s0_at = [&](int v, int k) { return tk.S0 != nullptr && v < sd && k < sd ? tk.S0[v * sd + k] : 0.f; };
     const auto ds_at = [&](int v, int k) { return tk.dS != nullptr ? tk.dS[v * kD + k] : 0.f; };
@@ -677,7 +704,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 
     Prof prof;
     prof.start(p.profile && blockIdx.x == 0 && tid == 0);
-    if (task + gridDim.x < tasks) prefetch_task(p, task + gridDim.x);  // this CTA's next task, into L2
     prof.mark(kPfPrefetch);
     bool wide[kNB];
     load_chunk(sm, p, tk, wide, prof);
@@ -703,7 +729,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     split3(mma_rs, aH, aL, bKh, bKl, acc);
     warpgroup_commit_batch();
     prof.mark(kPfXStart);
-    unit_lower_inverse(sm, prof);
+    unit_lower_inverse(sm, prof, [&] {  // meanwhile threads 64..255: the next task resolved and prefetched into L2
+      if (next_task >= tasks) return;
+      const TaskRef nr = resolve_task(p, next_task);
+      if (tid == kT) sm.next = nr;
+      prefetch_task(p, nr, static_cast<int>(next_task % p.HV), kT, kThreads - kT);
+    });
     write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int s) { return tri_at(sm.INV, t, s); });  // INV [t][s] (hi, lo)
     // (fenced and synchronised with the Kr tiles below)
     prof.mark(kPfInverse);
