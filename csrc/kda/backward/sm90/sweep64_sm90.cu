@@ -500,10 +500,15 @@ __device__ void unit_lower_inverse(Smem& sm, Prof& prof, F&& side_work) {
   for (int d = 1; d < kNB; ++d) {
     const int pairs = kNB - d;
     for (int e = tid; e < pairs * kB * kB; e += kThreads) {
-      const int J = e >> 8, I = J + d, i = kB * I + ((e >> 4) & 15), j = kB * J + (e & 15);
+      const int J = e >> 8, I = J + d, il = (e >> 4) & 15;
       float s = 0.f;
-      for (int m = kB * J; m < kB * I; ++m) s = fmaf(sm.L[tri(i, m)], sm.INV[tri(m, j)], s);
-      sm.tmp[e] = sm.beta[i] * s;
+      for (int mb = J; mb < I; ++mb) {  // m = 16 mb + mm ascending: row il of L_I,mb, column of INV_mb,J
+        const float* const lrow = sm.L + (tri_block(I, mb) << 8) + (il << 4);
+        const float* const icol = sm.INV + (tri_block(mb, J) << 8) + (e & 15);
+#pragma unroll
+        for (int mm = 0; mm < kB; ++mm) s = fmaf(lrow[mm], icol[mm << 4], s);
+      }
+      sm.tmp[e] = sm.beta[kB * I + il] * s;
     }
     __syncthreads();
     for (int e = tid; e < pairs * kB * kB; e += kThreads) {
@@ -1083,7 +1088,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       const int t = tid;
       float s = 0.f;
       for (int w = 0; w < 8; ++w) s += sm.dbp[w][t];
-      for (int j = 0; j < t; ++j) s = fmaf(tri_at(sm.INV, t, j), tri_at(sm.L, t, j), s);
+      for (int jb = 0; jb <= (t >> 4); ++jb) {  // j = 16 jb + jj < t ascending, row t of the blocks (t / 16, jb)
+        const int o = (tri_block(t >> 4, jb) << 8) + ((t & 15) << 4);
+#pragma unroll
+        for (int jj = 0; jj < kB; ++jj)
+          if (kB * jb + jj < t) s = fmaf(sm.INV[o + jj], sm.L[o + jj], s);
+      }
       const float b = sm.beta[t];
       st_bf16(p.dbeta, (tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv, p.beta_is_logit ? s * b * (1.f - b) : s);
     }
