@@ -1183,18 +1183,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         dg0[t * rows] = __float2bfloat16_rn(dgv);
       }
       }
-      __syncthreads();  // (part is reused)
-      sm.fin.part[h][cc] = ddt_acc;
+      __syncthreads();  // (part is reused; ext was read before the walk)
+      if (h == 1) sm.fin.part[0][cc] = ddt_acc, sm.fin.part[1][cc] = dA_acc;
       __syncthreads();
-      if (tid < kD) p.ddt_partial[task * kD + tid] = sm.fin.part[0][tid] + sm.fin.part[1][tid];
-      __syncthreads();
-      sm.fin.part[h][cc] = dA_acc;
-      __syncthreads();
-      if (tid == 0) {
-        float a = 0.f;
-        for (int k = 0; k < kD; ++k) a += sm.fin.part[0][k] + sm.fin.part[1][k];
-        p.dA_partial[task] = a;
+      if (h == 0) {  // warps 0-3: channel cc's two token halves, then dA's sum over the channels (fixed order)
+        p.ddt_partial[task * kD + cc] = ddt_acc + sm.fin.part[0][cc];
+        const float a = warp_sum32(dA_acc + sm.fin.part[1][cc]);
+        if (lane == 0) sm.fin.ext[warp] = a;
       }
+      __syncthreads();
+      if (tid == 0) p.dA_partial[task] = (sm.fin.ext[0] + sm.fin.ext[1]) + (sm.fin.ext[2] + sm.fin.ext[3]);
     }
     prof.mark(kPfDa);
   }
