@@ -115,7 +115,7 @@ struct alignas(1024) Smem {
   float es[kT * kLDF];  // e^{σ}; the Qg tiles (hi, lo) in the pair terms
   float L[kTriFloats], M[kTriFloats], INV[kTriFloats];  // M: Mqk, then dMqk; INV: INV, then dA
   union {
-    float tmp[3 * kB * kB];  // the inverse's off-diagonal blocks
+    float tmp[3 * kB * kB];  // D_IJ of the six off-diagonal block pairs [6][128] (L, Mqk); the inverse's blocks
     struct {
       float ext[kD];  // extra dΓ of the last token
       float part[2][kD];
@@ -132,17 +132,12 @@ struct alignas(1024) Smem {
 static_assert(offsetof(Smem, es) % 1024 == 0 && sizeof(Smem::es) >= 2 * sizeof(Smem::kp_hi), "Qg tiles over e^{σ}");
 // (227 KiB per block on sm_90: the launcher adds 1024 bytes to align the tiles)
 static_assert(sizeof(Smem) + 1024 <= 227 * 1024, "shared memory per block");
+static_assert(sizeof(Smem::tmp) >= 6 * kD * sizeof(float), "D_IJ of six block pairs in tmp");
 
 __device__ __forceinline__ float kh(const Smem& sm, int t, int c) { return __bfloat162float(sm.k[t * kLDH + c]) * sm.rk[t]; }
 __device__ __forceinline__ float qh(const Smem& sm, int t, int c) { return __bfloat162float(sm.q[t * kLDH + c]) * sm.rq[t]; }
 __device__ __forceinline__ float egv(const Smem& sm, int t, int c) { return sm.eg[t * kLDF + c]; }
 __device__ __forceinline__ float esv(const Smem& sm, int t, int c) { return sm.es[t * kLDF + c]; }
-// D_IJ = e^{Σ_{J<b<I} T_b} for I > J
-__device__ __forceinline__ float dij(const Smem& sm, int I, int J, int c) {
-  float d = 1.f;
-  for (int b = J + 1; b < I; ++b) d *= sm.etb[b][c];
-  return d;
-}
 
 // the float of a bf16 bit pattern
 __device__ __forceinline__ float bf16_bits(unsigned short x) { return __uint_as_float(uint32_t(x) << 16); }
@@ -369,6 +364,12 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
       sm.eq[kNB - 1 - b][c] = post;
       post *= sm.etb[kNB - 1 - b][c];
     }
+    // D_IJ = Π_{J<b<I} e^{T_b} of the off-diagonal block pairs o = (1,0), (2,0), (2,1), (3,0), (3,1), (3,2), for L and
+    // Mqk (in tmp until the inverse)
+    const float e1 = sm.etb[1][c], e2 = sm.etb[2][c];
+    const float d[6] = {1.f, e1, 1.f, e1 * e2, e2, 1.f};
+#pragma unroll
+    for (int o = 0; o < 6; ++o) sm.tmp[o * kD + c] = d[o];
   }
   __syncthreads();
 }
@@ -377,18 +378,18 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
 // (3xTF32 mma.sync, the middle-token reference in the diagonal blocks); wide_pair_matrices does the rest.
 __device__ void narrow_pair_matrices(Smem& sm, const bool (&wide)[kNB]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // units: (job, n-tile), job 0-3 the diagonal blocks, 4-9 the off-diagonal (I, J)
-  constexpr int kOffI[6] = {1, 2, 2, 3, 3, 3}, kOffJ[6] = {0, 0, 1, 0, 1, 2};
+  // units: (job, n-tile), job 0-3 the diagonal blocks, 4-9 the off-diagonal pairs o = job - 4 (load_chunk's order)
 #pragma unroll 1
   for (int u = warp; u < 20; u += kThreads / 32) {
-    const int job = u >> 1, nt = u & 1;
-    const int I = job < 4 ? job : kOffI[job - 4], J = job < 4 ? job : kOffJ[job - 4];
+    const int job = u >> 1, nt = u & 1, o = job - 4;
+    const int Io = 1 + (o >= 1) + (o >= 3);
+    const int I = job < 4 ? job : Io, J = job < 4 ? job : o - Io * (Io - 1) / 2;
     if (I == J && wide[I]) continue;
     const int i0 = kB * I, j0 = kB * J, mid = i0 + kB / 2;
     float dl[4] = {0.f, 0.f, 0.f, 0.f}, dm[4] = {0.f, 0.f, 0.f, 0.f};
-    const auto rowf = [&](int i, int c) {  // the row factor: e^{γ_i - γ_mid} or e^{γ_i} D_IJ
-      return I == J ? egv(sm, i, c) * sm.iem[I][c] : egv(sm, i, c) * dij(sm, I, J, c);
-    };
+    // the row factor: e^{γ_i - γ_mid} (diagonal) or e^{γ_i} D_IJ, per channel
+    const float* const rf = I == J ? sm.iem[I] : sm.tmp + o * kD;
+    const auto rowf = [&](int i, int c) { return egv(sm, i, c) * rf[c]; };
     const auto colf = [&](int j, int c) {  // the column operand: k̂_j e^{γ_mid - γ_j} or k̂_j e^{σ_j}
       return I == J ? kh(sm, j, c) * (egv(sm, mid, c) / egv(sm, j, c)) : kh(sm, j, c) * esv(sm, j, c);
     };
