@@ -94,8 +94,9 @@ __device__ __forceinline__ float tri_at(const float* m, int i, int j) { return (
 
 // Where a task's data lives: its sequence n (-1: an unused slot), its chunk c within the sequence, the sequence's
 // token range and the state rows S_0 and dS_C (null: zeros). Resolving it is a chain of dependent global loads
-// (the slot's sequence by binary search, cu_seqlens, the tape row), so each task is resolved once, by the threads
-// that prefetch it while the CTA works on the task before (TaskRef in shared memory).
+// (the slot's sequence by binary search, cu_seqlens, the tape row), so each task is resolved once, by threads that
+// are idle during the task before's inverse (TaskRef in shared memory). (An L2 prefetch of the next task's states
+// and token rows there made the sweep slower: 12.2 vs 13.0 ms without it at H=96 T=8192 on an H100.)
 struct TaskRef {
   int64_t n, c;
   SeqRange s;
@@ -154,12 +155,12 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
 // The profile (KDA_SWEEP64_PROFILE=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
 // tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the tasks.
 enum ProfSeg : int {
-  kPfPrefetch, kPfLoadWait, kPfGate, kPfNorms, kPfPairMatrices, kPfXStart, kPfInverseDiag, kPfInverse, kPfXWaitKr, kPfDR, kPfRdY,
-  kPfDaDmDqDk, kPfDKr, kPfPairTerms, kPfDGamma, kPfDBetaL2, kPfDa, kProfSegs
+  kPfSetup, kPfLoadWait, kPfGate, kPfNorms, kPfPairMatrices, kPfXStart, kPfInverseDiag, kPfInverse, kPfXWaitKr,
+  kPfDR, kPfRdY, kPfDaDmDqDk, kPfDKr, kPfPairTerms, kPfDGamma, kPfDBetaL2, kPfDa, kProfSegs
 };
 constexpr const char* kProfNames[kProfSegs] = {
-    "prefetch", "load+wait", "gate", "norms", "L/Mqk+K+", "X start", "inverse diag", "inverse rest", "X wait+Kr", "dR", "R/dY/dbeta",
-    "dA/dM/dQ/dK", "dKr", "pair terms", "dgam", "dbeta+l2", "da+partials"};
+    "setup", "load+wait", "gate", "norms", "L/Mqk+K+", "X start", "inverse diag", "inverse rest", "X wait+Kr",
+    "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms", "dgam", "dbeta+l2", "da+partials"};
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
 struct Prof {
   bool on = false;
@@ -240,27 +241,6 @@ __device__ TaskRef resolve_task(const TrainingBackwardParams& p, int64_t task) {
   r.S0 = tape_state(p, r.n, r.c, hv);
   r.dS = slot < p.n_dstate_rows ? p.dstates + (slot * p.HV + hv) * kD * kD : nullptr;
   return r;
-}
-
-// Pulls the state rows of a task (S_0 and dS_C, 64 KB each) and its token rows (q, k, v, dO, g) into L2 (128-byte
-// line prefetches), spread over `count` threads from thread `first`.
-__device__ void prefetch_task(const TrainingBackwardParams& p, const TaskRef& r, int hv, int first, int count) {
-  if (r.n < 0) return;
-  const int i0 = static_cast<int>(threadIdx.x) - first, sd = p.state_dim;
-  const int len = static_cast<int>(r.s.len - r.c * kT < kT ? r.s.len - r.c * kT : kT);
-  const auto token_row = [&](int t, int w) {  // w: k, q, v, dO, g
-    const TokenTensor& tt = w == 0 ? p.k : (w == 1 ? p.q : (w == 2 ? p.v : (w == 3 ? p.dout : p.g)));
-    const int head = w < 2 ? hv / (p.HV / p.H) : hv;
-    return tt.row<__nv_bfloat16>(r.s.batch, r.s.bos + r.c * kT + t, head);
-  };
-#pragma unroll 1
-  for (int i = i0; i < sd * sd / 32; i += count)
-    if (r.S0 != nullptr) ptx::prefetch_l2(r.S0 + 32 * i);
-#pragma unroll 1
-  for (int i = i0; i < kD * kD / 32; i += count)
-    if (r.dS != nullptr) ptx::prefetch_l2(r.dS + 32 * i);
-#pragma unroll 1
-  for (int i = i0; i < len * 10; i += count) ptx::prefetch_l2(token_row(i / 10, (i % 10) >> 1) + 64 * (i & 1));
 }
 
 // Tokens, gate, β, norms, the block factors. Returns the wide flags of the four blocks (CTA-uniform): an unbounded
@@ -680,7 +660,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
     __syncthreads();  // the previous task is done with shared memory (and has resolved this one: sm.next)
-    // (sm.next holds this task when the previous task had one of its own to prefetch it from: always but first)
+    // (sm.next holds this task, resolved during the previous one: every task but the CTA's first)
     const TaskRef ref = task == blockIdx.x ? resolve_task(p, task) : sm.next;
     const int64_t next_task = task + gridDim.x;
     Task tk;
@@ -710,7 +690,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 
     Prof prof;
     prof.start(p.profile && blockIdx.x == 0 && tid == 0);
-    prof.mark(kPfPrefetch);
+    prof.mark(kPfSetup);
     bool wide[kNB];
     load_chunk(sm, p, tk, wide, prof);
     prof.mark(kPfNorms);
@@ -735,11 +715,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     split3(mma_rs, aH, aL, bKh, bKl, acc);
     warpgroup_commit_batch();
     prof.mark(kPfXStart);
-    unit_lower_inverse(sm, prof, [&] {  // meanwhile threads 64..255: the next task resolved and prefetched into L2
-      if (next_task >= tasks) return;
-      const TaskRef nr = resolve_task(p, next_task);
-      if (tid == kT) sm.next = nr;
-      prefetch_task(p, nr, static_cast<int>(next_task % p.HV), kT, kThreads - kT);
+    unit_lower_inverse(sm, prof, [&] {  // meanwhile thread 64: the next task resolved
+      if (tid == kT && next_task < tasks) sm.next = resolve_task(p, next_task);
     });
     write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int s) { return tri_at(sm.INV, t, s); });  // INV [t][s] (hi, lo)
     // (fenced and synchronised with the Kr tiles below)
