@@ -1,6 +1,7 @@
 // Host check of the layout facts of the Hopper 64-token backward sweep (csrc/kda/backward/sm90/sweep64_sm90.cu):
 // the fragment layouts it indexes by hand (the m64n64 accumulator, the register A operand of K = 128 and K = 64, which
-// index their elements alike, so an accumulator is the next product's A operand), a 64 x 64 bf16 tile read K-major
+// index their elements alike, so an accumulator is the next product's A operand; the A operand's element pairs are
+// consecutive k of one row), a 64 x 64 bf16 tile read K-major
 // or MN-major (its transpose) and a [64][128] tile's 64-column half read MN-major; and one bf16 [v][k] buffer of a
 // 128 x 128 state serving as both wgmma B operands, the K-major B of X = K⁺ S_0ᵀ (N = v, K = k) and the MN-major B of
 // dQ⁺ = dO S_0 (N = k, K = v), when the MN-major layout tiles its 128-byte swizzle atoms K-mode first. Prints the
@@ -41,6 +42,10 @@ int fragment_mismatches() {
       const int m = get<0>(a(i)), k = get<1>(a(i)) % 16;
       if (m != 16 * w + g + 8 * ((m >> 3) & 1)) ++bad;
       if ((k & 7) / 2 != q) ++bad;
+      // elements 2j and 2j + 1 are one row's consecutive (even, odd) k: the sweep loads them as one float2
+      if (i % 2 == 1 && (get<0>(a(i)) != get<0>(a(i - 1)) || get<1>(a(i)) != get<1>(a(i - 1)) + 1 ||
+                         get<1>(a(i - 1)) % 2 != 0))
+        ++bad;
     }
   }
   // the K = 64 register A fragment indexes its (row, k) elements as the m64n64 accumulator does its (row, column):

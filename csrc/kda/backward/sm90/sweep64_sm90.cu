@@ -139,6 +139,36 @@ __device__ __forceinline__ float kh(const Smem& sm, int t, int c) { return __bfl
 __device__ __forceinline__ float qh(const Smem& sm, int t, int c) { return __bfloat162float(sm.q[t * kLDH + c]) * sm.rq[t]; }
 __device__ __forceinline__ float egv(const Smem& sm, int t, int c) { return sm.eg[t * kLDF + c]; }
 __device__ __forceinline__ float esv(const Smem& sm, int t, int c) { return sm.es[t * kLDF + c]; }
+// Four consecutive columns c0..c0+3 (c0 a multiple of 4) of the rows above, by 16-byte (fp32) or 8-byte (bf16) loads:
+// a warp reading consecutive pieces of a row is then conflict-free. Products elementwise, left to right.
+struct F4 {
+  float v[4];
+};
+__device__ __forceinline__ F4 f4(float4 a) { return {{a.x, a.y, a.z, a.w}}; }
+__device__ __forceinline__ F4 ld4(const float* p) { return f4(*reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ F4 operator*(F4 a, const F4& b) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) a.v[e] *= b.v[e];
+  return a;
+}
+__device__ __forceinline__ F4 operator*(float a, F4 b) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) b.v[e] = a * b.v[e];
+  return b;
+}
+__device__ __forceinline__ F4 bf16x4(const __nv_bfloat16* p) {  // (8-byte aligned)
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return {{__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+           __uint_as_float(u.y & 0xffff0000u)}};
+}
+__device__ __forceinline__ F4 kh4(const Smem& sm, int t, int c0) { return bf16x4(sm.k + t * kLDH + c0) * F4{{sm.rk[t], sm.rk[t], sm.rk[t], sm.rk[t]}}; }
+__device__ __forceinline__ F4 qh4(const Smem& sm, int t, int c0) { return bf16x4(sm.q + t * kLDH + c0) * F4{{sm.rq[t], sm.rq[t], sm.rq[t], sm.rq[t]}}; }
+__device__ __forceinline__ F4 eg4(const Smem& sm, int t, int c0) { return ld4(sm.eg + t * kLDF + c0); }
+__device__ __forceinline__ F4 es4(const Smem& sm, int t, int c0) { return ld4(sm.es + t * kLDF + c0); }
+// m(i, j0..j0+3) of a packed lower-block-triangular matrix (j0 a multiple of 4: one block), 0 above the diagonal blocks
+__device__ __forceinline__ F4 tri4(const float* m, int i, int j0) {
+  return (j0 >> 4) > (i >> 4) ? F4{{0.f, 0.f, 0.f, 0.f}} : ld4(m + tri(i, j0));
+}
 
 // the float of a bf16 bit pattern
 __device__ __forceinline__ float bf16_bits(unsigned short x) { return __uint_as_float(uint32_t(x) << 16); }
@@ -503,21 +533,24 @@ __device__ void unit_lower_inverse(Smem& sm, Prof& prof, F&& side_work) {
   }
 }
 
-// Writes the [64][kCols] matrix f(row, column) as bf16 tiles of layout L (hi, and lo = f - hi when lo is given), 8
-// columns per 16-byte store. write_tile: [64 tokens][128 channels] (LayoutTile); write_sq: 64 x 64 (LayoutSq).
+// Writes the [64][kCols] matrix as bf16 tiles of layout L (hi, and lo = x - hi when lo is given), f(row, c0) giving
+// columns c0..c0+3: 4 columns per thread and 8-byte store (a warp's lanes read consecutive 4-column pieces of the
+// source rows: conflict-free 16-byte fp32 reads). write_tile: [64 tokens][128 channels] (LayoutTile); write_sq:
+// 64 x 64 (LayoutSq).
 template <class L, int kCols, class F>
 __device__ __forceinline__ void write_split(bf16_t* hi, bf16_t* lo, F f) {
-  constexpr int kPieces = kCols / 8, kShift = kPieces == 16 ? 4 : 3;
-  static_assert(kPieces == 1 << kShift, "16-byte pieces per row: 8 or 16");
+  constexpr int kPieces = kCols / 4, kShift = kPieces == 32 ? 5 : 4;
+  static_assert(kPieces == 1 << kShift, "4-column pieces per row: 16 or 32");
 #pragma unroll 1
   for (int i = threadIdx.x; i < kT * kPieces; i += kThreads) {
-    const int r = i >> kShift, c0 = (i & (kPieces - 1)) * 8;
-    uint32_t h[4], l[4];
+    const int r = i >> kShift, c0 = (i & (kPieces - 1)) * 4;
+    const F4 x = f(r, c0);
+    uint32_t h[2], l[2];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) split2(f(r, c0 + 2 * e), f(r, c0 + 2 * e + 1), h[e], l[e]);
-    const int o = swz_offset(L{}, r, c0);
-    *reinterpret_cast<uint4*>(hi + o) = make_uint4(h[0], h[1], h[2], h[3]);
-    if (lo != nullptr) *reinterpret_cast<uint4*>(lo + o) = make_uint4(l[0], l[1], l[2], l[3]);
+    for (int e = 0; e < 2; ++e) split2(x.v[2 * e], x.v[2 * e + 1], h[e], l[e]);
+    const int o = swz_offset(L{}, r, c0);  // (4 elements within one 16-byte chunk: contiguous after the swizzle)
+    *reinterpret_cast<uint2*>(hi + o) = make_uint2(h[0], h[1]);
+    if (lo != nullptr) *reinterpret_cast<uint2*>(lo + o) = make_uint2(l[0], l[1]);
   }
 }
 template <class F>
@@ -647,6 +680,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   Tensor cC = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));   // (row, column) of each accumulator
   static_assert(decltype(size(aH))::value == 64, "A fragment: 64 elements");
 
+  // A operand of a state's fp32 rows (row m at base + m * kD, 8-byte aligned): the fragment's element pairs are one
+  // row's consecutive k (scripts/sweep64_layout_check.cu), so one 8-byte load per pair; hi and lo bf16 parts
+  const auto fill_a_rows = [&](const float* base) {
+#pragma unroll
+    for (int i = 0; i < size(aH); i += 2) {
+      const float2 x = __ldg(reinterpret_cast<const float2*>(base + get<0>(cA(i)) * kD + get<1>(cA(i))));
+      const bf16_t h0 = bf16_t(x.x), h1 = bf16_t(x.y);
+      aH(i) = h0, aH(i + 1) = h1;
+      aL(i) = bf16_t(x.x - float(h0)), aL(i + 1) = bf16_t(x.y - float(h1));
+    }
+  };
   // A operand from global memory: hi and lo bf16 parts of f(row, k)
   const auto fill_a = [&](auto f) {
 #pragma unroll
@@ -698,8 +742,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     wide_pair_matrices(sm, p, tk, wide);
     __syncthreads();
     // K⁺ = k̂ e^{γ + P} (hi, lo)
-    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * egv(sm, t, cc) * sm.ep[t >> 4][cc]; });
-    write_sq(sm.r, sm.r + kT * kT, [&](int s, int t) { return tri_at(sm.M, s, t); });  // Mqk [s][t] (hi, lo)
+    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int c) { return kh4(sm, t, c) * eg4(sm, t, c) * ld4(&sm.ep[t >> 4][c]); });
+    write_sq(sm.r, sm.r + kT * kT, [&](int s, int t) { return tri4(sm.M, s, t); });  // Mqk [s][t] (hi, lo)
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
 
@@ -708,7 +752,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     // ---- Xᵀ = S_0 K⁺ᵀ (WG: value rows [64 wg, +64)), the inverse meanwhile; (V - X)ᵀ
     Tensor acc = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     if (s0_full)
-      fill_a([&](int m, int k) { return s0_raw(64 * wg + m, k); });
+      fill_a_rows(tk.S0 + 64 * wg * kD);
     else
       fill_a([&](int m, int k) { return s0_at(64 * wg + m, k); });
     open_batch(aH, aL, acc);
@@ -718,7 +762,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     unit_lower_inverse(sm, prof, [&] {  // meanwhile thread 64: the next task resolved
       if (tid == kT && next_task < tasks) sm.next = resolve_task(p, next_task);
     });
-    write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int s) { return tri_at(sm.INV, t, s); });  // INV [t][s] (hi, lo)
+    write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int s) { return tri4(sm.INV, t, s); });  // INV [t][s] (hi, lo)
     // (fenced and synchronised with the Kr tiles below)
     prof.mark(kPfInverse);
     warpgroup_wait<0>();
@@ -742,7 +786,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     }
     __syncthreads();  // both warpgroups are done with the K⁺ tiles
     // Kr = k̂ e^{σ + Q} (hi, lo)
-    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * esv(sm, t, cc) * sm.eq[t >> 4][cc]; });
+    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int c) { return kh4(sm, t, c) * es4(sm, t, c) * ld4(&sm.eq[t >> 4][c]); });
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
     prof.mark(kPfXWaitKr);
@@ -750,7 +794,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     // ---- dRᵀ = dS_C Krᵀ + dOᵀ Mqk: one accumulator; dOᵀ (exact bf16) is this warpgroup's half of the dO tile read
     // MN-major, Mqk [s][t] (hi + lo) MN-major
     if (ds_full)
-      fill_a([&](int m, int k) { return ds_raw(64 * wg + m, k); });
+      fill_a_rows(tk.dS + 64 * wg * kD);
     else
       fill_a([](int, int) { return 0.f; });
     open_batch(aH, aL, acc);
@@ -929,12 +973,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       accK(i) = -accK(i);
     }
     const auto wide_diag = [&](int t, int j) { return wide[t >> 4] && (t >> 4) == (j >> 4); };
-    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int cc) { return kh(sm, t, cc) * esv(sm, t, cc); });
-    write_sq(sm.r, sm.r + kT * kT, [&](int t, int j) { return wide_diag(t, j) ? 0.f : tri_at(sm.M, t, j); });
-    write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int j) { return wide_diag(t, j) ? 0.f : tri_at(sm.INV, t, j); });
-    write_tile(sm.dO, nullptr, [&](int t, int cc) { return sm.beta[t] * kh(sm, t, cc) * egv(sm, t, cc); });
+    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int c) { return kh4(sm, t, c) * es4(sm, t, c); });
+    const F4 zero4{{0.f, 0.f, 0.f, 0.f}};
+    write_sq(sm.r, sm.r + kT * kT, [&](int t, int j) { return wide_diag(t, j) ? zero4 : tri4(sm.M, t, j); });
+    write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int j) { return wide_diag(t, j) ? zero4 : tri4(sm.INV, t, j); });
+    write_tile(sm.dO, nullptr, [&](int t, int c) { return sm.beta[t] * kh4(sm, t, c) * eg4(sm, t, c); });
     __syncthreads();  // every read of e^{σ} is done
-    write_tile(qg, qg + kT * kD, [&](int t, int cc) { return qh(sm, t, cc) * egv(sm, t, cc); });
+    write_tile(qg, qg + kT * kD, [&](int t, int c) { return qh4(sm, t, c) * eg4(sm, t, c); });
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
     // this thread's two channel rows (accumulator row g + 8h); the wide blocks as bits
@@ -973,9 +1018,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(accQ);
     warpgroup_fence_operand(accK);
     __syncthreads();  // both warpgroups are done with Kσ
-    write_tile(sm.kp_hi, nullptr, [&](int t, int cc) {  // Kgβ lo
-      const float x = sm.beta[t] * kh(sm, t, cc) * egv(sm, t, cc);
-      return x - float(bf16_t(x));
+    write_tile(sm.kp_hi, nullptr, [&](int t, int c) {  // Kgβ lo
+      F4 x = sm.beta[t] * kh4(sm, t, c) * eg4(sm, t, c);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x.v[e] -= float(bf16_t(x.v[e]));
+      return x;
     });
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
@@ -1061,28 +1108,35 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     __syncthreads();
 
     prof.mark(kPfDGamma);
-    // ---- dβ: Σ_v dY (V - X) + Σ_j dA L (thread per token)
-    if (tid < tk.len) {
-      const int t = tid;
+    // ---- dβ: Σ_v dY (V - X) + Σ_j dA L; warp per token, lane j and j + 32 of the row (conflict-free rows of the
+    // packed blocks; a fixed order: the lanes' tree, then the per-warp partials of dY (V - X))
+#pragma unroll 1
+    for (int t = warp; t < tk.len; t += kThreads / 32) {
       float s = 0.f;
-      for (int w = 0; w < 8; ++w) s += sm.dbp[w][t];
-      for (int jb = 0; jb <= (t >> 4); ++jb) {  // j = 16 jb + jj < t ascending, row t of the blocks (t / 16, jb)
-        const int o = (tri_block(t >> 4, jb) << 8) + ((t & 15) << 4);
 #pragma unroll
-        for (int jj = 0; jj < kB; ++jj)
-          if (kB * jb + jj < t) s = fmaf(sm.INV[o + jj], sm.L[o + jj], s);
+      for (int h = 0; h < 2; ++h) {
+        const int j = lane + 32 * h;
+        if (j < t) s = fmaf(sm.INV[tri(t, j)], sm.L[tri(t, j)], s);
       }
-      const float b = sm.beta[t];
-      st_bf16(p.dbeta, (tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv, p.beta_is_logit ? s * b * (1.f - b) : s);
+      s = warp_sum32(s);
+      if (lane == 0) {
+#pragma unroll
+        for (int w = 0; w < 8; ++w) s += sm.dbp[w][t];
+        const float b = sm.beta[t];
+        st_bf16(p.dbeta, (tk.s.batch * p.T + tk.t0 + t) * p.HV + tk.hv, p.beta_is_logit ? s * b * (1.f - b) : s);
+      }
     }
     // ---- the L2-norm backward (no GQA group): dx = ρ (dx̂ - (x̂ · dx̂) x̂); warp per token
     if (p.fused_qk) {
       for (int t = warp; t < tk.len; t += kThreads / 32) {
         const int cc = 4 * lane;
         float dqh[4], dkh[4], qv[4], kv[4], dotq = 0.f, dotk = 0.f;
+        const float4 dq4 = *reinterpret_cast<const float4*>(sdq + t * kD + cc);
+        const float4 dk4 = *reinterpret_cast<const float4*>(sdk + t * kD + cc);
+        dqh[0] = dq4.x, dqh[1] = dq4.y, dqh[2] = dq4.z, dqh[3] = dq4.w;
+        dkh[0] = dk4.x, dkh[1] = dk4.y, dkh[2] = dk4.z, dkh[3] = dk4.w;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          dqh[e] = sdq[t * kD + cc + e], dkh[e] = sdk[t * kD + cc + e];
           qv[e] = __bfloat162float(sm.q[t * kLDH + cc + e]) * sm.rq0[t];
           kv[e] = __bfloat162float(sm.k[t * kLDH + cc + e]) * sm.rk[t];
           dotq = fmaf(qv[e], dqh[e], dotq);
