@@ -1085,6 +1085,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       dgam[i >> 2][i & 3] = fmaf(qh(sm, t, cc), dq[i >> 2][i & 3], kh(sm, t, cc) * (dkr[i >> 2][i & 3] - dkc[i >> 2][i & 3]));
     }
     if (p.fused_qk) {  // dq̂, dk̂ to the scratch for the L2-norm backward below
+      // (the scratch overlays the pair terms' operand tiles: the other warpgroup's last products may still read them;
+      // warpgroup_wait above waits for this warpgroup's own only)
+      __syncthreads();
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
         const int o = get<1>(cC(i)) * kD + 64 * wg + get<0>(cC(i));
