@@ -2,10 +2,10 @@
 # The Hopper 64-token backward sweep (KDA_TRAINING_SWEEP=wgmma64) checked on the GPU machine after a change to
 # csrc/kda/backward/sm90/sweep64_sm90.cu: build for sm_90a; scripts/sweep64_smoke.py (the 64-token and the
 # 16-token sweep's eight errors per case); the kernel times of both sweeps on the same machine
-# (scripts/train_profile.py, H=96 and H=32, T=8192); the phase clocks (KDA_SWEEP64_PROFILE=1); then training GPU tests with the sweep forced, most telling
-# first: extreme and banded unbounded gates (the wide blocks), determinism, golden, dβ, the lower-bound edges
-# (gates pinned at the bound, ...), then the forced-sweep mode cases. Each step under timeout; logs in $OUT. The
-# whole takes ~6-7 min on a fresh machine (build ~60 s).
+# (scripts/train_profile.py, H=96 and H=32, T=8192); the phase clocks (KDA_SWEEP64_PROFILE=1); then training GPU
+# tests with the sweep forced, most telling first: extreme and banded unbounded gates (the wide blocks),
+# determinism, golden, dβ, the lower-bound edges (gates pinned at the bound, ...), then the forced-sweep mode cases.
+# Each step under timeout; logs in $OUT. The whole takes ~6-7 min on a fresh machine (build ~60 s).
 #
 #   OUT=/tmp/out bash scripts/device_sweep64.sh
 #   TESTS=0 bash scripts/device_sweep64.sh       # build, smoke, times and clocks only (~3 min)
