@@ -93,10 +93,8 @@ __device__ __forceinline__ int tri(int i, int j) {
 __device__ __forceinline__ float tri_at(const float* m, int i, int j) { return (j >> 4) > (i >> 4) ? 0.f : m[tri(i, j)]; }
 
 // Where a task's data lives: its sequence n (-1: an unused slot), its chunk c within the sequence, the sequence's
-// token range and the state rows S_0 and dS_C (null: zeros). Resolving it is a chain of dependent global loads
-// (the slot's sequence by binary search, cu_seqlens, the tape row), so each task is resolved once, by threads that
-// are idle during the task before's inverse (TaskRef in shared memory). (An L2 prefetch of the next task's states
-// and token rows there made the sweep slower: 12.2 vs 13.0 ms without it at H=96 T=8192 on an H100.)
+// token range and the state rows S_0 and dS_C (null: zeros). (An L2 prefetch of the next task's states and token
+// rows made the sweep slower: 13.0 ms with it, 12.2 without, at H=96 T=8192 on an H100.)
 struct TaskRef {
   int64_t n, c;
   SeqRange s;
@@ -127,7 +125,6 @@ struct alignas(1024) Smem {
   float ep[kNB][kD], eq[kNB][kD];                         // e^{P_I}, e^{Q_J}
   float iem[kNB][kD];                                     // e^{-γ_mid} of each block (narrow blocks)
   float dbp[8][kT];                                       // dY · (V - X) partial sums per warp
-  TaskRef next;                                           // the CTA's next task (written during the inverse)
 };
 // the pair terms' Qg tiles (hi, lo: two 16 KB wgmma tiles) over e^{σ}
 static_assert(offsetof(Smem, es) % 1024 == 0 && sizeof(Smem::es) >= 2 * sizeof(Smem::kp_hi), "Qg tiles over e^{σ}");
@@ -158,20 +155,24 @@ __device__ __forceinline__ F4 operator*(float a, F4 b) {
 }
 __device__ __forceinline__ F4 bf16x4(const __nv_bfloat16* p) {  // (8-byte aligned)
   const uint2 u = *reinterpret_cast<const uint2*>(p);
-  return {{__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-           __uint_as_float(u.y & 0xffff0000u)}};
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return {{a.x, a.y, b.x, b.y}};
 }
-__device__ __forceinline__ F4 kh4(const Smem& sm, int t, int c0) { return bf16x4(sm.k + t * kLDH + c0) * F4{{sm.rk[t], sm.rk[t], sm.rk[t], sm.rk[t]}}; }
-__device__ __forceinline__ F4 qh4(const Smem& sm, int t, int c0) { return bf16x4(sm.q + t * kLDH + c0) * F4{{sm.rq[t], sm.rq[t], sm.rq[t], sm.rq[t]}}; }
+__device__ __forceinline__ F4 kh4(const Smem& sm, int t, int c0) {
+  const float r = sm.rk[t];
+  return bf16x4(sm.k + t * kLDH + c0) * F4{{r, r, r, r}};
+}
+__device__ __forceinline__ F4 qh4(const Smem& sm, int t, int c0) {
+  const float r = sm.rq[t];
+  return bf16x4(sm.q + t * kLDH + c0) * F4{{r, r, r, r}};
+}
 __device__ __forceinline__ F4 eg4(const Smem& sm, int t, int c0) { return ld4(sm.eg + t * kLDF + c0); }
 __device__ __forceinline__ F4 es4(const Smem& sm, int t, int c0) { return ld4(sm.es + t * kLDF + c0); }
 // m(i, j0..j0+3) of a packed lower-block-triangular matrix (j0 a multiple of 4: one block), 0 above the diagonal blocks
 __device__ __forceinline__ F4 tri4(const float* m, int i, int j0) {
   return (j0 >> 4) > (i >> 4) ? F4{{0.f, 0.f, 0.f, 0.f}} : ld4(m + tri(i, j0));
 }
-
-// the float of a bf16 bit pattern
-__device__ __forceinline__ float bf16_bits(unsigned short x) { return __uint_as_float(uint32_t(x) << 16); }
 
 // bf16 hi + lo split of x (x - hi exact in fp32), two values packed per 32-bit register (low half: first)
 __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
@@ -216,13 +217,18 @@ __device__ __forceinline__ void split3(M& mma, TA1&& a_hi, TA2&& a_lo, TB1&& b_h
   gemm(mma, a_hi, b_lo, acc);
   gemm(mma, a_lo, b_hi, acc);
 }
+// Clears the accumulators and fences them for the next wgmma batch.
+template <class... TC>
+__device__ __forceinline__ void clear_fenced(TC&... accs) {
+  (clear(accs), ...);
+  (warpgroup_fence_operand(accs), ...);
+}
 // Clears acc and opens a wgmma batch reading the register operands a_hi, a_lo.
 template <class TA, class TC>
 __device__ __forceinline__ void open_batch(TA& a_hi, TA& a_lo, TC& acc) {
-  clear(acc);
   warpgroup_fence_operand(a_hi);
   warpgroup_fence_operand(a_lo);
-  warpgroup_fence_operand(acc);
+  clear_fenced(acc);
   warpgroup_arrive();
 }
 
@@ -486,13 +492,9 @@ __device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, co
 // INV = (I + diag(β) L)^{-1}, unit lower triangular, fp32: the diagonal blocks by forward substitution (thread per
 // column), then the off-diagonal blocks by distance d = I - J: INV_IJ = -INV_II Σ_{J<=K<I} diag(β_I) L_IK INV_KJ.
 // Starts and ends synchronised (the caller's wgmma may run meanwhile: it touches none of these arrays).
-// Threads kT.. run side_work() meanwhile (the diagonal blocks keep threads 0..kT-1 busy).
-template <class F>
-__device__ void unit_lower_inverse(Smem& sm, Prof& prof, F&& side_work) {
+__device__ void unit_lower_inverse(Smem& sm, Prof& prof) {
   const int tid = threadIdx.x;
-  if (tid >= kT) {
-    side_work();
-  } else {
+  if (tid < kT) {
     const int I = tid >> 4, jj = tid & 15, i0 = kB * I;
     float x[kB];
 #pragma unroll
@@ -703,18 +705,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   };
 
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    __syncthreads();  // the previous task is done with shared memory (and has resolved this one: sm.next)
-    // (sm.next holds this task, resolved during the previous one: every task but the CTA's first)
-    const TaskRef ref = task == blockIdx.x ? resolve_task(p, task) : sm.next;
-    const int64_t next_task = task + gridDim.x;
+    const TaskRef ref = resolve_task(p, task);
     Task tk;
     tk.hv = static_cast<int>(task % p.HV);
+    __syncthreads();  // the previous task is done with shared memory
     if (ref.n < 0) {  // an unused slot: zero partials
       if (tid < kD) p.ddt_partial[task * kD + tid] = 0.f;
       if (tid == 0) p.dA_partial[task] = 0.f;
-      // (the next task is resolved here, as no inverse runs; sm.next is read above before any thread writes it)
-      __syncthreads();
-      if (tid == 0 && next_task < tasks) sm.next = resolve_task(p, next_task);
       continue;
     }
     tk.s = ref.s;
@@ -742,7 +739,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     wide_pair_matrices(sm, p, tk, wide);
     __syncthreads();
     // K⁺ = k̂ e^{γ + P} (hi, lo)
-    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int c) { return kh4(sm, t, c) * eg4(sm, t, c) * ld4(&sm.ep[t >> 4][c]); });
+    write_tile(sm.kp_hi, sm.kp_lo,
+               [&](int t, int c) { return kh4(sm, t, c) * eg4(sm, t, c) * ld4(&sm.ep[t >> 4][c]); });
     write_sq(sm.r, sm.r + kT * kT, [&](int s, int t) { return tri4(sm.M, s, t); });  // Mqk [s][t] (hi, lo)
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
@@ -759,9 +757,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     split3(mma_rs, aH, aL, bKh, bKl, acc);
     warpgroup_commit_batch();
     prof.mark(kPfXStart);
-    unit_lower_inverse(sm, prof, [&] {  // meanwhile thread 64: the next task resolved
-      if (tid == kT && next_task < tasks) sm.next = resolve_task(p, next_task);
-    });
+    unit_lower_inverse(sm, prof);
     write_sq(sm.dy, sm.dy + kT * kT, [&](int t, int s) { return tri4(sm.INV, t, s); });  // INV [t][s] (hi, lo)
     // (fenced and synchronised with the Kr tiles below)
     prof.mark(kPfInverse);
@@ -775,18 +771,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       // chunk's end reads the chunk's first token row and counts as 0)
       const int64_t vts = p.v.token_stride;
       const __nv_bfloat16* const v0 = p.v.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + 64 * wg;
-      unsigned short raw[32];
+      __nv_bfloat16 raw[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
         const int t = get<1>(cC(i));
-        raw[i] = __ldg(reinterpret_cast<const unsigned short*>(v0 + (t < tk.len ? t : 0) * vts + get<0>(cC(i))));
+        raw[i] = __ldg(v0 + (t < tk.len ? t : 0) * vts + get<0>(cC(i)));
       }
 #pragma unroll
-      for (int i = 0; i < 32; ++i) vx[i >> 2][i & 3] = (get<1>(cC(i)) < tk.len ? bf16_bits(raw[i]) : 0.f) - acc(i);
+      for (int i = 0; i < 32; ++i)
+        vx[i >> 2][i & 3] = (get<1>(cC(i)) < tk.len ? __bfloat162float(raw[i]) : 0.f) - acc(i);
     }
     __syncthreads();  // both warpgroups are done with the K⁺ tiles
     // Kr = k̂ e^{σ + Q} (hi, lo)
-    write_tile(sm.kp_hi, sm.kp_lo, [&](int t, int c) { return kh4(sm, t, c) * es4(sm, t, c) * ld4(&sm.eq[t >> 4][c]); });
+    write_tile(sm.kp_hi, sm.kp_lo,
+               [&](int t, int c) { return kh4(sm, t, c) * es4(sm, t, c) * ld4(&sm.eq[t >> 4][c]); });
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
     prof.mark(kPfXWaitKr);
@@ -826,10 +824,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       }
       Tensor accY = partition_fragment_C(mma_rs, Shape<_64, _64>{});
       Tensor accR_ = partition_fragment_C(mma_rs, Shape<_64, _64>{});
-      clear(accR_);
       warpgroup_fence_operand(aYh);
       warpgroup_fence_operand(aYl);
-      warpgroup_fence_operand(accR_);
+      clear_fenced(accR_);
       open_batch(aDh, aDl, accY);
       split3(mma_rs, aYh, aYl, bIh, bIl, accR_);
       split3(mma_rst, aDh, aDl, bIth, bItl, accY);
@@ -885,10 +882,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     // (R_lo lives in the kp_hi tile, dY_lo in kp_lo)
     Tensor accA = partition_fragment_C(mma_ss, Shape<_64, _32>{});
     Tensor accM = partition_fragment_C(mma_ss, Shape<_64, _32>{});
-    clear(accA);
-    clear(accM);
-    warpgroup_fence_operand(accA);
-    warpgroup_fence_operand(accM);
+    clear_fenced(accA, accM);
     warpgroup_arrive();
     split3(mma_ss, aRs, aRls, bYs, bYls, accA);
     gemm(mma_ss, aRs, bOs, accM);
@@ -900,8 +894,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       fill_a([&](int m, int k) { return s0_raw(k, 64 * wg + m); });
     else
       fill_a([&](int m, int k) { return s0_at(k, 64 * wg + m); });
-    clear(accQ);
-    warpgroup_fence_operand(accQ);
+    clear_fenced(accQ);
     open_batch(aH, aL, accK);
     gemm(mma_rs, aH, bO, accQ);
     gemm(mma_rs, aL, bO, accQ);
@@ -1082,7 +1075,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int t = get<1>(cC(i)), cc = 64 * wg + get<0>(cC(i));
-      dgam[i >> 2][i & 3] = fmaf(qh(sm, t, cc), dq[i >> 2][i & 3], kh(sm, t, cc) * (dkr[i >> 2][i & 3] - dkc[i >> 2][i & 3]));
+      const float dkd = dkr[i >> 2][i & 3] - dkc[i >> 2][i & 3];
+      dgam[i >> 2][i & 3] = fmaf(qh(sm, t, cc), dq[i >> 2][i & 3], kh(sm, t, cc) * dkd);
     }
     if (p.fused_qk) {  // dq̂, dk̂ to the scratch for the L2-norm backward below
       // (the scratch overlays the pair terms' operand tiles: the other warpgroup's last products may still read them;
@@ -1175,13 +1169,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       // unused), one group of 8 loaded ahead of the serial walk over the one before; dg ([B, T, HV, 128] compact)
       const int64_t gts = p.g.token_stride, rows = int64_t(p.HV) * kD;
       const __nv_bfloat16* const g0 = p.g.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + cc;
-      __nv_bfloat16* const dg0 = static_cast<__nv_bfloat16*>(p.dg) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD + cc;
-      unsigned short gnext[8];
+      __nv_bfloat16* const dg0 =
+          static_cast<__nv_bfloat16*>(p.dg) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD + cc;
+      __nv_bfloat16 gnext[8];
       const auto load_group = [&](int u0) {
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const int t = 32 * h + u0 + u;
-          gnext[u] = __ldg(reinterpret_cast<const unsigned short*>(g0 + (t < tk.len ? t : 0) * gts));
+          gnext[u] = __ldg(g0 + (t < tk.len ? t : 0) * gts);
         }
       };
       load_group(24);
@@ -1189,7 +1184,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       for (int u0 = 24; u0 >= 0; u0 -= 8) {  // groups of 8 tokens, last first
       float xg[8];  // the gate inputs (unused past the end)
 #pragma unroll
-      for (int u = 0; u < 8; ++u) xg[u] = bf16_bits(gnext[u]) + dtb;
+      for (int u = 0; u < 8; ++u) xg[u] = __bfloat162float(gnext[u]) + dtb;
       if (u0 > 0) load_group(u0 - 8);
 #pragma unroll
       for (int u = 7; u >= 0; --u) {
