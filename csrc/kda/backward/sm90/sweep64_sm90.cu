@@ -354,8 +354,8 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
   for (int b = 0; b < kNB; ++b) wide[b] = __syncthreads_or((tid >> 7) == (b >> 1) && w2[b & 1]) != 0;
   prof.mark(kPfGate);
   // norms: warp per token
-#pragma unroll 1
-  for (int t = warp; t < kT; t += kThreads / 32) {
+#pragma unroll 2
+  for (int t = warp; t < kT; t += kThreads / 32) {  // (two tokens' shuffles interleaved)
     float sk = 0.f, sq = 0.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -1107,8 +1107,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     prof.mark(kPfDGamma);
     // ---- dβ: Σ_v dY (V - X) + Σ_j dA L; warp per token, lane j and j + 32 of the row (conflict-free rows of the
     // packed blocks; a fixed order: the lanes' tree, then the per-warp partials of dY (V - X))
-#pragma unroll 1
-    for (int t = warp; t < tk.len; t += kThreads / 32) {
+#pragma unroll 2
+    for (int t = warp; t < tk.len; t += kThreads / 32) {  // (two tokens' shuffles interleaved)
       float s = 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -1125,7 +1125,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     }
     // ---- the L2-norm backward (no GQA group): dx = ρ (dx̂ - (x̂ · dx̂) x̂); warp per token
     if (p.fused_qk) {
-      for (int t = warp; t < tk.len; t += kThreads / 32) {
+#pragma unroll 2
+      for (int t = warp; t < tk.len; t += kThreads / 32) {  // (two tokens' shuffles interleaved)
         const int cc = 4 * lane;
         float dqh[4], dkh[4], qv[4], kv[4], dotq = 0.f, dotk = 0.f;
         const float4 dq4 = *reinterpret_cast<const float4*>(sdq + t * kD + cc);
@@ -1179,39 +1180,47 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
           gnext[u] = __ldg(g0 + (t < tk.len ? t : 0) * gts);
         }
       };
-      load_group(24);
+      // the serial walk, last token first, for one gate mode (the mode's branch outside the loop, so that the
+      // unrolled loop holds one mode's code): step(x, run) is dg of a token with gate input x
+      const auto walk = [&](auto step) {
+        load_group(24);
 #pragma unroll 1
-      for (int u0 = 24; u0 >= 0; u0 -= 8) {  // groups of 8 tokens, last first
-      float xg[8];  // the gate inputs (unused past the end)
+        for (int u0 = 24; u0 >= 0; u0 -= 8) {  // groups of 8 tokens, last first
+          float xg[8];  // the gate inputs (unused past the end)
 #pragma unroll
-      for (int u = 0; u < 8; ++u) xg[u] = __bfloat162float(gnext[u]) + dtb;
-      if (u0 > 0) load_group(u0 - 8);
+          for (int u = 0; u < 8; ++u) xg[u] = __bfloat162float(gnext[u]) + dtb;
+          if (u0 > 0) load_group(u0 - 8);
 #pragma unroll
-      for (int u = 7; u >= 0; --u) {
-        const int t = 32 * h + u0 + u;
-        if (t >= tk.len) continue;
-        run += sm.eg[t * kLDF + cc];
-        const float x = xg[u];
-        float dgv;
-        if (p.gate_mode == GateMode::kLowerBound) {
+          for (int u = 7; u >= 0; --u) {
+            const int t = 32 * h + u0 + u;
+            if (t >= tk.len) continue;
+            run += sm.eg[t * kLDF + cc];
+            dg0[t * rows] = __float2bfloat16_rn(step(xg[u], run));
+          }
+        }
+      };
+      if (p.gate_mode == GateMode::kLowerBound) {
+        walk([&](float x, float r) {
           const float z = tk.A * x, sg = sigmoidf_(z);
-          const float dz = p.lower_bound * run * sg * (1.f - sg);
-          dgv = tk.A * dz;
+          const float dz = p.lower_bound * r * sg * (1.f - sg);
+          const float dgv = tk.A * dz;
           ddt_acc += dgv;
           dA_acc = fmaf(dz, z, dA_acc);
-        } else {
-          const bool softplus = p.gate_mode == GateMode::kSoftplus;
+          return dgv;
+        });
+      } else {
+        const bool softplus = p.gate_mode == GateMode::kSoftplus;
+        walk([&](float x, float r) {
           const float a = unbounded_log_decay(softplus, x, tk.A);
-          const float da = a < kNegligibleDecay ? 0.f : run;
-          dgv = da;
+          const float da = a < kNegligibleDecay ? 0.f : r;
+          float dgv = da;
           if (softplus) {
             dgv = -tk.A * sigmoidf_(x) * da;
             ddt_acc += dgv;
             dA_acc = fmaf(da, a, dA_acc);
           }
-        }
-        dg0[t * rows] = __float2bfloat16_rn(dgv);
-      }
+          return dgv;
+        });
       }
       __syncthreads();  // (part is reused; ext was read before the walk)
       if (h == 1) sm.fin.part[0][cc] = ddt_acc, sm.fin.part[1][cc] = dA_acc;
