@@ -286,18 +286,26 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
   // raw q, k rows (padded), the dO tile and the raw gate rows (in the R tile, free until R is formed), 16-byte
   // cp.async, zeros past the end
   __nv_bfloat16* const graw = reinterpret_cast<__nv_bfloat16*>(sm.r);  // [64][128]
-#pragma unroll 1
-  for (int i = tid; i < 4 * kT * 16; i += kThreads) {
-    const int which = i / (kT * 16), t = (i >> 4) % kT, piece = i & 15;
-    const bool ok = t < tk.len;
-    const TokenTensor& tt = which == 0 ? p.q : (which == 1 ? p.k : (which == 2 ? p.dout : p.g));
-    const int head = which < 2 ? tk.hq : tk.hv;
-    const __nv_bfloat16* src = tt.row<__nv_bfloat16>(tk.s.batch, tk.t0 + (ok ? t : 0), head) + 8 * piece;
-    void* dst = which == 0   ? static_cast<void*>(sm.q + t * kLDH + 8 * piece)
-                : which == 1 ? static_cast<void*>(sm.k + t * kLDH + 8 * piece)
-                : which == 2 ? static_cast<void*>(sm.dO + swz_offset(LayoutTile{}, t, 8 * piece))
-                             : static_cast<void*>(graw + t * kD + 8 * piece);
-    ptx::cp_async_16(dst, src, ok);
+  {
+    // thread: 16-byte piece tid % 16 of tokens tid / 16 + 16 u of each tensor, from the tensors' rows at the chunk's
+    // first token (row pointers and token strides formed once; a token past the end reads nothing)
+    const int piece = tid & 15, t_lo = tid >> 4;
+    const __nv_bfloat16* const base[4] = {p.q.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hq) + 8 * piece,
+                                          p.k.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hq) + 8 * piece,
+                                          p.dout.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + 8 * piece,
+                                          p.g.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + 8 * piece};
+    const int64_t ts[4] = {p.q.token_stride, p.k.token_stride, p.dout.token_stride, p.g.token_stride};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int which = j >> 2, t = t_lo + 16 * (j & 3);
+      const bool ok = t < tk.len;
+      const __nv_bfloat16* src = base[which] + (ok ? t : 0) * ts[which];
+      void* dst = which == 0   ? static_cast<void*>(sm.q + t * kLDH + 8 * piece)
+                  : which == 1 ? static_cast<void*>(sm.k + t * kLDH + 8 * piece)
+                  : which == 2 ? static_cast<void*>(sm.dO + swz_offset(LayoutTile{}, t, 8 * piece))
+                               : static_cast<void*>(graw + t * kD + 8 * piece);
+      ptx::cp_async_16(dst, src, ok);
+    }
   }
   ptx::cp_async_commit();
   if (tid < kT) {
