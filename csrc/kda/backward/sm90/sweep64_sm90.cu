@@ -252,11 +252,21 @@ __device__ __forceinline__ float gate_of(const TrainingBackwardParams& p, float 
   if (p.gate_mode == GateMode::kLowerBound) return p.lower_bound * sigmoidf_(A * x);
   return unbounded_gate(p.gate_mode == GateMode::kSoftplus, x, A);
 }
-// The log-decay of token t, channel c (0 past the chunk's end), read from global memory: the wide blocks' pairwise
-// paths (load_chunk reads the gate rows once, from shared memory). Not inlined, for the same reason.
-__device__ __noinline__ float log_decay(const TrainingBackwardParams& p, const Task& tk, int t, int c, float dtb) {
-  if (t >= tk.len) return 0.f;
-  return gate_of(p, tk.A, ld_bf16(p.g.ptr, p.g.offset(tk.s.batch, tk.t0 + t, tk.hv) + c) + dtb);
+// The log-decay of token t (0 past the chunk's end, len tokens) of one channel's gate input column (g_col: the
+// channel's element at the chunk's first token, token_stride apart), read from global memory: the wide blocks'
+// pairwise paths (load_chunk reads the gate rows once, from shared memory). Not inlined, for the same reason; scalars
+// only, as above.
+__device__ __noinline__ float log_decay(const __nv_bfloat16* g_col, int64_t token_stride, int len, int t, float dtb,
+                                        GateMode mode, float lower_bound, float A) {
+  if (t >= len) return 0.f;
+  const float x = __bfloat162float(g_col[t * token_stride]) + dtb;
+  if (mode == GateMode::kLowerBound) return lower_bound * sigmoidf_(A * x);
+  return unbounded_log_decay(mode == GateMode::kSoftplus, x, A);
+}
+// log_decay of token t, channel c of a task.
+__device__ __forceinline__ float log_decay_at(const TrainingBackwardParams& p, const Task& tk, int t, int c, float dtb) {
+  return log_decay(p.g.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + c, p.g.token_stride, tk.len, t, dtb, p.gate_mode,
+                   p.lower_bound, tk.A);
 }
 __device__ __forceinline__ float dt_bias_at(const TrainingBackwardParams& p, const Task& tk, int c) {
   return p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + c] : 0.f;
@@ -483,7 +493,7 @@ __device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, co
           float sl = 0.f, sq = 0.f;
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if (ii > jj) ex[e] += log_decay(p, tk, i, c0 + e, dtb[e]);
+            if (ii > jj) ex[e] += log_decay_at(p, tk, i, c0 + e, dtb[e]);
             const float w = kj[e] * __expf(ex[e]);
             sl = fmaf(kh(sm, i, c0 + e), w, sl);
             sq = fmaf(qh(sm, i, c0 + e), w, sq);
@@ -589,7 +599,7 @@ __device__ void wide_diag_terms(const Smem& sm, const TrainingBackwardParams& p,
     const int c = c0 + g + 8 * h;
     const float dtb = dt_bias_at(p, tk, c);
 #pragma unroll 1
-    for (int u = 0; u < kB; ++u) av[h][u] = log_decay(p, tk, i0 + u, c, dtb);
+    for (int u = 0; u < kB; ++u) av[h][u] = log_decay_at(p, tk, i0 + u, c, dtb);
   }
 #pragma unroll
   for (int n = 0; n < 2; ++n)
@@ -619,6 +629,19 @@ __device__ void wide_diag_terms(const Smem& sm, const TrainingBackwardParams& p,
     }
 }
 
+// A shared-memory pointer the compiler must treat as new at each use: the wgmma descriptors built from it are formed
+// where they are used instead of once before the task loop (29 of them, two registers each, were hoisted out of the
+// loop and spilled, and reloaded from local memory in every task).
+template <class T>
+__device__ __forceinline__ T* fresh(T* ptr) {
+  asm volatile("" : "+l"(ptr));
+  return ptr;
+}
+__device__ __forceinline__ int fresh(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_kernel(const TrainingBackwardParams p) {
 #if defined(KDA_SWEEP64_DEVICE)
   extern __shared__ char smem_raw[];
@@ -633,14 +656,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   auto mma_ss = make_tiled_mma(MmaSS{});
   auto thr = mma_rs.get_slice(wtid);
   auto thr_ss = mma_ss.get_slice(wtid);
-  Tensor bKh = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.kp_hi), LayoutTile{}));  // (MMA, 1, 8)
-  Tensor bKl = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.kp_lo), LayoutTile{}));
-  Tensor bR = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.r), LayoutTile{}));
-  Tensor bY = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dy), LayoutTile{}));
-  Tensor bO = thr.partition_fragment_B(make_tensor(make_smem_ptr(sm.dO), LayoutTile{}));
+  const auto bKh = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.kp_hi)), LayoutTile{})); };  // (MMA, 1, 8)
+  const auto bKl = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.kp_lo)), LayoutTile{})); };
+  const auto bR = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.r)), LayoutTile{})); };
+  const auto bY = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.dy)), LayoutTile{})); };
+  const auto bO = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.dO)), LayoutTile{})); };
   // 64 x 64 tiles read K-major (sq) or MN-major (sq_t, the transpose)
-  const auto sq = [](bf16_t* tile) { return make_tensor(make_smem_ptr(tile), LayoutSq{}); };
-  const auto sq_t = [](bf16_t* tile) { return make_tensor(make_smem_ptr(tile), LayoutSqT{}); };
+  const auto sq = [](bf16_t* tile) { return make_tensor(make_smem_ptr(fresh(tile)), LayoutSq{}); };
+  const auto sq_t = [](bf16_t* tile) { return make_tensor(make_smem_ptr(fresh(tile)), LayoutSqT{}); };
   // this warpgroup's 64-column half of a [64][128] tile, MN-major (the [t][c] tile's transpose)
   const auto half_sq = [&](bf16_t* tile) { return sq_t(tile + wg * kT * kT); };
   // dR's dOᵀ Mqk (SS, both MN-major) and R = INV Y, dY = INVᵀ dR (RS): the square tiles in the R and dY tiles' space
@@ -648,42 +671,41 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   auto mma_rst = make_tiled_mma(MmaRSt{});
   auto thr_sst = mma_sst.get_slice(wtid);
   auto thr_rst = mma_rst.get_slice(wtid);
-  Tensor aOt = thr_sst.partition_fragment_A(half_sq(sm.dO));
-  Tensor bMh = thr_sst.partition_fragment_B(sq_t(sm.r));
-  Tensor bMl = thr_sst.partition_fragment_B(sq_t(sm.r + kT * kT));
-  Tensor bIh = thr.partition_fragment_B(sq(sm.dy));
-  Tensor bIl = thr.partition_fragment_B(sq(sm.dy + kT * kT));
-  Tensor bIth = thr_rst.partition_fragment_B(sq_t(sm.dy));
-  Tensor bItl = thr_rst.partition_fragment_B(sq_t(sm.dy + kT * kT));
+  const auto aOt = [&] { return thr_sst.partition_fragment_A(half_sq(sm.dO)); };
+  const auto bMh = [&] { return thr_sst.partition_fragment_B(sq_t(sm.r)); };
+  const auto bMl = [&] { return thr_sst.partition_fragment_B(sq_t(sm.r + kT * kT)); };
+  const auto bIh = [&] { return thr.partition_fragment_B(sq(sm.dy)); };
+  const auto bIl = [&] { return thr.partition_fragment_B(sq(sm.dy + kT * kT)); };
+  const auto bIth = [&] { return thr_rst.partition_fragment_B(sq_t(sm.dy)); };
+  const auto bItl = [&] { return thr_rst.partition_fragment_B(sq_t(sm.dy + kT * kT)); };
   // the pair terms (SS; the k-blocks are the four 16-token blocks): rows A = Kσ (MN-major: this warpgroup's channel
   // half of the [t][c] tile), B = dMqk, dA [t][j] K-major; columns A = Qg, Kgβ, B = the same tiles MN-major (dMqk
   // through bMh / bMl, which read the R tiles' space MN-major for dR's Mqk as well)
   auto mma_ssr = make_tiled_mma(MmaSSr{});
   auto thr_ssr = mma_ssr.get_slice(wtid);
   bf16_t* const qg = reinterpret_cast<bf16_t*>(sm.es);  // Qg hi, lo: two [64][128] tiles over e^{σ}
-  Tensor aSh = thr_ssr.partition_fragment_A(half_sq(sm.kp_hi));
-  Tensor aSl = thr_ssr.partition_fragment_A(half_sq(sm.kp_lo));
-  Tensor bWmh = thr_ssr.partition_fragment_B(sq(sm.r));
-  Tensor bWml = thr_ssr.partition_fragment_B(sq(sm.r + kT * kT));
-  Tensor bWlh = thr_ssr.partition_fragment_B(sq(sm.dy));
-  Tensor bWll = thr_ssr.partition_fragment_B(sq(sm.dy + kT * kT));
-  Tensor aQgh = thr_sst.partition_fragment_A(half_sq(qg));
-  Tensor aQgl = thr_sst.partition_fragment_A(half_sq(qg + kT * kD));
-  Tensor aKgh = thr_sst.partition_fragment_A(half_sq(sm.dO));
-  Tensor aKgl = thr_sst.partition_fragment_A(half_sq(sm.kp_hi));
-  Tensor bLth = thr_sst.partition_fragment_B(sq_t(sm.dy));
-  Tensor bLtl = thr_sst.partition_fragment_B(sq_t(sm.dy + kT * kT));
+  const auto aSh = [&] { return thr_ssr.partition_fragment_A(half_sq(sm.kp_hi)); };
+  const auto aSl = [&] { return thr_ssr.partition_fragment_A(half_sq(sm.kp_lo)); };
+  const auto bWmh = [&] { return thr_ssr.partition_fragment_B(sq(sm.r)); };
+  const auto bWml = [&] { return thr_ssr.partition_fragment_B(sq(sm.r + kT * kT)); };
+  const auto bWlh = [&] { return thr_ssr.partition_fragment_B(sq(sm.dy)); };
+  const auto bWll = [&] { return thr_ssr.partition_fragment_B(sq(sm.dy + kT * kT)); };
+  const auto aQgh = [&] { return thr_sst.partition_fragment_A(half_sq(qg)); };
+  const auto aQgl = [&] { return thr_sst.partition_fragment_A(half_sq(qg + kT * kD)); };
+  const auto aKgh = [&] { return thr_sst.partition_fragment_A(half_sq(sm.dO)); };
+  const auto aKgl = [&] { return thr_sst.partition_fragment_A(half_sq(sm.kp_hi)); };
+  const auto bLth = [&] { return thr_sst.partition_fragment_B(sq_t(sm.dy)); };
+  const auto bLtl = [&] { return thr_sst.partition_fragment_B(sq_t(sm.dy + kT * kT)); };
   // SS operands of dA / dMqk: R (hi: r, lo: kp_hi) as A; dY (hi: dy, lo: kp_lo) and dO as B, the warpgroup's half
   // of the tokens t in [32 wg, +32) (the same instructions in both warpgroups: no divergent wgmma)
   const auto half = [&](bf16_t* ptr) {
-    return local_tile(make_tensor(make_smem_ptr(ptr), LayoutTile{}), Shape<_32, _128>{}, make_coord(wg, _0{}));
+    return local_tile(make_tensor(make_smem_ptr(fresh(ptr)), LayoutTile{}), Shape<_32, _128>{}, make_coord(wg, _0{}));
   };
-  Tensor aRs = thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(sm.r), LayoutTile{}));
-  Tensor aRls = thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(sm.kp_hi), LayoutTile{}));
-  Tensor bYs = thr_ss.partition_fragment_B(half(sm.dy));
-  Tensor bYls = thr_ss.partition_fragment_B(half(sm.kp_lo));
-  Tensor bOs = thr_ss.partition_fragment_B(half(sm.dO));
-  Tensor cW = thr_ss.partition_C(make_identity_tensor(Shape<_64, _32>{}));  // (t', t - 32 wg)
+  const auto aRs = [&] { return thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(fresh(sm.r)), LayoutTile{})); };
+  const auto aRls = [&] { return thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(fresh(sm.kp_hi)), LayoutTile{})); };
+  const auto bYs = [&] { return thr_ss.partition_fragment_B(half(sm.dy)); };
+  const auto bYls = [&] { return thr_ss.partition_fragment_B(half(sm.kp_lo)); };
+  const auto bOs = [&] { return thr_ss.partition_fragment_B(half(sm.dO)); };
   Tensor aH = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _128>{}));  // ((2, 2, 2), 1, 8)
   Tensor aL = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _128>{}));
   Tensor cA = thr.partition_A(make_identity_tensor(Shape<_64, _128>{}));  // (row, k) of each A element
@@ -762,7 +784,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     else
       fill_a([&](int m, int k) { return s0_at(64 * wg + m, k); });
     open_batch(aH, aL, acc);
-    split3(mma_rs, aH, aL, bKh, bKl, acc);
+    split3(mma_rs, aH, aL, bKh(), bKl(), acc);
     warpgroup_commit_batch();
     prof.mark(kPfXStart);
     unit_lower_inverse(sm, prof);
@@ -804,9 +826,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     else
       fill_a([](int, int) { return 0.f; });
     open_batch(aH, aL, acc);
-    split3(mma_rs, aH, aL, bKh, bKl, acc);
-    gemm(mma_sst, aOt, bMh, acc);
-    gemm(mma_sst, aOt, bMl, acc);
+    split3(mma_rs, aH, aL, bKh(), bKl(), acc);
+    gemm(mma_sst, aOt(), bMh(), acc);
+    gemm(mma_sst, aOt(), bMl(), acc);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
@@ -836,8 +858,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       warpgroup_fence_operand(aYl);
       clear_fenced(accR_);
       open_batch(aDh, aDl, accY);
-      split3(mma_rs, aYh, aYl, bIh, bIl, accR_);
-      split3(mma_rst, aDh, aDl, bIth, bItl, accY);
+      split3(mma_rs, aYh, aYl, bIh(), bIl(), accR_);
+      split3(mma_rst, aDh, aDl, bIth(), bItl(), accY);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accR_);
@@ -871,10 +893,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       }
     }
     __syncthreads();  // both warpgroups are done with the Kr tiles
-    // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo)
+    // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo) (the offsets
+    // from a fresh copy of the coordinates: formed here, not kept as a table across the task loop)
+    const Tensor cCf = mma_rs.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _64>{}));
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int o = swz_offset(LayoutTile{}, get<1>(cC(i)), 64 * wg + get<0>(cC(i)));
+      const int o = swz_offset(LayoutTile{}, get<1>(cCf(i)), 64 * wg + get<0>(cCf(i)));
       const float rv = r[i >> 2][i & 3], yv = dyv[i >> 2][i & 3];
       const bf16_t rh = bf16_t(rv), yh = bf16_t(yv);
       sm.r[o] = rh;
@@ -892,9 +916,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     Tensor accM = partition_fragment_C(mma_ss, Shape<_64, _32>{});
     clear_fenced(accA, accM);
     warpgroup_arrive();
-    split3(mma_ss, aRs, aRls, bYs, bYls, accA);
-    gemm(mma_ss, aRs, bOs, accM);
-    gemm(mma_ss, aRls, bOs, accM);
+    split3(mma_ss, aRs(), aRls(), bYs(), bYls(), accA);
+    gemm(mma_ss, aRs(), bOs(), accM);
+    gemm(mma_ss, aRls(), bOs(), accM);
     warpgroup_commit_batch();
     Tensor accQ = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     Tensor accK = partition_fragment_C(mma_rs, Shape<_64, _64>{});
@@ -904,13 +928,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       fill_a([&](int m, int k) { return s0_at(k, 64 * wg + m); });
     clear_fenced(accQ);
     open_batch(aH, aL, accK);
-    gemm(mma_rs, aH, bO, accQ);
-    gemm(mma_rs, aL, bO, accQ);
-    split3(mma_rs, aH, aL, bY, bKl, accK);  // (dY lo in the kp_lo tile)
+    gemm(mma_rs, aH, bO(), accQ);
+    gemm(mma_rs, aL, bO(), accQ);
+    split3(mma_rs, aH, aL, bY(), bKl(), accK);  // (dY lo in the kp_lo tile)
     warpgroup_commit_batch();
     warpgroup_wait<1>();  // dA, dMqk (the first batch) are done
     warpgroup_fence_operand(accA);
     warpgroup_fence_operand(accM);
+    const Tensor cW = mma_ss.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _32>{}));  // (t', t - 32 wg)
 #pragma unroll
     for (int i = 0; i < size(accA); ++i) {  // (t', t) -> dA(t, t') = -accA (t > t'), dMqk(t, t') = accM (t >= t')
       const int tp = get<0>(cW(i)), t = 32 * wg + get<1>(cW(i));
@@ -944,7 +969,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       fill_dkr(ds_at, s0_at);
     Tensor accR = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     open_batch(aH, aL, accR);
-    split3(mma_rs, aH, aL, bR, bKh, accR);  // (R lo in the kp_hi tile)
+    split3(mma_rs, aH, aL, bR(), bKh(), accR);  // (R lo in the kp_hi tile)
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
@@ -1012,8 +1037,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll 1
     for (int J = 0; J < kNB; ++J)
       horner_step(J, false, [&] {
-        split3(mma_ssr, aSh(_, _, J), aSl(_, _, J), bWmh(_, _, J), bWml(_, _, J), accQ);
-        split3(mma_ssr, aSh(_, _, J), aSl(_, _, J), bWlh(_, _, J), bWll(_, _, J), accK);
+        split3(mma_ssr, aSh()(_, _, J), aSl()(_, _, J), bWmh()(_, _, J), bWml()(_, _, J), accQ);
+        split3(mma_ssr, aSh()(_, _, J), aSl()(_, _, J), bWlh()(_, _, J), bWll()(_, _, J), accK);
       }, accQ, accK);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accQ);
@@ -1030,8 +1055,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll 1
     for (int I = kNB - 1; I >= 0; --I)
       horner_step(I, true, [&] {
-        split3(mma_sst, aQgh(_, _, I), aQgl(_, _, I), bMh(_, _, I), bMl(_, _, I), accR);
-        split3(mma_sst, aKgh(_, _, I), aKgl(_, _, I), bLth(_, _, I), bLtl(_, _, I), accR);
+        split3(mma_sst, aQgh()(_, _, I), aQgl()(_, _, I), bMh()(_, _, I), bMl()(_, _, I), accR);
+        split3(mma_sst, aKgh()(_, _, I), aKgl()(_, _, I), bLth()(_, _, I), bLtl()(_, _, I), accR);
       }, accR);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
