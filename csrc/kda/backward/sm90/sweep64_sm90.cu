@@ -264,7 +264,8 @@ __device__ __noinline__ float log_decay(const __nv_bfloat16* g_col, int64_t toke
   return unbounded_log_decay(mode == GateMode::kSoftplus, x, A);
 }
 // log_decay of token t, channel c of a task.
-__device__ __forceinline__ float log_decay_at(const TrainingBackwardParams& p, const Task& tk, int t, int c, float dtb) {
+__device__ __forceinline__ float log_decay_at(const TrainingBackwardParams& p, const Task& tk, int t, int c,
+                                              float dtb) {
   return log_decay(p.g.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + c, p.g.token_stride, tk.len, t, dtb, p.gate_mode,
                    p.lower_bound, tk.A);
 }
@@ -656,16 +657,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   auto mma_ss = make_tiled_mma(MmaSS{});
   auto thr = mma_rs.get_slice(wtid);
   auto thr_ss = mma_ss.get_slice(wtid);
-  const auto bKh = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.kp_hi)), LayoutTile{})); };  // (MMA, 1, 8)
-  const auto bKl = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.kp_lo)), LayoutTile{})); };
-  const auto bR = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.r)), LayoutTile{})); };
-  const auto bY = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.dy)), LayoutTile{})); };
-  const auto bO = [&] { return thr.partition_fragment_B(make_tensor(make_smem_ptr(fresh(sm.dO)), LayoutTile{})); };
+  // the wgmma operands in shared memory, as functions: each use forms its descriptors
+  const auto tile = [](bf16_t* ptr) { return make_tensor(make_smem_ptr(fresh(ptr)), LayoutTile{}); };  // [64][128]
+  const auto bKh = [&] { return thr.partition_fragment_B(tile(sm.kp_hi)); };  // (MMA, 1, 8)
+  const auto bKl = [&] { return thr.partition_fragment_B(tile(sm.kp_lo)); };
+  const auto bR = [&] { return thr.partition_fragment_B(tile(sm.r)); };
+  const auto bY = [&] { return thr.partition_fragment_B(tile(sm.dy)); };
+  const auto bO = [&] { return thr.partition_fragment_B(tile(sm.dO)); };
   // 64 x 64 tiles read K-major (sq) or MN-major (sq_t, the transpose)
-  const auto sq = [](bf16_t* tile) { return make_tensor(make_smem_ptr(fresh(tile)), LayoutSq{}); };
-  const auto sq_t = [](bf16_t* tile) { return make_tensor(make_smem_ptr(fresh(tile)), LayoutSqT{}); };
+  const auto sq = [](bf16_t* ptr) { return make_tensor(make_smem_ptr(fresh(ptr)), LayoutSq{}); };
+  const auto sq_t = [](bf16_t* ptr) { return make_tensor(make_smem_ptr(fresh(ptr)), LayoutSqT{}); };
   // this warpgroup's 64-column half of a [64][128] tile, MN-major (the [t][c] tile's transpose)
-  const auto half_sq = [&](bf16_t* tile) { return sq_t(tile + wg * kT * kT); };
+  const auto half_sq = [&](bf16_t* ptr) { return sq_t(ptr + wg * kT * kT); };
   // dR's dOᵀ Mqk (SS, both MN-major) and R = INV Y, dY = INVᵀ dR (RS): the square tiles in the R and dY tiles' space
   auto mma_sst = make_tiled_mma(MmaSSt{});
   auto mma_rst = make_tiled_mma(MmaRSt{});
@@ -699,10 +702,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   // SS operands of dA / dMqk: R (hi: r, lo: kp_hi) as A; dY (hi: dy, lo: kp_lo) and dO as B, the warpgroup's half
   // of the tokens t in [32 wg, +32) (the same instructions in both warpgroups: no divergent wgmma)
   const auto half = [&](bf16_t* ptr) {
-    return local_tile(make_tensor(make_smem_ptr(fresh(ptr)), LayoutTile{}), Shape<_32, _128>{}, make_coord(wg, _0{}));
+    return local_tile(tile(ptr), Shape<_32, _128>{}, make_coord(wg, _0{}));
   };
-  const auto aRs = [&] { return thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(fresh(sm.r)), LayoutTile{})); };
-  const auto aRls = [&] { return thr_ss.partition_fragment_A(make_tensor(make_smem_ptr(fresh(sm.kp_hi)), LayoutTile{})); };
+  const auto aRs = [&] { return thr_ss.partition_fragment_A(tile(sm.r)); };
+  const auto aRls = [&] { return thr_ss.partition_fragment_A(tile(sm.kp_hi)); };
   const auto bYs = [&] { return thr_ss.partition_fragment_B(half(sm.dy)); };
   const auto bYls = [&] { return thr_ss.partition_fragment_B(half(sm.kp_lo)); };
   const auto bOs = [&] { return thr_ss.partition_fragment_B(half(sm.dO)); };
@@ -935,7 +938,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_wait<1>();  // dA, dMqk (the first batch) are done
     warpgroup_fence_operand(accA);
     warpgroup_fence_operand(accM);
-    const Tensor cW = mma_ss.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _32>{}));  // (t', t - 32 wg)
+    // (t', t - 32 wg)
+    const Tensor cW = mma_ss.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _32>{}));
 #pragma unroll
     for (int i = 0; i < size(accA); ++i) {  // (t', t) -> dA(t, t') = -accA (t > t'), dMqk(t, t') = accM (t >= t')
       const int tp = get<0>(cW(i)), t = 32 * wg + get<1>(cW(i));
