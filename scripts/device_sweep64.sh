@@ -10,7 +10,8 @@
 #   OUT=/tmp/out bash scripts/device_sweep64.sh
 #   TESTS=0 bash scripts/device_sweep64.sh       # build, smoke, times and clocks only (~3 min)
 #   STEPS="build gates edges" bash scripts/device_sweep64.sh   # some steps only (the build first on a fresh machine)
-# Steps: build smoke times clocks gates edges modes. Their timeouts add up to more than one 10-minute call; on a
+# Steps: build smoke times clocks contention gates edges modes (contention: the phase clocks with 8 CTAs, beside the
+# full grid's). Their timeouts add up to more than one 10-minute call; on a
 # warm machine the build is incremental, so a second call can run the tests the first did not reach.
 #
 # Success: the smoke lists every case with errors below 1e-2 and "finite" for both sweeps; tests_*.log end with
@@ -20,7 +21,7 @@ source "$(dirname "$0")/_device_env.sh"
 kda_install_wheels
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 TESTS=${TESTS:-1}
-STEPS=${STEPS:-build smoke times clocks gates edges modes}
+STEPS=${STEPS:-build smoke times clocks contention gates edges modes}
 [ "$TESTS" = 1 ] || STEPS=${STEPS//gates/}
 [ "$TESTS" = 1 ] || STEPS=${STEPS//edges/}
 [ "$TESTS" = 1 ] || STEPS=${STEPS//modes/}
@@ -53,6 +54,11 @@ fi
 if want clocks; then
   KDA_SWEEP64_PROFILE=1 KDA_TRAINING_SWEEP=wgmma64 run clocks 90 python3 scripts/train_profile.py 96
   grep -a "profile:" "$OUT/clocks.log" | head -1
+fi
+if want contention; then  # the same profile on 8 CTAs: what the full grid's traffic costs each phase
+  KDA_SWEEP64_PROFILE=1 KDA_SWEEP64_PROFILE_GRID=8 KDA_TRAINING_SWEEP=wgmma64 run clocks8 90 \
+    python3 scripts/train_profile.py 96
+  grep -a "profile:" "$OUT/clocks8.log" | head -1
 fi
 PYTEST=(python3 -m pytest -q -rf -n 14 -p no:cacheprovider -o addopts= tests/gpu/test_training_cuda.py)
 if want gates; then

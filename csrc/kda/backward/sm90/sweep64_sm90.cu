@@ -1295,20 +1295,24 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
     std::fprintf(stderr, "kda training sweep: wgmma64 (sm_90a), grid %d x %d threads, %d B shared memory\n", p.grid,
                  sweep64::kThreads, smem);
   // KDA_SWEEP64_PROFILE=1 (a diagnostic: synchronises, so never under graph capture): the cycles of CTA 0 per
-  // phase, to stderr.
+  // phase, to stderr. KDA_SWEEP64_PROFILE_GRID=n runs that launch on n CTAs (1 <= n; the same results): with few
+  // CTAs a task meets little traffic from the other SMs, so the two profiles show what the full grid costs.
   const char* pe = std::getenv("KDA_SWEEP64_PROFILE");
   if (pe != nullptr && pe[0] == '1') {
     unsigned long long zero[sweep64::kProfSegs + 1] = {};
     KDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(sweep64::kda_sweep64_prof, zero, sizeof(zero)));
     TrainingBackwardParams q = p;
     q.profile = true;
-    kernel<<<p.grid, sweep64::kThreads, smem, stream>>>(q);
+    if (const char* ge = std::getenv("KDA_SWEEP64_PROFILE_GRID"); ge != nullptr && std::atoi(ge) >= 1)
+      q.grid = std::atoi(ge);
+    kernel<<<q.grid, sweep64::kThreads, smem, stream>>>(q);
     KDA_CHECK_LAUNCH();
     KDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     unsigned long long prof[sweep64::kProfSegs + 1];
     KDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(prof, sweep64::kda_sweep64_prof, sizeof(prof)));
     const double tasks = prof[sweep64::kProfSegs] > 0 ? double(prof[sweep64::kProfSegs]) : 1.0;
-    std::fprintf(stderr, "kda sweep64 profile: CTA 0, %llu tasks, cycles per task:", prof[sweep64::kProfSegs]);
+    std::fprintf(stderr, "kda sweep64 profile: CTA 0 of %d, %llu tasks, cycles per task:", q.grid,
+                 prof[sweep64::kProfSegs]);
     for (int i = 0; i < sweep64::kProfSegs; ++i) std::fprintf(stderr, " %s %.0f", sweep64::kProfNames[i], prof[i] / tasks);
     std::fprintf(stderr, "\n");
     return cudaSuccess;
