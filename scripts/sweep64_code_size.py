@@ -1,0 +1,149 @@
+"""Code size of the Hopper 64-token sweep per profile phase: compiles csrc/kda/backward/sm90/sweep64_sm90.cu to an
+sm_90a cubin (the build's nvcc flags), disassembles it with line information and sums the instruction bytes between
+the kernel's consecutive clock reads (the phases of KDA_SWEEP64_PROFILE, in code order), in all and without the paths
+the lower-bound, full-state, HV == H case never runs (the wide blocks, the checked state loads, the per-head GQA
+stores). Also prints ptxas's registers, stack frame and spills. No GPU needed:
+
+    python3 scripts/sweep64_code_size.py [--source FILE]
+
+Why: most of the kernel's code runs once per task, and with all SMs busy its phases slowed by ~200-370 cycles per KB
+of that code (docs/performance.md), so this count is a cost to watch beside the clocks. The phase of an instruction is
+where it sits, not where its time goes; "hot" is an estimate (the gate-mode instantiations of da count three times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "third_party"))
+from cutlass_include import find_cutlass_include  # noqa: E402
+
+SOURCE = os.path.join(ROOT, "csrc", "kda", "backward", "sm90", "sweep64_sm90.cu")
+# kProfNames of the kernel, after the clock read of prof.start
+PHASES = [
+    "setup",
+    "load+wait",
+    "gate",
+    "norms",
+    "L/Mqk+K+",
+    "X start",
+    "inverse diag",
+    "inverse rest",
+    "X wait+Kr",
+    "dR",
+    "R/dY/dbeta",
+    "dA/dM/dQ/dK",
+    "dKr",
+    "pair terms",
+    "dgam",
+    "dbeta+l2",
+    "da+partials",
+]
+# functions whose bodies are cold in the common case, and markers of cold call sites
+COLD_FUNCTIONS = (
+    "__device__ void wide_pair_matrices",
+    "__device__ void wide_diag_terms",
+    "__device__ __noinline__ float log_decay",
+)
+COLD_MARKERS = ("s0_at", "ds_at", "dq_head", "dk_head", "fill_a([](int, int)")
+
+
+def tool(name: str) -> str:
+    cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    for cand in [os.path.join(cuda, "bin", name), shutil.which(name) or ""] + glob.glob(
+        os.path.join(sys.prefix, "lib", "python3*", "site-packages", "triton", "backends", "nvidia", "bin", name)
+    ):
+        if cand and os.path.exists(cand):
+            return cand
+    raise SystemExit(f"{name} not found (CUDA_HOME/bin, PATH, or triton's bundled copy)")
+
+
+def cold_lines(src: list[str]) -> tuple[list[tuple[int, int]], set[int]]:
+    ranges = []
+    for head in COLD_FUNCTIONS:
+        i = next(k for k, line in enumerate(src) if line.startswith(head))
+        j = next(k for k in range(i, len(src)) if src[k].startswith("}"))
+        ranges.append((i + 1, j + 1))
+    lines = {k for k, line in enumerate(src, 1) if any(m in line for m in COLD_MARKERS) and "const auto" not in line}
+    return ranges, lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", default=SOURCE)
+    args = ap.parse_args()
+    src = open(args.source, encoding="utf-8").read().splitlines()
+    name = os.path.basename(args.source)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "sweep64.cubin")
+        cmd = [
+            tool("nvcc"),
+            "-I",
+            os.path.join(ROOT, "csrc"),
+            "-I",
+            find_cutlass_include(),
+            "-O3",
+            "--expt-relaxed-constexpr",
+            "--expt-extended-lambda",
+            "-lineinfo",
+            "--use_fast_math",
+            "-DNDEBUG",
+            "-std=c++20",
+            "-gencode",
+            "arch=compute_90a,code=sm_90a",
+            "-cubin",
+            "-Xptxas",
+            "-v",
+            "-o",
+            cubin,
+            args.source,
+        ]
+        build = subprocess.run(cmd, capture_output=True, text=True)
+        if build.returncode != 0:
+            raise SystemExit(build.stderr[-4000:])
+        log = build.stderr.splitlines()
+        at = next(i for i, line in enumerate(log) if "Compiling entry" in line and "sweep64_kernel" in line)
+        print("ptxas:", "; ".join(line.split(":", 1)[-1].strip() for line in log[at + 1 : at + 4] if "bytes" in line))
+        sass = subprocess.run([tool("nvdisasm"), "-gi", cubin], capture_output=True, text=True, check=True).stdout
+    ranges, marked = cold_lines(src)
+    seg, group, in_group, fn = -1, [], False, ""
+    total, hot = Counter(), Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.text\.(\S+):", line)
+        if m:
+            fn = m.group(1)
+            continue
+        if line.lstrip().startswith("//## File"):
+            if not in_group:
+                group, in_group = [], True
+            group += [int(n) for f, n in re.findall(r'"([^"]+)", line (\d+)', line) if f.endswith(name)]
+            continue
+        if not re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
+            continue
+        in_group = False
+        if "sweep64_kernel" not in fn:
+            continue
+        if "SR_CLOCKLO" in line:
+            seg += 1
+        key = PHASES[seg] if 0 <= seg < len(PHASES) else ("before the phases" if seg < 0 else "after the phases")
+        total[key] += 16
+        if not (any(a <= n <= b for n in group for a, b in ranges) or any(n in marked for n in group)):
+            hot[key] += 16
+    print(f"{'phase':20s} {'all (KB)':>9s} {'hot (KB)':>9s}")
+    for key in ["before the phases"] + PHASES + ["after the phases"]:
+        if total[key]:
+            print(f"{key:20s} {total[key] / 1024:9.1f} {hot[key] / 1024:9.1f}")
+    print(f"{'kernel':20s} {sum(total.values()) / 1024:9.1f} {sum(hot.values()) / 1024:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
