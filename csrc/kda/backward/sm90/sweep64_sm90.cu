@@ -248,9 +248,9 @@ struct Task {
 __device__ __noinline__ float unbounded_gate(bool softplus, float x, float A) { return unbounded_log_decay(softplus, x, A); }
 // The log-decay of input x (g + dt_bias) in nats: the lower-bound gate inline (two instructions' worth), the others
 // through the call above.
-__device__ __forceinline__ float gate_of(const TrainingBackwardParams& p, float A, float x) {
-  if (p.gate_mode == GateMode::kLowerBound) return p.lower_bound * sigmoidf_(A * x);
-  return unbounded_gate(p.gate_mode == GateMode::kSoftplus, x, A);
+__device__ __forceinline__ float gate_value(GateMode mode, float lower_bound, float A, float x) {
+  if (mode == GateMode::kLowerBound) return lower_bound * sigmoidf_(A * x);
+  return unbounded_gate(mode == GateMode::kSoftplus, x, A);
 }
 // The log-decay of token t (0 past the chunk's end, len tokens) of one channel's gate input column (g_col: the
 // channel's element at the chunk's first token, token_stride apart), read from global memory: the wide blocks'
@@ -259,9 +259,7 @@ __device__ __forceinline__ float gate_of(const TrainingBackwardParams& p, float 
 __device__ __noinline__ float log_decay(const __nv_bfloat16* g_col, int64_t token_stride, int len, int t, float dtb,
                                         GateMode mode, float lower_bound, float A) {
   if (t >= len) return 0.f;
-  const float x = __bfloat162float(g_col[t * token_stride]) + dtb;
-  if (mode == GateMode::kLowerBound) return lower_bound * sigmoidf_(A * x);
-  return unbounded_log_decay(mode == GateMode::kSoftplus, x, A);
+  return gate_value(mode, lower_bound, A, __bfloat162float(g_col[t * token_stride]) + dtb);
 }
 // log_decay of token t, channel c of a task.
 __device__ __forceinline__ float log_decay_at(const TrainingBackwardParams& p, const Task& tk, int t, int c,
