@@ -4,7 +4,7 @@ the kernel's consecutive clock reads (the phases of KDA_SWEEP64_PROFILE, in code
 the lower-bound, full-state, HV == H case never runs (the wide blocks, the checked state loads, the per-head GQA
 stores). Also prints ptxas's registers, stack frame and spills. No GPU needed:
 
-    python3 scripts/sweep64_code_size.py [--source FILE]
+    .venv/bin/python scripts/sweep64_code_size.py [--source FILE]     (a Python with the CUTLASS headers)
 
 Why: most of the kernel's code runs once per task, and with all SMs busy its phases slowed by ~200-370 cycles per KB
 of that code (docs/performance.md), so this count is a cost to watch beside the clocks. The phase of an instruction is
