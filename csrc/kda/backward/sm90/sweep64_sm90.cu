@@ -330,11 +330,11 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
   __syncthreads();
   prof.mark(kPfLoadWait);
   // gate: thread (channel c, blocks 2h and 2h + 1): γ by prefix sums, σ by suffix sums (no cancellation)
-  bool w2[2] = {false, false};
+  unsigned w2 = 0;  // bit bb: block 2h + bb is wide
   {
     const int c = tid & 127, h = tid >> 7;
-#pragma unroll
-    for (int bb = 0; bb < 2; ++bb) {
+#pragma unroll 1
+    for (int bb = 0; bb < 2; ++bb) {  // (rolled: this code runs once per task, and its size costs fetch time)
       const int b = 2 * h + bb;
       float av[kB], gam[kB], run = 0.f;
 #pragma unroll
@@ -364,11 +364,11 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
       sm.etb[b][c] = __expf(run);
       sm.iem[b][c] = __expf(-gam[kB / 2]);
       // (the lower-bound gate's blocks are narrow for λ >= -5, |γ| < 80; wider only for a λ the op refuses)
-      w2[bb] = p.gate_mode != GateMode::kLowerBound ? w : wl;
+      w2 |= unsigned(p.gate_mode != GateMode::kLowerBound ? w : wl) << bb;
     }
   }
 #pragma unroll
-  for (int b = 0; b < kNB; ++b) wide[b] = __syncthreads_or((tid >> 7) == (b >> 1) && w2[b & 1]) != 0;
+  for (int b = 0; b < kNB; ++b) wide[b] = __syncthreads_or((tid >> 7) == (b >> 1) && ((w2 >> (b & 1)) & 1u)) != 0;
   prof.mark(kPfGate);
   // norms: warp per token
 #pragma unroll 2
