@@ -868,7 +868,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll
       for (int i = 0; i < 32; ++i) r[i >> 2][i & 3] = accR_(i), dyv[i >> 2][i & 3] = accY(i);
     }
-    {  // dβ partial Σ_v dY (V - X) per token (fixed order: rows, then lanes, then warps); dv = β dY
+    {  // dβ partial Σ_v dY (V - X) per token (fixed order: rows, then lanes, then warps)
       float colsum[8][2];
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -885,13 +885,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         for (int j = 0; j < 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) sm.dbp[warp][8 * j + 2 * lane + e] = colsum[j][e];
-      __nv_bfloat16* const dv0 = static_cast<__nv_bfloat16*>(p.dv) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD;
-      const int64_t rows = int64_t(p.HV) * kD;  // (dv: [B, T, HV, 128] compact)
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int t = get<1>(cC(i));
-        if (t < tk.len) dv0[t * rows + 64 * wg + get<0>(cC(i))] = __float2bfloat16_rn(sm.beta[t] * dyv[i >> 2][i & 3]);
-      }
     }
     __syncthreads();  // both warpgroups are done with the Kr tiles
     // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo) (the offsets
@@ -909,6 +902,29 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     }
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
+    {  // dv = β dY from the dY tiles (hi + lo): per step a thread's 16-byte piece, 8 values of one token, so a warp
+       // stores two whole token rows (before: 32 scattered 2-byte stores per thread, unrolled)
+      __nv_bfloat16* const dv0 = static_cast<__nv_bfloat16*>(p.dv) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD;
+      const int64_t rows = int64_t(p.HV) * kD;  // (dv: [B, T, HV, 128] compact)
+#pragma unroll 1
+      for (int i = tid; i < kT * (kD / 8); i += kThreads) {
+        const int t = i >> 4, v0 = 8 * (i & 15);
+        if (t >= tk.len) continue;
+        const int o = swz_offset(LayoutTile{}, t, v0);  // (8 elements of one 16-byte chunk: contiguous)
+        const uint4 hv = *reinterpret_cast<const uint4*>(sm.dy + o), lv = *reinterpret_cast<const uint4*>(sm.kp_lo + o);
+        const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w}, l[4] = {lv.x, lv.y, lv.z, lv.w};
+        uint32_t out[4];
+        const float b = sm.beta[t];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 fh = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[e]));
+          const float2 fl = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&l[e]));
+          const __nv_bfloat162 d = __floats2bfloat162_rn(b * (fh.x + fl.x), b * (fh.y + fl.y));
+          out[e] = *reinterpret_cast<const uint32_t*>(&d);
+        }
+        *reinterpret_cast<uint4*>(dv0 + t * rows + v0) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    }
     prof.mark(kPfRdY);
 
     // ---- dAᵀ, dMqkᵀ = R [dY | dO]ᵀ: [t'][t] = Σ_v R[t'][v] W[t][v], this warpgroup's tokens t; dQ⁺ᵀ, dK⁺ᵀ with S_0ᵀ
