@@ -887,12 +887,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
           for (int e = 0; e < 2; ++e) sm.dbp[warp][8 * j + 2 * lane + e] = colsum[j][e];
     }
     __syncthreads();  // both warpgroups are done with the Kr tiles
-    // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo) (the offsets
-    // from a fresh copy of the coordinates: formed here, not kept as a table across the task loop)
-    const Tensor cCf = mma_rs.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo). Elements i and
+    // i + 8 are 16 tokens apart, and the tile's swizzle repeats every 16 rows (1024 elements further:
+    // scripts/sweep64_layout_check.cu), so the offsets of elements 0-7 serve all 32 (formed here from a fresh copy
+    // of the coordinates, not kept as a table across the task loop)
+    int obase[8];
+    {
+      const Tensor cCf = mma_rs.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+#pragma unroll
+      for (int i = 0; i < 8; ++i) obase[i] = swz_offset(LayoutTile{}, get<1>(cCf(i)), 64 * wg + get<0>(cCf(i)));
+    }
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int o = swz_offset(LayoutTile{}, get<1>(cCf(i)), 64 * wg + get<0>(cCf(i)));
+      const int o = obase[i & 7] + 1024 * (i >> 3);
       const float rv = r[i >> 2][i & 3], yv = dyv[i >> 2][i & 3];
       const bf16_t rh = bf16_t(rv), yh = bf16_t(yv);
       sm.r[o] = rh;
