@@ -6,7 +6,7 @@
 // 128 x 128 state serving as both wgmma B operands, the K-major B of X = K⁺ S_0ᵀ (N = v, K = k) and the MN-major B of
 // dQ⁺ = dO S_0 (N = k, K = v), when the MN-major layout tiles its 128-byte swizzle atoms K-mode first. Prints the
 // mismatches (0 expected) and the same count for the default (N-mode first) tiling, which does not match; and that
-// the [64][128] token tile's offsets 16 rows apart differ by 1024 elements.
+// the [64][128] token tile's offsets 8 rows apart differ by 512 elements.
 //   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> scripts/sweep64_layout_check.cu -o /tmp/slc
 //   /tmp/slc
 #include <cstdio>
@@ -100,14 +100,19 @@ int main() {
   std::printf("cosize %d / %d; K-major (v, k) vs MN-major (k, v), K-mode-first tiling: %d mismatches; default "
               "tiling: %d mismatches\n",
               int(cosize_v<LayoutK>), int(cosize_v<LayoutMN>), bad, bad_default);
-  // the [64][128] token tile (LayoutTile of the sweep): 16 rows further is 1024 elements further, for every column
-  // (its swizzle repeats every 16 rows; 8 rows further is 512 +- 64), so a thread's accumulator elements i and i + 8
-  // (16 tokens apart) are one offset plus 1024
-  using LayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _128>{}));
+  // the [64][128] token tile (LayoutTile of the sweep) at a 1024-byte aligned address, offsets through the pointer
+  // (the swizzle acts on byte addresses, as the sweep's swz_offset): 8 rows further is 512 elements further, for
+  // every column (the 128-byte swizzle repeats every 8 rows), so a thread's accumulator elements i and i + 4 (8 tokens
+  // apart) are one offset plus 512
   int bad_rows = 0;
-  for (int t = 0; t + 16 < 64; ++t)
-    for (int v = 0; v < 128; ++v)
-      if (LayoutTile{}(t + 16, v) != LayoutTile{}(t, v) + 1024) ++bad_rows;
-  std::printf("token tile: offset(t + 16, v) - offset(t, v) != 1024 at %d of %d elements\n", bad_rows, 48 * 128);
+  {
+    using LayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _128>{}));
+    alignas(1024) static bf16_t tile[64 * 128];
+    Tensor full = make_tensor(make_smem_ptr(tile), LayoutTile{});
+    for (int t = 0; t + 8 < 64; ++t)
+      for (int v = 0; v < 128; ++v)
+        if (&full(t + 8, v) - &full(t, v) != 512) ++bad_rows;
+  }
+  std::printf("token tile: offset(t + 8, v) - offset(t, v) != 512 at %d of %d elements\n", bad_rows, 56 * 128);
   return frag != 0 || bad != 0 || bad_default == 0 || bad_rows != 0;
 }

@@ -888,18 +888,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     }
     __syncthreads();  // both warpgroups are done with the Kr tiles
     // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo). Elements i and
-    // i + 8 are 16 tokens apart, and the tile's swizzle repeats every 16 rows (1024 elements further:
-    // scripts/sweep64_layout_check.cu), so the offsets of elements 0-7 serve all 32 (formed here from a fresh copy
+    // i + 4 are 8 tokens apart, and the tile's swizzle repeats every 8 rows (512 elements further:
+    // scripts/sweep64_layout_check.cu), so the offsets of elements 0-3 serve all 32 (formed here from a fresh copy
     // of the coordinates, not kept as a table across the task loop)
-    int obase[8];
+    int obase[4];
     {
       const Tensor cCf = mma_rs.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _64>{}));
 #pragma unroll
-      for (int i = 0; i < 8; ++i) obase[i] = swz_offset(LayoutTile{}, get<1>(cCf(i)), 64 * wg + get<0>(cCf(i)));
+      for (int i = 0; i < 4; ++i) obase[i] = swz_offset(LayoutTile{}, get<1>(cCf(i)), 64 * wg + get<0>(cCf(i)));
     }
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int o = obase[i & 7] + 1024 * (i >> 3);
+      const int o = obase[i & 3] + 512 * (i >> 2);
       const float rv = r[i >> 2][i & 3], yv = dyv[i >> 2][i & 3];
       const bf16_t rh = bf16_t(rv), yh = bf16_t(yv);
       sm.r[o] = rh;
@@ -909,29 +909,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     }
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    {  // dv = β dY from the dY tiles (hi + lo): per step a thread's 16-byte piece, 8 values of one token, so a warp
-       // stores two whole token rows (before: 32 scattered 2-byte stores per thread, unrolled)
-      __nv_bfloat16* const dv0 = static_cast<__nv_bfloat16*>(p.dv) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD;
-      const int64_t rows = int64_t(p.HV) * kD;  // (dv: [B, T, HV, 128] compact)
-#pragma unroll 1
-      for (int i = tid; i < kT * (kD / 8); i += kThreads) {
-        const int t = i >> 4, v0 = 8 * (i & 15);
-        if (t >= tk.len) continue;
-        const int o = swz_offset(LayoutTile{}, t, v0);  // (8 elements of one 16-byte chunk: contiguous)
-        const uint4 hv = *reinterpret_cast<const uint4*>(sm.dy + o), lv = *reinterpret_cast<const uint4*>(sm.kp_lo + o);
-        const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w}, l[4] = {lv.x, lv.y, lv.z, lv.w};
-        uint32_t out[4];
-        const float b = sm.beta[t];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 fh = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[e]));
-          const float2 fl = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&l[e]));
-          const __nv_bfloat162 d = __floats2bfloat162_rn(b * (fh.x + fl.x), b * (fh.y + fl.y));
-          out[e] = *reinterpret_cast<const uint32_t*>(&d);
-        }
-        *reinterpret_cast<uint4*>(dv0 + t * rows + v0) = make_uint4(out[0], out[1], out[2], out[3]);
-      }
-    }
     prof.mark(kPfRdY);
 
     // ---- dAᵀ, dMqkᵀ = R [dY | dO]ᵀ: [t'][t] = Σ_v R[t'][v] W[t][v], this warpgroup's tokens t; dQ⁺ᵀ, dK⁺ᵀ with S_0ᵀ
@@ -956,6 +933,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     gemm(mma_rs, aL, bO(), accQ);
     split3(mma_rs, aH, aL, bY(), bKl(), accK);  // (dY lo in the kp_lo tile)
     warpgroup_commit_batch();
+    {  // dv = β dY from the dY tiles (hi + lo; an infinite hi alone), while the products above run (they read the same
+       // tiles): per step a thread's 16-byte piece, 8 values of one token, so a warp stores two whole token rows
+       // (before: 32 scattered 2-byte stores per thread, unrolled)
+      __nv_bfloat16* const dv0 = static_cast<__nv_bfloat16*>(p.dv) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD;
+      const int64_t rows = int64_t(p.HV) * kD;  // (dv: [B, T, HV, 128] compact)
+#pragma unroll 1
+      for (int i = tid; i < kT * (kD / 8); i += kThreads) {
+        const int t = i >> 4, v0 = 8 * (i & 15);
+        if (t >= tk.len) break;  // (t grows with i)
+        const int o = swz_offset(LayoutTile{}, t, v0);  // (8 elements of one 16-byte chunk: contiguous)
+        const uint4 hv = *reinterpret_cast<const uint4*>(sm.dy + o), lv = *reinterpret_cast<const uint4*>(sm.kp_lo + o);
+        const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w}, l[4] = {lv.x, lv.y, lv.z, lv.w};
+        uint32_t out[4];
+        const float b = sm.beta[t];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 fh = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[e]));
+          const float2 fl = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&l[e]));
+          const float x0 = isfinite(fh.x) ? fh.x + fl.x : fh.x, x1 = isfinite(fh.y) ? fh.y + fl.y : fh.y;
+          const __nv_bfloat162 d = __floats2bfloat162_rn(b * x0, b * x1);
+          out[e] = *reinterpret_cast<const uint32_t*>(&d);
+        }
+        *reinterpret_cast<uint4*>(dv0 + t * rows + v0) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    }
     warpgroup_wait<1>();  // dA, dMqk (the first batch) are done
     warpgroup_fence_operand(accA);
     warpgroup_fence_operand(accM);
