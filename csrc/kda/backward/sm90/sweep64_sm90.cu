@@ -887,25 +887,32 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
           for (int e = 0; e < 2; ++e) sm.dbp[warp][8 * j + 2 * lane + e] = colsum[j][e];
     }
     __syncthreads();  // both warpgroups are done with the Kr tiles
-    // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo). Elements i and
-    // i + 4 are 8 tokens apart, and the tile's swizzle repeats every 8 rows (512 elements further:
-    // scripts/sweep64_layout_check.cu), so the offsets of elements 0-3 serve all 32 (formed here from a fresh copy
-    // of the coordinates, not kept as a table across the task loop)
-    int obase[4];
+    // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo), by stmatrix
+    // .trans: the accumulator's 8 x 8 blocks (rows v, columns t; this thread: row lane / 4, columns 2 (lane % 4) + e)
+    // are stored transposed, 16-byte rows of 8 v per token. Per instruction q (tokens [16 q, +16)) four blocks k:
+    // value rows 8 (k & 1) + [0, 8) of this warp's 16, tokens 16 q + 8 (k >> 1) + [0, 8), their registers the
+    // accumulator elements 4 j + 2 (k & 1) + e with j = 2 q + (k >> 1) (scripts/sweep64_layout_check.cu); lane l
+    // gives the address of block l / 8's token row l % 8. The token tile's swizzle repeats every 8 rows (512 elements
+    // further), so q adds 1024 elements.
     {
-      const Tensor cCf = mma_rs.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+      const int k = lane >> 3;
+      const int o0 = swz_offset(LayoutTile{}, 8 * (k >> 1) + (lane & 7), 64 * wg + 16 * wq + 8 * (k & 1));
+      // x (R or dY) as its hi and lo tiles
+      const auto store = [&](const float (&x)[8][4], bf16_t* hi_tile, bf16_t* lo_tile) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) obase[i] = swz_offset(LayoutTile{}, get<1>(cCf(i)), 64 * wg + get<0>(cCf(i)));
-    }
+        for (int q = 0; q < 4; ++q) {
+          uint32_t h[4], l[4];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int o = obase[i & 3] + 512 * (i >> 2);
-      const float rv = r[i >> 2][i & 3], yv = dyv[i >> 2][i & 3];
-      const bf16_t rh = bf16_t(rv), yh = bf16_t(yv);
-      sm.r[o] = rh;
-      sm.kp_hi[o] = bf16_t(rv - float(rh));
-      sm.dy[o] = yh;
-      sm.kp_lo[o] = bf16_t(yv - float(yh));
+          for (int b = 0; b < 4; ++b) {  // block b: j = 2 q + (b >> 1), elements 2 (b & 1) + {0, 1}
+            const float x0 = x[2 * q + (b >> 1)][2 * (b & 1)], x1 = x[2 * q + (b >> 1)][2 * (b & 1) + 1];
+            split2(x0, x1, h[b], l[b]);
+          }
+          SM90_U16x8_STSM_T::copy(h[0], h[1], h[2], h[3], *reinterpret_cast<uint128_t*>(hi_tile + o0 + 1024 * q));
+          SM90_U16x8_STSM_T::copy(l[0], l[1], l[2], l[3], *reinterpret_cast<uint128_t*>(lo_tile + o0 + 1024 * q));
+        }
+      };
+      store(r, sm.r, sm.kp_hi);
+      store(dyv, sm.dy, sm.kp_lo);
     }
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
