@@ -80,6 +80,8 @@ def cold_lines(src: list[str]) -> tuple[list[tuple[int, int]], set[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", default=SOURCE)
+    ap.add_argument("--lines", metavar="PHASE", help="also list the phase's hot code bytes per source line (the "
+                    "innermost line of this file an instruction comes from), largest first")
     args = ap.parse_args()
     src = open(args.source, encoding="utf-8").read().splitlines()
     name = os.path.basename(args.source)
@@ -116,7 +118,7 @@ def main() -> None:
         sass = subprocess.run([tool("nvdisasm"), "-gi", cubin], capture_output=True, text=True, check=True).stdout
     ranges, marked = cold_lines(src)
     seg, group, in_group, fn = -1, [], False, ""
-    total, hot = Counter(), Counter()
+    total, hot, by_line = Counter(), Counter(), Counter()
     for line in sass.splitlines():
         m = re.match(r"\s*\.text\.(\S+):", line)
         if m:
@@ -138,11 +140,17 @@ def main() -> None:
         total[key] += 16
         if not (any(a <= n <= b for n in group for a, b in ranges) or any(n in marked for n in group)):
             hot[key] += 16
+            if key == args.lines and group:
+                by_line[group[0]] += 16
     print(f"{'phase':20s} {'all (KB)':>9s} {'hot (KB)':>9s}")
     for key in ["before the phases"] + PHASES + ["after the phases"]:
         if total[key]:
             print(f"{key:20s} {total[key] / 1024:9.1f} {hot[key] / 1024:9.1f}")
     print(f"{'kernel':20s} {sum(total.values()) / 1024:9.1f} {sum(hot.values()) / 1024:9.1f}")
+    if args.lines:
+        print(f"\n{args.lines}: hot bytes per source line")
+        for n, b in by_line.most_common(25):
+            print(f"{b:7d}  {n:5d}  {src[n - 1].strip()[:100]}")
 
 
 if __name__ == "__main__":
