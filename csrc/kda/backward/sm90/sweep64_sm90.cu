@@ -719,20 +719,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll
     for (int i = 0; i < size(aH); i += 2) {
       const float2 x = __ldg(reinterpret_cast<const float2*>(base + get<0>(cA(i)) * kD + get<1>(cA(i))));
-      const bf16_t h0 = bf16_t(x.x), h1 = bf16_t(x.y);
-      aH(i) = h0, aH(i + 1) = h1;
-      aL(i) = bf16_t(x.x - float(h0)), aL(i + 1) = bf16_t(x.y - float(h1));
+      split2(x.x, x.y, recast<uint32_t>(aH)(i / 2), recast<uint32_t>(aL)(i / 2));
     }
   };
-  // A operand from global memory: hi and lo bf16 parts of f(row, k)
+  // A operand from global memory: hi and lo bf16 parts of f(row, k), a pair of elements (one 32-bit register of
+  // each part) at a time
   const auto fill_a = [&](auto f) {
 #pragma unroll
-    for (int i = 0; i < size(aH); ++i) {
-      const float x = f(get<0>(cA(i)), get<1>(cA(i)));
-      const bf16_t h = bf16_t(x);
-      aH(i) = h;
-      aL(i) = bf16_t(x - float(h));
-    }
+    for (int i = 0; i < size(aH); i += 2)
+      split2(f(get<0>(cA(i)), get<1>(cA(i))), f(get<0>(cA(i + 1)), get<1>(cA(i + 1))), recast<uint32_t>(aH)(i / 2),
+             recast<uint32_t>(aL)(i / 2));
   };
 
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
@@ -847,11 +843,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       Tensor aDl = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _64>{}));
       static_assert(decltype(size(aYh))::value == 32, "A fragment of K = 64: 32 elements");
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const float y = sm.beta[get<1>(cC(i))] * vx[i >> 2][i & 3], d = acc(i);
-        const bf16_t yh = bf16_t(y), dh = bf16_t(d);
-        aYh(i) = yh, aYl(i) = bf16_t(y - float(yh));
-        aDh(i) = dh, aDl(i) = bf16_t(d - float(dh));
+      for (int i = 0; i < 32; i += 2) {  // (elements i, i + 1: one row, columns t, t + 1)
+        const int t = get<1>(cC(i));
+        split2(sm.beta[t] * vx[i >> 2][i & 3], sm.beta[t + 1] * vx[i >> 2][(i & 3) + 1], recast<uint32_t>(aYh)(i / 2),
+               recast<uint32_t>(aYl)(i / 2));
+        split2(acc(i), acc(i + 1), recast<uint32_t>(aDh)(i / 2), recast<uint32_t>(aDl)(i / 2));
       }
       Tensor accY = partition_fragment_C(mma_rs, Shape<_64, _64>{});
       Tensor accR_ = partition_fragment_C(mma_rs, Shape<_64, _64>{});
@@ -988,13 +984,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     float cs[2] = {0.f, 0.f};
     const auto fill_dkr = [&](auto ds_f, auto s0_f) {
 #pragma unroll
-      for (int i = 0; i < size(aH); ++i) {
+      for (int i = 0; i < size(aH); i += 2) {  // (elements i, i + 1: one row m, value rows v, v + 1)
         const int m = get<0>(cA(i)), v = get<1>(cA(i)), cc = 64 * wg + m;
-        const float x = ds_f(v, cc);
-        cs[(m >> 3) & 1] = fmaf(x, s0_f(v, cc), cs[(m >> 3) & 1]);
-        const bf16_t h = bf16_t(x);
-        aH(i) = h;
-        aL(i) = bf16_t(x - float(h));
+        const float x0 = ds_f(v, cc), x1 = ds_f(v + 1, cc);
+        cs[(m >> 3) & 1] = fmaf(x1, s0_f(v + 1, cc), fmaf(x0, s0_f(v, cc), cs[(m >> 3) & 1]));
+        split2(x0, x1, recast<uint32_t>(aH)(i / 2), recast<uint32_t>(aL)(i / 2));
       }
     };
     if (ds_full && s0_full)
