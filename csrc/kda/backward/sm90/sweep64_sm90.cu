@@ -870,17 +870,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) colsum[j][e] = fmaf(dyv[j][e], vx[j][e], dyv[j][e + 2] * vx[j][e + 2]);
+      // the sum over the warp's 8 row groups (lane / 4) by a halving exchange: at lane bit b (4, 3, 2) a lane keeps
+      // the half of its column groups j whose bit matches its own and adds its partner's copy of that half (14
+      // shuffles, not 48); lane l ends with column group j = l / 4 (columns 8 j + 2 (l % 4) + e)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int k = 4; k >= 1; k >>= 1) {  // (k: the half's size in column groups; lane bit 4, 3, 2)
+        const bool up = (lane >> (k == 4 ? 4 : k == 2 ? 3 : 2)) & 1;
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
+        for (int j = 0; j < k; ++j)
 #pragma unroll
-          for (int o = 4; o <= 16; o <<= 1) colsum[j][e] += __shfl_xor_sync(0xffffffffu, colsum[j][e], o);
-      if (lane < 4)
+          for (int e = 0; e < 2; ++e) {
+            const float give = up ? colsum[j][e] : colsum[j + k][e];
+            const float keep = up ? colsum[j + k][e] : colsum[j][e];
+            colsum[j][e] = keep + __shfl_xor_sync(0xffffffffu, give, 4 * k);
+          }
+      }
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) sm.dbp[warp][8 * j + 2 * lane + e] = colsum[j][e];
+      for (int e = 0; e < 2; ++e) sm.dbp[warp][8 * (lane >> 2) + 2 * (lane & 3) + e] = colsum[0][e];
     }
     __syncthreads();  // both warpgroups are done with the Kr tiles
     // R and dY as hi + lo bf16 tiles [t][v]: R in r (hi) and kp_hi (lo), dY in dy (hi) and kp_lo (lo), by stmatrix
@@ -1021,8 +1027,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     float ext_part[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int m = get<0>(cC(i)), t = get<1>(cC(i)), cc = 64 * wg + m;
-      const float er = esv(sm, t, cc) * sm.eq[t >> 4][cc];
+      const int m = get<0>(cC(i)), t = get<1>(cC(i)), cc = 64 * wg + m;  // (t >> 4 = i >> 3: static)
+      const float er = esv(sm, t, cc) * sm.eq[i >> 3][cc];
       ext_part[(m >> 3) & 1] = fmaf(kh(sm, t, cc) * er, accR(i), ext_part[(m >> 3) & 1]);  // Kr · dKr
       accK(i) = -accK(i);
     }
@@ -1039,17 +1045,19 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     // this thread's two channel rows (accumulator row g + 8h); the wide blocks as bits
     const int crow = 64 * wg + 16 * wq + (lane >> 2);
     const int wmask = int(wide[0]) | (int(wide[1]) << 1) | (int(wide[2]) << 2) | (int(wide[3]) << 3);
-    // acc *= (block of t) > J ? e^{T_J} : (== J ? ρ_J : 1) (descending: < J)
+    // acc *= (block of t) > J ? e^{T_J} : (== J ? ρ_J : 1) (descending: < J); element i's block is i >> 3 (its token
+    // 8 (i >> 2) + 2 (lane % 4) + (i & 1)), its row crow + 8 ((i >> 1) & 1): eight factors, then one product each
     const auto horner_scale = [&](auto& acc, int J, bool descending) {
-      const float e[2] = {sm.etb[J][crow], sm.etb[J][crow + 8]};
       const bool rho1 = (wmask >> J) & 1;
+      float f[kNB][2];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int b = get<1>(cC(i)) >> 4;
-        const float x = e[(i >> 1) & 1];
-        const bool past = descending ? b < J : b > J;
-        acc(i) *= past ? x : (b == J && !rho1 ? x : 1.f);
+      for (int h = 0; h < 2; ++h) {
+        const float x = sm.etb[J][crow + 8 * h];
+#pragma unroll
+        for (int b = 0; b < kNB; ++b) f[b][h] = (descending ? b < J : b > J) || (b == J && !rho1) ? x : 1.f;
       }
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc(i) *= f[i >> 3][(i >> 1) & 1];
     };
     // one step of a walk: the previous step's products waited for (unconditionally, so that ptxas sees every stage
     // closed), the accumulators scaled for block J, the next products issued
@@ -1089,11 +1097,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
     float dq[8][4], dkr[8][4], dkc[8][4];
+    float rtb[kNB][2];  // 1 / e^{T_b} of this thread's two rows (1 in wide blocks)
+#pragma unroll
+    for (int b = 0; b < kNB; ++b)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) rtb[b][h] = wide[b] ? 1.f : __fdividef(1.f, sm.etb[b][crow + 8 * h]);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int t = get<1>(cC(i)), b = t >> 4, cc = 64 * wg + get<0>(cC(i));
+      const int t = get<1>(cC(i)), b = i >> 3, cc = 64 * wg + get<0>(cC(i));  // (b = t >> 4, cc = crow + 8 h: static)
       const float eg_ = egv(sm, t, cc);
-      const float fr = wide[b] ? eg_ : __fdividef(eg_, sm.etb[b][cc]);
+      const float fr = eg_ * rtb[b][(i >> 1) & 1];
       dq[i >> 2][i & 3] = fr * accQ(i);
       dkr[i >> 2][i & 3] = sm.beta[t] * fr * accK(i);
       dkc[i >> 2][i & 3] = wide[b] ? accR(i) : __fdividef(accR(i), eg_);  // (wide: e^{σ} below)
