@@ -6,7 +6,7 @@
 // 128 x 128 state serving as both wgmma B operands, the K-major B of X = K⁺ S_0ᵀ (N = v, K = k) and the MN-major B of
 // dQ⁺ = dO S_0 (N = k, K = v), when the MN-major layout tiles its 128-byte swizzle atoms K-mode first. Prints the
 // mismatches (0 expected) and the same count for the default (N-mode first) tiling, which does not match; and that
-// the [64][128] token tile's offsets 8 rows apart differ by 512 elements.
+// the [64][128] token tile's offsets 8 rows apart differ by 512 elements and its 8-column pieces are 16 contiguous bytes.
 //   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> scripts/sweep64_layout_check.cu -o /tmp/slc
 //   /tmp/slc
 #include <cstdio>
@@ -112,7 +112,12 @@ int main() {
     for (int t = 0; t + 8 < 64; ++t)
       for (int v = 0; v < 128; ++v)
         if (&full(t + 8, v) - &full(t, v) != 512) ++bad_rows;
+    // and 8 columns from a multiple of 8 are one 16-byte piece (stmatrix's rows, dv's reads)
+    for (int t = 0; t < 64; ++t)
+      for (int v = 0; v < 128; ++v)
+        if (&full(t, v) - &full(t, v & ~7) != (v & 7) || (&full(t, v & ~7) - &full(0, 0)) % 8 != 0) ++bad_rows;
   }
-  std::printf("token tile: offset(t + 8, v) - offset(t, v) != 512 at %d of %d elements\n", bad_rows, 56 * 128);
+  std::printf("token tile: offset(t + 8, v) - offset(t, v) != 512 or a 16-byte piece not contiguous: %d cases\n",
+              bad_rows);
   return frag != 0 || bad != 0 || bad_default == 0 || bad_rows != 0;
 }
