@@ -60,7 +60,10 @@ if want contention; then  # the same profile on 8 CTAs: what the full grid's tra
     python3 scripts/train_profile.py 96
   grep -a "profile:" "$OUT/clocks8.log" | head -1
 fi
-PYTEST=(python3 -m pytest -q -rf -n 14 -p no:cacheprovider -o addopts= tests/gpu/test_training_cuda.py)
+# one CPU thread per xdist worker: the fp64 references run on the CPU, and 14 workers of torch's default 16 threads each
+# oversubscribe the 16 cores (the mode selection did not finish in 360 s that way; not measured with one thread yet)
+PYTEST=(env OMP_NUM_THREADS=1 python3 -m pytest -q -rf -n 14 -p no:cacheprovider -o addopts= --durations=10
+  tests/gpu/test_training_cuda.py)
 if want gates; then
   KDA_TRAINING_SWEEP=wgmma64 run tests_gates 240 "${PYTEST[@]}" -k "extreme or deterministic or golden or dbeta"
   tail -3 "$OUT/tests_gates.log"
