@@ -6,7 +6,8 @@
 // 128 x 128 state serving as both wgmma B operands, the K-major B of X = K⁺ S_0ᵀ (N = v, K = k) and the MN-major B of
 // dQ⁺ = dO S_0 (N = k, K = v), when the MN-major layout tiles its 128-byte swizzle atoms K-mode first. Prints the
 // mismatches (0 expected) and the same count for the default (N-mode first) tiling, which does not match; and that
-// the [64][128] token tile's offsets 8 rows apart differ by 512 elements and its 8-column pieces are 16 contiguous bytes.
+// the [64][128] token tile's offsets 8 rows apart differ by 512 elements and its 8-column pieces are 16 contiguous bytes;
+// and recast<uint32_t> of a bf16 A fragment pairs its elements (2 w, 2 w + 1) in word w (counted with the fragments).
 //   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> scripts/sweep64_layout_check.cu -o /tmp/slc
 //   /tmp/slc
 #include <cstdio>
@@ -82,8 +83,30 @@ int fragment_mismatches() {
   return bad;
 }
 
+// The packed hi / lo splits write a bf16 register fragment two elements at a time through recast<uint32_t>: word w
+// must be elements 2 w (low half) and 2 w + 1 (high half) of the fragment's own storage.
+int recast_mismatches() {
+  int bad = 0;
+  using MmaRS = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
+  auto rs = make_tiled_mma(MmaRS{});
+  Tensor a = make_tensor<bf16_t>(partition_shape_A(rs, Shape<_64, _128>{}));
+  for (int i = 0; i < int(size(a)); ++i) a(i) = bf16_t(float(i + 1));
+  Tensor w = recast<uint32_t>(a);
+  if (int(size(w)) * 2 != int(size(a))) ++bad;
+  for (int j = 0; j < int(size(w)); ++j) {
+    const uint32_t u = w(j);
+    bf16_t lo, hi;
+    lo.storage = uint16_t(u & 0xffffu);
+    hi.storage = uint16_t(u >> 16);
+    if (float(lo) != float(2 * j + 1) || float(hi) != float(2 * j + 2)) ++bad;
+  }
+  w(0) = 0u;  // a view: writing the word writes the fragment
+  if (float(a(0)) != 0.f || float(a(1)) != 0.f) ++bad;
+  return bad;
+}
+
 int main() {
-  const int frag = fragment_mismatches();
+  const int frag = fragment_mismatches() + recast_mismatches();
   std::printf("fragment layouts: %d mismatches\n", frag);
   // (N = v, K = k), K-major: 8 rows of v, 64 k-contiguous elements per 128-byte row, swizzled
   using LayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_128, _128>{}));
