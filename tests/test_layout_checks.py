@@ -1,7 +1,8 @@
 """The host-side CuTe layout checks of scripts/ (shared-memory layout facts the Hopper kernels rely on) compile and
 pass: scripts/sm90_layout_check.cu (the Hopper chunked kernel's swizzled operand tiles) and
-scripts/sweep64_layout_check.cu (the Hopper 64-token backward sweep's fragment layouts, its transposed tile
-reads, and one bf16 [v][k] state buffer as both wgmma B operands). Host code only: no GPU needed; skipped
+scripts/sweep64_layout_check.cu (the Hopper 64-token backward sweep's fragment layouts and their 32-bit register
+pairs, its transposed tile reads, the token tile's swizzle period and 16-byte pieces, and one bf16 [v][k] state
+buffer as both wgmma B operands). Host code only: no GPU needed; skipped
 without nvcc or the CUTLASS headers."""
 
 from __future__ import annotations
