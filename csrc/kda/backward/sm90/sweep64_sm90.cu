@@ -870,12 +870,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) colsum[j][e] = fmaf(dyv[j][e], vx[j][e], dyv[j][e + 2] * vx[j][e + 2]);
-      // the sum over the warp's 8 row groups (lane / 4) by a halving exchange: at lane bit b (4, 3, 2) a lane keeps
+      // the sum over the warp's 8 row groups (lane / 4) by a halving exchange: at lane bit 4 k (k = 4, 2, 1) a lane keeps
       // the half of its column groups j whose bit matches its own and adds its partner's copy of that half (14
       // shuffles, not 48); lane l ends with column group j = l / 4 (columns 8 j + 2 (l % 4) + e)
 #pragma unroll
-      for (int k = 4; k >= 1; k >>= 1) {  // (k: the half's size in column groups; lane bit 4, 3, 2)
-        const bool up = (lane >> (k == 4 ? 4 : k == 2 ? 3 : 2)) & 1;
+      for (int k = 4; k >= 1; k >>= 1) {  // (k: the half's size in column groups)
+        const bool up = (lane & (4 * k)) != 0;  // (the partner is lane ^ 4 k)
 #pragma unroll
         for (int j = 0; j < k; ++j)
 #pragma unroll
