@@ -9,6 +9,8 @@
 # build ~60 s more).
 #   here: git diff main~1 main -- csrc > p1.diff   (one patch per change; csrc and scripts only)
 #   device: bash scripts/ab_sweep64.sh p1.diff p2.diff
+# EXTRA="cmd" runs cmd after each variant's measurements (EXTRA_TIMEOUT seconds, default 120; the last EXTRA_LINES
+# lines of its output, default 8, printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_device_env.sh
@@ -55,6 +57,10 @@ PY
     >"$OUT/clocks_$i.log" 2>&1
   KDA_SWEEP64_PROFILE=1 KDA_SWEEP64_PROFILE_GRID=8 KDA_TRAINING_SWEEP=wgmma64 timeout 60 \
     python3 scripts/train_profile.py 96 >"$OUT/clocks8_$i.log" 2>&1
+  if [ -n "${EXTRA:-}" ]; then  # a command of the caller's per variant (its output in extra_I.log and here)
+    timeout "${EXTRA_TIMEOUT:-120}" bash -c "$EXTRA" >"$OUT/extra_$i.log" 2>&1
+    sed 's/^/  extra: /' "$OUT/extra_$i.log" | tail -"${EXTRA_LINES:-8}"
+  fi
   local t
   t=$(kernel_us "$OUT/times_$i.log")
   echo "=== variant $i ($label): $t us; smoke $smoke"
