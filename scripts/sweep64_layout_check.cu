@@ -7,7 +7,8 @@
 // dQ⁺ = dO S_0 (N = k, K = v), when the MN-major layout tiles its 128-byte swizzle atoms K-mode first. Prints the
 // mismatches (0 expected) and the same count for the default (N-mode first) tiling, which does not match; and that
 // the [64][128] token tile's offsets 8 rows apart differ by 512 elements and its 8-column pieces are 16 contiguous bytes;
-// and recast<uint32_t> of a bf16 A fragment pairs its elements (2 w, 2 w + 1) in word w (counted with the fragments).
+// and recast<uint32_t> of a bf16 A fragment pairs its elements (2 w, 2 w + 1) in word w (counted with the fragments);
+// and the dA / dMqk scatter's offsets (counted with the fragment layouts).
 //   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> scripts/sweep64_layout_check.cu -o /tmp/slc
 //   /tmp/slc
 #include <cstdio>
@@ -105,8 +106,40 @@ int recast_mismatches() {
   return bad;
 }
 
+// The dA / dMqk scatter of the sweep: the m64n32 SS accumulator (row t', column t - 32 wg) indexes its elements as the
+// m64n64 one does, and the offsets it forms from one base per 16-token block pair equal tri(t, t') of the packed
+// lower-block-triangular matrices, stored where t's block >= t''s, with the same diagonal conditions.
+int scatter_mismatches() {
+  int bad = 0;
+  using MmaSS32 = SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+  auto ss = make_tiled_mma(MmaSS32{});
+  const auto tri_block = [](int I, int J) { return I * (I + 1) / 2 + J; };
+  const auto tri = [&](int i, int j) { return (tri_block(i >> 4, j >> 4) << 8) + ((i & 15) << 4) + (j & 15); };
+  for (int wg = 0; wg < 2; ++wg)
+    for (int t128 = 0; t128 < 128; ++t128) {
+      const int wq = t128 / 32, lane = t128 % 32, g = lane >> 2, q = lane & 3;
+      Tensor c = ss.get_slice(t128).partition_C(make_identity_tensor(Shape<_64, _32>{}));
+      if (int(size(c)) != 16) ++bad;
+      for (int jb = 0; jb < 2; ++jb)
+        for (int jj = 0; jj < 2; ++jj)
+          for (int h = 0; h < 2; ++h)
+            for (int e = 0; e < 2; ++e) {
+              const int i = 4 * (2 * jb + jj) + 2 * h + e;
+              const int tp = get<0>(c(i)), t = 32 * wg + get<1>(c(i));
+              const int I = 2 * wg + jb, tl = 8 * jj + 2 * q + e, tpl = g + 8 * h;
+              const bool stored_old = (tp >> 4) <= (t >> 4), stored_new = wq <= I, diag = wq == I;
+              if (stored_old != stored_new) ++bad;
+              if (!stored_new) continue;
+              const int o = (tri_block(I, wq) << 8) + 32 * q + g + 128 * jj + 16 * e + 8 * h;
+              if (o != tri(t, tp)) ++bad;
+              if ((t > tp) != (!diag || tl > tpl) || (t >= tp) != (!diag || tl >= tpl)) ++bad;
+            }
+    }
+  return bad;
+}
+
 int main() {
-  const int frag = fragment_mismatches() + recast_mismatches();
+  const int frag = fragment_mismatches() + recast_mismatches() + scatter_mismatches();
   std::printf("fragment layouts: %d mismatches\n", frag);
   // (N = v, K = k), K-major: 8 rows of v, 64 k-contiguous elements per 128-byte row, swizzled
   using LayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_128, _128>{}));

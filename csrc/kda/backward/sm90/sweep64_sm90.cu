@@ -970,14 +970,29 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_wait<1>();  // dA, dMqk (the first batch) are done
     warpgroup_fence_operand(accA);
     warpgroup_fence_operand(accM);
-    // (t', t - 32 wg)
-    const Tensor cW = mma_ss.get_slice(fresh(wtid)).partition_C(make_identity_tensor(Shape<_64, _32>{}));
+    // (t', t) -> dA(t, t') = -accA (t > t'), dMqk(t, t') = accM (t >= t'): element i of this thread is t' = 16 wq + g + 8 h
+    // (g = lane / 4, h = (i >> 1) & 1) and t = 32 wg + 8 j + 2 q + e (j = i >> 2, q = lane % 4, e = i & 1;
+    // scripts/sweep64_layout_check.cu), so t's 16-token block is 2 wg + (j >> 1) and t' lies in block wq: a block pair
+    // is stored when wq <= that block (the same for the whole warp), at offsets from one base per block pair
+    {
+      const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int i = 0; i < size(accA); ++i) {  // (t', t) -> dA(t, t') = -accA (t > t'), dMqk(t, t') = accM (t >= t')
-      const int tp = get<0>(cW(i)), t = 32 * wg + get<1>(cW(i));
-      if ((tp >> 4) <= (t >> 4)) {
-        sm.INV[tri(t, tp)] = t > tp ? -accA(i) : 0.f;
-        sm.M[tri(t, tp)] = t >= tp ? accM(i) : 0.f;
+      for (int jb = 0; jb < 2; ++jb) {
+        const int I = 2 * wg + jb;  // the block of t
+        if (wq > I) continue;       // (above the diagonal blocks: not stored)
+        const bool diag = wq == I;
+        const int base = (tri_block(I, wq) << 8) + 32 * q + g;  // tri(t, t') without t's and t''s own parts below
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = 4 * (2 * jb + jj) + 2 * h + e, tl = 8 * jj + 2 * q + e, tpl = g + 8 * h;  // (in the block)
+              const int o = base + 128 * jj + 16 * e + 8 * h;
+              sm.INV[o] = !diag || tl > tpl ? -accA(i) : 0.f;
+              sm.M[o] = !diag || tl >= tpl ? accM(i) : 0.f;
+            }
       }
     }
     warpgroup_wait<0>();
@@ -987,20 +1002,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(aL);
     prof.mark(kPfDaDmDqDk);
     // ---- dKrᵀ = dS_Cᵀ Rᵀ, and the S_0 decay term colsum(dS_C ⊙ S_0) of this thread's channel rows
+    // (S_0ᵀ is still in the A fragments, in the same (channel, value row) layout as dS_Cᵀ: its hi + lo parts serve
+    // the colsum, ~17 bits of each element, instead of a third read of S_0 from global memory)
     float cs[2] = {0.f, 0.f};
-    const auto fill_dkr = [&](auto ds_f, auto s0_f) {
+    const auto fill_dkr = [&](auto ds_f) {
 #pragma unroll
       for (int i = 0; i < size(aH); i += 2) {  // (elements i, i + 1: one row m, value rows v, v + 1)
         const int m = get<0>(cA(i)), v = get<1>(cA(i)), cc = 64 * wg + m;
         const float x0 = ds_f(v, cc), x1 = ds_f(v + 1, cc);
-        cs[(m >> 3) & 1] = fmaf(x1, s0_f(v + 1, cc), fmaf(x0, s0_f(v, cc), cs[(m >> 3) & 1]));
-        split2(x0, x1, recast<uint32_t>(aH)(i / 2), recast<uint32_t>(aL)(i / 2));
+        uint32_t& h = recast<uint32_t>(aH)(i / 2);
+        uint32_t& l = recast<uint32_t>(aL)(i / 2);
+        const float2 sh = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h));
+        const float2 sl = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&l));
+        cs[(m >> 3) & 1] = fmaf(x1, sh.y + sl.y, fmaf(x0, sh.x + sl.x, cs[(m >> 3) & 1]));
+        split2(x0, x1, h, l);
       }
     };
-    if (ds_full && s0_full)
-      fill_dkr(ds_raw, s0_raw);
+    if (ds_full)
+      fill_dkr(ds_raw);
     else
-      fill_dkr(ds_at, s0_at);
+      fill_dkr(ds_at);
     Tensor accR = partition_fragment_C(mma_rs, Shape<_64, _64>{});
     open_batch(aH, aL, accR);
     split3(mma_rs, aH, aL, bR(), bKh(), accR);  // (R lo in the kp_hi tile)
