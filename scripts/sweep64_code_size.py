@@ -2,7 +2,8 @@
 sm_90a cubin (the build's nvcc flags), disassembles it with line information and sums the instruction bytes between
 the kernel's consecutive clock reads (the phases of KDA_SWEEP64_PROFILE, in code order), in all and without the paths
 the lower-bound, full-state, HV == H case never runs (the wide blocks, the checked state loads, the per-head GQA
-stores). Also prints ptxas's registers, stack frame and spills. No GPU needed:
+stores). Also prints ptxas's registers, stack frame and spills, and the local-memory instructions (LDL / STL: register spills) of each phase's hot code. No
+GPU needed:
 
     .venv/bin/python scripts/sweep64_code_size.py [--source FILE]     (a Python with the CUTLASS headers)
 
@@ -118,7 +119,7 @@ def main() -> None:
         sass = subprocess.run([tool("nvdisasm"), "-gi", cubin], capture_output=True, text=True, check=True).stdout
     ranges, marked = cold_lines(src)
     seg, group, in_group, fn = -1, [], False, ""
-    total, hot, by_line = Counter(), Counter(), Counter()
+    total, hot, by_line, spills = Counter(), Counter(), Counter(), Counter()
     for line in sass.splitlines():
         m = re.match(r"\s*\.text\.(\S+):", line)
         if m:
@@ -140,13 +141,15 @@ def main() -> None:
         total[key] += 16
         if not (any(a <= n <= b for n in group for a, b in ranges) or any(n in marked for n in group)):
             hot[key] += 16
+            if re.search(r"\b(LDL|STL)\b", line):
+                spills[key] += 1
             if key == args.lines and group:
                 by_line[group[0]] += 16
-    print(f"{'phase':20s} {'all (KB)':>9s} {'hot (KB)':>9s}")
+    print(f"{'phase':20s} {'all (KB)':>9s} {'hot (KB)':>9s} {'hot LDL/STL':>12s}")
     for key in ["before the phases"] + PHASES + ["after the phases"]:
         if total[key]:
-            print(f"{key:20s} {total[key] / 1024:9.1f} {hot[key] / 1024:9.1f}")
-    print(f"{'kernel':20s} {sum(total.values()) / 1024:9.1f} {sum(hot.values()) / 1024:9.1f}")
+            print(f"{key:20s} {total[key] / 1024:9.1f} {hot[key] / 1024:9.1f} {spills[key]:12d}")
+    print(f"{'kernel':20s} {sum(total.values()) / 1024:9.1f} {sum(hot.values()) / 1024:9.1f} {sum(spills.values()):12d}")
     if args.lines:
         print(f"\n{args.lines}: hot bytes per source line")
         for n, b in by_line.most_common(25):
