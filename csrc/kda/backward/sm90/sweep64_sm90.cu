@@ -125,6 +125,8 @@ struct alignas(1024) Smem {
   float ep[kNB][kD], eq[kNB][kD];                         // e^{P_I}, e^{Q_J}
   float iem[kNB][kD];                                     // e^{-γ_mid} of each block (narrow blocks)
   float dbp[8][kT];                                       // dY · (V - X) partial sums per warp
+  TaskRef ref[2];  // the task's own (ref[cur]) and the CTA's next task's (ref[cur ^ 1]), written by thread 0
+  int issued;      // the task's token loads were issued during the da walk of the task before
 };
 // the pair terms' Qg tiles (hi, lo: two 16 KB wgmma tiles) over e^{σ}
 static_assert(offsetof(Smem, es) % 1024 == 0 && sizeof(Smem::es) >= 2 * sizeof(Smem::kp_hi), "Qg tiles over e^{σ}");
@@ -288,12 +290,61 @@ __device__ TaskRef resolve_task(const TrainingBackwardParams& p, int64_t task) {
   return r;
 }
 
-// Tokens, gate, β, norms, the block factors. Returns the wide flags of the four blocks (CTA-uniform): an unbounded
-// gate's block with some |γ| > kNarrowSpan (or NaN) takes the pairwise exponents.
-__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB], Prof& prof) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // raw q, k rows (padded), the dO tile and the raw gate rows (in the R tile, free until R is formed), 16-byte
-  // cp.async, zeros past the end
+// resolve_task, not inlined (its search loop inlined beside the task body's made ptxas spill more in the pair terms):
+// the fields it reads as scalars (a reference to the kernel parameters would put them in local memory).
+__device__ __noinline__ TaskRef resolve_task_call(int64_t task, int64_t B, int64_t T, int64_t N, int HV,
+                                                  const int64_t* slot_cu_starts, const void* cu_seqlens, bool cu64,
+                                                  const float* initial_state, int state_dim, const float* tapes,
+                                                  int64_t n_tape_rows, const int64_t* tape_cu_starts,
+                                                  const float* dstates, int64_t n_dstate_rows) {
+  TrainingBackwardParams q;
+  q.B = B, q.T = T, q.N = N, q.HV = HV;
+  q.slot_cu_starts = slot_cu_starts, q.cu_seqlens = cu_seqlens, q.cu_seqlens_int64 = cu64;
+  q.initial_state = initial_state, q.state_dim = state_dim;
+  q.tapes = tapes, q.n_tape_rows = n_tape_rows, q.tape_cu_starts = tape_cu_starts;
+  q.dstates = dstates, q.n_dstate_rows = n_dstate_rows;
+  return resolve_task(q, task);
+}
+__device__ __forceinline__ TaskRef resolve_task_of(const TrainingBackwardParams& p, int64_t task) {
+  return resolve_task_call(task, p.B, p.T, p.N, p.HV, p.slot_cu_starts, p.cu_seqlens, p.cu_seqlens_int64,
+                           p.initial_state, p.state_dim, p.tapes, p.n_tape_rows, p.tape_cu_starts, p.dstates,
+                           p.n_dstate_rows);
+}
+
+// resolve_task of `task` given the CTA's current task (cur, of cur_task; cur.n >= 0): sequence n's slots are
+// slot_cu_starts[n] + [0, ceil(len / 64)) (launch_tape_cu_starts with first = 0), so a slot of the same sequence needs
+// no search over slot_cu_starts and no cu_seqlens reads (only the tape row's start, when c > 0).
+__device__ TaskRef resolve_next(const TrainingBackwardParams& p, int64_t task, const TaskRef& cur, int64_t cur_task) {
+  const int64_t slot = task / p.HV, c = slot - (cur_task / p.HV - cur.c);
+  if (c < 0 || c * kT >= cur.s.len) return resolve_task_of(p, task);
+  const int hv = static_cast<int>(task % p.HV);
+  TaskRef r = cur;
+  r.c = c;
+  r.S0 = tape_state(p, r.n, c, hv);
+  r.dS = slot < p.n_dstate_rows ? p.dstates + (slot * p.HV + hv) * kD * kD : nullptr;
+  return r;
+}
+
+// A task's fields from its TaskRef (ref.n >= 0).
+__device__ Task make_task(const TrainingBackwardParams& p, const TaskRef& ref, int64_t task) {
+  Task tk;
+  tk.hv = static_cast<int>(task % p.HV);
+  tk.s = ref.s;
+  tk.hq = tk.hv / (p.HV / p.H);
+  tk.A = p.A_log != nullptr ? __expf(p.A_log[tk.hv]) : 0.f;
+  tk.t0 = tk.s.bos + ref.c * kT;
+  tk.len = static_cast<int>(tk.s.len - ref.c * kT < kT ? tk.s.len - ref.c * kT : kT);
+  tk.S0 = ref.S0;
+  tk.dS = ref.dS;
+  return tk;
+}
+
+// A task's token rows into shared memory, issued as one cp.async group (load_chunk waits for it): raw q, k rows
+// (padded), the dO tile and the raw gate rows (in the R tile, free until R is formed), 16-byte pieces, zeros past the
+// end. Issued during the da walk of the CTA's task before (q, k, dO and R's space are dead there), so that their
+// latency hides behind it; by the task itself when it is the CTA's first or follows an unused slot.
+__device__ void issue_token_loads(Smem& sm, const TrainingBackwardParams& p, const Task& tk) {
+  const int tid = threadIdx.x;
   __nv_bfloat16* const graw = reinterpret_cast<__nv_bfloat16*>(sm.r);  // [64][128]
   {
     // thread: 16-byte piece tid % 16 of tokens tid / 16 + 16 u of each tensor, from the tensors' rows at the chunk's
@@ -317,6 +368,14 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
     }
   }
   ptx::cp_async_commit();
+}
+
+// Gate, β, norms, the block factors, once the task's token loads (issue_token_loads) are in. Returns the wide flags of
+// the four blocks (CTA-uniform): an unbounded gate's block with some |γ| > kNarrowSpan (or NaN) takes the pairwise
+// exponents.
+__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB], Prof& prof) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const __nv_bfloat16* const graw = reinterpret_cast<const __nv_bfloat16*>(sm.r);  // [64][128]
   if (tid < kT) {
     float b = 0.f;
     if (tid < tk.len) {
@@ -649,7 +708,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, warp = tid >> 5, lane = tid & 31;
   const int wq = wtid >> 5;  // warp within the warpgroup
   const int64_t tasks = p.n_slots * p.HV;
-  const int group = p.HV / p.H;
 
   auto mma_rs = make_tiled_mma(MmaRS{});
   auto mma_ss = make_tiled_mma(MmaSS{});
@@ -731,23 +789,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
              recast<uint32_t>(aL)(i / 2));
   };
 
-  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const TaskRef ref = resolve_task(p, task);
-    Task tk;
-    tk.hv = static_cast<int>(task % p.HV);
-    __syncthreads();  // the previous task is done with shared memory
-    if (ref.n < 0) {  // an unused slot: zero partials
+  // each task's TaskRef in sm.ref[cur], resolved by thread 0 at the start of the CTA's task before (shared memory: no
+  // registers held across a task), and sm.issued: its token loads were issued during that task's da walk
+  int cur = 0;
+  if (tid == 0) sm.ref[0] = resolve_task_of(p, blockIdx.x), sm.issued = 0;
+  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x, cur ^= 1) {
+    __syncthreads();  // the previous task is done with shared memory; sm.ref[cur] is this task's
+    const int64_t next = task + gridDim.x;
+    if (sm.ref[cur].n < 0) {  // an unused slot: zero partials
       if (tid < kD) p.ddt_partial[task * kD + tid] = 0.f;
       if (tid == 0) p.dA_partial[task] = 0.f;
+      if (tid == 0) sm.ref[cur ^ 1] = next < tasks ? resolve_task_of(p, next) : TaskRef{-1}, sm.issued = 0;
       continue;
     }
-    tk.s = ref.s;
-    tk.hq = tk.hv / group;
-    tk.A = p.A_log != nullptr ? __expf(p.A_log[tk.hv]) : 0.f;
-    tk.t0 = tk.s.bos + ref.c * kT;
-    tk.len = static_cast<int>(tk.s.len - ref.c * kT < kT ? tk.s.len - ref.c * kT : kT);
-    tk.S0 = ref.S0;
-    tk.dS = ref.dS;
+    const Task tk = make_task(p, sm.ref[cur], task);
+    if (!sm.issued) issue_token_loads(sm, p, tk);
+    if (tid == 0) sm.ref[cur ^ 1] = next < tasks ? resolve_next(p, next, sm.ref[cur], task) : TaskRef{-1};
     const int sd = p.state_dim;
     const auto s0_at = [&](int v, int k) { return tk.S0 != nullptr && v < sd && k < sd ? tk.S0[v * sd + k] : 0.f; };
     const auto ds_at = [&](int v, int k) { return tk.dS != nullptr ? tk.dS[v * kD + k] : 0.f; };
@@ -1194,9 +1251,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         }
       }
     }
-    __syncthreads();  // every read of e^{γ} is done
+    __syncthreads();  // every read of e^{γ} and e^{σ} is done (e^{σ}'s space: the Qg tiles)
 #pragma unroll
     for (int i = 0; i < 32; ++i) sm.eg[get<1>(cC(i)) * kLDF + 64 * wg + get<0>(cC(i))] = dgam[i >> 2][i & 3];
+    // the gate rows again, for da's chain rule at the end of the task: over the dead e^{σ} ([64][128] plain rows), by
+    // cp.async behind dβ and the L2-norm backward (not 32 dependent global loads per thread in da's walk)
+    __nv_bfloat16* const gs = reinterpret_cast<__nv_bfloat16*>(sm.es);
+    {
+      const int piece = tid & 15;
+      const __nv_bfloat16* const g0 = p.g.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + 8 * piece;
+#pragma unroll
+      for (int u = 0; u < kT * kD / 8 / kThreads; ++u) {
+        const int t = (tid >> 4) + 16 * u;
+        const bool ok = t < tk.len;
+        ptx::cp_async_16(gs + t * kD + 8 * piece, g0 + (ok ? t : 0) * p.g.token_stride, ok);
+      }
+      ptx::cp_async_commit();
+    }
     __syncthreads();
 
     prof.mark(kPfDGamma);
@@ -1250,48 +1321,33 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       }
     }
     prof.mark(kPfDBetaL2);
-    // ---- da = reverse cumsum of dΓ (+ ext), the gate's chain rule; thread (channel c, tokens [32 h, +32))
+    // ---- da = reverse cumsum of dΓ (+ ext), the gate's chain rule; thread (channel c, tokens [32 h, +32)); the gate
+    // rows from e^{σ}'s space (loaded above), dg written over them and stored as 16-byte pieces of token rows. The
+    // CTA's next task's token loads are issued once q, k, dO and R's space are dead (below the first barrier), to
+    // arrive while the walk runs.
     {
       const int cc = tid & 127, h = tid >> 7;
       float tot = 0.f;
       for (int t = 32 * h + 31; t >= 32 * h; --t)
         if (t < tk.len) tot += sm.eg[t * kLDF + cc];  // (padding tokens: dΓ = 0 unless something was not finite)
       sm.fin.part[h][cc] = tot;
+      ptx::cp_async_wait<0>();
       __syncthreads();
+      const TaskRef& nref = sm.ref[cur ^ 1];  // (resolved at this task's start)
+      if (nref.n >= 0) issue_token_loads(sm, p, make_task(p, nref, task + gridDim.x));
+      if (tid == 0) sm.issued = nref.n >= 0;  // (read after the barriers below)
       float run = sm.fin.ext[cc] + (h == 0 ? sm.fin.part[1][cc] : 0.f);
       const float dtb = dt_bias_at(p, tk, cc);
       float ddt_acc = 0.f, dA_acc = 0.f;
-      // the gate inputs of channel cc by pointer from the chunk's first token (a token past the end reads that row,
-      // unused), one group of 8 loaded ahead of the serial walk over the one before; dg ([B, T, HV, 128] compact)
-      const int64_t gts = p.g.token_stride, rows = int64_t(p.HV) * kD;
-      const __nv_bfloat16* const g0 = p.g.row<__nv_bfloat16>(tk.s.batch, tk.t0, tk.hv) + cc;
-      __nv_bfloat16* const dg0 =
-          static_cast<__nv_bfloat16*>(p.dg) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD + cc;
-      __nv_bfloat16 gnext[8];
-      const auto load_group = [&](int u0) {
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int t = 32 * h + u0 + u;
-          gnext[u] = __ldg(g0 + (t < tk.len ? t : 0) * gts);
-        }
-      };
-      // the serial walk, last token first, for one gate mode (the mode's branch outside the loop, so that the
-      // unrolled loop holds one mode's code): step(x, run) is dg of a token with gate input x
+      const int t_end = tk.len < 32 * h + 32 ? tk.len : 32 * h + 32;
+      // the serial walk, last token first, for one gate mode (the mode's branch outside the loop, so that the loop
+      // holds one mode's code): step(x, run) is dg of a token with gate input x
       const auto walk = [&](auto step) {
-        load_group(24);
-#pragma unroll 1
-        for (int u0 = 24; u0 >= 0; u0 -= 8) {  // groups of 8 tokens, last first
-          float xg[8];  // the gate inputs (unused past the end)
-#pragma unroll
-          for (int u = 0; u < 8; ++u) xg[u] = __bfloat162float(gnext[u]) + dtb;
-          if (u0 > 0) load_group(u0 - 8);
-#pragma unroll
-          for (int u = 7; u >= 0; --u) {
-            const int t = 32 * h + u0 + u;
-            if (t >= tk.len) continue;
-            run += sm.eg[t * kLDF + cc];
-            dg0[t * rows] = __float2bfloat16_rn(step(xg[u], run));
-          }
+#pragma unroll 4
+        for (int t = t_end - 1; t >= 32 * h; --t) {
+          run += sm.eg[t * kLDF + cc];
+          __nv_bfloat16& x = gs[t * kD + cc];
+          x = __float2bfloat16_rn(step(__bfloat162float(x) + dtb, run));
         }
       };
       if (p.gate_mode == GateMode::kLowerBound) {
@@ -1317,8 +1373,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
           return dgv;
         });
       }
-      __syncthreads();  // (part is reused; ext was read before the walk)
+      __syncthreads();  // (part is reused; ext was read before the walk; dg complete in e^{σ}'s space)
       if (h == 1) sm.fin.part[0][cc] = ddt_acc, sm.fin.part[1][cc] = dA_acc;
+      {  // dg ([B, T, HV, 128] compact): thread's 16-byte piece tid % 16 of tokens tid / 16 + 16 u
+        const int piece = tid & 15;
+        __nv_bfloat16* const dg0 = static_cast<__nv_bfloat16*>(p.dg) +
+                                   ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD + 8 * piece;
+        const int64_t rows = int64_t(p.HV) * kD;
+#pragma unroll
+        for (int u = 0; u < kT * kD / 8 / kThreads; ++u) {
+          const int t = (tid >> 4) + 16 * u;
+          if (t < tk.len)
+            *reinterpret_cast<uint4*>(dg0 + t * rows) = *reinterpret_cast<const uint4*>(gs + t * kD + 8 * piece);
+        }
+      }
       __syncthreads();
       if (h == 0) {  // warps 0-3: channel cc's two token halves, then dA's sum over the channels (fixed order)
         p.ddt_partial[task * kD + cc] = ddt_acc + sm.fin.part[0][cc];
