@@ -2,8 +2,8 @@
 sm_90a cubin (the build's nvcc flags), disassembles it with line information and sums the instruction bytes between
 the kernel's consecutive clock reads (the phases of KDA_SWEEP64_PROFILE, in code order), in all and without the paths
 the lower-bound, full-state, HV == H case never runs (the wide blocks, the checked state loads, the per-head GQA
-stores). Also prints ptxas's registers, stack frame and spills, and the local-memory instructions (LDL / STL: register spills) of each phase's hot code. No
-GPU needed:
+stores). Also prints ptxas's registers, stack frame and spills, and the local-memory instructions (LDL / STL:
+register spills) of each phase's hot code. No GPU needed:
 
     .venv/bin/python scripts/sweep64_code_size.py [--source FILE]     (a Python with the CUTLASS headers)
 

@@ -290,8 +290,9 @@ __device__ TaskRef resolve_task(const TrainingBackwardParams& p, int64_t task) {
   return r;
 }
 
-// resolve_task, not inlined (its search loop inlined beside the task body's made ptxas spill more in the pair terms):
-// the fields it reads as scalars (a reference to the kernel parameters would put them in local memory).
+// resolve_task, not inlined: it runs rarely (a CTA's first task, after an unused slot, where the next task starts
+// another sequence), so its search loop stays out of the task body's code. The fields it reads as scalars (a
+// reference to the kernel parameters would put them in local memory).
 __device__ __noinline__ TaskRef resolve_task_call(int64_t task, int64_t B, int64_t T, int64_t N, int HV,
                                                   const int64_t* slot_cu_starts, const void* cu_seqlens, bool cu64,
                                                   const float* initial_state, int state_dim, const float* tapes,
@@ -694,10 +695,6 @@ template <class T>
 __device__ __forceinline__ T* fresh(T* ptr) {
   asm volatile("" : "+l"(ptr));
   return ptr;
-}
-__device__ __forceinline__ int fresh(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_kernel(const TrainingBackwardParams p) {
