@@ -342,8 +342,12 @@ __device__ Task make_task(const TrainingBackwardParams& p, const TaskRef& ref, i
 
 // A task's token rows into shared memory, issued as one cp.async group (load_chunk waits for it): raw q, k rows
 // (padded), the dO tile and the raw gate rows (in the R tile, free until R is formed), 16-byte pieces, zeros past the
-// end. Issued during the da walk of the CTA's task before (q, k, dO and R's space are dead there), so that their
-// latency hides behind it; by the task itself when it is the CTA's first or follows an unused slot.
+// end. Issued by the CTA's task before (the dO tile after its pair terms, the rest in its da walk, where those tiles
+// are dead), so that their latency hides behind it; by the task itself when it is the CTA's first or follows an unused
+// slot.
+// kParts: the tensors to load, bit i for q, k, dO, g (kAllRows: all four).
+constexpr int kRowsQ = 1, kRowsK = 2, kRowsDO = 4, kRowsG = 8, kAllRows = 15;
+template <int kParts>
 __device__ void issue_token_loads(Smem& sm, const TrainingBackwardParams& p, const Task& tk) {
   const int tid = threadIdx.x;
   __nv_bfloat16* const graw = reinterpret_cast<__nv_bfloat16*>(sm.r);  // [64][128]
@@ -359,6 +363,7 @@ __device__ void issue_token_loads(Smem& sm, const TrainingBackwardParams& p, con
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int which = j >> 2, t = t_lo + 16 * (j & 3);
+      if (!((kParts >> which) & 1)) continue;
       const bool ok = t < tk.len;
       const __nv_bfloat16* src = base[which] + (ok ? t : 0) * ts[which];
       void* dst = which == 0   ? static_cast<void*>(sm.q + t * kLDH + 8 * piece)
@@ -800,7 +805,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       continue;
     }
     const Task tk = make_task(p, sm.ref[cur], task);
-    if (!sm.issued) issue_token_loads(sm, p, tk);
+    if (!sm.issued) issue_token_loads<kAllRows>(sm, p, tk);
     if (tid == 0) sm.ref[cur ^ 1] = next < tasks ? resolve_next(p, next, sm.ref[cur], task) : TaskRef{-1};
     const int sd = p.state_dim;
     const auto s0_at = [&](int v, int k) { return tk.S0 != nullptr && v < sd && k < sd ? tk.S0[v * sd + k] : 0.f; };
@@ -1263,6 +1268,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         const bool ok = t < tk.len;
         ptx::cp_async_16(gs + t * kD + 8 * piece, g0 + (ok ? t : 0) * p.g.token_stride, ok);
       }
+      // the CTA's next task's dO tile too (dead here: Kgβ hi's last reads are done), so that fewer of its loads are
+      // issued at once in da (q, k and the gate rows, whose tiles are read until the L2-norm backward)
+      const TaskRef& nref = sm.ref[cur ^ 1];
+      if (nref.n >= 0) issue_token_loads<kRowsDO>(sm, p, make_task(p, nref, task + gridDim.x));
       ptx::cp_async_commit();
     }
     __syncthreads();
@@ -1331,7 +1340,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       ptx::cp_async_wait<0>();
       __syncthreads();
       const TaskRef& nref = sm.ref[cur ^ 1];  // (resolved at this task's start)
-      if (nref.n >= 0) issue_token_loads(sm, p, make_task(p, nref, task + gridDim.x));
+      if (nref.n >= 0) issue_token_loads<kRowsQ | kRowsK | kRowsG>(sm, p, make_task(p, nref, task + gridDim.x));
       if (tid == 0) sm.issued = nref.n >= 0;  // (read after the barriers below)
       float run = sm.fin.ext[cc] + (h == 0 ? sm.fin.part[1][cc] : 0.f);
       const float dtb = dt_bias_at(p, tk, cc);
