@@ -1,8 +1,9 @@
 """Digest of the Hopper 64-token sweep's eight gradients (recurrent_kda_backward with KDA_TRAINING_SWEEP=wgmma64) on
-three cases of many tasks per CTA: packed with zero-length rows and GQA (lower-bound gate), softplus T=4096 with GQA,
-precomputed gate packed; per case a hash of each gradient's bytes, the relative RMS against the 16-token sweep, and
-which elements differ from the previous run's gradients on this machine (saved under $TMPDIR, default /tmp). For an
-A/B of variants that should keep the arithmetic (scripts/ab_sweep64.sh's EXTRA): "bit-identical" after each.
+four cases of many tasks per CTA: packed with zero-length rows and GQA (lower-bound gate), softplus T=4096 with GQA,
+precomputed gate packed, and softplus packed with a band of wide blocks in every chunk; per case a hash of each
+gradient's bytes, the relative RMS against the 16-token sweep, and which elements differ from the previous run's
+gradients on this machine (saved under $TMPDIR, default /tmp). For an A/B of variants that should keep the arithmetic
+(scripts/ab_sweep64.sh's EXTRA): "bit-identical" after each.
 
     python3 scripts/sweep64_digest.py          (on the GPU machine; ~10 s)
 """
@@ -28,7 +29,21 @@ CASES = [
     ("lb-packed7", ("lower_bound", True, True), [1300, 0, 547, 2048, 963, 271, 3063], 4, 8),
     ("softplus-T4096", ("softplus", True, True), [4096], 4, 8),
     ("precomp-packed", ("precomputed", False, False), [700, 0, 0, 1500, 65], 8, 8),
+    ("softplus-band", ("softplus", True, True), [1000, 0, 700], 4, 8),
 ]
+# the "-band" cases: softplus gate inputs of 400 or -20 in tokens 32-47 of every 64-token chunk of the packed rows
+# (as scripts/sweep64_smoke.py's band), so that many tasks have a wide block (the pairwise pair terms)
+
+
+def band(x, cu):
+    g = x["g"].clone()
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
+        for c0 in range(s, e, 64):
+            lo, hi = min(c0 + 32, e), min(c0 + 48, e)
+            if lo < hi:
+                u = torch.rand(g[:, lo:hi].shape, generator=torch.Generator().manual_seed(7 + c0))
+                g[:, lo:hi] = torch.where(u < 0.3, torch.full_like(u, 400.0), torch.full_like(u, -20.0)).to(g.dtype)
+    x["g"] = g
 
 
 def grads(x, kw, do, dS, cu, sweep):
@@ -45,6 +60,8 @@ def main() -> None:
         for n in lengths:
             cu.append(cu[-1] + n)
         x, kw, do, dS = make_case(mode, T=1, cu=cu, H=H, HV=HV, K=128, seed=3)
+        if label.endswith("-band"):
+            band(x, cu)
         cut = torch.tensor(cu, device="cuda", dtype=torch.int32)
         a = grads(x, kw, do, dS, cut, "wgmma64")
         b = grads(x, kw, do, dS, cut, "sub16")
