@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from _training_cases import make_case  # noqa: E402
+from _training_cases import make_case, softplus_band  # noqa: E402
 
 import kda_ops  # noqa: E402
 from kda_ops.reference import rel_rms  # noqa: E402
@@ -31,19 +31,8 @@ CASES = [
     ("precomp-packed", ("precomputed", False, False), [700, 0, 0, 1500, 65], 8, 8),
     ("softplus-band", ("softplus", True, True), [1000, 0, 700], 4, 8),
 ]
-# the "-band" cases: softplus gate inputs of 400 or -20 in tokens 32-47 of every 64-token chunk of the packed rows
-# (as scripts/sweep64_smoke.py's band), so that many tasks have a wide block (the pairwise pair terms)
-
-
-def band(x, cu):
-    g = x["g"].clone()
-    for s, e in zip(cu[:-1], cu[1:], strict=True):
-        for c0 in range(s, e, 64):
-            lo, hi = min(c0 + 32, e), min(c0 + 48, e)
-            if lo < hi:
-                u = torch.rand(g[:, lo:hi].shape, generator=torch.Generator().manual_seed(7 + c0))
-                g[:, lo:hi] = torch.where(u < 0.3, torch.full_like(u, 400.0), torch.full_like(u, -20.0)).to(g.dtype)
-    x["g"] = g
+# the "-band" cases: tests/_training_cases.py's softplus band in every 64-token chunk of the packed rows, so that many
+# tasks have a wide block (the pairwise pair terms)
 
 
 def grads(x, kw, do, dS, cu, sweep):
@@ -61,7 +50,7 @@ def main() -> None:
             cu.append(cu[-1] + n)
         x, kw, do, dS = make_case(mode, T=1, cu=cu, H=H, HV=HV, K=128, seed=3)
         if label.endswith("-band"):
-            band(x, cu)
+            softplus_band(x, [(c0, e) for s, e in zip(cu[:-1], cu[1:], strict=True) for c0 in range(s, e, 64)])
         cut = torch.tensor(cu, device="cuda", dtype=torch.int32)
         a = grads(x, kw, do, dS, cut, "wgmma64")
         b = grads(x, kw, do, dS, cut, "sub16")

@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from _training_cases import EDGES, GRADS, PINNED_UNCOMPARED, make_case, reference_grads  # noqa: E402
+from _training_cases import EDGES, GRADS, PINNED_UNCOMPARED, make_case, reference_grads, softplus_band  # noqa: E402
 
 import kda_ops  # noqa: E402
 from kda_ops.reference import rel_rms  # noqa: E402
@@ -37,16 +37,13 @@ CASES = [
 
 
 def edit_case(label, x):
-    """The edge cases' inputs (tests/_training_cases.py's pinned gates; the band as tests/gpu/test_training_cuda.py's
-    _extreme_case makes it for softplus); the names of gradients not compared."""
+    """The edge cases' inputs (tests/_training_cases.py's pinned gates and its softplus band of wide blocks); the names
+    of gradients not compared."""
     if label.startswith("lb-pinned"):
         EDGES["pinned"](x)
         return set(PINNED_UNCOMPARED)
     if label.startswith("softplus-band"):
-        g = x["g"].clone()
-        u = torch.rand(g[:, 32:48].shape, generator=torch.Generator().manual_seed(7))
-        g[:, 32:48] = torch.where(u < 0.3, torch.full_like(u, 400.0), torch.full_like(u, -20.0)).to(g.dtype)
-        x["g"] = g
+        softplus_band(x, [(0, x["g"].shape[1])])
     return set()
 
 

@@ -1,6 +1,7 @@
 """Cases of the training ops in every mode (gate x beta x L2 norm) and their fp64 autograd reference, shared by
 tests/test_training_modes.py (CPU tier) and tests/gpu/test_training_cuda.py (GPU tier); the lower-bound gate's edge
-inputs (EDGES), shared with tests/test_reference_chunked_backward.py and scripts/sweep64_smoke.py."""
+inputs (EDGES), shared with tests/test_reference_chunked_backward.py and scripts/sweep64_smoke.py; the softplus band
+of wide blocks (softplus_band), shared by scripts/sweep64_smoke.py and scripts/sweep64_digest.py."""
 
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ def edge_small_qk(x):  # q, k of norm ~1e-3 before the L2 norm
 # the gate's three gradients are ~1e-18 in fp64, below fp32's resolution of the sums that form them (not compared)
 EDGES = {"pinned": edge_pinned, "no_decay": edge_no_decay, "small_qk": edge_small_qk, "collinear": edge_collinear}
 PINNED_UNCOMPARED = ("dg", "dA_log", "ddt_bias")
+
+
+def softplus_band(x, chunks):
+    """Softplus gate inputs of 400 or -20 (30% / 70%, fixed seeds) in tokens [s + 32, s + 48) of the rows for each
+    chunk (s, e) in chunks, clipped to e, in place: a 16-token block whose |γ| span is far past the narrow limit, so the
+    Hopper 64-token sweep takes its wide (pairwise) path there. g: [B, T, HV, K]."""
+    g = x["g"].clone()
+    for s, e in chunks:
+        lo, hi = min(s + 32, e), min(s + 48, e)
+        if lo < hi:
+            u = torch.rand(g[:, lo:hi].shape, generator=torch.Generator().manual_seed(7 + s))
+            g[:, lo:hi] = torch.where(u < 0.3, torch.full_like(u, 400.0), torch.full_like(u, -20.0)).to(g.dtype)
+    x["g"] = g
 
 
 def mode_id(m) -> str:
