@@ -2,8 +2,9 @@
 sm_90a cubin (the build's nvcc flags), disassembles it with line information and sums the instruction bytes between
 the kernel's consecutive clock reads (the phases of KDA_SWEEP64_PROFILE, in code order), in all and without the paths
 the lower-bound, full-state, HV == H case never runs (the wide blocks, the checked state loads, the per-head GQA
-stores). Also prints ptxas's registers, stack frame and spills, and the local-memory instructions (LDL / STL:
-register spills) of each phase's hot code. No GPU needed:
+stores). The phases are those of the kernel's profiling instantiation (the one with the clocks); ptxas's registers,
+stack frame and spills are printed for both instantiations, and the local-memory instructions (LDL / STL: register
+spills) of each phase's hot code for the profiling one. No GPU needed:
 
     .venv/bin/python scripts/sweep64_code_size.py [--source FILE]     (a Python with the CUTLASS headers)
 
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "third_party"))
 from cutlass_include import find_cutlass_include  # noqa: E402
 
 SOURCE = os.path.join(ROOT, "csrc", "kda", "backward", "sm90", "sweep64_sm90.cu")
+PROFILING = "ILb1E"  # the mangled template argument of the kernel's profiling instantiation (kProfile = true)
 # kProfNames of the kernel, after the clock read of prof.start
 PHASES = [
     "setup",
@@ -114,8 +116,11 @@ def main() -> None:
         if build.returncode != 0:
             raise SystemExit(build.stderr[-4000:])
         log = build.stderr.splitlines()
-        at = next(i for i, line in enumerate(log) if "Compiling entry" in line and "sweep64_kernel" in line)
-        print("ptxas:", "; ".join(line.split(":", 1)[-1].strip() for line in log[at + 1 : at + 4] if "bytes" in line))
+        for at, line in enumerate(log):
+            if "Compiling entry" in line and "sweep64_kernel" in line:
+                which = "profiling" if PROFILING in line else "production"
+                stats = "; ".join(x.split(":", 1)[-1].strip() for x in log[at + 1 : at + 4] if "bytes" in x)
+                print(f"ptxas ({which}):", stats)
         sass = subprocess.run([tool("nvdisasm"), "-gi", cubin], capture_output=True, text=True, check=True).stdout
     ranges, marked = cold_lines(src)
     seg, group, in_group, fn = -1, [], False, ""
@@ -133,7 +138,7 @@ def main() -> None:
         if not re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
             continue
         in_group = False
-        if "sweep64_kernel" not in fn:
+        if "sweep64_kernel" not in fn or PROFILING not in fn:
             continue
         if "SR_CLOCKLO" in line:
             seg += 1

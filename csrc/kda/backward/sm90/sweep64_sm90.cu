@@ -195,18 +195,26 @@ constexpr const char* kProfNames[kProfSegs] = {
     "setup", "load+wait", "gate", "norms", "L/Mqk+K+", "X start", "inverse diag", "inverse rest", "X wait+Kr",
     "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms", "dgam", "dbeta+l2", "da+partials"};
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
+// kOn: the kernel's profiling instantiation (KDA_SWEEP64_PROFILE=1); the other compiles the clocks out, so that their
+// registers (a flag and a 64-bit time held across every phase) do not add to the spills (440 / 572 B of spill stores
+// and loads with them, 300 / 480 B without)
+template <bool kOn>
 struct Prof {
   bool on = false;
   long long t = 0;
   __device__ __forceinline__ void start(bool o) {
-    on = o;
-    if (on) t = clock64(), kda_sweep64_prof[kProfSegs] += 1;
+    if constexpr (kOn) {
+      on = o;
+      if (on) t = clock64(), kda_sweep64_prof[kProfSegs] += 1;
+    }
   }
   __device__ __forceinline__ void mark(int seg) {
-    if (on) {
-      const long long now = clock64();
-      kda_sweep64_prof[seg] += static_cast<unsigned long long>(now - t);
-      t = now;
+    if constexpr (kOn) {
+      if (on) {
+        const long long now = clock64();
+        kda_sweep64_prof[seg] += static_cast<unsigned long long>(now - t);
+        t = now;
+      }
     }
   }
 };
@@ -379,7 +387,8 @@ __device__ void issue_token_loads(Smem& sm, const TrainingBackwardParams& p, con
 // Gate, β, norms, the block factors, once the task's token loads (issue_token_loads) are in. Returns the wide flags of
 // the four blocks (CTA-uniform): an unbounded gate's block with some |γ| > kNarrowSpan (or NaN) takes the pairwise
 // exponents.
-__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB], Prof& prof) {
+template <class P>
+__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB], P& prof) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const __nv_bfloat16* const graw = reinterpret_cast<const __nv_bfloat16*>(sm.r);  // [64][128]
   if (tid < kT) {
@@ -574,7 +583,8 @@ __device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, co
 // INV = (I + diag(β) L)^{-1}, unit lower triangular, fp32: the diagonal blocks by forward substitution (thread per
 // column), then the off-diagonal blocks by distance d = I - J: INV_IJ = -INV_II Σ_{J<=K<I} diag(β_I) L_IK INV_KJ.
 // Starts and ends synchronised (the caller's wgmma may run meanwhile: it touches none of these arrays).
-__device__ void unit_lower_inverse(Smem& sm, Prof& prof) {
+template <class P>
+__device__ void unit_lower_inverse(Smem& sm, P& prof) {
   const int tid = threadIdx.x;
   if (tid < kT) {
     const int I = tid >> 4, jj = tid & 15, i0 = kB * I;
@@ -702,6 +712,8 @@ __device__ __forceinline__ T* fresh(T* ptr) {
   return ptr;
 }
 
+// kProfile: the instantiation that keeps the phase clocks (KDA_SWEEP64_PROFILE=1; Prof)
+template <bool kProfile>
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_kernel(const TrainingBackwardParams p) {
 #if defined(KDA_SWEEP64_DEVICE)
   extern __shared__ char smem_raw[];
@@ -815,7 +827,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     const auto s0_raw = [&](int v, int k) { return tk.S0[v * kD + k]; };
     const auto ds_raw = [&](int v, int k) { return tk.dS[v * kD + k]; };
 
-    Prof prof;
+    Prof<kProfile> prof;
     prof.start(p.profile && blockIdx.x == 0 && tid == 0);
     prof.mark(kPfSetup);
     bool wide[kNB];
@@ -1420,7 +1432,7 @@ bool training_backward_sweep64_supported() {
 cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cudaStream_t stream) {
   if (p.dstates == nullptr || p.slot_cu_starts == nullptr) return cudaErrorInvalidValue;
   const int smem = static_cast<int>(training_backward_sweep64_smem_bytes());
-  const auto kernel = sweep64::kda_training_backward_sweep64_kernel;
+  const auto kernel = sweep64::kda_training_backward_sweep64_kernel<false>;
   KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.n_slots * p.HV <= 0) return cudaSuccess;
   if (const char* e = std::getenv("KDA_TRAINING_VERBOSE"); e != nullptr && e[0] == '1')
@@ -1429,6 +1441,7 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
   // KDA_SWEEP64_PROFILE=1 (a diagnostic: synchronises, so never under graph capture): the cycles of CTA 0 per
   // phase, to stderr. KDA_SWEEP64_PROFILE_GRID=n runs that launch on n CTAs (1 <= n; the same results): with few
   // CTAs a task meets little traffic from the other SMs, so the two profiles show what the full grid costs.
+  // It runs the kernel's profiling instantiation (the clocks compiled in: a few more spills than the other's).
   const char* pe = std::getenv("KDA_SWEEP64_PROFILE");
   if (pe != nullptr && pe[0] == '1') {
     unsigned long long zero[sweep64::kProfSegs + 1] = {};
@@ -1437,7 +1450,9 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
     q.profile = true;
     if (const char* ge = std::getenv("KDA_SWEEP64_PROFILE_GRID"); ge != nullptr && std::atoi(ge) >= 1)
       q.grid = std::atoi(ge);
-    kernel<<<q.grid, sweep64::kThreads, smem, stream>>>(q);
+    const auto kernel_prof = sweep64::kda_training_backward_sweep64_kernel<true>;
+    KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel_prof, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel_prof<<<q.grid, sweep64::kThreads, smem, stream>>>(q);
     KDA_CHECK_LAUNCH();
     KDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     unsigned long long prof[sweep64::kProfSegs + 1];
