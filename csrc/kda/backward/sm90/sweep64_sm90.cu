@@ -384,11 +384,18 @@ __device__ void issue_token_loads(Smem& sm, const TrainingBackwardParams& p, con
   ptx::cp_async_commit();
 }
 
+// The wide flags of a task's four blocks as bits of one register (a bool array indexed in rolled loops lived in
+// local memory)
+struct WideBlocks {
+  unsigned bits = 0;
+  __device__ __forceinline__ bool operator[](int b) const { return (bits >> b) & 1u; }
+};
+
 // Gate, β, norms, the block factors, once the task's token loads (issue_token_loads) are in. Returns the wide flags of
 // the four blocks (CTA-uniform): an unbounded gate's block with some |γ| > kNarrowSpan (or NaN) takes the pairwise
 // exponents.
 template <class P>
-__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, bool (&wide)[kNB], P& prof) {
+__device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task& tk, WideBlocks& wide, P& prof) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const __nv_bfloat16* const graw = reinterpret_cast<const __nv_bfloat16*>(sm.r);  // [64][128]
   if (tid < kT) {
@@ -441,8 +448,10 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
       w2 |= unsigned(p.gate_mode != GateMode::kLowerBound ? w : wl) << bb;
     }
   }
+  wide.bits = 0;
 #pragma unroll
-  for (int b = 0; b < kNB; ++b) wide[b] = __syncthreads_or((tid >> 7) == (b >> 1) && ((w2 >> (b & 1)) & 1u)) != 0;
+  for (int b = 0; b < kNB; ++b)
+    wide.bits |= unsigned(__syncthreads_or((tid >> 7) == (b >> 1) && ((w2 >> (b & 1)) & 1u)) != 0) << b;
   prof.mark(kPfGate);
   // norms: warp per token
 #pragma unroll 2
@@ -483,7 +492,7 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
 
 // L and Mqk (packed lower blocks): the narrow diagonal blocks and every off-diagonal block on tensor cores
 // (3xTF32 mma.sync, the middle-token reference in the diagonal blocks); wide_pair_matrices does the rest.
-__device__ void narrow_pair_matrices(Smem& sm, const bool (&wide)[kNB]) {
+__device__ void narrow_pair_matrices(Smem& sm, WideBlocks wide) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // units: (job, n-tile), job 0-3 the diagonal blocks, 4-9 the off-diagonal pairs o = job - 4 (load_chunk's order)
 #pragma unroll 1
@@ -541,7 +550,7 @@ __device__ void narrow_pair_matrices(Smem& sm, const bool (&wide)[kNB]) {
 }
 
 // The wide diagonal blocks of L and Mqk, pairwise on CUDA cores (the caller synchronises after it).
-__device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, const Task& tk, const bool (&wide)[kNB]) {
+__device__ void wide_pair_matrices(Smem& sm, const TrainingBackwardParams& p, const Task& tk, WideBlocks wide) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // wide diagonal blocks: warp per column (two per warp), lane: channels [4 lane, +4), exponents summed from the
   // column's own token upward (every factor <= 1; masked pairs never formed)
@@ -830,7 +839,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     Prof<kProfile> prof;
     prof.start(p.profile && blockIdx.x == 0 && tid == 0);
     prof.mark(kPfSetup);
-    bool wide[kNB];
+    WideBlocks wide;
     load_chunk(sm, p, tk, wide, prof);
     prof.mark(kPfNorms);
     narrow_pair_matrices(sm, wide);
@@ -1136,7 +1145,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     __syncthreads();
     // this thread's two channel rows (accumulator row g + 8h); the wide blocks as bits
     const int crow = 64 * wg + 16 * wq + (lane >> 2);
-    const int wmask = int(wide[0]) | (int(wide[1]) << 1) | (int(wide[2]) << 2) | (int(wide[3]) << 3);
+    const int wmask = int(wide.bits);
     // acc *= (block of t) > J ? e^{T_J} : (== J ? ρ_J : 1) (descending: < J); element i's block is i >> 3 (its token
     // 8 (i >> 2) + 2 (lane % 4) + (i & 1)), its row crow + 8 ((i >> 1) & 1): eight factors, then one product each
     const auto horner_scale = [&](auto& acc, int J, bool descending) {
