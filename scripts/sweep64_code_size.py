@@ -54,7 +54,8 @@ PHASES = [
 # functions whose bodies are cold in the common case, and markers of cold call sites
 COLD_FUNCTIONS = (
     "__device__ void wide_pair_matrices",
-    "__device__ void wide_diag_terms",
+    "__device__ __forceinline__ void wide_log_decays",
+    "__device__ __noinline__ void wide_diag_element",
     "__device__ __noinline__ float log_decay",
 )
 COLD_MARKERS = ("s0_at", "ds_at", "dq_head", "dk_head", "fill_a([](int, int)")

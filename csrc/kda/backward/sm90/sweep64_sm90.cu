@@ -666,50 +666,50 @@ __device__ __forceinline__ void write_sq(bf16_t* hi, bf16_t* lo, F f) {
 }
 
 // The pair terms of a wide diagonal block I (an unbounded gate's block with some |γ| > kNarrowSpan) for this warp's
-// 16 channel rows (c = c0 + row) and the block's 16 token columns, in the accumulator layout (x[n][e + 2h]: row
-// g + 8h, column 16 I + 8n + 2q + e): exact pairwise exponents summed outward from each element's own token (every
-// factor <= 1), on CUDA cores. rm, rl: the row terms of dq and dk (W_M = dMqk, W_L = β_i dA); cm, cl: the column
-// terms of dk; esig: e^{σ_t} of each element (the block's column factor, from the same log-decays).
-__device__ void wide_diag_terms(const Smem& sm, const TrainingBackwardParams& p, const Task& tk, int c0, int I,
-                                float (&rm)[2][4], float (&rl)[2][4], float (&cm)[2][4], float (&cl)[2][4],
-                                float (&esig)[2][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, i0 = kB * I;
-  const auto wl = [&](int i, int j) { return sm.beta[i] * tri_at(sm.INV, i, j); };
-  const auto wm = [&](int i, int j) { return tri_at(sm.M, i, j); };
-  float av[2][kB];
+// 16 channel rows (c = c0 + row) and the block's 16 token columns, in the accumulator layout (element (n, e): row
+// g + 8 (e >> 1), column 16 I + 8n + 2q + (e & 1)): exact pairwise exponents summed outward from each element's own
+// token (every factor <= 1), on CUDA cores. wide_log_decays: the block's log-decays of the thread's two rows;
+// wide_diag_element, one element at a time (so that the caller holds five more values, not forty, beside its
+// accumulators): rm, rl, the row terms of dq and dk (W_M = dMqk, W_L = β_i dA); cm, cl, the column terms of dk;
+// esig, e^{σ_t} (the block's column factor, from the same log-decays).
+__device__ __forceinline__ void wide_log_decays(const Smem& sm, const TrainingBackwardParams& p, const Task& tk,
+                                                int c0, int I, float (&av)[2][kB]) {
+  const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int c = c0 + g + 8 * h;
     const float dtb = dt_bias_at(p, tk, c);
 #pragma unroll 1
-    for (int u = 0; u < kB; ++u) av[h][u] = log_decay_at(p, tk, i0 + u, c, dtb);
+    for (int u = 0; u < kB; ++u) av[h][u] = log_decay_at(p, tk, kB * I + u, c, dtb);
   }
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int h = e >> 1, c = c0 + g + 8 * h, tl = 8 * n + 2 * q + (e & 1), t = i0 + tl;
-      float ex = 0.f, sm_ = 0.f, sl_ = 0.f;
-      for (int jl = tl; jl >= 0; --jl) {  // row terms: j <= t
-        const int j = i0 + jl;
-        const float w = kh(sm, j, c) * __expf(ex);
-        sm_ = fmaf(wm(t, j), w, sm_);
-        sl_ = fmaf(wl(t, j), w, sl_);
-        ex += av[h][jl];
-      }
-      rm[n][e] = sm_, rl[n][e] = sl_;
-      ex = 0.f;
-      float scm = 0.f, scl = 0.f;
-      for (int il = tl; il < kB; ++il) {  // column terms: i >= t
-        if (il > tl) ex += av[h][il];
-        const int i = i0 + il;
-        const float w = __expf(ex);
-        scm = fmaf(wm(i, t), qh(sm, i, c) * w, scm);
-        scl = fmaf(wl(i, t), kh(sm, i, c) * w, scl);
-      }
-      cm[n][e] = scm, cl[n][e] = scl;
-      esig[n][e] = __expf(ex);  // (ex = σ_t: the log-decays of the block's tokens after t)
-    }
+}
+__device__ __noinline__ void wide_diag_element(const Smem& sm, int c0, int I, int n, int e,
+                                               const float (&av)[2][kB], float& rm, float& rl, float& cm, float& cl,
+                                               float& esig) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, i0 = kB * I;
+  const auto wl = [&](int i, int j) { return sm.beta[i] * tri_at(sm.INV, i, j); };
+  const auto wm = [&](int i, int j) { return tri_at(sm.M, i, j); };
+  const int h = e >> 1, c = c0 + g + 8 * h, tl = 8 * n + 2 * q + (e & 1), t = i0 + tl;
+  float ex = 0.f, sm_ = 0.f, sl_ = 0.f;
+  for (int jl = tl; jl >= 0; --jl) {  // row terms: j <= t
+    const int j = i0 + jl;
+    const float w = kh(sm, j, c) * __expf(ex);
+    sm_ = fmaf(wm(t, j), w, sm_);
+    sl_ = fmaf(wl(t, j), w, sl_);
+    ex += av[h][jl];
+  }
+  rm = sm_, rl = sl_;
+  ex = 0.f;
+  float scm = 0.f, scl = 0.f;
+  for (int il = tl; il < kB; ++il) {  // column terms: i >= t
+    if (il > tl) ex += av[h][il];
+    const int i = i0 + il;
+    const float w = __expf(ex);
+    scm = fmaf(wm(i, t), qh(sm, i, c) * w, scm);
+    scl = fmaf(wl(i, t), kh(sm, i, c) * w, scl);
+  }
+  cm = scm, cl = scl;
+  esig = __expf(ex);  // (ex = σ_t: the log-decays of the block's tokens after t)
 }
 
 // A shared-memory pointer the compiler must treat as new at each use: the wgmma descriptors built from it are formed
@@ -1212,21 +1212,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       dkr[i >> 2][i & 3] = sm.beta[t] * fr * accK(i);
       dkc[i >> 2][i & 3] = wide[b] ? accR(i) : __fdividef(accR(i), eg_);  // (wide: e^{σ} below)
     }
-#pragma unroll 1
-    for (int I = 0; I < kNB; ++I) {
-      if (!wide[I]) continue;
-      float rm[2][4], rl[2][4], cm[2][4], cl[2][4], esig[2][4];
-      wide_diag_terms(sm, p, tk, 64 * wg + 16 * wq, I, rm, rl, cm, cl, esig);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {  // (j >> 1 == I: the block's two column groups; static indices)
-        if ((j >> 1) != I) continue;
+    for (int I = 0; I < kNB; ++I) {  // (unrolled: static indices of dq, dkr, dkc, which stay in registers)
+      if (!wide[I]) continue;
+      float av[2][kB];
+      wide_log_decays(sm, p, tk, 64 * wg + 16 * wq, I, av);
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          dq[j][e] += rm[j & 1][e];
-          dkr[j][e] += rl[j & 1][e];
-          dkc[j][e] = dkc[j][e] * esig[j & 1][e] + cm[j & 1][e] + cl[j & 1][e];
+          float rm, rl, cm, cl, esig;
+          wide_diag_element(sm, 64 * wg + 16 * wq, I, n, e, av, rm, rl, cm, cl, esig);
+          const int j = 2 * I + n;  // (the element's column group)
+          dq[j][e] += rm;
+          dkr[j][e] += rl;
+          dkc[j][e] = dkc[j][e] * esig + cm + cl;
         }
-      }
     }
     {  // ext[c] = Σ_t Kr dKr + g_C colsum(dS_C ⊙ S_0): the four lanes of a row (q) hold its parts
 #pragma unroll
