@@ -10,7 +10,8 @@ spills) of each phase's hot code for the profiling one. No GPU needed:
 
 Why: most of the kernel's code runs once per task, and with all SMs busy its phases slowed by ~200-370 cycles per KB
 of that code (docs/performance.md), so this count is a cost to watch beside the clocks. The phase of an instruction is
-where it sits, not where its time goes; "hot" is an estimate (the gate-mode instantiations of da count three times).
+where it sits, not where its time goes (a non-inlined function's body counts under "after the phases"); "hot" is an
+estimate (the gate-mode instantiations of da count three times).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ COLD_FUNCTIONS = (
     "__device__ __noinline__ void wide_diag_element",
     "__device__ __noinline__ float log_decay",
 )
-COLD_MARKERS = ("s0_at", "ds_at", "dq_head", "dk_head", "fill_a([](int, int)")
+COLD_MARKERS = ("s0_at", "ds_at", "dq_head", "dk_head", "fill_a([](int, int)", "(wide path)")
 
 
 def tool(name: str) -> str:

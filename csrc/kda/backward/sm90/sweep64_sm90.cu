@@ -196,8 +196,8 @@ constexpr const char* kProfNames[kProfSegs] = {
     "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms", "dgam", "dbeta+l2", "da+partials"};
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
 // kOn: the kernel's profiling instantiation (KDA_SWEEP64_PROFILE=1); the other compiles the clocks out, so that their
-// registers (a flag and a 64-bit time held across every phase) do not add to the spills (440 / 572 B of spill stores
-// and loads with them, 300 / 480 B without)
+// registers (a flag and a 64-bit time held across every phase) do not add to the production kernel's spills (ptxas -v
+// of both: scripts/sweep64_code_size.py)
 template <bool kOn>
 struct Prof {
   bool on = false;
@@ -1222,11 +1222,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float rm, rl, cm, cl, esig;
-          wide_diag_element(sm, 64 * wg + 16 * wq, I, n, e, av, rm, rl, cm, cl, esig);
+          wide_diag_element(sm, 64 * wg + 16 * wq, I, n, e, av, rm, rl, cm, cl, esig);  // (wide path)
           const int j = 2 * I + n;  // (the element's column group)
-          dq[j][e] += rm;
-          dkr[j][e] += rl;
-          dkc[j][e] = dkc[j][e] * esig + cm + cl;
+          dq[j][e] += rm;                          // (wide path)
+          dkr[j][e] += rl;                         // (wide path)
+          dkc[j][e] = dkc[j][e] * esig + cm + cl;  // (wide path)
         }
     }
     {  // ext[c] = Σ_t Kr dKr + g_C colsum(dS_C ⊙ S_0): the four lanes of a row (q) hold its parts
