@@ -175,15 +175,17 @@ Tensor first_state_block(const Tensor& t) {
   return out;
 }
 
-// Which chunk-parallel sweep the current device runs: on sm_90a (H100/H200) the Hopper 64-token sweep
-// (wgmma; only when KDA_TRAINING_SWEEP=wgmma64 for now); elsewhere the 16-token one where a block gets its ~223 KiB of
-// shared memory (sm_90/sm_100-class GPUs allow 227 KiB), the small one (S and dS in a global scratch, ~92 KiB of
-// shared memory) where it gets less (sm_120: ~99 KiB), the CPU op on host copies where even that does not fit.
-// Read on every call: KDA_TRAINING_SWEEP=small takes the small sweep on any GPU (so it can be tested where the
-// memory is there; the same bits); any other value (`sub16` by convention) the default route; KDA_TRAINING_BACKWARD_HOST=1
-// the host route.
+// Which chunk-parallel sweep the current device runs: on sm_90a (H100/H200) the Hopper 64-token sweep (wgmma) for the
+// lower-bound and softplus gates, whose log-decays are <= 0 by construction (a precomputed g may hold positive ones,
+// whose cross-block factors the 64-token sweep cannot take: such calls keep the 16-token sweep); elsewhere, and for
+// precomputed gates, the 16-token one where a block gets its ~223 KiB of shared memory (sm_90/sm_100-class GPUs
+// allow 227 KiB), the small one (S and dS in a global scratch, ~92 KiB of shared memory) where it gets less (sm_120:
+// ~99 KiB), the CPU op on host copies where even that does not fit. Read on every call: KDA_TRAINING_SWEEP=wgmma64
+// forces the 64-token sweep where it is built (sm_90a; every gate mode), sub16 the 16-token one, small the small one
+// on any GPU (so it can be tested where the memory is there; the same bits as sub16); any other value the automatic
+// choice above; KDA_TRAINING_BACKWARD_HOST=1 the host route.
 enum class SweepRoute { kDefault, kSmall, kHost, kSweep64 };
-SweepRoute sweep_route() {
+SweepRoute sweep_route(const TrainingModes& m) {
   const char* e = std::getenv("KDA_TRAINING_BACKWARD_HOST");
   if (e != nullptr && e[0] == '1' && e[1] == '\0') return SweepRoute::kHost;
   const int64_t optin = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
@@ -191,6 +193,8 @@ SweepRoute sweep_route() {
   const std::string ws = w != nullptr ? std::string(w) : std::string();
   const bool force_small = ws == "small";
   if (ws == "wgmma64" && training_backward_sweep64_supported()) return SweepRoute::kSweep64;
+  if (!force_small && ws != "sub16" && m.gate_mode != 0 && training_backward_sweep64_supported())
+    return SweepRoute::kSweep64;
   if (!force_small && training_backward_chunked_smem_bytes(/*small=*/false) <= optin) return SweepRoute::kDefault;
   // (the backward chain's shallow pipeline must fit too)
   if (std::max(training_backward_chunked_smem_bytes(/*small=*/true), chunked_small_pipeline_smem_bytes()) <= optin)
@@ -437,7 +441,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
       check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q.device());
   if (state_dim <= 0) state_dim = d.K;
-  const SweepRoute route = sweep_route();
+  const SweepRoute route = sweep_route(m);
   if (route == SweepRoute::kHost) {
     // the host copies cannot be captured: refuse under CUDA-graph capture before anything is enqueued
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

@@ -819,7 +819,7 @@ def _force_sweep(monkeypatch, sweep):
 
 
 # what KDA_TRAINING_VERBOSE=1 prints after "kda training sweep: " for each forced sweep
-_SWEEP_LINES = {"wgmma64": "wgmma64 (sm_90a)"}
+_SWEEP_LINES = {"wgmma64": "wgmma64 (sm_90a)", "sub16": "sub16"}
 
 
 @pytest.mark.parametrize("sweep", ["wgmma64", "sub16"])
@@ -839,7 +839,7 @@ def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     g2 = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
     err = capfd.readouterr().err
-    assert f"kda training sweep: {_SWEEP_LINES.get(sweep, 'default')}" in err, err[-500:]
+    assert f"kda training sweep: {_SWEEP_LINES[sweep]}" in err, err[-500:]
     for n_, a, b in zip(GRADS, g, g2, strict=True):
         assert torch.equal(a, b), f"{label} {sweep}: {n_} differs between two runs"
     grads = [None if e is None else a for a, e in zip(g, ref, strict=True)]
@@ -863,7 +863,7 @@ def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
     g = _raw_mode_backward(_to_cuda(x), kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
     err = capfd.readouterr().err
-    assert f"kda training sweep: {_SWEEP_LINES.get(sweep, 'default')}" in err, err[-500:]
+    assert f"kda training sweep: {_SWEEP_LINES[sweep]}" in err, err[-500:]
     label = f"{sweep} lower-bound {edge}"
     if edge == "pinned":
         for n_ in PINNED_UNCOMPARED:
@@ -873,6 +873,26 @@ def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
         g = [None if n_ in PINNED_UNCOMPARED else a for n_, a in zip(GRADS, g, strict=True)]
         ref = [None if n_ in PINNED_UNCOMPARED else e for n_, e in zip(GRADS, ref, strict=True)]
     _check_mode_grads(label, list(g), ref)
+
+
+@pytest.mark.parametrize("mode", [("lower_bound", True, True), ("softplus", True, True), ("precomputed", True, False)],
+                         ids=mode_id)
+def test_automatic_sweep(mode, monkeypatch, capfd):
+    """With KDA_TRAINING_SWEEP unset the backward picks its sweep itself (the verbose line names it): on sm_90a the
+    64-token sweep for the lower-bound and softplus gates (log-decays <= 0 by construction) and the 16-token one for a
+    precomputed g (whose log-decays may be positive); elsewhere the 16-token sweep. The gradients match fp64
+    autograd either way."""
+    _default_sweep_or_skip(monkeypatch)
+    monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
+    x, kw, do, dS = make_case(mode, T=130, H=2, HV=2, K=128, seed=3, lb=-5.0)
+    ref = reference_grads(x, kw, do, dS)[2]
+    g = _raw_mode_backward(_to_cuda(x), kw, do.cuda(), dS.cuda())
+    torch.cuda.synchronize()
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    want = "wgmma64" if hopper and mode[0] != "precomputed" else "sub16"
+    err = capfd.readouterr().err
+    assert f"kda training sweep: {_SWEEP_LINES[want]}" in err, err[-500:]
+    _check_mode_grads(f"automatic {mode[0]}", [None if e is None else a for a, e in zip(g, ref, strict=True)], ref)
 
 
 def _default_sweep_or_skip(monkeypatch):
@@ -900,7 +920,7 @@ def test_small_sweep_same_bits(mode, Kd, monkeypatch, capfd):
     monkeypatch.setenv("KDA_TRAINING_SWEEP", "sub16")  # (the 16-token sweep the small one shares its bits with)
     g_default = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
-    assert "kda training sweep: default" in capfd.readouterr().err
+    assert "kda training sweep: sub16" in capfd.readouterr().err
     monkeypatch.setenv("KDA_TRAINING_SWEEP", "small")
     g_small = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
@@ -972,7 +992,7 @@ def test_training_as_on_a_small_shared_memory_gpu(mode, tmp_path):
             env=env,
         )
         assert r.returncode == 0, r.stderr[-4000:]
-        assert "kda training sweep: small" in r.stderr and "kda training sweep: default" not in r.stderr
+        assert "kda training sweep: small" in r.stderr and "kda training sweep: sub16" not in r.stderr
         x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 230], H=2, HV=4, K=Kd, seed=29, lb=-5.0)
         grads = [None if t is None else t.cuda() for t in torch.load(path)["grads"]]
         _check_mode_grads(f"small gpu {mode_id(mode)} K{Kd}", grads, reference_grads(x, kw, do, dS)[2])

@@ -911,7 +911,7 @@ cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams&
   // KDA_TRAINING_VERBOSE=1 (read on every call): one stderr line per launch naming the sweep.
   if (const char* e = std::getenv("KDA_TRAINING_VERBOSE"); e != nullptr && e[0] == '1')
     std::fprintf(stderr, "kda training sweep: %s, grid %d x %d threads, %d B shared memory\n",
-                 small ? "small (S and dS in global scratch)" : "default", p.grid, kThreads, smem);
+                 small ? "small (S and dS in global scratch)" : "sub16", p.grid, kThreads, smem);
   kernel<<<p.grid, kThreads, smem, stream>>>(p);
   KDA_CHECK_LAUNCH();
   return cudaSuccess;
