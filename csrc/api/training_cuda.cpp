@@ -494,7 +494,11 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   // Tasks of the sweep: (64-token slot, value head); one parameter-gradient partial row per task row.
   const int64_t partial_rows = d.slots;
   const int64_t tasks = partial_rows * d.HV;
-  const int grid = static_cast<int>(std::min<int64_t>(tasks, std::max(sms, 1)));
+  // Persistent CTAs: as many waves of tasks as one CTA per SM needs, spread over the fewest CTAs that keep that many
+  // (e.g. 4096 tasks on 132 SMs: 32 waves on 128 CTAs, not 31 waves and 4 tasks of a 32nd on 132): the same time
+  // per wave, less traffic from the SMs that would only wait for the last wave.
+  const int64_t waves = (tasks + std::max(sms, 1) - 1) / std::max(sms, 1);
+  const int grid = static_cast<int>(waves > 0 ? (tasks + waves - 1) / waves : 0);
   Tensor head_grads = at::empty({fused_qk ? 0 : 2 * d.B * d.T * d.HV * kBwdDim}, f32);  // covered rows only
   Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
   // The small sweep's S and dS, one pair of [128][132] fp32 matrices per CTA (~132 KiB each).
