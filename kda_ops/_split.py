@@ -324,7 +324,7 @@ class _DeviceIndex:
         if e is None or e.shape[0] != K:
             e = torch.eye(K, dtype=dtype, device=self.device)
             # (under capture the identity is written only when the graph replays: not kept for other calls)
-            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if not V.capturing(self.device):
                 self._eye[dtype] = e
         return e
 
@@ -401,7 +401,7 @@ def _split_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Te
         return None
     if d.dev_type == "meta" or torch.compiler.is_compiling():
         return None
-    if d.packed and d.on_cuda and torch.cuda.is_current_stream_capturing():
+    if d.packed and V.capturing(d.device):
         return None  # (a packed graph replays with new cu_seqlens values: no plan from this call's values)
     lens = _host_lengths(d, cu_seqlens, cu_host)
     if lens is None or max(lens) <= SEGMENT_MULTIPLE:
@@ -471,7 +471,7 @@ def try_run(
     if any(x is None for x in views):
         return False
     q1, k1, v1, g1, b1, o1 = views
-    pl = _cached_plan(lens, Ls, n_ck, d.device, capturing=d.on_cuda and torch.cuda.is_current_stream_capturing())
+    pl = _cached_plan(lens, Ls, n_ck, d.device, capturing=V.capturing(d.device))
     if pl is None:
         return False  # captured without an eager call of the same shapes first: unsplit
     _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code,
@@ -735,11 +735,9 @@ def try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb):  # type: ignor
 
 
 def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
-    if d.on_cuda and torch.cuda.is_current_stream_capturing():
+    lens = _split_lengths(d, cu_seqlens, cu_host)  # (first: its tracing guard precedes every device query)
+    if lens is None or V.capturing(d.device):
         return None  # (the training passes copy fresh index tensors from host memory: not capturable)
-    lens = _split_lengths(d, cu_seqlens, cu_host)
-    if lens is None:
-        return None
     sms = _sms(d.device)
     Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
     if max(lens) <= Ls or (MODE == "auto" and not _auto_splits(d, lens, sms, Ls, training=True)):
