@@ -101,6 +101,7 @@ def main() -> None:
         + sorted(glob.glob("csrc/api/python_module.cpp"))
         + sorted(glob.glob("csrc/api/*_cpu.cpp"))
         + sorted(glob.glob("csrc/cpu/*.cpp"))
+        + sorted(glob.glob("csrc/kda/route/*.cpp"))  # the routing spine's host part (knobs, the split route)
     )
     include_dirs = [os.path.join(ROOT, "csrc")]
     if archs:

@@ -87,21 +87,33 @@ def ours(kda_ops: Any, d: dict[str, Any], cu: torch.Tensor | None = None, cu_cpu
 
 
 def with_split(mode: str, tokens: int, fn: Callable[[], Any]) -> Callable[[], Any]:
-    from kda_ops import _split
+    """fn with KDA_SEQUENCE_SPLIT=mode and KDA_SEQUENCE_SPLIT_TOKENS=tokens (the switches re-read around each call:
+    a few microseconds of host time, hidden behind the millisecond-scale calls timed here)."""
+    import os
+
+    from kda_ops import _routing
+
+    names = ("KDA_SEQUENCE_SPLIT", "KDA_SEQUENCE_SPLIT_TOKENS")
 
     def run() -> Any:
-        old = (_split.MODE, _split.SEGMENT_TOKENS)
-        _split.MODE, _split.SEGMENT_TOKENS = mode, tokens
+        old = [os.environ.get(n) for n in names]
+        os.environ.update(zip(names, (mode, str(tokens)), strict=True))
+        _routing.reload()
         try:
             return fn()
         finally:
-            _split.MODE, _split.SEGMENT_TOKENS = old
+            for n, v in zip(names, old, strict=True):
+                if v is None:
+                    os.environ.pop(n, None)
+                else:
+                    os.environ[n] = v
+            _routing.reload()
 
     return run
 
 
 def prefill_table(args: Any, kda_ops: Any) -> None:
-    from kda_ops import _split
+    from kda_ops import _routing, _split
 
     cudnn_kda = None if args.no_peers else import_cudnn_kda()
     fkda = None if args.no_peers else import_flash_kda()
@@ -120,11 +132,10 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
             for e in (err, err2):
                 if e:
                     print(f"[unsplit] {name}: {e}", flush=True)
-            ls_auto = _split.plan_segments(lens, H, sms)
+            ls_auto = _routing.plan_segments(lens, H, sms)
             rec["auto Ls"] = ls_auto
-            rec["auto splits"] = max(lens) >= _split.AUTO_MIN_TOKENS and _split.split_pays(
-                lens, H, sms, ls_auto, _split._rows128_cost(d["q"].device)
-            )
+            rec["auto splits"] = with_split("auto", 0, lambda: _routing.split_segment_tokens(
+                lens, H, d["q"].device, training=False) > 0)()  # fmt: skip
             rec["split auto-plan"], err = try_call(lambda: cuda_time_ms(with_split("1", 0, base)))
             if err:
                 print(f"[split] {name}: {err}", flush=True)
@@ -134,14 +145,6 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
                 rec["split graph"], err = try_call(lambda: graph_time_ms(with_split("1", 0, fixed)))
                 if err:
                     print(f"[split graph] {name}: {err}", flush=True)
-            # the same with the end-state passes writing outputs (KDA_SEQUENCE_SPLIT_STATE_ONLY=0)
-            _split.STATE_ONLY = False
-            try:
-                rec["split auto-plan, passes with outputs"], err = try_call(
-                    lambda: cuda_time_ms(with_split("1", 0, base))
-                )
-            finally:
-                _split.STATE_ONLY = True
             best = None
             for Ls in [x for x in SWEEP if x < max(lens)] + ([ls_auto] if ls_auto not in SWEEP else []):
                 t, err = try_call(lambda Ls=Ls: cuda_time_ms(with_split("1", Ls, base)))
@@ -194,7 +197,6 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
                 fmt(rec["unsplit graph"]),
                 f"{fmt(rec['split auto-plan'])} (Ls={ls_auto})",
                 fmt(rec["split graph"]) if len(lens) == 1 else "n/a (packed)",
-                fmt(rec["split auto-plan, passes with outputs"]),
                 f"{fmt(rec['split best'])} (Ls={rec['best Ls']})",
                 ratio(unsplit_best, rec["split best"]),
                 fmt(rec["one pass"]),
@@ -209,7 +211,7 @@ def prefill_table(args: Any, kda_ops: Any) -> None:
         torch.cuda.empty_cache()
     header = [
         "case", "unsplit eager ms", "unsplit graph ms", "split auto-plan ms", "split graph ms",
-        "passes with outputs ms", "split best ms",
+        "split best ms",
         "unsplit / split", "one pass ms", "cudnn fp32 ms (eager / graph)", "cudnn bf16 ms (eager / graph)",
         "flash_kda ms (eager / graph)", "split vs unsplit",
     ]  # fmt: skip
@@ -291,7 +293,7 @@ def cp_table(args: Any, kda_ops: Any) -> None:
 
 def training_table(args: Any, kda_ops: Any) -> None:
     """kda_ops.kda forward + backward, split vs unsplit (eager autograd), one sequence, K = V = 128."""
-    from kda_ops import _split
+    from kda_ops import _routing
 
     rows, records = [], []
     for name, H, T in (
@@ -316,7 +318,7 @@ def training_table(args: Any, kda_ops: Any) -> None:
             rec[label], err = try_call(lambda mode=mode, tokens=tokens: cuda_time_ms(with_split(mode, tokens, step)))
             if err:
                 print(f"[{label}] {name}: {err}", flush=True)
-        rec["auto Ls"] = _split.plan_segments([T], H, torch.cuda.get_device_properties(0).multi_processor_count)
+        rec["auto Ls"] = _routing.plan_segments([T], H, torch.cuda.get_device_properties(0).multi_processor_count)
         records.append(rec)
         rows.append([name, fmt(rec["unsplit"]), f"{fmt(rec['split auto-plan'])} (Ls={rec['auto Ls']})",
                      ratio(rec["unsplit"], rec["split auto-plan"])])  # fmt: skip

@@ -14,6 +14,7 @@ Public API (docs/contract.md "API"):
 import torch  # noqa: F401  (libc10 and the torch op registry must be loaded before _C)
 from kda_ops import _C  # type: ignore[attr-defined]  # noqa: F401  (the torch.ops.kda schemas and kernels)
 from kda_ops import _autograd, _fake  # noqa: F401  (register_autograd / register_fake need the schemas)
+from kda_ops import _routing  # noqa: F401  (the KDA_* switches, read once and checked here: docs/env.md)
 
 # isort: on
 from kda_ops import fla  # noqa: F401  (fla-shaped entry points; fla itself is imported only by fla.install())

@@ -19,7 +19,7 @@ use are picked with ssm_state_indices, and segments a pass does not need are ina
      ``torch.ops.kda.segment_state_scan``, in fp32, over all split sequences and heads at once: one launch
      on CUDA, one batched matmul per segment index on the CPU).
 Passes 1 and 2 are state-only calls (``output`` a 1-D empty tensor: the chunked kernel skips the output
-product; ``KDA_SEQUENCE_SPLIT_STATE_ONLY=0`` makes them write outputs, which pass 3 overwrites).
+product).
 Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens, on N·HV·P_n chains
 instead of N·HV, so the split pays when N·HV is small against the SM count and the sequences are long.
 
@@ -56,203 +56,27 @@ scans are one ``segment_state_scan`` each (fp32; fp64 states stay fp64) over a [
 split sequences' segments (:class:`_SegmentIndex`; the reverse one on each sequence's segments in reverse
 order with Pᵀ), gathered from and scattered back to the segments' token order.
 
-Switch: ``KDA_SEQUENCE_SPLIT`` read once at import: ``auto`` (default: split CUDA calls when a cost
-model of the shapes says it pays, :func:`split_pays`: the unsplit critical path against 3 passes over
-one segment), ``0`` (off), ``1`` (split whenever the scope allows and a sequence is longer than one
-segment, on any device). ``KDA_SEQUENCE_SPLIT_TOKENS`` (a multiple of 64) forces the segment length
-(benchmarks, tests). On the H200 (benchmarks/bench_split.py) the model splits the prefill cases the split wins
-(few heads of 64K tokens: 4-8x in graphs; 16 and 32 heads of 8K: 2.2x and 1.2x) and declines the ones it loses
-(64 heads of 8K, 16 heads of 8 x 2K); training splits few heads of 64K tokens (1.3-1.5x) and declines 32 heads
-of 8K (its own threshold and row cost, AUTO_MIN_TOKENS_TRAINING).
+Route: whether a call splits and its segment length are decided by the routing spine
+(``route_split`` in csrc/kda/route/route.cpp, asked through :func:`kda_ops._routing.split_segment_tokens`):
+``KDA_SEQUENCE_SPLIT`` auto (default: CUDA calls whose cost model says the split pays), 0 (off), 1 (whenever
+the scope allows and a sequence is longer than one segment, on any device); ``KDA_SEQUENCE_SPLIT_TOKENS`` forces
+the segment length (docs/env.md). This module checks the scope and runs the plan.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import OrderedDict
-from typing import Any
-
 import torch
 
+from kda_ops import _routing
 from kda_ops import _validate as V
 
-__all__ = ["MODE", "SEGMENT_TOKENS", "try_run", "check_cu_seqlens_cpu", "plan_segments", "split_pays"]
-
-
-def _read_mode() -> str:
-    m = os.environ.get("KDA_SEQUENCE_SPLIT", "auto").strip().lower()
-    if m not in ("0", "1", "auto"):
-        raise ValueError(f"KDA_SEQUENCE_SPLIT must be 0, 1 or auto, got {m!r}")
-    return m
-
-
-def _read_tokens() -> int:
-    s = os.environ.get("KDA_SEQUENCE_SPLIT_TOKENS", "0").strip()
-    n = int(s) if s else 0
-    if n < 0 or n % SEGMENT_MULTIPLE != 0:
-        raise ValueError(f"KDA_SEQUENCE_SPLIT_TOKENS must be 0 or a positive multiple of 64, got {s!r}")
-    return n
-
-
-def _read_state_only() -> bool:
-    s = os.environ.get("KDA_SEQUENCE_SPLIT_STATE_ONLY", "1").strip().lower()
-    if s not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
-        raise ValueError(f"KDA_SEQUENCE_SPLIT_STATE_ONLY must be 1 or 0 (true/false, on/off, yes/no), got {s!r}")
-    return s in ("1", "true", "on", "yes")
+__all__ = ["try_run", "try_kda", "try_training_forward", "training_backward_from_context"]
 
 
 SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
-# ``auto`` leaves sequences shorter than this unsplit (the cost model has no term for the split's fixed
-# cost: its extra launches and the scan; on the H200 the split won from 8K tokens at 32 heads, eager and in
-# graphs). A call with fewer tokens in all is rejected before any planning, which keeps the decode path free
-# of it.
-AUTO_MIN_TOKENS = 8192
-# The training split's own threshold and cost: its backward repeats the chunk-parallel sweep (which no split
-# speeds up) for each of its two passes, so it pays only on long sequences (measured from 64K tokens; at 32
-# heads of 8K it lost, 0.61x), and its model keeps the mma.sync kernel's row cost.
-AUTO_MIN_TOKENS_TRAINING = 16384
-MODE = _read_mode()
-SEGMENT_TOKENS = _read_tokens()
-
-# passes 1 and 2 as state-only calls (a 1-D empty output: the chunked kernel skips the output product);
-# KDA_SEQUENCE_SPLIT_STATE_ONLY=0 has them write (and pass 3 overwrite) the outputs, as before (A/B)
-STATE_ONLY = _read_state_only()
-_NOMINAL_SMS = 132  # CPU (tests) and meta: plan as for an H200
-
-_sms_cache: dict[Any, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _NOMINAL_SMS
-    key = device.index
-    if key not in _sms_cache:
-        _sms_cache[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sms_cache[key]
-
-
-def check_cu_seqlens_cpu(cu_seqlens_cpu: Any, cu_seqlens: torch.Tensor | None, d: V.Dims) -> torch.Tensor | None:
-    """The host mirror of a packed call's cu_seqlens (CPU int64 [N+1], values checked, and equal to
-    cu_seqlens when that is on the host too); None passes."""
-    if cu_seqlens_cpu is None:
-        return None
-    if not d.packed:
-        raise ValueError("cu_seqlens_cpu must be None for fixed-length input (no cu_seqlens), got a tensor")
-    host = V._tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
-    if host.device.type != "cpu":
-        raise RuntimeError(f"cu_seqlens_cpu must be on cpu, got {host.device}")
-    V._dtype(host, "cu_seqlens_cpu", (torch.int64,))
-    V._exact_shape(host, "cu_seqlens_cpu", (d.N + 1,), "[N+1]")
-    V._cu_values(host, d.T, "cu_seqlens_cpu")
-    if (
-        cu_seqlens is not None
-        and V.host_values_available(cu_seqlens)
-        and not torch.equal(cu_seqlens.to(torch.int64), host)
-    ):
-        raise ValueError(f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}")
-    return host
-
-
-def plan_segments(lens: list[int], HV: int, sms: int, tokens: int = 0, multiple: int = SEGMENT_MULTIPLE) -> int:
-    """Segment length (a multiple of ``multiple``, itself a multiple of 64): the shortest whose chains
-    Σ_n ceil(L_n / Ls) · HV fit the SMs.
-
-    ``tokens`` > 0 forces it. A sequence no longer than one segment stays whole."""
-    if tokens > 0:
-        return tokens
-    m = multiple
-    hi = max(1, -(-max(lens) // m))  # one segment per sequence
-    lo = 1
-    while lo < hi:  # chains decrease with the segment length: binary search on Ls / 64
-        mid = (lo + hi) // 2
-        chains = sum(-(-L // (mid * m)) for L in lens if L > 0) * HV
-        if chains <= sms:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo * m
-
-
-# Time per token of one chain when the mma.sync chunked kernel runs 128 value rows per CTA, relative to 64
-# rows (it takes 64 when the chains fill at most half of the SMs; csrc/kda/chunked/chunked_launch.cu). An
-# estimate: benchmarks/bench_split.py measures the real ratio ("one pass" against the unsplit call). On
-# sm_90 the Hopper kernel runs every grid at one cost per chain (128 rows per CTA; as fast as the mma.sync
-# kernel's 64-row CTAs on the H200: :func:`_rows128_cost`).
-_ROWS128_COST = 1.5
-_MARGIN = 1.25  # the split must win by this factor in the model (launches, scan, pool traffic)
-
-
-def split_pays(lens: list[int], HV: int, sms: int, Ls: int, rows128_cost: float = _ROWS128_COST) -> bool:
-    """The ``auto`` rule: the critical path of the unsplit call (its longest sequence, at the cost of its
-    grid's rows per CTA, ``rows128_cost`` for 128 rows against 1 for 64) against the split's 3 passes (2 when
-    no segment needs P) over Ls tokens."""
-    L = max(lens)
-    if L <= Ls:
-        return False
-    N = len(lens)
-    unsplit = L * (1.0 if N * HV * 2 <= sms else rows128_cost)
-    nseg = [max(1, -(-x // Ls)) for x in lens]
-    chains = sum(nseg) * HV
-    passes = 3 if max(nseg) >= 3 else 2
-    split = passes * Ls * (1.0 if chains * 2 <= sms else rows128_cost)
-    return split * _MARGIN < unsplit
-
-
-_hopper_cache: dict[Any, bool] = {}
-
-
-def _leading_int(s: str) -> int:
-    """C's atoi: the leading integer of s (0 when there is none)."""
-    digits = ""
-    for ch in s.lstrip():
-        if not (ch.isdigit() or (not digits and ch in "+-")):
-            break
-        digits += ch
-    try:
-        return int(digits)
-    except ValueError:
-        return 0
-
-
-def _hopper_runs_forward() -> bool:
-    """The C++ launcher's choice for a forward call on sm_90 (csrc/kda/chunked/chunked_launch.cu, hopper_takes,
-    and chunked_sm90_mode, which compares the values exactly): ``KDA_CHUNKED_KERNEL`` unset, empty, ``auto`` or
-    ``sm90``, and under ``auto`` none of the mma.sync kernel's own knobs set (``KDA_CHUNKED_VB`` 64 or 128,
-    ``KDA_CHUNKED_PIPELINE`` starting with ``s``, a non-zero ``KDA_CHUNKED_DIAG``)."""
-    kernel = os.environ.get("KDA_CHUNKED_KERNEL", "")
-    if kernel == "sm90":
-        return True
-    if kernel not in ("", "auto"):
-        return False
-    vb = _leading_int(os.environ.get("KDA_CHUNKED_VB", ""))
-    small = os.environ.get("KDA_CHUNKED_PIPELINE", "").startswith("s")
-    diag = _leading_int(os.environ.get("KDA_CHUNKED_DIAG", ""))
-    return vb not in (64, 128) and not small and diag == 0
-
-
-def _rows128_cost(device: torch.device) -> float:
-    """1.0 where the Hopper chunked kernel runs the calls (compute capability 9.0 and the launcher's choice,
-    :func:`_hopper_runs_forward`: one CTA of 128 rows per chain on any grid), else ``_ROWS128_COST``."""
-    if device.type != "cuda":
-        return _ROWS128_COST
-    if device.index not in _hopper_cache:
-        _hopper_cache[device.index] = torch.cuda.get_device_capability(device) == (9, 0)
-    return 1.0 if _hopper_cache[device.index] and _hopper_runs_forward() else _ROWS128_COST
-
-
-def _auto_splits(d: V.Dims, lens: list[int], sms: int, Ls: int, training: bool = False) -> bool:
-    """``auto`` splits CUDA calls whose longest sequence has AUTO_MIN_TOKENS (training:
-    AUTO_MIN_TOKENS_TRAINING) or more, when the cost model says so: on the host the passes run one after
-    another, so the split's extra work is never hidden by idle SMs."""
-    if training:
-        return d.device.type == "cuda" and max(lens) >= AUTO_MIN_TOKENS_TRAINING and split_pays(lens, d.HV, sms, Ls)
-    return (
-        d.device.type == "cuda"
-        and max(lens) >= AUTO_MIN_TOKENS
-        and split_pays(lens, d.HV, sms, Ls, _rows128_cost(d.device))
-    )
 
 
 class _Plan:
@@ -396,8 +220,8 @@ def _host_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Ten
 def _split_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None) -> list[int] | None:
     """The sequence lengths of a call the split may take, or None when it is out of scope: the switch off,
     nothing to do, meta / FakeTensor tracing, a packed call under CUDA graph capture, lengths only on the
-    device, or no sequence longer than one segment."""
-    if MODE == "0" or d.N == 0 or d.B * d.T == 0 or (MODE == "auto" and d.T < AUTO_MIN_TOKENS):
+    device, or no sequence longer than one segment. The tracing guard comes before any device query."""
+    if _routing.split_off() or d.N == 0 or d.B * d.T <= SEGMENT_MULTIPLE:
         return None
     if d.dev_type == "meta" or torch.compiler.is_compiling():
         return None
@@ -458,14 +282,11 @@ def try_run(
     lens = _split_lengths(d, cu_seqlens, cu_host)
     if lens is None:
         return False
-    sms = _sms(d.device)
     # checkpoints every n tokens: segments of a multiple of n tokens keep every checkpoint inside one
     # segment, at a row the segment's own checkpoint_cu_starts entry points to
     multiple = SEGMENT_MULTIPLE * n_ck // math.gcd(SEGMENT_MULTIPLE, n_ck) if n_ck > 0 else SEGMENT_MULTIPLE
-    Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS, multiple)
-    if max(lens) <= Ls or Ls % multiple != 0:
-        return False
-    if MODE == "auto" and not _auto_splits(d, lens, sms, Ls):
+    Ls = _routing.split_segment_tokens(lens, d.HV, d.device, False, multiple)  # (the spine's split route)
+    if Ls == 0:
         return False
     views = [_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta, out)]
     if any(x is None for x in views):
@@ -491,7 +312,7 @@ def _run(
     ix = pl.index  # the plan's device tensors (cached with it: only ever read)
     # passes 1 and 2 need only end states: a 1-D empty output makes them state-only calls (the chunked
     # kernel skips the output product; the CPU loop and the token-serial kernels write a scratch output)
-    no_out = out.new_empty(0) if STATE_ONLY else out
+    no_out = out.new_empty(0)
 
     # start states, read before anything is written (inactive sequences: zeros, never written back)
     # valid: active sequences (None: all); slot: each sequence's pool slot (clamped into the pool; None:
@@ -536,8 +357,7 @@ def _run(
             # pass 2: P_j, the [K, K] state from the identity with v = 0
             Pp = ix.eye(K, sdt).expand(M * mp, HV, K, K).contiguous()
             v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
-            o0 = no_out if STATE_ONLY or Vd == K else torch.empty((1, v.shape[1], HV, K), dtype=out.dtype, device=dev)
-            op(q, k, v0, g, beta, A, dtb, Pp, None, None, ix.cu, ix.p_rows, None, None, o0, None, None, None, None,
+            op(q, k, v0, g, beta, A, dtb, Pp, None, None, ix.cu, ix.p_rows, None, None, no_out, None, None, None, None,
                sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
             Pv = Pp.view(mp, M * HV, K, K)
         # scan, in segment order, all split sequences and heads batched (rows past a sequence's last
@@ -738,11 +558,8 @@ def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
     lens = _split_lengths(d, cu_seqlens, cu_host)  # (first: its tracing guard precedes every device query)
     if lens is None or V.capturing(d.device):
         return None  # (the training passes copy fresh index tensors from host memory: not capturable)
-    sms = _sms(d.device)
-    Ls = plan_segments(lens, d.HV, sms, SEGMENT_TOKENS)
-    if max(lens) <= Ls or (MODE == "auto" and not _auto_splits(d, lens, sms, Ls, training=True)):
-        return None
-    return _Plan(lens, Ls)
+    Ls = _routing.split_segment_tokens(lens, d.HV, d.device, True)  # (the spine's split route)
+    return _Plan(lens, Ls) if Ls > 0 else None
 
 
 def try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, cu_host, sc, lb):  # type: ignore[no-untyped-def]

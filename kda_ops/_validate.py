@@ -1100,6 +1100,28 @@ def tape_rows(B: Any, T: Any, packed: bool) -> Any:
     return B * max((T + TAPE_CHUNK - 1) // TAPE_CHUNK - 1, 0)
 
 
+def check_cu_seqlens_cpu(cu_seqlens_cpu: Any, cu_seqlens: torch.Tensor | None, d: Dims) -> torch.Tensor | None:
+    """The host mirror of a packed call's cu_seqlens (CPU int64 [N+1], values checked, and equal to
+    cu_seqlens when that is on the host too); None passes."""
+    if cu_seqlens_cpu is None:
+        return None
+    if not d.packed:
+        raise ValueError("cu_seqlens_cpu must be None for fixed-length input (no cu_seqlens), got a tensor")
+    host = _tensor(cu_seqlens_cpu, "cu_seqlens_cpu")
+    if host.device.type != "cpu":
+        raise RuntimeError(f"cu_seqlens_cpu must be on cpu, got {host.device}")
+    _dtype(host, "cu_seqlens_cpu", (torch.int64,))
+    _exact_shape(host, "cu_seqlens_cpu", (d.N + 1,), "[N+1]")
+    _cu_values(host, d.T, "cu_seqlens_cpu")
+    if (
+        cu_seqlens is not None
+        and host_values_available(cu_seqlens)
+        and not torch.equal(cu_seqlens.to(torch.int64), host)
+    ):
+        raise ValueError(f"cu_seqlens_cpu must equal cu_seqlens {cu_seqlens.tolist()}, got {host.tolist()}")
+    return host
+
+
 def check_training_cu(
     d: Dims, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: Any, mirror: str
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import kda_ops._C
-from kda_ops import _split
+from kda_ops import _routing, _split
 from kda_ops import _validate as V
 from kda_ops.workspace import (
     RecurrentKDABackwardWorkspace,
@@ -333,7 +333,7 @@ def recurrent_kda(
     n_ck, ck, ck_starts, ck_dtype = V.check_checkpoints(
         checkpoint_every_n_tokens, state_checkpoints, checkpoint_cu_starts, pool, S, d
     )
-    cu_host = None if cu_seqlens_cpu is None else _split.check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, d)
+    cu_host = None if cu_seqlens_cpu is None else V.check_cu_seqlens_cpu(cu_seqlens_cpu, cu_seqlens, d)
     ws_obj = prefill_workspace
     if ws_obj is not None:
         V.check_instance(ws_obj, RecurrentKDAPrefillWorkspace, "prefill_workspace")
@@ -415,7 +415,7 @@ def recurrent_kda(
 
     # Long sequences on few heads: the exact segment split (kda_ops/_split.py; KDA_SEQUENCE_SPLIT, auto by default)
     split = (
-        _split.MODE != "0"
+        not _routing.split_off()
         and S == 0
         and not disable_state_update
         and _split.try_run(
@@ -675,7 +675,7 @@ def recurrent_kda_training_forward(
         V.check_context_out(context_out, RecurrentKDATrainingContext, shapes, d)
 
     split = None  # the exact segment split (kda_ops/_split.py): the same four results, unsplit tape layout
-    if _split.MODE != "0" and _default_modes(gm, l2, logit, dtb):  # (the split covers the default modes only)
+    if not _routing.split_off() and _default_modes(gm, l2, logit, dtb):  # (the split covers the default modes only)
         split = _split.try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, host, sc, lb)
     o, fs, tapes, starts = (
         split[:4]
@@ -977,7 +977,7 @@ def kda(
         h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
     if (
-        _split.MODE != "0"
+        not _routing.split_off()
         and _default_modes(gm, l2, logit, dtb)
         and (res := _split.try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb)) is not None
     ):

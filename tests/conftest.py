@@ -223,10 +223,39 @@ GATES = {
 }
 
 
+# The KDA_* switches are read once per process into the routing spine's knobs (docs/env.md). A test that changes one
+# re-reads them (route_env); after every such test the environment comes back (monkeypatch) and the knobs are
+# re-read once more (pytest_runtest_teardown below), so no switch leaks into the next test.
+_knobs_changed = [False]
+
+
+def route_env(monkeypatch, **env) -> None:  # type: ignore[no-untyped-def]
+    """Sets (a value) or unsets (None) KDA_* switches for one test and re-reads the launch knobs."""
+    from kda_ops import _routing
+
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+    _knobs_changed[0] = True
+    _routing.reload()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):  # type: ignore[no-untyped-def]  # noqa: ARG001
+    yield  # (after the test's fixtures, monkeypatch's undo included)
+    if _knobs_changed[0]:
+        from kda_ops import _routing
+
+        _knobs_changed[0] = False
+        _routing.reload()
+
+
 def force_split(monkeypatch, segment_tokens: int) -> list:  # type: ignore[no-untyped-def]
-    """Forces the exact sequence split (kda_ops/_split.py) with segments of ``segment_tokens`` tokens for
-    one test; returns the list the plan of every split run is appended to (so a test can assert that the
-    split ran)."""
+    """Forces the exact sequence split (KDA_SEQUENCE_SPLIT=1) with segments of ``segment_tokens`` tokens (0: the
+    planned length) for one test; returns the list the plan of every prefill split run is appended to (so a test
+    can assert that the split ran)."""
     from kda_ops import _split
 
     calls: list = []
@@ -236,31 +265,16 @@ def force_split(monkeypatch, segment_tokens: int) -> list:  # type: ignore[no-un
         calls.append(pl)
         return run(pl, *a, **kw)
 
-    monkeypatch.setattr(_split, "MODE", "1")
-    monkeypatch.setattr(_split, "SEGMENT_TOKENS", segment_tokens)
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="1", KDA_SEQUENCE_SPLIT_TOKENS=segment_tokens)
     monkeypatch.setattr(_split, "_run", counting)
     return calls
 
 
 def split_then_unsplit(monkeypatch, fn) -> list:  # type: ignore[no-untyped-def]
-    """[fn() with the sequence split forced on, fn() with it off] (kda_ops/_split.py MODE "1", then "0")."""
-    from kda_ops import _split
-
+    """[fn() with the sequence split forced on, fn() with it off] (KDA_SEQUENCE_SPLIT 1, then 0)."""
     res = []
     for mode in ("1", "0"):
-        monkeypatch.setattr(_split, "MODE", mode)
-        res.append(fn())
-    return res
-
-
-def state_only_then_not(monkeypatch, fn) -> list:  # type: ignore[no-untyped-def]
-    """[fn() with the split's end-state passes as state-only calls (the default), fn() with them writing
-    outputs] (kda_ops/_split.py STATE_ONLY True, then False)."""
-    from kda_ops import _split
-
-    res = []
-    for so in (True, False):
-        monkeypatch.setattr(_split, "STATE_ONLY", so)
+        route_env(monkeypatch, KDA_SEQUENCE_SPLIT=mode)
         res.append(fn())
     return res
 

@@ -1,6 +1,6 @@
 """The exact sequence split of recurrent_kda prefill (kda_ops/_split.py) on the CPU ops.
 
-The split is forced (``_split.MODE = "1"``, 64-token segments) and compared with the unsplit call of
+The split is forced (``KDA_SEQUENCE_SPLIT=1``, 64-token segments) and compared with the unsplit call of
 the same inputs (fp32 tokens: the split only reassociates fp32 products, so tightly) and with the fp64
 reference loop (the contract's tolerances), in every gate mode, with a slow-decay channel, one long
 sequence among short ones, pools with inactive slots, GQA and V != K.
@@ -21,11 +21,11 @@ from conftest import (
     split_then_unsplit,
     state_only_case,
     state_only_matches,
-    state_only_then_not,
+    route_env,
 )
 
 import kda_ops
-from kda_ops import _split
+from kda_ops import _routing, _split
 from kda_ops.reference import rel_rms
 
 K, V = 16, 16
@@ -92,7 +92,7 @@ def test_split_matches_unsplit_every_gate(split_on, monkeypatch, gate, slow):  #
     pool_s = h0.clone()
     o_s, _ = _call(x, kw, initial_state=pool_s, output_final_state=True, beta_is_logit=beta_is_logit)
     assert len(split_on) == 1 and split_on[0].maxP == 5  # 300 tokens: 5 segments of 64
-    monkeypatch.setattr(_split, "MODE", "0")
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="0")
     pool_u = h0.clone()
     o_u, _ = _call(x, kw, initial_state=pool_u, output_final_state=True, beta_is_logit=beta_is_logit)
     assert len(split_on) == 1
@@ -108,7 +108,7 @@ def test_split_fixed_layout_no_pool_gqa_v_ne_k(split_on, monkeypatch):  # type: 
     x, kw = _inputs(None, B=3, H=1, HV=4, Vd=8, gate="lower_bound", slow=True, seed=2)
     o_s, f_s = _call(x, kw, output_final_state=True, beta_is_logit=True, use_qk_l2norm_in_kernel=False)
     assert len(split_on) == 1 and split_on[0].nseg == [4, 4, 4]
-    monkeypatch.setattr(_split, "MODE", "0")
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="0")
     o_u, f_u = _call(x, kw, output_final_state=True, beta_is_logit=True, use_qk_l2norm_in_kernel=False)
     assert f_s.dtype == torch.float32 and f_s.shape == f_u.shape
     assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
@@ -125,7 +125,7 @@ def test_split_pool_slots_inactive_and_output_buffer(split_on, monkeypatch, stat
     slots = torch.tensor([4, -1, 0, 9], dtype=torch.int32)  # sequences 1 and 3 inactive
     res = []
     for mode in ("1", "0"):
-        monkeypatch.setattr(_split, "MODE", mode)
+        route_env(monkeypatch, KDA_SEQUENCE_SPLIT=mode)
         store = big.clone()
         pool = store[:, : 2 * V * K].view(6, 2, V, K)  # slot stride 2*V*K + 16: padding after each slot
         out = torch.full((1, sum(lens), 2, V), 7.0)
@@ -169,7 +169,7 @@ def test_split_plan_cache(split_on, monkeypatch, with_pool):  # type: ignore[no-
         slots = torch.tensor([N + 1, -1] + list(range(N - 2)), dtype=torch.int32)  # sequence 1 inactive
         res = []
         for mode in ("1", "0"):
-            monkeypatch.setattr(_split, "MODE", mode)
+            route_env(monkeypatch, KDA_SEQUENCE_SPLIT=mode)
             extra = dict(initial_state=base.clone(), ssm_state_indices=slots) if with_pool else {}
             o, fs = _call(x, kw, output_final_state=True, **extra)
             res.append((o, fs.clone()))
@@ -190,10 +190,10 @@ def test_split_plan_cache(split_on, monkeypatch, with_pool):  # type: ignore[no-
         assert torch.equal(getattr(ix, n), t), n
     run([260, 40, 191, 5], seed=24)  # other lengths: a new plan
     assert split_on[2] is not pl and split_on[2].lens == [260, 40, 191, 5] and len(_split._plan_cache) == 2
-    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 128)
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT_TOKENS=128)
     run(lens, seed=25)  # the same lengths in 128-token segments: a new plan
     assert split_on[3] is not pl and split_on[3].Ls == 128 and len(_split._plan_cache) == 3
-    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT_TOKENS=64)
     run(lens, seed=26)  # the first plan again (now the most recent)
     assert split_on[4] is pl
     run([300, 40, 190, 5], seed=27)  # a fourth plan evicts the least recently used: [260, 40, 191, 5]
@@ -211,48 +211,63 @@ def test_split_falls_back(split_on):  # type: ignore[no-untyped-def]
     assert split_on == []
 
 
-def test_auto_mode_declines_short_and_wide(monkeypatch):  # type: ignore[no-untyped-def]
-    """auto: splits a long sequence on few heads, not sequences that span few segments, nor calls below
-    the token floor (the cost model's rule is applied as on a GPU: on the host auto never splits)."""
-    monkeypatch.setattr(_split, "MODE", "auto")
-    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
-    monkeypatch.setattr(_split, "AUTO_MIN_TOKENS", 0)
-    monkeypatch.setattr(_split, "_auto_splits", lambda d, lens, sms, Ls: _split.split_pays(lens, d.HV, sms, Ls))
-    calls = []
-    monkeypatch.setattr(_split, "_run", lambda pl, *a: calls.append(pl))
-    x, kw = _inputs([300], gate="lower_bound", seed=8)
-    _call(x, kw)
-    assert len(calls) == 1
-    x, kw = _inputs([200], gate="lower_bound", seed=8)  # 4 segments needed: 200 < 4*64
-    _call(x, kw)
-    assert len(calls) == 1
-    monkeypatch.setattr(_split, "AUTO_MIN_TOKENS", 301)
-    x, kw = _inputs([300], gate="lower_bound", seed=8)
-    _call(x, kw)
-    assert len(calls) == 1
+def _route(lens, HV=2, on_cuda=True, training=False, multiple=64):  # type: ignore[no-untyped-def]
+    """The spine's split route as for device 0 (a CPU build, or no visible GPU: planned as a 132-SM GPU)."""
+    return kda_ops._C.route_split(lens, HV, on_cuda, 0, training, multiple)
 
 
-def test_auto_mode_on_the_host_never_splits(monkeypatch):  # type: ignore[no-untyped-def]
-    """auto on CPU tensors: the passes would run one after another, so the split only adds work."""
-    monkeypatch.setattr(_split, "MODE", "auto")
-    monkeypatch.setattr(_split, "SEGMENT_TOKENS", 64)
-    monkeypatch.setattr(_split, "AUTO_MIN_TOKENS", 0)
+def test_split_route_auto(monkeypatch):  # type: ignore[no-untyped-def]
+    """auto (csrc/kda/route/route.cpp): splits a long sequence on few heads of a CUDA call, not sequences below the
+    token floor (8192; training 16384), not wide calls the cost model declines, never on the host."""
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="auto", KDA_SEQUENCE_SPLIT_TOKENS=None)
+    assert _route([65536], HV=8) == 4096
+    assert _route([65536], HV=8, on_cuda=False) == 0
+    assert _route([8191], HV=2) == 0
+    assert _route([8192], HV=64) == 0
+    assert _route([12000], HV=4, training=True) == 0
+    assert _route([65536], HV=8, training=True) == 4096
+    assert _route([65536], HV=8, multiple=192) % 192 == 0
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT_TOKENS=64)  # a forced length, still under the token floor
+    assert _route([65536], HV=8) == 64
+    assert _route([8191], HV=2) == 0
+
+
+def test_split_route_forced_and_off(monkeypatch):  # type: ignore[no-untyped-def]
+    """1: whenever a sequence is longer than one segment, on any device; 0: never."""
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="1", KDA_SEQUENCE_SPLIT_TOKENS=64)
+    assert _route([300], on_cuda=False) == 64
+    assert _route([64, 3], on_cuda=False) == 0  # no sequence longer than one segment
+    assert _route([300], on_cuda=False, multiple=48) == 0  # 64 is not a multiple of the checkpoint period
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT_TOKENS=None)
+    assert _route([65536], HV=8, on_cuda=False) == 4096  # the planned length
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="0")
+    assert _route([65536], HV=8) == 0
     calls = []
     monkeypatch.setattr(_split, "_run", lambda pl, *a: calls.append(pl))
     x, kw = _inputs([300], gate="lower_bound", seed=8)
     _call(x, kw)
     assert calls == []
-    monkeypatch.setattr(_split, "MODE", "1")
+
+
+def test_auto_mode_on_the_host_never_splits(monkeypatch):  # type: ignore[no-untyped-def]
+    """auto on CPU tensors: the passes would run one after another, so the split only adds work."""
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="auto", KDA_SEQUENCE_SPLIT_TOKENS=64)
+    calls = []
+    monkeypatch.setattr(_split, "_run", lambda pl, *a: calls.append(pl))
+    x, kw = _inputs([300], gate="lower_bound", seed=8)
+    _call(x, kw)
+    assert calls == []
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="1")
     _call(x, kw)
     assert len(calls) == 1
 
 
 def test_plan_segments():
     # one sequence, 8 value heads, 132 SMs: 16 segments of 4096 tokens (128 chains)
-    assert _split.plan_segments([65536], 8, 132) == 4096
+    assert _routing.plan_segments([65536], 8, 132) == 4096
     # chains never exceed the SMs when segments can be long enough
     for lens, HV in (([65536], 4), ([8192], 32), ([2048] * 8, 16), ([5000, 70, 3, 20000], 2)):
-        Ls = _split.plan_segments(lens, HV, 132)
+        Ls = _routing.plan_segments(lens, HV, 132)
         assert Ls % 64 == 0
         chains = sum(math.ceil(L / Ls) for L in lens) * HV
         assert chains <= 132 or Ls >= max(lens)
@@ -281,7 +296,7 @@ def test_auto_rule_on_the_benchmark_shapes(hopper):
     """The auto cost model (132 SMs): few heads of a long sequence split, wide or short batches do not. With one
     cost per chain on every grid (the Hopper kernel's, rows128_cost = 1) 32 heads of 8K tokens split too (4
     segments: 3 passes of 2K tokens against 8K), 64 heads do not (2 segments: 2 passes of 4K)."""
-    cost = 1.0 if hopper else _split._ROWS128_COST
+    cost = 1.0 if hopper else 1.5  # (the mma.sync kernel's 128-row cost against 64 rows, route.cpp)
     for lens, HV, expect in (
         ([65536], 8, True),
         ([65536], 4, True),
@@ -292,33 +307,8 @@ def test_auto_rule_on_the_benchmark_shapes(hopper):
         ([128] * 64, 32, False),
         ([300, 40000, 17], 2, True),
     ):
-        Ls = _split.plan_segments(lens, HV, 132)
-        assert _split.split_pays(lens, HV, 132, Ls, cost) == expect, (lens, HV, Ls)
-
-
-def test_rows128_cost_of_the_device(monkeypatch):  # type: ignore[no-untyped-def]
-    """The row cost follows the device: the mma.sync kernel's estimate off sm_90 (and on the host), 1 where the
-    Hopper kernel runs every grid, back to the estimate when KDA_CHUNKED_KERNEL=mma pins the mma.sync kernel."""
-    assert _split._rows128_cost(torch.device("cpu")) == _split._ROWS128_COST
-    dev = torch.device("cuda", 0)
-    monkeypatch.setitem(_split._hopper_cache, 0, True)
-    monkeypatch.delenv("KDA_CHUNKED_KERNEL", raising=False)
-    assert _split._rows128_cost(dev) == 1.0
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "mma")
-    assert _split._rows128_cost(dev) == _split._ROWS128_COST
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "SM90")  # (compared exactly, as the launcher does: the mma.sync kernel)
-    assert _split._rows128_cost(dev) == _split._ROWS128_COST
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "auto")
-    monkeypatch.setenv("KDA_CHUNKED_VB", "64")  # one of the mma.sync kernel's knobs: auto runs that kernel
-    assert _split._rows128_cost(dev) == _split._ROWS128_COST
-    monkeypatch.setenv("KDA_CHUNKED_VB", "0")
-    assert _split._rows128_cost(dev) == 1.0
-    monkeypatch.setenv("KDA_CHUNKED_PIPELINE", "small")
-    assert _split._rows128_cost(dev) == _split._ROWS128_COST
-    monkeypatch.delenv("KDA_CHUNKED_PIPELINE")
-    monkeypatch.setitem(_split._hopper_cache, 0, False)
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "sm90")
-    assert _split._rows128_cost(dev) == _split._ROWS128_COST
+        Ls = _routing.plan_segments(lens, HV, 132)
+        assert _routing.split_pays(lens, HV, 132, Ls, cost) == expect, (lens, HV, Ls)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -354,7 +344,7 @@ def _training_run(x, cu, e):  # type: ignore[no-untyped-def]
 
 def _matches_unsplit_training(got, x, cu, e, dtype, monkeypatch):  # type: ignore[no-untyped-def]
     """The split training run's results `got` against the same run with the split off."""
-    monkeypatch.setattr(_split, "MODE", "0")
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="0")
     ref = _training_run(x, cu, e)
     tol = 1e-10 if dtype == torch.float64 else 2e-5
     for key in ref:
@@ -405,7 +395,7 @@ def test_training_split_scans_one_op_each(split_on, monkeypatch, dtype):  # type
 def test_split_checkpoints(split_on, monkeypatch, n_ck, tokens):  # type: ignore[no-untyped-def]
     """Checkpoints every n tokens from the output pass: each segment writes its own rows (n = 48 with the
     automatic plan: segments of a multiple of lcm(64, 48) = 192 tokens)."""
-    monkeypatch.setattr(_split, "SEGMENT_TOKENS", tokens)
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT_TOKENS=tokens)
     x, kw = _inputs([5, 300, 17, 0, 450], gate="softplus", slow=True, seed=13)
     h0 = torch.randn(5, 2, V, K, generator=torch.Generator().manual_seed(14)) * 0.3
     res = split_then_unsplit(
@@ -431,7 +421,7 @@ def test_split_initial_state_source(split_on, monkeypatch, with_pool):  # type: 
     base = torch.randn(3, 2, V, K, generator=gen)
     res = []
     for mode in ("1", "0"):
-        monkeypatch.setattr(_split, "MODE", mode)
+        route_env(monkeypatch, KDA_SEQUENCE_SPLIT=mode)
         src = source.clone()
         pool = base.clone() if with_pool else None
         o, fs = _call(x, kw, initial_state=pool, initial_state_source=src, initial_state_indices=src_idx,
@@ -456,7 +446,7 @@ def test_training_context_split(split_on, monkeypatch, lens, B):  # type: ignore
     monkeypatch.setattr(_split, "_training_passes", lambda *a: (runs.append(a[8]), passes(*a))[1])
     res = []
     for mode in ("1", "0"):
-        monkeypatch.setattr(_split, "MODE", mode)
+        route_env(monkeypatch, KDA_SEQUENCE_SPLIT=mode)
         o, fs, ctx = kda_ops.recurrent_kda_training_forward(
             x["q"], x["k"], x["v"], x["g"], x["beta"], e["A_log"], e["dt_bias"], e["h0"], cu_seqlens=cu,
             lower_bound=-5.0, cu_seqlens_cpu=host,
@@ -474,11 +464,11 @@ def test_split_bf16_checkpoints_without_pool(split_on, monkeypatch):  # type: ig
     """A caller's bf16 state_checkpoints buffer without a pool (the op writes fp32 checkpoints, rounded into
     the caller's buffer afterwards): the split writes and returns the caller's buffer, as the unsplit call."""
     x, kw = _inputs([300, 20], gate="lower_bound", slow=True, seed=17)
-    monkeypatch.setattr(_split, "MODE", "0")
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="0")
     _, _, ck0 = _call(x, kw, checkpoint_every_n_tokens=64)
     res = []
     for mode in ("1", "0"):
-        monkeypatch.setattr(_split, "MODE", mode)
+        route_env(monkeypatch, KDA_SEQUENCE_SPLIT=mode)
         buf = torch.zeros(ck0.shape, dtype=torch.bfloat16)
         _, _, ck = _call(x, kw, checkpoint_every_n_tokens=64, state_checkpoints=buf)
         assert ck is buf
@@ -509,16 +499,6 @@ def test_state_only_output_shape_checked():
         assert torch.equal(p, pool)
 
 
-def test_split_state_only_passes_match(split_on, monkeypatch):  # type: ignore[no-untyped-def]
-    """The split with its end-state passes as state-only calls (the default) gives the bits of the split whose
-    passes write outputs."""
-    x, kw = _inputs([300, 5, 190], gate="softplus", seed=3)
-    h0 = torch.randn(3, 2, V, K, generator=torch.Generator().manual_seed(1)) * 0.2
-    res = state_only_then_not(
-        monkeypatch, lambda: recurrent_call(x, kw, initial_state=h0.clone(), output_final_state=True)
-    )
-    assert len(split_on) == 2
-    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -560,15 +540,6 @@ def test_segment_state_scan_contiguity():
         with pytest.raises(ValueError, match=f"{name} must be contiguous"):
             torch.ops.kda.segment_state_scan(*args)
         assert torch.equal(args[0], before)
-
-
-def test_state_only_switch_parsed(monkeypatch):  # type: ignore[no-untyped-def]
-    for v, want in [("0", False), ("off", False), ("FALSE", False), ("1", True), ("yes", True)]:
-        monkeypatch.setenv("KDA_SEQUENCE_SPLIT_STATE_ONLY", v)
-        assert _split._read_state_only() is want
-    monkeypatch.setenv("KDA_SEQUENCE_SPLIT_STATE_ONLY", "maybe")
-    with pytest.raises(ValueError, match="KDA_SEQUENCE_SPLIT_STATE_ONLY"):
-        _split._read_state_only()
 
 
 def test_segment_state_scan_opcheck():

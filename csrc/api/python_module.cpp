@@ -1,6 +1,7 @@
 // The kda_ops._C Python module. Importing it loads this library, whose TORCH_LIBRARY blocks
 // (csrc/api/registration.cpp and the per-backend files) register the torch.ops.kda schemas and kernels.
-// The module's one function serves the eager fast path of kda_ops.recurrent_kda (kda_ops/interface.py):
+// Its functions: the routing spine's Python face (kda_ops/_routing.py: the launch knobs and the split route,
+// kda/route/route.h), and the key of the eager fast path of kda_ops.recurrent_kda (kda_ops/interface.py):
 //
 //   tensor_call_key(n_writes, *args) -> bytes | None
 //
@@ -17,6 +18,9 @@
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <vector>
+
+#include "kda/route/route.h"
 
 namespace {
 
@@ -111,10 +115,98 @@ PyObject* call_key(PyObject* const* args, Py_ssize_t nargs) {
   return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
 }
 
+// ---- the routing spine (kda/route) --------------------------------------------------------------------------
+
+// A Python sequence of ints as int64 lengths; false (a Python error set) otherwise.
+bool int64_list(PyObject* obj, std::vector<int64_t>* out) {
+  PyObject* seq = PySequence_Fast(obj, "lengths must be a sequence of ints");
+  if (seq == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  out->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (v == -1 && PyErr_Occurred()) {
+      Py_DECREF(seq);
+      return false;
+    }
+    (*out)[static_cast<size_t>(i)] = v;
+  }
+  Py_DECREF(seq);
+  return true;
+}
+
+PyObject* reload_launch_knobs(PyObject* /*self*/, PyObject* /*args*/) {
+  const std::string err = kda::reload_launch_knobs();
+  return PyUnicode_FromStringAndSize(err.data(), static_cast<Py_ssize_t>(err.size()));
+}
+
+PyObject* launch_knobs(PyObject* /*self*/, PyObject* /*args*/) {
+  const kda::LaunchKnobs& k = kda::launch_knobs();
+  return Py_BuildValue("{s:O,s:s,s:s,s:s,s:s,s:L,s:O,s:s}", "verbose", k.verbose ? Py_True : Py_False, "decode",
+                       kda::pin_name(k.decode), "chunked", kda::pin_name(k.chunked), "sweep", kda::pin_name(k.sweep),
+                       "split", kda::pin_name(k.split), "split_tokens", static_cast<long long>(k.split_tokens),
+                       "experiments_built", kda::kExperimentsBuilt ? Py_True : Py_False, "error", k.error.c_str());
+}
+
+// route_split(lengths, HV, on_cuda, device_index, training, multiple) -> segment length (0: no split)
+PyObject* route_split(PyObject* /*self*/, PyObject* args) {
+  PyObject* lens_obj = nullptr;
+  int HV = 0, on_cuda = 0, device_index = 0, training = 0;
+  long long multiple = 64;
+  if (!PyArg_ParseTuple(args, "OipipL", &lens_obj, &HV, &on_cuda, &device_index, &training, &multiple)) return nullptr;
+  std::vector<int64_t> lens;
+  if (!int64_list(lens_obj, &lens)) return nullptr;
+  kda::SplitQuery q;
+  q.lens = lens.data();
+  q.n = static_cast<int64_t>(lens.size());
+  q.HV = HV;
+  q.on_cuda = on_cuda != 0;
+  q.device_index = device_index;
+  q.training = training != 0;
+  q.multiple = multiple;
+  return PyLong_FromLongLong(kda::route_split(q));
+}
+
+// plan_segments(lengths, HV, sms, multiple) -> the planned segment length
+PyObject* plan_segments(PyObject* /*self*/, PyObject* args) {
+  PyObject* lens_obj = nullptr;
+  int HV = 0, sms = 0;
+  long long multiple = 64;
+  if (!PyArg_ParseTuple(args, "OiiL", &lens_obj, &HV, &sms, &multiple)) return nullptr;
+  std::vector<int64_t> lens;
+  if (!int64_list(lens_obj, &lens)) return nullptr;
+  if (lens.empty() || multiple <= 0) return PyLong_FromLongLong(0);
+  return PyLong_FromLongLong(kda::plan_segments(lens.data(), static_cast<int64_t>(lens.size()), HV, sms, multiple));
+}
+
+// split_pays(lengths, HV, sms, Ls, rows128_cost) -> bool
+PyObject* split_pays(PyObject* /*self*/, PyObject* args) {
+  PyObject* lens_obj = nullptr;
+  int HV = 0, sms = 0;
+  long long Ls = 0;
+  double cost = 1.5;
+  if (!PyArg_ParseTuple(args, "OiiLd", &lens_obj, &HV, &sms, &Ls, &cost)) return nullptr;
+  std::vector<int64_t> lens;
+  if (!int64_list(lens_obj, &lens)) return nullptr;
+  if (lens.empty() || Ls <= 0) Py_RETURN_FALSE;
+  return PyBool_FromLong(kda::split_pays(lens.data(), static_cast<int64_t>(lens.size()), HV, sms, Ls, cost));
+}
+
 PyMethodDef kMethods[] = {
     {"tensor_call_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tensor_call_key)), METH_FASTCALL,
      "tensor_call_key(n_writes, *tensors) -> bytes | None: the fast-path key of a call's tensor arguments "
      "(None: a non-tensor argument, or a written tensor overlapping another argument)."},
+    {"reload_launch_knobs", reload_launch_knobs, METH_NOARGS,
+     "reload_launch_knobs() -> str: re-reads the KDA_* environment switches (docs/env.md); the first invalid "
+     "value's message, or ''."},
+    {"launch_knobs", launch_knobs, METH_NOARGS, "launch_knobs() -> dict: the switches as read."},
+    {"route_split", route_split, METH_VARARGS,
+     "route_split(lengths, HV, on_cuda, device_index, training, multiple) -> int: the split route's segment "
+     "length (0: no split)."},
+    {"plan_segments", plan_segments, METH_VARARGS,
+     "plan_segments(lengths, HV, sms, multiple) -> int: the shortest segment length whose chains fit the SMs."},
+    {"split_pays", split_pays, METH_VARARGS,
+     "split_pays(lengths, HV, sms, Ls, rows128_cost) -> bool: the auto split's cost model."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,8 +1,9 @@
 // CUDA implementation of kda::recurrent_kda (docs/contract.md, API): checks -> RecurrentParams -> the token-serial
 // kernel (csrc/kda/decode) or the chunked tensor-core prefill (csrc/kda/chunked) on the current stream.
-// backend: 2 recurrent runs the token-serial kernel for every mode; 1 chunked the chunked kernel (prefill,
-// K == V == 128, no speculative decode); 0 auto the chunked kernel when it is supported and the sequences
-// average at least 16 tokens (chunked_preferred), else the token-serial one.
+// Which kernel runs is decided by the routing spine (route_forward, csrc/kda/route/route.h) from the backend
+// argument (2 recurrent: a token-serial kernel for every mode; 1 chunked: a chunked kernel, prefill with K == V ==
+// 128 and no speculative decode; 0 auto: chunked when supported and the sequences average at least 16 tokens),
+// the device and the launch knobs.
 // zero_uncovered (set by the Python layer when it allocated `output`): packed tokens outside every
 // sequence are zeroed first by a small kernel (csrc/kda/common/zero_uncovered.cu); a caller's `output`
 // keeps them as they were.
@@ -25,6 +26,7 @@
 #include "kda/decode/recurrent_launch.h"
 #include "kda/chunked/chunked_launch.h"
 #include "kda/params.h"
+#include "kda/route/route.h"
 
 namespace kda {
 namespace {
@@ -94,18 +96,12 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     // Nothing to compute but final states (zero-length sequences keep their start state).
     if (p.final_state == nullptr) return;
   }
-  bool chunked = false;
-  if (backend == static_cast<int64_t>(Backend::kChunked)) {
-    const char* why = nullptr;
-    KDA_CHECK(chunked_supported(p, &why), "recurrent_kda backend='chunked': ", why,
-              "; use backend='auto' or 'recurrent'");
-    KDA_CHECK(!disable_state_update, "recurrent_kda backend='chunked' does not support disable_state_update=True; "
-              "use backend='auto' or 'recurrent'");
-    chunked = true;
-  } else if (backend == static_cast<int64_t>(Backend::kAuto)) {
-    // A verify pass writes no pool slot: only the token-serial kernel has that mode.
-    chunked = !disable_state_update && chunked_preferred(p);
-  }
+  // The route (kernel family, tile, variant) is the spine's (kda/route/route.h); a pinned backend that cannot run
+  // the call comes back with its reason.
+  const ForwardRoute route = route_forward(p, static_cast<Backend>(backend), disable_state_update);
+  KDA_CHECK(route.error == nullptr, "recurrent_kda backend='chunked': ", route.error == nullptr ? "" : route.error,
+            "; use backend='auto' or 'recurrent'");
+  const bool chunked = route.kernel == ForwardKernel::kChunkedMma || route.kernel == ForwardKernel::kChunkedSm90;
   // A state-only call (1-D empty output): the chunked kernel skips the output product; the token-serial
   // kernels write a scratch output instead.
   const Tensor scratch = chunked ? Tensor() : output_scratch(p, v);
@@ -116,7 +112,8 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
     const cudaError_t zerr = launch_zero_uncovered_tokens(p, stream);
     TORCH_CHECK(zerr == cudaSuccess, "kda zero_uncovered_tokens kernel launch failed: ", cudaGetErrorString(zerr));
   }
-  const cudaError_t err = chunked ? launch_chunked(p, stream) : launch_recurrent(p, stream, disable_state_update);
+  const cudaError_t err =
+      chunked ? launch_chunked(p, route, stream) : launch_recurrent(p, route, stream, disable_state_update);
   TORCH_CHECK(err == cudaSuccess, "kda ", chunked ? "chunked" : "recurrent", " kernel launch failed: ",
               cudaGetErrorString(err));
 }

@@ -8,7 +8,7 @@
 //                                     (beta logit or plain, L2 norm on or off) at K == V == 128, and at
 //                                     K == V == 64 on zero-padded copies (training_backward_padded); the small
 //                                     sweep on GPUs with ~99 KiB of shared memory per block (sm_120); the CPU
-//                                     op on host copies only where even that does not fit (sweep_route);
+//                                     op on host copies only where even that does not fit (route_training_sweep, kda/route/route.h);
 //   recurrent_kda_backward          = both.
 // Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128. No host synchronisation
 // there (tape_cu_starts is computed on the device), so those calls can be captured in a CUDA graph; the torch
@@ -38,6 +38,7 @@
 #include "kda/decode/recurrent_launch.h"
 #include "kda/chunked/chunked_launch.h"
 #include "kda/params.h"
+#include "kda/route/route.h"
 #include "kda/tape_rows.h"
 
 namespace kda {
@@ -175,33 +176,6 @@ Tensor first_state_block(const Tensor& t) {
   return out;
 }
 
-// Which chunk-parallel sweep the current device runs: on sm_90a (H100/H200) the Hopper 64-token sweep (wgmma) for the
-// lower-bound and softplus gates, whose log-decays are <= 0 by construction (a precomputed g may hold positive ones,
-// whose cross-block factors the 64-token sweep cannot take: such calls keep the 16-token sweep); elsewhere, and for
-// precomputed gates, the 16-token one where a block gets its ~223 KiB of shared memory (sm_90/sm_100-class GPUs
-// allow 227 KiB), the small one (S and dS in a global scratch, ~92 KiB of shared memory) where it gets less (sm_120:
-// ~99 KiB), the CPU op on host copies where even that does not fit. Read on every call: KDA_TRAINING_SWEEP=wgmma64
-// forces the 64-token sweep where it is built (sm_90a; every gate mode), sub16 the 16-token one, small the small one
-// on any GPU (so it can be tested where the memory is there; the same bits as sub16); any other value the automatic
-// choice above; KDA_TRAINING_BACKWARD_HOST=1 the host route.
-enum class SweepRoute { kDefault, kSmall, kHost, kSweep64 };
-SweepRoute sweep_route(const TrainingModes& m) {
-  const char* e = std::getenv("KDA_TRAINING_BACKWARD_HOST");
-  if (e != nullptr && e[0] == '1' && e[1] == '\0') return SweepRoute::kHost;
-  const int64_t optin = cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
-  const char* w = std::getenv("KDA_TRAINING_SWEEP");
-  const std::string ws = w != nullptr ? std::string(w) : std::string();
-  const bool force_small = ws == "small";
-  if (ws == "wgmma64" && training_backward_sweep64_supported()) return SweepRoute::kSweep64;
-  if (!force_small && ws != "sub16" && m.gate_mode != 0 && training_backward_sweep64_supported())
-    return SweepRoute::kSweep64;
-  if (!force_small && training_backward_chunked_smem_bytes(/*small=*/false) <= optin) return SweepRoute::kDefault;
-  // (the backward chain's shallow pipeline must fit too)
-  if (std::max(training_backward_chunked_smem_bytes(/*small=*/true), chunked_small_pipeline_smem_bytes()) <= optin)
-    return SweepRoute::kSmall;
-  return SweepRoute::kHost;
-}
-
 // RecurrentParams of the training forward in its modes (checkpoints every kTapeChunk tokens at
 // tape_cu_starts): v, start = initial_state (read-only, slot n), final_state, the tapes as the checkpoints.
 // (The backward chain has its own BackwardChainParams.)
@@ -332,10 +306,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
   p.checkpoint_first = 1;  // no tape row for the state before token 0 (initial_state)
   // The chunked tensor-core kernel writes the tapes as its checkpoints (every 64 tokens, fp32) whenever the
   // sequences are long enough to fill chunks; short ones (mostly decode-sized) take the token-serial kernel.
-  if (chunked_preferred(p))
-    check_cuda(launch_chunked(p, stream), "kda chunked kernel (training forward)");
+  const ForwardRoute route = route_forward(p, Backend::kAuto, /*disable_state_update=*/false);
+  if (route.kernel == ForwardKernel::kChunkedMma || route.kernel == ForwardKernel::kChunkedSm90)
+    check_cuda(launch_chunked(p, route, stream), "kda chunked kernel (training forward)");
   else
-    check_cuda(launch_recurrent(p, stream), "kda recurrent kernel (training forward)");
+    check_cuda(launch_recurrent(p, route, stream), "kda recurrent kernel (training forward)");
   // final_state in initial_state's dtype (kda_ops/_fake.py); the tapes stay fp32.
   if (initial_state.scalar_type() != at::kFloat) final_state = final_state.to(initial_state.scalar_type());
   return {out, final_state, tapes, tape_cu_starts};
@@ -343,8 +318,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
 
 using Grads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// The training backward of the calls the CUDA kernels cannot run on this GPU (sweep_route: less shared memory
-// per block than even the small sweep needs, or KDA_TRAINING_BACKWARD_HOST=1): the CPU op on host copies, its
+// The training backward of the calls the CUDA kernels cannot run on this GPU (route_training_sweep: less shared memory
+// per block than even the small sweep needs, or KDA_TRAINING_SWEEP=host): the CPU op on host copies, its
 // gradients copied back to q's device. The CPU op checks the tapes and tape_cu_starts against the sequences
 // itself (it reads cu_seqlens on the host).
 Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
@@ -441,14 +416,14 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
       check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q.device());
   if (state_dim <= 0) state_dim = d.K;
-  const SweepRoute route = sweep_route(m);
-  if (route == SweepRoute::kHost) {
+  const SweepKernel route = route_training_sweep(static_cast<int>(m.gate_mode));  // (kda/route/route.h)
+  if (route == SweepKernel::kHost) {
     // the host copies cannot be captured: refuse under CUDA-graph capture before anything is enqueued
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture), "cudaStreamIsCapturing");
     TORCH_CHECK(capture == cudaStreamCaptureStatusNone, op, ": this call runs the CPU implementation on host copies (",
                 "this GPU gives a block less shared memory than the CUDA backward's sweep needs, or "
-                "KDA_TRAINING_BACKWARD_HOST=1 is set",
+                "KDA_TRAINING_SWEEP=host is set",
                 ") and cannot be captured in a CUDA graph; run it eagerly");
     KDA_CHECK_SAME_DEVICE(tapes_in, q, "tapes");
     KDA_CHECK_SAME_DEVICE(tape_cu_starts, q, "tape_cu_starts");
@@ -503,14 +478,14 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   Tensor partials = at::empty({tasks * (kBwdDim + 1)}, f32);
   // The small sweep's S and dS, one pair of [128][132] fp32 matrices per CTA (~132 KiB each).
   Tensor sweep_state;
-  if (route == SweepRoute::kSmall) sweep_state = at::empty({grid, training_backward_sweep_state_floats()}, f32);
+  if (route == SweepKernel::kSmall) sweep_state = at::empty({grid, training_backward_sweep_state_floats()}, f32);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Tensor dstates, dstate_cu_starts, slot_cu_starts;
   // Token tensors as the kernels want them (16-byte aligned base, strides multiples of 8 elements): the chain
   // and the chunked sweep read them with vector loads. (Named: the kernels read these copies after this.)
   const Tensor qc = kernel_tokens(q), kc = kernel_tokens(k), vc = kernel_tokens(v), gc = kernel_tokens(g),
                dO = kernel_tokens(dout);
-  const bool sweep64 = route == SweepRoute::kSweep64;
+  const bool sweep64 = route == SweepKernel::kSweep64;
   {
     // the chunked sweep's task slots: one per 64-token chunk, the state before token 0 included
     slot_cu_starts = at::empty({d.N + 1}, q.options().dtype(at::kLong));
@@ -586,7 +561,8 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   // finishing kernels.
   BackwardChainParams chain = backward_chain_params(p, dstates.data_ptr<float>(), dinit.data_ptr<float>());
   chain.dstate_every = sweep64 ? kTapeChunk : 16;
-  check_cuda(launch_chunked_backward_chain(chain, stream), "kda backward chain kernel");
+  const RecurrentParams chain_p = chain_as_recurrent(chain);
+  check_cuda(launch_chunked_backward_chain(chain_p, route_backward_chain(chain_p), stream), "kda backward chain kernel");
   check_cuda(launch_training_backward(p, stream), "kda training backward kernels");
   // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
   return {dq, dk, dv, dg, dbeta, A_log ? dA_log.view(A_log->sizes()) : at::empty({0}, f32),

@@ -60,7 +60,9 @@
     }                                                             \
   }()
 
-// State rows held per lane by the token-serial kernel: 1, 2, 4 or 8.
+// State rows held per lane by the token-serial kernel: 4 or 8 (the tiles a route chooses); 1 and 2 too in an
+// experiments build (KDA_BUILD_EXPERIMENTS=1: they lost everywhere on the H200).
+#if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
 #define KDA_ROWS_PER_LANE_SWITCH(nr, kName, ...) \
   [&] {                                          \
     switch (nr) {                                \
@@ -84,3 +86,20 @@
         KDA_SWITCH_FAIL("rows per lane", (nr));  \
     }                                            \
   }()
+#else
+#define KDA_ROWS_PER_LANE_SWITCH(nr, kName, ...) \
+  [&] {                                          \
+    switch (nr) {                                \
+      case 4: {                                  \
+        constexpr int kName = 4;                 \
+        return __VA_ARGS__();                    \
+      }                                          \
+      case 8: {                                  \
+        constexpr int kName = 8;                 \
+        return __VA_ARGS__();                    \
+      }                                          \
+      default:                                   \
+        KDA_SWITCH_FAIL("rows per lane", (nr));  \
+    }                                            \
+  }()
+#endif

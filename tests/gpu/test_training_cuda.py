@@ -938,7 +938,7 @@ def test_small_sweep_reuses_its_scratch(monkeypatch):
     from kda_ops import _split
 
     _default_sweep_or_skip(monkeypatch)
-    monkeypatch.setattr(_split, "MODE", "0")
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="0")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     T = 64 * (sms // 2 + 7)  # tasks = (T / 64) * HV > SMs with HV = 2
     x, kw, do, dS = make_case(("softplus", True, True), T=T, H=1, HV=2, K=128, seed=31)

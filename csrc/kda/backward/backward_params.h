@@ -104,7 +104,7 @@ struct TrainingBackwardParams {
   // The Hopper 64-token sweep (training_backward_sweep64_supported; sm90/sweep64_sm90.cu) instead of the 16-token
   // one: dstates then hold dS every 64 tokens, one row per task slot.
   bool sweep64 = false;
-  bool profile = false;  // (the 64-token sweep's phase clocks: KDA_SWEEP64_PROFILE, set by its launcher)
+  bool profile = false;  // (the 64-token sweep's phase clocks: KDA_EXPERIMENT=sweep64_profile, set by its launcher)
 };
 
 // The state of sequence n, value head hv, before its token 64 c: initial_state for c == 0, else tape row

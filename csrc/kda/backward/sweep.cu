@@ -908,10 +908,6 @@ cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams&
                                   : kda_training_backward_chunked_kernel<true, false>);
   KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.n_slots * p.HV <= 0) return cudaSuccess;
-  // KDA_TRAINING_VERBOSE=1 (read on every call): one stderr line per launch naming the sweep.
-  if (const char* e = std::getenv("KDA_TRAINING_VERBOSE"); e != nullptr && e[0] == '1')
-    std::fprintf(stderr, "kda training sweep: %s, grid %d x %d threads, %d B shared memory\n",
-                 small ? "small (S and dS in global scratch)" : "sub16", p.grid, kThreads, smem);
   kernel<<<p.grid, kThreads, smem, stream>>>(p);
   KDA_CHECK_LAUNCH();
   return cudaSuccess;

@@ -40,7 +40,7 @@ constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the
 // distance + 1). The default 3 / 4 needs ~150 KB of shared memory; 2 / 2 (~94 KB at VB = 64) fits sm_120.
 constexpr int kBarPrep = 1, kBarFull0 = 2;  // then EMPTY, KREADY: ChunkedConfig::kBarEmpty0, kBarKReady0
 
-// Benchmark-only switches (KDA_CHUNKED_DIAG): skip one role's math to see what it costs. They break the
+// Benchmark-only switches (KDA_EXPERIMENT=chunked_diag=mask): skip one role's math to see what it costs. They break the
 // results on purpose and are never set in normal use.
 constexpr int kDiagNoChain = 1, kDiagNoSolve = 2, kDiagNoPrep = 4;
 

@@ -1,5 +1,5 @@
 // Declaration of the per-shape launch function of the chunked kernel; each (VB, stages, raw stages, BWD, kOut) is
-// instantiated in its own csrc/instantiations/chunked_vb<VB>*.cu so nvcc compiles them in parallel:
+// instantiated in its own csrc/kda/chunked/instantiations/chunked_vb<VB>*.cu so nvcc compiles them in parallel:
 // VB = 64 / 128 with 3 operand stages and a 4-deep raw ring (~150 KB of shared memory), and VB = 64 with
 // 2 / 2 (~94 KB) for GPUs with less shared memory per block (sm_120).
 #pragma once

@@ -1,6 +1,6 @@
-// Host dispatch of the chunked prefill kernel: picks the value rows per CTA from the grid size.
+// Host launch of the chunked prefill kernels on the route the spine chose (kda/route/route.h): the mma.sync
+// kernel's instantiations here, the Hopper kernel through its own launcher (sm90/chunked_sm90_launch.cu).
 #include <cstdint>
-#include <cstdlib>
 
 #include "kda/common/device_info.h"
 #include "kda/chunked/chunked_instantiations.h"
@@ -8,6 +8,7 @@
 #include "kda/chunked/chunked_launch.h"
 #include "kda/chunked/sm90/chunked_sm90.h"
 #include "kda/common/recurrent_rules.h"  // out_rows_vec16
+#include "kda/route/knobs.h"
 
 namespace kda {
 namespace {
@@ -19,51 +20,13 @@ constexpr int kSmem64 = static_cast<int>(sizeof(prefill::ChunkedSmem<64, 3, 4>))
 constexpr int kSmem128 = static_cast<int>(sizeof(prefill::ChunkedSmem<128, 3, 4>));
 constexpr int kSmemSmall = static_cast<int>(sizeof(prefill::ChunkedSmem<64, 2, 2>));
 
-// The launcher's schedule knobs, read from the environment once per process (a function-local static:
-// thread-safe initialisation). They change how the work is spread, never the arithmetic, except diag.
-//   KDA_CHUNKED_VB=64|128       value rows per CTA (benchmarks; 0 = chosen from the grid size)
-//   KDA_CHUNKED_PIPELINE=small  the shallow pipeline of GPUs with ~100 KB of shared memory per block (tests)
-//   KDA_CHUNKED_DIAG=mask       benchmarks only: skips one role's math on purpose (kDiagNo* in
-//                               chunked_config.cuh); results are wrong while it is set
-struct ChunkedKnobs {
-  int vb = 0;
-  bool small_pipeline = false;
-  int diag = 0;
-};
-
-const ChunkedKnobs& chunked_knobs() {
-  static const ChunkedKnobs knobs = [] {
-    ChunkedKnobs k;
-    if (const char* env = std::getenv("KDA_CHUNKED_VB")) {
-      const int v = std::atoi(env);
-      if (v == 64 || v == 128) k.vb = v;
-    }
-    const char* pipe = std::getenv("KDA_CHUNKED_PIPELINE");
-    k.small_pipeline = pipe != nullptr && pipe[0] == 's';
-    if (const char* dg = std::getenv("KDA_CHUNKED_DIAG")) k.diag = std::atoi(dg);
-    return k;
-  }();
-  return knobs;
-}
-
-// KDA_CHUNKED_KERNEL=sm90: the Hopper kernel for the calls it covers; auto (the default): the same unless one
-// of this kernel's own switches is set (KDA_CHUNKED_VB/_PIPELINE/_DIAG ask for this kernel), and for the
-// backward chain only on grids where this kernel takes 128 value rows per CTA too (chunked_sm90.h); mma: this
-// kernel.
-bool hopper_takes(const RecurrentParams& p, int sms, bool backward_chain) {
-  const int mode = chunked_sm90_mode();
-  if (mode == 0) return false;
-  if (mode == 2) {
-    const ChunkedKnobs& k = chunked_knobs();
-    if (k.vb != 0 || k.small_pipeline || k.diag != 0) return false;
-    if (backward_chain && p.N * p.HV * 2 <= int64_t(sms)) return false;
-  }
-  return chunked_sm90_supported(p);
-}
-
 }  // namespace
 
 int64_t chunked_small_pipeline_smem_bytes() { return kSmemSmall; }
+
+int64_t chunked_mma_smem_bytes(int value_rows, bool small) {
+  return small ? kSmemSmall : (value_rows == 128 ? kSmem128 : kSmem64);
+}
 
 bool chunked_supported(const RecurrentParams& p, const char** why) {
   const char* w = nullptr;
@@ -85,33 +48,20 @@ bool chunked_preferred(const RecurrentParams& p) {
   return tokens >= 16 * p.N;
 }
 
-cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream) {
+cudaError_t launch_chunked(const RecurrentParams& p, const ForwardRoute& r, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const ChunkedKnobs& knobs = chunked_knobs();
-  const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
-  if (hopper_takes(p, sms, /*backward_chain=*/false)) return launch_chunked_sm90(p, stream);
-  // One CTA per SM fits (registers). When the (sequence, head) tasks fill at most half of the SMs, split
-  // the value rows over two CTAs: the chain is latency-bound, so two CTAs per head halve its per-chunk
-  // work at the cost of repeating the per-chunk prep.
-  int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
-  if (knobs.vb != 0) vb = knobs.vb;
-  const int optin = max_smem_optin();
-  if (vb == 128 && kSmem128 > optin) vb = 64;
-  if (knobs.small_pipeline) vb = 64;
+  if (r.kernel == ForwardKernel::kChunkedSm90) return launch_chunked_sm90(p, r, stream, /*backward_chain=*/false);
+  if (r.kernel != ForwardKernel::kChunkedMma) return cudaErrorInvalidValue;
   const bool out_vec16 = out_rows_vec16(p);
-  const int diag = knobs.diag;
-  const bool state_only = p.out == nullptr;  // the state-only kernels (no output product)
-  if (vb == 128)
-    return state_only ? prefill::run_chunked_<128, 3, 4, false, false>(p, out_vec16, diag, stream)
-                      : prefill::run_chunked_<128, 3, 4, false>(p, out_vec16, diag, stream);
-  // Less shared memory per block than the default pipeline needs (sm_120: 99 KB): shallower pipeline.
-  // KDA_CHUNKED_PIPELINE=small forces it anywhere (tests: the same arithmetic, bit-identical results).
-  const bool small = kSmem64 > optin || knobs.small_pipeline;
-  if (small)
-    return state_only ? prefill::run_chunked_<64, 2, 2, false, false>(p, out_vec16, diag, stream)
-                      : prefill::run_chunked_<64, 2, 2, false>(p, out_vec16, diag, stream);
-  return state_only ? prefill::run_chunked_<64, 3, 4, false, false>(p, out_vec16, diag, stream)
-                    : prefill::run_chunked_<64, 3, 4, false>(p, out_vec16, diag, stream);
+  const int diag = launch_knobs().exp.chunked_diag;  // (experiments build only; 0 elsewhere)
+  if (r.value_rows == 128)
+    return r.state_only ? prefill::run_chunked_<128, 3, 4, false, false>(p, out_vec16, diag, stream)
+                        : prefill::run_chunked_<128, 3, 4, false>(p, out_vec16, diag, stream);
+  if (r.small_pipeline)
+    return r.state_only ? prefill::run_chunked_<64, 2, 2, false, false>(p, out_vec16, diag, stream)
+                        : prefill::run_chunked_<64, 2, 2, false>(p, out_vec16, diag, stream);
+  return r.state_only ? prefill::run_chunked_<64, 3, 4, false, false>(p, out_vec16, diag, stream)
+                      : prefill::run_chunked_<64, 3, 4, false>(p, out_vec16, diag, stream);
 }
 
 // BackwardChainParams -> the RecurrentParams fields the chunked kernel reads in BWD mode: v carries dO, the
@@ -154,19 +104,12 @@ RecurrentParams chain_as_recurrent(const BackwardChainParams& c) {
   return p;
 }
 
-cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStream_t stream) {
-  const RecurrentParams p = chain_as_recurrent(c);
+cudaError_t launch_chunked_backward_chain(const RecurrentParams& p, const ForwardRoute& r, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const int sms = cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
-  if (hopper_takes(p, sms, /*backward_chain=*/true)) return launch_chunked_sm90(p, stream, /*backward_chain=*/true);
-  // As the forward: two CTAs per head (64 value rows each) when the heads fill at most half of the SMs, the
-  // shallow pipeline where a block gets less shared memory (sm_120) or KDA_CHUNKED_PIPELINE=small asks for it.
-  const ChunkedKnobs& knobs = chunked_knobs();
-  const int optin = max_smem_optin();
-  int vb = p.N * p.HV * 2 <= int64_t(sms) ? 64 : 128;
-  if ((vb == 128 && kSmem128 > optin) || knobs.small_pipeline) vb = 64;
-  if (vb == 128) return prefill::run_chunked_<128, 3, 4, true>(p, false, 0, stream);
-  if (kSmem64 > optin || knobs.small_pipeline) return prefill::run_chunked_<64, 2, 2, true>(p, false, 0, stream);
+  if (r.kernel == ForwardKernel::kChunkedSm90) return launch_chunked_sm90(p, r, stream, /*backward_chain=*/true);
+  if (r.kernel != ForwardKernel::kChunkedMma) return cudaErrorInvalidValue;
+  if (r.value_rows == 128) return prefill::run_chunked_<128, 3, 4, true>(p, false, 0, stream);
+  if (r.small_pipeline) return prefill::run_chunked_<64, 2, 2, true>(p, false, 0, stream);
   return prefill::run_chunked_<64, 3, 4, true>(p, false, 0, stream);
 }
 

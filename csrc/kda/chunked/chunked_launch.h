@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kda/params.h"
+#include "kda/route/route.h"
 
 namespace kda {
 
@@ -15,13 +16,15 @@ bool chunked_supported(const RecurrentParams& p, const char** why);
 // long enough on average (T >= 16 N) to fill chunks, token-serial otherwise (decode-heavy batches).
 bool chunked_preferred(const RecurrentParams& p);
 
-// Launches the chunked kernel on `stream`: one CTA per (sequence, value head, value-row part), no host
-// sync and no allocation (CUDA-graph capturable). Preconditions as launch_recurrent (bf16 token tensors,
-// 16-byte aligned q/k/g/v rows with strides that are multiples of 8 elements, aligned state buffers).
-// KDA_CHUNKED_VB=64|128 (benchmarks) forces the value rows per CTA; KDA_CHUNKED_PIPELINE=small the
-// shallow pipeline that GPUs with ~100 KB of shared memory per block get (sm_120); results do not depend
-// on either. Both are read once per process, at the first call (chunked_launch.cu).
-cudaError_t launch_chunked(const RecurrentParams& p, cudaStream_t stream);
+// Launches the chunked kernel of route `r` (route_forward: kChunkedMma or kChunkedSm90) on `stream`: one CTA per
+// (sequence, value head, value-row part), no host sync and no allocation (CUDA-graph capturable). Preconditions
+// as launch_recurrent (bf16 token tensors, 16-byte aligned q/k/g/v rows with strides that are multiples of 8
+// elements, aligned state buffers).
+cudaError_t launch_chunked(const RecurrentParams& p, const ForwardRoute& r, cudaStream_t stream);
+
+// Dynamic shared memory of the mma.sync kernel with `value_rows` per CTA and the default pipeline, or its
+// shallow pipeline (`small`), bytes (the route compares them with the device's opt-in limit).
+int64_t chunked_mma_smem_bytes(int value_rows, bool small);
 
 // Dynamic shared memory of the chunked kernel's shallow pipeline (64 value rows, 2 operand stages, 2-deep raw ring),
 // bytes: what a GPU must give a block for the chunked kernel at all (sm_120: ~94 KB of its ~99 KB).
@@ -58,9 +61,14 @@ struct BackwardChainParams {
   int dstate_every = 16;  // 16: the 16-token sweep (sweep.cu); 64: the Hopper 64-token sweep (sm90/sweep64_sm90.cu)
 };
 
-// The backward chain on the chunked kernel (BWD mode): walks each sequence's chunks last to first carrying
-// the chain gradient dS (kda_ops/reference_chunked_backward.py, chain_step), writing dstates and
-// dinitial_state. Needs the default pipeline's ~150-160 KB of shared memory per block.
-cudaError_t launch_chunked_backward_chain(const BackwardChainParams& c, cudaStream_t stream);
+// The backward chain's arguments as the chunked kernel reads them in BWD mode (v carries dO, the read-only start
+// state dfinal_state, final_state receives dinitial_state, the checkpoints dS at the end of its chunks).
+RecurrentParams chain_as_recurrent(const BackwardChainParams& c);
+
+// The backward chain on the chunked kernel of route `r` (route_backward_chain of chain_as_recurrent(c)): walks
+// each sequence's chunks last to first carrying the chain gradient dS (kda_ops/reference_chunked_backward.py,
+// chain_step), writing dstates and dinitial_state. Needs the default pipeline's ~150-160 KB of shared memory per
+// block (the shallow one on ~99 KiB GPUs).
+cudaError_t launch_chunked_backward_chain(const RecurrentParams& chain, const ForwardRoute& r, cudaStream_t stream);
 
 }  // namespace kda

@@ -1,5 +1,5 @@
 // Declaration of the per-tile launch function; each combination is instantiated in its own
-// csrc/instantiations/recurrent_k<K>_<state>_nr<NR>.cu so nvcc compiles them in parallel.
+// instantiations/recurrent_k<K>_<state>_nr<NR>.cu beside it so nvcc compiles them in parallel.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -13,7 +13,7 @@ constexpr int kCarveoutMin = -3;        // the smallest carveout that holds the 
 // Kernel flags (the kernel's second argument, RecurrentLaunch::flags). kFlagNoL1Prefetch is a schedule
 // choice that leaves the results unchanged (a prefetch is only a hint); it is set by default because on
 // H200 the prefetches cost more than they saved at large batch (bench_decode, B=256/1024: 5-8% faster
-// without). The kDiag* switches (KDA_RECURRENT_DIAG) are for benchmarks that take one stage out to see
+// without). The kDiag* switches (KDA_EXPERIMENT=recurrent_diag=n) are for benchmarks that take one stage out to see
 // what it costs: they break the results on purpose and are never set in normal use.
 constexpr int kDiagNoStateStore = 1;  // skip writing states back to the pool
 constexpr int kDiagNoMath = 2;        // skip the token math (the state passes through unchanged)
@@ -23,12 +23,12 @@ constexpr int kFlagNoL1Prefetch = 4;  // skip the L1 prefetch of the next items'
 constexpr int kFlagNoStateUpdate = 8;
 // Kernel flags of the ring kernel only. kFlagRingDtBiasGlobal: dt_bias is not 16-byte aligned (cannot be
 // bulk-copied); the math warps read it from global memory instead. kFlagRingStateFirst
-// (KDA_DECODE_RING_STATE_FIRST=1, a schedule choice): the producer issues the state tile's copy before the
+// (KDA_EXPERIMENT=ring_state_first=1, a schedule choice): the producer issues the state tile's copy before the
 // token rows' (its slot is resolved two items ahead, so the large transfer need not queue behind four small
 // ones).
 constexpr int kFlagRingDtBiasGlobal = 16;
 constexpr int kFlagRingStateFirst = 32;
-// kFlagRingProducerDiverged (KDA_DECODE_RING_PRODUCER=diverged, a schedule choice): the producer lanes run
+// kFlagRingProducerDiverged (KDA_EXPERIMENT=ring_producer_diverged=1, a schedule choice): the producer lanes run
 // their math warps' rings independently instead of in step (see the producer loop).
 constexpr int kFlagRingProducerDiverged = 64;
 
@@ -52,8 +52,9 @@ void run_recurrent_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaSt
 // state tile and first-token inputs into per-warp mbarrier rings by bulk copies, math warps consume them
 // and store the tile back by bulk copy. Same bits as run_recurrent_. kVariant: the block shape (math warps,
 // stages, blocks per SM: RingShape in recurrent_ring_kernel.cuh). Instantiated for bf16 tiles: K=128 NR 4
-// and 8, K=64 NR 4 in shape 0 (csrc/instantiations/recurrent_ring_k<K>_bf16_nr<NR>.cu), and K=128 NR 8 in
-// shapes 1-3 (..._nr8_v<shape>.cu); for fp32 tiles K=128 NR 4 in shape 1 (recurrent_ring_k128_f32_nr4_v1.cu).
+// and 8, K=64 NR 4 in shape 0 (instantiations/recurrent_ring_k<K>_bf16_nr<NR>.cu), and K=128 NR 8 in
+// shape 1 (..._nr8_v1.cu; shapes 0, 2 and 3 in experiments builds); for fp32 tiles K=128 NR 4 in shape 1
+// (recurrent_ring_k128_f32_nr4_v1.cu). Serial tiles NR 1 and 2 are experiments too.
 template <int K, typename StateT, int NR, int kVariant>
 void run_recurrent_ring_(const RecurrentParams& p, const RecurrentLaunch& cfg, cudaStream_t stream);
 

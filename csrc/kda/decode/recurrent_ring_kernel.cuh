@@ -49,7 +49,7 @@
 
 namespace kda::decode {
 
-// Block shapes of the ring kernel (KDA_DECODE_RING_VARIANT; the same bits in every one, only the schedule
+// Block shapes of the ring kernel (KDA_EXPERIMENT=ring_shape=n; the same bits in every one, only the schedule
 // differs): math warps per block (plus one producer warp), ring stages per math warp (0: about 22 KB of
 // stages per math warp, at least 3), and the resident blocks per SM the register budget is set for. Every
 // shape other than 0 keeps 12 warps per SM (3 per SM sub-partition: 168 registers a thread), where shape 0

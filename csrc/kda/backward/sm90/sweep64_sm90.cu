@@ -45,6 +45,7 @@
 #include "kda/common/gmma_swizzle.cuh"
 #include "kda/common/ptx.cuh"
 #include "kda/common/recurrent_rules.h"  // kL2NormEps
+#include "kda/route/knobs.h"
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KDA_SWEEP64_DEVICE 1
@@ -185,7 +186,7 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
-// The profile (KDA_SWEEP64_PROFILE=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
+// The profile (KDA_EXPERIMENT=sweep64_profile=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
 // tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the tasks.
 enum ProfSeg : int {
   kPfSetup, kPfLoadWait, kPfGate, kPfNorms, kPfPairMatrices, kPfXStart, kPfInverseDiag, kPfInverse, kPfXWaitKr,
@@ -195,7 +196,7 @@ constexpr const char* kProfNames[kProfSegs] = {
     "setup", "load+wait", "gate", "norms", "L/Mqk+K+", "X start", "inverse diag", "inverse rest", "X wait+Kr",
     "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms", "dgam", "dbeta+l2", "da+partials"};
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
-// kOn: the kernel's profiling instantiation (KDA_SWEEP64_PROFILE=1); the other compiles the clocks out, so that their
+// kOn: the kernel's profiling instantiation (KDA_EXPERIMENT=sweep64_profile=1); the other compiles the clocks out, so that their
 // registers (a flag and a 64-bit time held across every phase) do not add to the production kernel's spills (ptxas -v
 // of both: scripts/sweep64_code_size.py)
 template <bool kOn>
@@ -721,7 +722,7 @@ __device__ __forceinline__ T* fresh(T* ptr) {
   return ptr;
 }
 
-// kProfile: the instantiation that keeps the phase clocks (KDA_SWEEP64_PROFILE=1; Prof)
+// kProfile: the instantiation that keeps the phase clocks (KDA_EXPERIMENT=sweep64_profile=1 in an experiments build; Prof)
 template <bool kProfile>
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_kernel(const TrainingBackwardParams p) {
 #if defined(KDA_SWEEP64_DEVICE)
@@ -1445,21 +1446,18 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
   const auto kernel = sweep64::kda_training_backward_sweep64_kernel<false>;
   KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.n_slots * p.HV <= 0) return cudaSuccess;
-  if (const char* e = std::getenv("KDA_TRAINING_VERBOSE"); e != nullptr && e[0] == '1')
-    std::fprintf(stderr, "kda training sweep: wgmma64 (sm_90a), grid %d x %d threads, %d B shared memory\n", p.grid,
-                 sweep64::kThreads, smem);
-  // KDA_SWEEP64_PROFILE=1 (a diagnostic: synchronises, so never under graph capture): the cycles of CTA 0 per
-  // phase, to stderr. KDA_SWEEP64_PROFILE_GRID=n runs that launch on n CTAs (1 <= n; the same results): with few
-  // CTAs a task meets little traffic from the other SMs, so the two profiles show what the full grid costs.
-  // It runs the kernel's profiling instantiation (the clocks compiled in: a few more spills than the other's).
-  const char* pe = std::getenv("KDA_SWEEP64_PROFILE");
-  if (pe != nullptr && pe[0] == '1') {
+#if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
+  // KDA_EXPERIMENT=sweep64_profile=1 (a diagnostic: synchronises, so never under graph capture): the cycles of CTA
+  // 0 per phase, to stderr; sweep64_profile_grid=n runs that launch on n CTAs (the same results): with few CTAs a
+  // task meets little traffic from the other SMs, so the two profiles show what the full grid costs. It runs the
+  // kernel's profiling instantiation (the clocks compiled in: a few more spills than the other's).
+  const ExperimentKnobs& x = launch_knobs().exp;
+  if (x.sweep64_profile) {
     unsigned long long zero[sweep64::kProfSegs + 1] = {};
     KDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(sweep64::kda_sweep64_prof, zero, sizeof(zero)));
     TrainingBackwardParams q = p;
     q.profile = true;
-    if (const char* ge = std::getenv("KDA_SWEEP64_PROFILE_GRID"); ge != nullptr && std::atoi(ge) >= 1)
-      q.grid = std::atoi(ge);
+    if (x.sweep64_profile_grid >= 1) q.grid = x.sweep64_profile_grid;
     const auto kernel_prof = sweep64::kda_training_backward_sweep64_kernel<true>;
     KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel_prof, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel_prof<<<q.grid, sweep64::kThreads, smem, stream>>>(q);
@@ -1474,6 +1472,7 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
     std::fprintf(stderr, "\n");
     return cudaSuccess;
   }
+#endif
   kernel<<<p.grid, sweep64::kThreads, smem, stream>>>(p);
   KDA_CHECK_LAUNCH();
   return cudaSuccess;

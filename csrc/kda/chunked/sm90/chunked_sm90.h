@@ -5,16 +5,9 @@
 #include <cuda_runtime_api.h>
 
 #include "kda/params.h"
+#include "kda/route/route.h"
 
 namespace kda {
-
-// Which chunked kernel a call takes, KDA_CHUNKED_KERNEL (read on every call, so a test can compare the
-// kernels in one process): 2 = unset, empty or `auto` (the default: the Hopper kernel for the forward calls it
-// covers, on any grid: on grids of N·HV <= SMs / 2, where the mma.sync kernel splits the value rows over two
-// CTAs per head, it was measured faster too, 1.07 against 1.14-1.15 ms at H = 32 and 64, T = 8192; the backward
-// chain keeps the mma.sync kernel on those grids), 1 = `sm90` (the Hopper kernel for every call it covers),
-// 0 = `mma` or anything else (the mma.sync kernel always).
-int chunked_sm90_mode();
 
 // Whether the Hopper kernel covers `p` on the current device: compute capability 9.0, a prefill (checkpoints
 // every multiple of 16 tokens, tapes, start-state source and state-only calls included; no speculative decode;
@@ -22,11 +15,12 @@ int chunked_sm90_mode();
 // (TMA), K = V = 128.
 bool chunked_sm90_supported(const RecurrentParams& p);
 
-// Launches one CTA per (sequence, value head) on `stream`; no host sync, no allocation. The TMA tensor
-// maps are encoded on the host on every call (kernel parameters, so a CUDA graph captures them).
-// backward_chain: `p` is the backward chain's (chain_as_recurrent, chunked_launch.cu: p.v holds dO, the start
-// state dfinal_state, final_state receives dinitial_state, the checkpoints dS every 16 tokens); the chunks run
-// last first.
-cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, bool backward_chain = false);
+// Launches one CTA per (sequence, value head) on `stream` with the design of route `r` (route_forward /
+// route_backward_chain); no host sync, no allocation. The TMA tensor maps are encoded on the host on every call
+// (kernel parameters, so a CUDA graph captures them). backward_chain: `p` is the backward chain's
+// (chain_as_recurrent, chunked_launch.h: p.v holds dO, the start state dfinal_state, final_state receives
+// dinitial_state, the checkpoints dS every 16 tokens); the chunks run last first.
+cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r, cudaStream_t stream,
+                                bool backward_chain);
 
 }  // namespace kda

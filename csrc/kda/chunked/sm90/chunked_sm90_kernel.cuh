@@ -1,6 +1,6 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
-// chunk, K = V = 128, with the Hopper machinery. Three designs (template kVariant, Cfg below; KDA_SM90_VARIANT
+// chunk, K = V = 128, with the Hopper machinery. Three designs (template kVariant, Cfg below; KDA_EXPERIMENT=sm90_variant
 // per call, default 3, the fastest measured: docs/performance.md; the backward chain runs 2):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
@@ -31,7 +31,7 @@
 // Numerics: fp32 state and accumulators, bf16 operands for S and the unbounded factors, fp16 for the bounded
 // R path (as the mma.sync kernel). Variants 1 and 2 give the same bits (3 does the same operations in the
 // same order per chunk: the same bits as 2 on the benchmark shapes).
-// Covered (csrc/instantiations/chunked_sm90_vb128.cu, chunked_sm90_supported): the prefill calls of the chunked
+// Covered (chunked_sm90_launch.cu, chunked_sm90_supported): the prefill calls of the chunked
 // kernel, bf16 tokens, fixed or packed, GQA, the three gate modes, logit or plain β, L2 norm on/off, bf16/fp32
 // pool slots with inactive slots, zero, pool or read-only source (initial_state_source) start states, final
 // state to the pool or to final_state, checkpoints every multiple of 16 tokens (and so the training forward's
@@ -39,7 +39,7 @@
 // kStateOnly), seq_order, and the training backward's chain (kBwd: the chunks last first, dRᵀ = dS Krᵀ + dOᵀ Mqk,
 // dXᵀ = -dRᵀ INVb, dS = dS ⊙ γ_C + dOᵀ Q⁺ + dXᵀ K⁺ with bf16 operands, the mma.sync kernel's BWD mode). seq_order
 // (the longest-first task order the Python layer sets for packed calls) maps blockIdx to the sequence.
-// The profile instantiation (kProfile, KDA_SM90_PROFILE=1): clock cycles per role and segment of CTA 0 into
+// The profile instantiation (kProfile, KDA_EXPERIMENT=sm90_profile=1): clock cycles per role and segment of CTA 0 into
 // kda_sm90_prof.
 // Known limits (profile and Nsight Compute of H=96 T=8192 on the H200, docs/performance.md), in the order they
 // matter for speed:
@@ -86,7 +86,7 @@ using f16_t = cutlass::half_t;
 
 constexpr int kC = 16;    // tokens per chunk
 constexpr int kD = 128;   // K = V
-// The designs (template kVariant, KDA_SM90_VARIANT, default 3; the backward chain: 1 or 2, default 2):
+// The designs (template kVariant, KDA_EXPERIMENT=sm90_variant, default 3; the backward chain: 1 or 2, default 2):
 //   1: a producer warpgroup (one thread issues every TMA load) and one prep warpgroup for all chunks;
 //   2: two prep warpgroups, each for every other chunk (prep of a chunk depends on nothing before it), each
 //      issuing the TMA loads of its own chunks (raw q/k/g into its own ring, v into the shared v ring); no
@@ -228,7 +228,7 @@ inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts,
 }
 using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8), int64_t(8)));
 
-// schedule (KDA_SM90_SCHEDULE, default 11: every bit but kWarpOutput, which measured no gain; it stays for when the
+// schedule (KDA_EXPERIMENT=sm90_schedule, default 11: every bit but kWarpOutput, which measured no gain; it stays for when the
 // chain limits): with kRotateRoles, prep warpgroup w runs its serial roles (L and the inverse; Mqk; the TMA leader) on
 // warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial parts of the prep warpgroups issue from different SM
 // sub-partitions (warp i issues from sub-partition i mod 4; unrotated, every L/inverse warp shared sub-partition 0).
@@ -281,7 +281,7 @@ __device__ __forceinline__ uint4 pack8_f16(const float (&x)[8]) {
 
 // ---- profile instantiation: per role (producer, prep, chain WG2, chain WG3) and per segment of the chunk loop,
 // the clock cycles summed over the chunks of CTA 0, measured by the first thread of each role. Segments
-// named in kProfNames (csrc/instantiations/chunked_sm90_vb128.cu prints them). Slot [role][kProfSegs] holds
+// named in kProfNames (chunked_sm90_launch.cu prints them). Slot [role][kProfSegs] holds
 // the chunk count.
 constexpr int kProfRoles = 4, kProfSegs = 8;
 // 32-bit clock and sums (half the registers of 64-bit ones, which matters in the 64-register prep warpgroups of

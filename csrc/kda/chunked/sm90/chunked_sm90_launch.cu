@@ -1,26 +1,22 @@
-// The Hopper chunked prefill kernel (csrc/kda/chunked/sm90/chunked_sm90_kernel.cuh) and its host launch.
-// Built for every CUDA arch of the extension; the kernel body exists only in the sm_90a image, and the host
-// routes to it only on a compute capability 9.0 device.
+// The Hopper chunked prefill kernel (csrc/kda/chunked/sm90/chunked_sm90_kernel.cuh): its instantiations and the
+// launch of the route the spine chose (kda/route/route.h). Built for every CUDA arch of the extension; the kernel
+// body exists only in the sm_90a image, and the spine routes to it only on a compute capability 9.0 device.
+// The default build instantiates what a route can choose: design 3 (with and without outputs) for the forward,
+// design 2 for the backward chain. Designs 1 and 2 of the forward, design 1 of the chain and the profile
+// instantiations (per-role cycle tables) are experiments (KDA_BUILD_EXPERIMENTS=1, KDA_EXPERIMENT=sm90_*).
 #include <atomic>
 #include <cuda.h>
 
-#include <cctype>
+#include <cstdint>
+
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
 
 #include "kda/chunked/sm90/chunked_sm90.h"
 #include "kda/chunked/sm90/chunked_sm90_kernel.cuh"
 #include "kda/common/device_info.h"
+#include "kda/route/knobs.h"
 
 namespace kda {
-
-int chunked_sm90_mode() {
-  const char* e = std::getenv("KDA_CHUNKED_KERNEL");
-  if (e == nullptr || e[0] == '\0' || std::strcmp(e, "auto") == 0) return 2;
-  return std::strcmp(e, "sm90") == 0 ? 1 : 0;
-}
 
 bool chunked_sm90_supported(const RecurrentParams& p) {
   if (!current_device_is_sm90()) return false;
@@ -42,34 +38,25 @@ bool chunked_sm90_supported(const RecurrentParams& p) {
 }
 
 namespace {
-// KDA_SM90_VERBOSE=1: one stderr line per call (grid, shared memory, the encode results, the launch error).
-bool verbose() {
-  const char* e = std::getenv("KDA_SM90_VERBOSE");
-  return e != nullptr && e[0] != '\0' && e[0] != '0';
-}
-
 // CuTe's make_tma_copy encodes the tensor map but only asserts on the driver's result (compiled out with
-// NDEBUG). Encode the same geometry once more here (dims innermost first: channel, token, head, batch; box
-// 128 x 16 x 1 x 1, no swizzle, no interleave) and return the driver's CUresult, so a rejected map becomes a
-// launch error instead of a garbage descriptor.
-CUresult check_token_map(const char* name, const RecurrentParams& p, const TokenTensor& t, int heads) {
+// NDEBUG). The driver rejects a map only for the documented limits of cuTensorMapEncodeTiled; they are checked
+// here on the host (dims innermost first: channel, token, head, batch; box 128 x 16 x 1 x 1), so a map the driver
+// would reject becomes a launch error instead of a garbage descriptor, and each map is encoded once per call.
+bool token_map_valid(const char* name, const RecurrentParams& p, const TokenTensor& t, int heads) {
   const int64_t bs = p.B == 1 ? t.token_stride * p.T : t.batch_stride;
-  CUtensorMap map;
-  const cuuint64_t dims[4] = {cuuint64_t(chunked_sm90::kD), cuuint64_t(p.T), cuuint64_t(heads), cuuint64_t(p.B)};
-  const cuuint64_t strides[3] = {cuuint64_t(t.token_stride) * 2, cuuint64_t(t.head_stride) * 2, cuuint64_t(bs) * 2};
-  const cuuint32_t box[4] = {cuuint32_t(chunked_sm90::kD), cuuint32_t(chunked_sm90::kC), 1, 1};
-  const cuuint32_t estr[4] = {1, 1, 1, 1};
-  const CUresult r = cutlass::call_cuTensorMapEncodeTiled(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(t.ptr), dims, strides, box, estr,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS || verbose())
+  const int64_t dims[4] = {chunked_sm90::kD, p.T, heads, p.B};
+  const int64_t strides_bytes[3] = {t.token_stride * 2, t.head_stride * 2, bs * 2};
+  bool ok = reinterpret_cast<uintptr_t>(t.ptr) % 16 == 0;
+  for (int64_t d : dims) ok = ok && d >= 1 && d <= (int64_t(1) << 32);
+  for (int64_t s : strides_bytes) ok = ok && s > 0 && s % 16 == 0 && s < (int64_t(1) << 40);
+  if (!ok)
     std::fprintf(stderr,
-                 "kda_chunked_sm90: tensor map %s: CUresult %d (ptr %p dims 128,%lld,%d,%lld strides(B) %lld,%lld,%lld)\n",
-                 name, static_cast<int>(r), t.ptr, static_cast<long long>(p.T), heads, static_cast<long long>(p.B),
-                 static_cast<long long>(t.token_stride * 2), static_cast<long long>(t.head_stride * 2),
-                 static_cast<long long>(bs * 2));
-  return r;
+                 "kda_chunked_sm90: tensor map %s out of the TMA limits (ptr %p dims 128,%lld,%d,%lld strides(B) "
+                 "%lld,%lld,%lld)\n",
+                 name, t.ptr, static_cast<long long>(p.T), heads, static_cast<long long>(p.B),
+                 static_cast<long long>(strides_bytes[0]), static_cast<long long>(strides_bytes[1]),
+                 static_cast<long long>(strides_bytes[2]));
+  return ok;
 }
 
 chunked_sm90::TmaToken token_tma(const RecurrentParams& p, const TokenTensor& t, int heads) {
@@ -79,41 +66,12 @@ chunked_sm90::TmaToken token_tma(const RecurrentParams& p, const TokenTensor& t,
                                       t.head_stride, bs);
 }
 
-// KDA_SM90_VARIANT=1|2|3 (read per call, default 3, the fastest measured): which design of the kernel
-// (chunked_sm90_kernel.cuh, Cfg: 1 = a producer warpgroup and one prep warpgroup, 2 = two prep warpgroups
-// loading their own chunks, 3 = three of them), so one process can time them. The backward chain has variants
-// 1 and 2 (3, the default, runs it on 2).
-// KDA_SM90_PROFILE=1: the profile instantiation, then a stream sync and the per-segment cycle table of CTA 0
-// on stderr (a debugging aid: not for graph capture).
-int sm90_variant() {
-  const char* e = std::getenv("KDA_SM90_VARIANT");
-  if (e == nullptr || e[0] == '\0' || e[1] != '\0') return 3;
-  return e[0] == '1' ? 1 : (e[0] == '2' ? 2 : 3);
-}
-// KDA_SM90_SCHEDULE=0..15 (read per call, default 11 = 1 + 2 + 8): the schedule bits (KernelArgs::schedule: 1 = the
-// prep warpgroups' serial role warps rotated per warpgroup, 2 = the inverse's 16-byte row loads, 4 = per-warp output
-// staging in the chain, 8 = the inverse's last phase on all 32 lanes), so one process can time them; the same results
-// bit for bit in every setting.
+// The schedule bits (KernelArgs::schedule: 1 = the prep warpgroups' serial role warps rotated per warpgroup, 2 = the
+// inverse's 16-byte row loads, 4 = per-warp output staging in the chain, 8 = the inverse's last phase on all 32
+// lanes): the same results bit for bit in every setting; 11 measured fastest. Experiments may set others.
 int sm90_schedule() {
-  const char* e = std::getenv("KDA_SM90_SCHEDULE");
-  char* end = nullptr;
-  const long v = e != nullptr ? std::strtol(e, &end, 10) : -1;
-  if (e != nullptr && end != e && *end == '\0' && v >= 0 && v <= 15) return static_cast<int>(v);
-  return chunked_sm90::kRotateRoles | chunked_sm90::kVectorInverse | chunked_sm90::kSplitInverseRows;
-}
-// KDA_SM90_STATE_ONLY (read per call; default on; off: 0/false/off/no, any case, as KDA_DECODE_PDL): off, state-only
-// calls run the instantiation with an output (products made, store skipped) instead of the state-only one, so
-// one process can time both; the same bits.
-bool sm90_state_only() {
-  const char* e = std::getenv("KDA_SM90_STATE_ONLY");
-  if (e == nullptr) return true;
-  std::string v(e);
-  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return !(v == "0" || v == "false" || v == "off" || v == "no");
-}
-bool sm90_profile() {
-  const char* e = std::getenv("KDA_SM90_PROFILE");
-  return e != nullptr && e[0] != '\0' && e[0] != '0';
+  const int s = launch_knobs().exp.sm90_schedule;
+  return s >= 0 ? s : (chunked_sm90::kRotateRoles | chunked_sm90::kVectorInverse | chunked_sm90::kSplitInverseRows);
 }
 
 using KernelFn = void (*)(const chunked_sm90::KernelArgs);
@@ -129,14 +87,21 @@ Design design_of() {
   return {kda_chunked_sm90_kernel<kProfile, V, kBwd, kStateOnly>, Cfg<V>::kThreads,
           static_cast<int>(sizeof(SharedStorage<V>)) + 1024, setmaxnreg_sum<V>()};
 }
-// (the backward chain has variants 1 and 2, and no profile instantiation; state-only calls have their own
-// instantiations of variant 3, the other variants run them as calls with an output whose store is skipped)
+// The instantiation of a route (the backward chain has designs 1 and 2 and no profile instantiation; state-only
+// calls have their own instantiations of design 3, the other designs run them as calls with an output whose store
+// is skipped). Null: not built (an experiment in a build without them).
 Design design_for(bool profile, int variant, bool bwd, bool state_only) {
+  if (!profile && bwd && variant == 2) return design_of<false, 2, true>();
+  if (!profile && !bwd && variant == 3) return state_only ? design_of<false, 3, false, true>() : design_of<false, 3, false>();
+#if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
   if (variant == 3 && state_only) return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
   return profile ? design_of<true, 2, false>() : design_of<false, 2, false>();
+#else
+  return Design{nullptr, 0, 0, 0};
+#endif
 }
 
 void print_profile(int variant) {
@@ -171,21 +136,20 @@ void print_profile(int variant) {
 }
 }  // namespace
 
-cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, bool backward_chain) {
+cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r, cudaStream_t stream,
+                                bool backward_chain) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   using namespace chunked_sm90;
-  if (check_token_map("q", p, p.q, p.H) != CUDA_SUCCESS ||
-      check_token_map("k", p, p.k, p.H) != CUDA_SUCCESS ||
-      check_token_map("g", p, p.g, p.HV) != CUDA_SUCCESS ||
-      check_token_map("v", p, p.v, p.HV) != CUDA_SUCCESS)
+  if (!token_map_valid("q", p, p.q, p.H) || !token_map_valid("k", p, p.k, p.H) ||
+      !token_map_valid("g", p, p.g, p.HV) || !token_map_valid("v", p, p.v, p.HV))
     return cudaErrorInvalidValue;
   const KernelArgs args{p, token_tma(p, p.q, p.H), token_tma(p, p.k, p.H), token_tma(p, p.g, p.HV),
                         token_tma(p, p.v, p.HV), sm90_schedule()};
-  const bool profile = sm90_profile() && !backward_chain;  // (no profile instantiation of the backward chain)
-  int variant = sm90_variant();
-  if (backward_chain && variant == 3) variant = 2;  // (the backward chain has variants 1 and 2)
-  const bool state_only = p.out == nullptr && !backward_chain && variant == 3 && sm90_state_only();
+  const bool profile = launch_knobs().exp.sm90_profile && !backward_chain;  // (experiments build only)
+  const int variant = r.sm90_variant;
+  const bool state_only = r.state_only;
   const Design dz = design_for(profile, variant, backward_chain, state_only);
+  if (dz.fn == nullptr) return cudaErrorInvalidDeviceFunction;
   const KernelFn fn = dz.fn;
   const int smem = dz.smem, threads = dz.threads;
   const int which = state_only ? 9 + (profile ? 1 : 0) : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
@@ -213,7 +177,7 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, cudaStream_t stream, b
   const int64_t blocks = p.N * p.HV;
   fn<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(args);
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || verbose())
+  if (e != cudaSuccess)
     std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d schedule %d%s%s: %s\n",
                  static_cast<long long>(blocks), threads, smem, static_cast<long long>(p.N), static_cast<int>(p.HV),
                  static_cast<long long>(p.T), static_cast<long long>(p.B), p.seq_order != nullptr ? " seq_order" : "",

@@ -1,0 +1,63 @@
+"""The Python face of the routing spine (csrc/kda/route/route.h, docs/env.md).
+
+Which kernel runs is decided in C++, once per op family, from the call, the device and the launch knobs; the
+knobs are the ``KDA_*`` environment switches, read once per process (at import) into a snapshot. Python asks
+the spine through ``kda_ops._C`` instead of copying its rules: :func:`split_segment_tokens` is the split route.
+
+:func:`reload` re-reads the environment (tests and benchmarks that change a switch in-process call it after
+changing ``os.environ``); an invalid value raises ``ValueError`` naming the switch, and the previous snapshot
+is replaced by one whose invalid fields keep their defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kda_ops import _C  # type: ignore[attr-defined]
+
+# A mirror of the split switch for the Python fast paths (no binding call when the split is off).
+_split_off = False
+
+
+def reload() -> dict[str, Any]:
+    """Re-reads the ``KDA_*`` switches; returns them as read (:func:`knobs`). ValueError on an invalid value."""
+    global _split_off
+    err = _C.reload_launch_knobs()
+    k = knobs()
+    _split_off = k["split"] == "0"
+    if err:
+        raise ValueError(err)
+    return k
+
+
+def knobs() -> dict[str, Any]:
+    """The switches as read: verbose, decode, chunked, sweep, split (the pins' values as spelt in docs/env.md),
+    split_tokens, experiments_built (a ``KDA_BUILD_EXPERIMENTS=1`` build), error."""
+    return dict(_C.launch_knobs())
+
+
+def split_off() -> bool:
+    """``KDA_SEQUENCE_SPLIT=0``: the split never runs (checked before any planning)."""
+    return _split_off
+
+
+def split_segment_tokens(lens: list[int], HV: int, device: torch.device, training: bool, multiple: int = 64) -> int:
+    """The split route of a call with host-known sequence lengths: its segment length, or 0 (no split)."""
+    on_cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if on_cuda else 0
+    return int(_C.route_split(lens, HV, on_cuda, index, training, multiple))
+
+
+def plan_segments(lens: list[int], HV: int, sms: int, multiple: int = 64) -> int:
+    """The spine's segment plan: the shortest length (a multiple of ``multiple``) whose chains fit ``sms``."""
+    return int(_C.plan_segments(lens, HV, sms, multiple))
+
+
+def split_pays(lens: list[int], HV: int, sms: int, Ls: int, rows128_cost: float) -> bool:
+    """The auto split's cost model (the unsplit critical path against the split's passes)."""
+    return bool(_C.split_pays(lens, HV, sms, Ls, rows128_cost))
+
+
+reload()
