@@ -45,16 +45,11 @@ H = HV = 32
 K = V = 128
 LOWER_BOUND = -5.0
 L2_BYTES = 60 * 2**20
-# Launch knobs and the kernel switch (KDA_DECODE_KERNEL=ring|serial, KDA_DECODE_RING_*, KDA_RECURRENT_*) are
-# read once per process by the launcher (csrc/kda/decode/recurrent_launch.cu): compare configurations by
-# running this script once per environment (scripts/device_decode.sh does), with --tag to keep the result
-# files apart. KERNEL names the configuration in the tables.
-_KNOBS = ("KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_RING_FP32", "KDA_DECODE_PDL",
-          "KDA_DECODE_RING_DT_BIAS", "KDA_DECODE_RING_PRODUCER",
-          "KDA_RECURRENT_ROWS_PER_LANE", "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_WARPS_PER_BLOCK",
-          "KDA_RECURRENT_CARVEOUT", "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_DIAG")
+# The kernel switch (KDA_DECODE_KERNEL=ring|serial) and, in an experiments build, the launch knobs
+# (KDA_EXPERIMENT) are read once per process (docs/env.md): compare configurations by running this script once
+# per environment, with --tag to keep the result files apart. KERNEL names the configuration in the tables.
 KERNEL = " ".join([os.environ.get("KDA_DECODE_KERNEL", "auto")] +
-                  [f"{k.replace('KDA_', '').lower()}={os.environ[k]}" for k in _KNOBS if k in os.environ])
+                  ([f"experiment={os.environ['KDA_EXPERIMENT']}"] if os.environ.get("KDA_EXPERIMENT") else []))
 CASES = "bf16:1,bf16:8,bf16:64,bf16:256,bf16:1024,fp32:1,fp32:8,fp32:64,fp32:256,fp32:1024,spec-bf16:64,spec-fp32:64"
 
 

@@ -106,16 +106,19 @@ def ours_call(kda_ops: Any, d: dict[str, Any], backend: str) -> Callable[[], Any
 
 
 def with_kernel(kernel: str, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """fn with the chunked kernel chosen per call: ``mma`` (KDA_CHUNKED_KERNEL=mma), ``sm90:V`` / ``auto:V``
-    (KDA_CHUNKED_KERNEL=sm90 / auto, KDA_SM90_VARIANT=V), ``sm90:VsS`` (and KDA_SM90_SCHEDULE=S); the variables
-    are read on every call, so a graph captures the kernel chosen while it is captured. The previous values
-    are restored after each call."""
+    """fn with the chunked kernel chosen per call: ``mma``, ``mma64``, ``mma128``, ``mma_small``, ``sm90``, ``auto``
+    (KDA_CHUNKED_KERNEL), and in an experiments build ``sm90:V`` / ``auto:V`` (KDA_EXPERIMENT=sm90_variant=V),
+    ``sm90:VsS`` (and sm90_schedule=S). The switches are re-read around each call (kda_ops._routing.reload), so
+    a graph captures the kernel chosen while it is captured; the previous values are restored after each call."""
+    from kda_ops import _routing
+
     name, _, spec = kernel.partition(":")
     variant, _, schedule = spec.partition("s")
     schedules = [str(i) for i in range(16)]
     if (variant and variant not in "123") or (schedule and schedule not in schedules) or len(variant) > 1:
         raise ValueError(f"--kernels: {kernel!r} is not mma, sm90:V, auto:V or sm90:VsS (V 1-3, S 0-15)")
-    want = {"KDA_CHUNKED_KERNEL": name, "KDA_SM90_VARIANT": variant or None, "KDA_SM90_SCHEDULE": schedule or None}
+    exp = ",".join(f"{k}={v}" for k, v in (("sm90_variant", variant), ("sm90_schedule", schedule)) if v)
+    want = {"KDA_CHUNKED_KERNEL": name, "KDA_EXPERIMENT": exp or None}
 
     def put(values: dict[str, str | None]) -> None:
         for k, v in values.items():
@@ -123,6 +126,7 @@ def with_kernel(kernel: str, fn: Callable[[], Any]) -> Callable[[], Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _routing.reload()
 
     def run() -> Any:
         old = {k: os.environ.get(k) for k in want}
@@ -190,8 +194,8 @@ def main() -> None:
         ap.add_argument(
             "--kernels",
             default="",
-            help="also time the chunked backend with these kernels, e.g. mma,sm90:2,sm90:3s0 (KDA_CHUNKED_KERNEL"
-            " and KDA_SM90_VARIANT per call)",
+            help="also time the chunked backend with these kernels, e.g. mma,sm90 (KDA_CHUNKED_KERNEL per call;"
+            " sm90:2, sm90:3s0 in an experiments build: KDA_EXPERIMENT)",
         )
 
     args = parse_args("prefill", extra)

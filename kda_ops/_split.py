@@ -68,6 +68,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+
 import torch
 
 from kda_ops import _routing

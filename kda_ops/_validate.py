@@ -87,7 +87,7 @@ def _int(x: Any, name: str) -> int:
 
 
 def _real(x: Any, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if isinstance(x, bool) or not isinstance(x, int | float):
         raise TypeError(f"{name} must be a float, got {_type_name(x)}")
     return float(x)
 

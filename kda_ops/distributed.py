@@ -215,7 +215,7 @@ def _host_cu(cu_seqlens: Any) -> list[int]:
             raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
         V._rank(cu_seqlens, "cu_seqlens", 1, "[N+1]")
         cu = [int(x) for x in cu_seqlens.cpu().tolist()]  # host values plan the split (a sync on a GPU)
-    elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(x, int) for x in cu_seqlens):
+    elif isinstance(cu_seqlens, list | tuple) and all(isinstance(x, int) for x in cu_seqlens):
         cu = list(cu_seqlens)
     else:
         raise TypeError(

@@ -867,7 +867,7 @@ def recurrent_kda_backward(
         do: [B, T, HV, V] in q's dtype; dfinal_state: [N, HV, V, K] state dtype, or None (zero).
         workspace: a :class:`kda_ops.RecurrentKDABackwardWorkspace`; with it and ``out`` the call is
             CUDA-graph capturable after an eager call of the same shapes (on CUDA: every gate mode, K = V in
-            {64, 128}; ``KDA_TRAINING_BACKWARD_HOST=1`` runs the CPU backward and raises under capture).
+            {64, 128}; ``KDA_TRAINING_SWEEP=host`` runs the CPU backward and raises under capture).
         out: optional eight preallocated tensors the gradients are copied into (and returned); None at the
             places of gradients returned as None.
 

@@ -43,7 +43,7 @@ def _tensors(obj: Any):
     """Every tensor reachable from an argument (lists, dicts, training contexts)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, list | tuple):
         for o in obj:
             yield from _tensors(o)
     elif isinstance(obj, dict):

@@ -16,12 +16,12 @@ from conftest import (
     force_split,
     recurrent_call,
     recurrent_reference,
+    route_env,
     scan_case,
     scan_reference,
     split_then_unsplit,
     state_only_case,
     state_only_matches,
-    route_env,
 )
 
 import kda_ops

@@ -36,6 +36,7 @@ from conftest import (
     gate_kwargs,
     inputs,
     lengths_to_cu,
+    route_env,
     state_tol,
 )
 
@@ -52,7 +53,7 @@ def _mma_kernel(monkeypatch):  # type: ignore[no-untyped-def]
     """The tests of this file pin the portable mma.sync kernel (KDA_CHUNKED_KERNEL=mma); the default on sm_90a
     routes large grids to the Hopper kernel, and tests/gpu/test_chunked_sm90.py collects these tests again
     with that kernel forced."""
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "mma")
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL="mma")
 
 K = 128  # the chunked path takes K = V = 128 only
 F32, BF16 = torch.float32, torch.bfloat16
@@ -475,17 +476,17 @@ torch.save({"o": o.cpu(), "pool": pool.cpu(), "ck": ck.cpu()}, path)
 @cuda_only
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_pipeline_and_split_do_not_change_bits(gate, tmp_path):
-    """The schedule knobs of the launcher (KDA_CHUNKED_VB: value rows per CTA; KDA_CHUNKED_PIPELINE=small:
-    the shallow pipeline that GPUs with ~100 KB of shared memory per block get, sm_120) change how the work
-    is spread, never the arithmetic: bit-identical outputs, pool and checkpoints. The launcher reads them
-    once per process, so each setting runs in its own child process."""
+    """The mma.sync kernel's routes (KDA_CHUNKED_KERNEL=mma128 / mma64: value rows per CTA; mma_small: the shallow
+    pipeline that GPUs with ~100 KB of shared memory per block get, sm_120) change how the work is spread, never
+    the arithmetic: bit-identical outputs, pool and checkpoints. Each runs in its own child process (the
+    switches are read at import)."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     runs = {}
-    for name, env in (("vb128", {"KDA_CHUNKED_VB": "128"}), ("vb64", {"KDA_CHUNKED_VB": "64"}),
-                      ("small", {"KDA_CHUNKED_PIPELINE": "small"})):
+    for name, env in (("vb128", {"KDA_CHUNKED_KERNEL": "mma128"}), ("vb64", {"KDA_CHUNKED_KERNEL": "mma64"}),
+                      ("small", {"KDA_CHUNKED_KERNEL": "mma_small"})):
         path = str(tmp_path / f"{name}.pt")
         child_env = {k_: v_ for k_, v_ in os.environ.items() if not k_.startswith("KDA_CHUNKED_")}
         child_env.update(env)

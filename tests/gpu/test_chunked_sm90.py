@@ -3,21 +3,19 @@
 Every test of this module runs with the variable set, so ``backend="chunked"`` takes the Hopper kernel for
 the cases it covers (prefill with TMA-aligned bf16 tokens, K = V = 128: pools, start-state sources,
 checkpoints, the training forward's tapes, state-only calls) and the mma.sync kernel for the rest.
-KDA_SM90_VARIANT selects the design under test (scripts/device_sm90.sh runs this module for both). Checked here:
+Checked here:
   * that the Hopper kernel really runs (its name in the profiler's kernel list; and for every covered call of
     every test here, its launch line on stderr) and that an uncovered case falls back;
   * the shared sweep and feature tests of tests/gpu/test_chunked_cuda.py, re-run on this path (fp64
     reference, tolerances of tests/conftest.py);
   * Hopper vs mma.sync over lengths, packed mixes with zero-length and 1-token rows, GQA, gate and β modes,
     L2 norm on/off, bf16/fp32 pools with inactive slots: both against the fp64 reference;
-  * bit-identical reruns, and the same bits over the designs (KDA_SM90_VARIANT 2, 3) and the prep schedules
-    (KDA_SM90_SCHEDULE 0-15).
+  * bit-identical reruns, and (in an experiments build) the same bits over the designs and the prep schedules
+    (KDA_EXPERIMENT=sm90_variant=2|3,sm90_schedule=0..15).
 Skipped unless the device is compute capability 9.0.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import test_chunked_cuda as base
@@ -29,6 +27,7 @@ from conftest import (
     assert_output,
     bits,
     check_pool,
+    route_env,
     state_only_matches,
     state_tol,
 )
@@ -52,6 +51,7 @@ from test_training_cuda import (  # noqa: F401  (the training forward and the ba
 )
 
 import kda_ops
+from kda_ops import _routing
 
 is_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [
@@ -82,21 +82,20 @@ def hopper_covers(kw) -> bool:
     return all(_tma_ok(kw[n]) for n in ("q", "k", "v", "g"))
 
 
-LAUNCH_LINE = "kda_chunked_sm90: launch"
+LAUNCH_LINE = "kernel=chunked_sm90 "  # (the route line of KDA_VERBOSE=1, csrc/kda/route/route_cuda.cu)
 
 
 @pytest.fixture(autouse=True)
 def _hopper_kernel(monkeypatch, capfd):
     """Every test here runs with KDA_CHUNKED_KERNEL=sm90, and every call the Hopper kernel covers must launch
-    it (the host prints one line per launch with KDA_SM90_VERBOSE=1): a silent fallback to the mma.sync kernel
+    it (the spine prints each call's route with KDA_VERBOSE=1): a silent fallback to the mma.sync kernel
     fails the test instead of passing on the other kernel."""
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "sm90")
-    monkeypatch.setenv("KDA_SM90_VERBOSE", "1")
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_VERBOSE="1")
     real_call = base.call
 
     def checked_call(t, g, backend="chunked", **kw):
         args = dict(t, **g, backend=backend, **kw)
-        want = os.environ.get("KDA_CHUNKED_KERNEL") == "sm90" and hopper_covers(args)
+        want = _routing.knobs()["chunked"] == "sm90" and hopper_covers(args)
         capfd.readouterr()
         res = real_call(t, g, backend=backend, **kw)
         err = capfd.readouterr().err
@@ -117,7 +116,7 @@ def kernel_names(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def test_hopper_kernel_runs_and_falls_back():
+def test_hopper_kernel_runs_and_falls_back(monkeypatch):
     x = base.make(H=1, HV=2, lengths=[40, 3], seed=5)
     t, g = base.tok(x), base.gkw(x)
     names = kernel_names(lambda: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
@@ -128,11 +127,11 @@ def test_hopper_kernel_runs_and_falls_back():
     assert any("kda_chunked_sm90" in n for n in names), names
     # a grid that fills few SMs: KDA_CHUNKED_KERNEL=auto runs the Hopper kernel there too, mma the mma.sync kernel
     for kernel, hopper in (("auto", True), ("mma", False)):
-        os.environ["KDA_CHUNKED_KERNEL"] = kernel
+        route_env(monkeypatch, KDA_CHUNKED_KERNEL=kernel)
         try:
             names = kernel_names(lambda: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
         finally:
-            os.environ["KDA_CHUNKED_KERNEL"] = "sm90"
+            route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90")
         assert any("kda_chunked_sm90" in n for n in names) == hopper, (kernel, names)
         assert any("kda_chunked_kernel" in n for n in names) != hopper, (kernel, names)
 
@@ -140,7 +139,7 @@ def test_hopper_kernel_runs_and_falls_back():
 def test_auto_routes_by_grid(monkeypatch):
     """KDA_CHUNKED_KERNEL=auto: the forward on the Hopper kernel on any grid, N·HV > SMs / 2 or not (the mma.sync
     kernel would take two CTAs per head on the small one)."""
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", "auto")
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL="auto")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, want in ((sms // 2 + 1, True), (2, True)):
         x = base.make(H=1, HV=1, lengths=[20] * n, seed=7)
@@ -151,7 +150,7 @@ def test_auto_routes_by_grid(monkeypatch):
 
 def _training_forward(x, kernel, monkeypatch):
     """(output, final state, tapes) of the training forward on `kernel`, and whether the Hopper kernel ran."""
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL=kernel)
     t, g = base.tok(x), base.gkw(x)
     cu = x.get("cu_seqlens")
     N = x["q"].shape[0] if cu is None else cu.numel() - 1
@@ -208,7 +207,7 @@ def test_hopper_backward_chain_runs(monkeypatch):
     args, fwd_rest, rest = _training_case(seed=11)
     grads = {}
     for kernel in ("sm90", "mma"):
-        monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+        route_env(monkeypatch, KDA_CHUNKED_KERNEL=kernel)
         fwd = torch.ops.kda.recurrent_kda_training_forward(*args, *fwd_rest)
         tapes, tcs = fwd[2], fwd[3]
         out = []
@@ -272,7 +271,7 @@ def test_hopper_state_only_instantiation(gate_mode, span, beta_is_logit, l2, HV,
     raw_recurrent(q, k, v, g, beta, state=pb, ssm_state_indices=slots, output=v.new_empty(0), **kw)
     torch.cuda.synchronize()
     err = capfd.readouterr().err
-    assert LAUNCH_LINE in err and " state-only" in err, err[-400:]
+    assert "kernel=chunked_sm90 variant=3 state_only" in err, err[-400:]
     assert torch.equal(bits(pa), bits(pb))
     assert all(torch.equal(pb[i], pool[i]) for i in (2, 6, 7))  # slots no sequence writes
     fa = torch.zeros(N, HV, K, K, device="cuda")
@@ -283,7 +282,7 @@ def test_hopper_state_only_instantiation(gate_mode, span, beta_is_logit, l2, HV,
 
 
 def _run(t, g, m, kernel, monkeypatch, **kw):
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL=kernel)
     return base.call(t, g, **m, **kw)
 
 
@@ -372,19 +371,18 @@ def test_hopper_deterministic():
             assert torch.equal(a, b), "identical calls differ"
 
 
+@pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
 def test_hopper_schedules_same_bits(monkeypatch):
-    """KDA_SM90_SCHEDULE (the prep warpgroups' role rotation, the inverse's vector loads, the chain's per-warp
-    output staging) and KDA_SM90_VARIANT 2
-    vs 3 change the schedule only: the prefill's output and pool, and the backward chain's gradients, are
-    the same bits in every setting."""
+    """The schedule bits (the prep warpgroups' role rotation, the inverse's vector loads, the chain's per-warp
+    output staging) and designs 2 vs 3 change the schedule only: the prefill's output and pool, and the backward
+    chain's gradients, are the same bits in every setting (experiments: KDA_EXPERIMENT=sm90_variant,sm90_schedule)."""
     x = base.make(H=2, HV=4, state_dtype=BF16, lengths=[300, 3, 1, 130, 0, 64, 1030], seed=53)
     t, g = base.tok(x), base.gkw(x)
     args, fwd_rest, rest = _training_case(seed=13)
     results = {}
     for variant in ("2", "3"):
         for schedule in ("0", "1", "2", "3", "4", "7", "8", "11", "15"):
-            monkeypatch.setenv("KDA_SM90_VARIANT", variant)
-            monkeypatch.setenv("KDA_SM90_SCHEDULE", schedule)
+            route_env(monkeypatch, KDA_EXPERIMENT=f"sm90_variant={variant},sm90_schedule={schedule}")
             pool = x["initial_state"].clone()
             o, _ = base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
             fwd = torch.ops.kda.recurrent_kda_training_forward(*args, *fwd_rest)

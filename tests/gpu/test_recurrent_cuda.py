@@ -31,6 +31,7 @@ from conftest import (
 )
 
 import kda_ops
+from kda_ops import _routing
 from kda_ops.reference import recurrent_kda_reference, rel_rms
 
 # KDA_RECURRENT_TEST_DEVICE=cpu runs the device-neutral tests of this file on the CPU op: a check of the
@@ -38,7 +39,6 @@ from kda_ops.reference import recurrent_kda_reference, rel_rms
 DEV = os.environ.get("KDA_RECURRENT_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu] if DEV == "cuda" else []
 cuda_only = pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available(), reason="CUDA-specific")
-ROWS_ENV = "KDA_RECURRENT_ROWS_PER_LANE"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -292,45 +292,40 @@ def test_scenarios_reference(K, state_dtype):
 
 # ---------------------------------------------------------------------------------------------------
 # Launch configurations: the kernel switch (KDA_DECODE_KERNEL=ring|serial; unset: ring on bandwidth-bound grids of
-# bf16 tiles and of fp32 tiles at K=128 on sm_90+), the ring kernel's block shapes and issue order
-# (KDA_DECODE_RING_VARIANT, KDA_DECODE_RING_STATE_FIRST, KDA_DECODE_RING_DT_BIAS) and the schedule knobs (tile,
-# blocks per SM, carveout, L1 prefetch, warps per block) change only the schedule, so
-# every configuration must give the same bits. The launcher reads them
-# once per process (csrc/kda/decode/recurrent_launch.cu), so each configuration runs the scenarios in a
-# child process and saves its results; this process compares them with its own. Running this whole file
-# with KDA_DECODE_KERNEL=serial sends every other test through the serial kernel.
+# bf16 tiles and of fp32 tiles at K=128 on sm_90+) and, in an experiments build (KDA_BUILD_EXPERIMENTS=1), the
+# ring kernel's other block shapes and issue orders and the schedule knobs (tile, blocks per SM, carveout, L1
+# prefetch, warps per block, PDL) change only the schedule, so every configuration must give the same bits. The
+# switches are read at import, so each configuration runs the scenarios in a child process and saves its
+# results; this process compares them with its own. Running this whole file with KDA_DECODE_KERNEL=serial sends
+# every other test through the serial kernel.
 
-KNOB_NAMES = ("KDA_DECODE_KERNEL", ROWS_ENV, "KDA_RECURRENT_BLOCKS_PER_SM", "KDA_RECURRENT_CARVEOUT",
-              "KDA_RECURRENT_L1_PREFETCH", "KDA_RECURRENT_WARPS_PER_BLOCK", "KDA_RECURRENT_DIAG",
-              "KDA_DECODE_RING_VARIANT", "KDA_DECODE_RING_STATE_FIRST", "KDA_DECODE_PDL", "KDA_DECODE_RING_FP32",
-              "KDA_DECODE_RING_DT_BIAS", "KDA_DECODE_RING_PRODUCER")
+KNOB_NAMES = ("KDA_DECODE_KERNEL", "KDA_EXPERIMENT")
 RING = {"KDA_DECODE_KERNEL": "ring"}
 SERIAL = {"KDA_DECODE_KERNEL": "serial"}
-CONFIGS = [
-    SERIAL,
-    RING,
-    dict(RING, KDA_RECURRENT_BLOCKS_PER_SM="1"),  # one block per SM: every ring wraps many times
-    dict(RING, **{ROWS_ENV: "4"}),
-    dict(RING, **{ROWS_ENV: "8"}),
-    # the block shapes of the K=128 NR=8 tile (default 1; other tiles keep shape 0), one with one block per SM
-    dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "0"}),
-    dict(RING, KDA_DECODE_PDL="0"),  # without programmatic dependent launch (the default uses it)
-    dict(SERIAL, KDA_DECODE_PDL="0"),
-    dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "2", "KDA_DECODE_RING_STATE_FIRST": "1"}),
-    dict(RING, **{ROWS_ENV: "8", "KDA_DECODE_RING_VARIANT": "3", "KDA_RECURRENT_BLOCKS_PER_SM": "1"}),
-    {ROWS_ENV: "1"},
-    {ROWS_ENV: "2"},
-    dict(SERIAL, **{ROWS_ENV: "8", "KDA_RECURRENT_WARPS_PER_BLOCK": "1"}),
-    dict(SERIAL, **{"KDA_RECURRENT_BLOCKS_PER_SM": "1", ROWS_ENV: "4"}),
-    dict(SERIAL, KDA_RECURRENT_CARVEOUT="default", KDA_RECURRENT_L1_PREFETCH="1"),
-    # fp32 pools at K=128 take the ring kernel's 4-rows tile on bandwidth-bound grids (RING: everywhere);
-    # without it they stay serial
-    dict(KDA_DECODE_RING_FP32="0"),
-    # dt_bias read from global memory by the math warps instead of bulk-copied into the stage
-    dict(RING, KDA_DECODE_RING_DT_BIAS="global"),
-    # the producer lanes each on its own (default: in step)
-    dict(RING, KDA_DECODE_RING_PRODUCER="diverged"),
-]
+CONFIGS = [SERIAL, RING]
+if _routing.knobs()["experiments_built"]:
+    CONFIGS += [
+        dict(RING, KDA_EXPERIMENT="blocks_per_sm=1"),  # one block per SM: every ring wraps many times
+        dict(RING, KDA_EXPERIMENT="rows_per_lane=4"),
+        dict(RING, KDA_EXPERIMENT="rows_per_lane=8"),
+        # the block shapes of the K=128 NR=8 tile (default 1; other tiles keep shape 0), one with one block per SM
+        dict(RING, KDA_EXPERIMENT="rows_per_lane=8,ring_shape=0"),
+        dict(RING, KDA_EXPERIMENT="pdl=0"),  # without programmatic dependent launch (the default uses it)
+        dict(SERIAL, KDA_EXPERIMENT="pdl=0"),
+        dict(RING, KDA_EXPERIMENT="rows_per_lane=8,ring_shape=2,ring_state_first=1"),
+        dict(RING, KDA_EXPERIMENT="rows_per_lane=8,ring_shape=3,blocks_per_sm=1"),
+        {"KDA_EXPERIMENT": "rows_per_lane=1"},
+        {"KDA_EXPERIMENT": "rows_per_lane=2"},
+        dict(SERIAL, KDA_EXPERIMENT="rows_per_lane=8,warps_per_block=1"),
+        dict(SERIAL, KDA_EXPERIMENT="blocks_per_sm=1,rows_per_lane=4"),
+        dict(SERIAL, KDA_EXPERIMENT="carveout=-1,l1_prefetch=1"),
+        # fp32 pools at K=128 take the ring kernel's 4-rows tile on bandwidth-bound grids; without it they stay serial
+        {"KDA_EXPERIMENT": "ring_fp32=0"},
+        # dt_bias read from global memory by the math warps instead of bulk-copied into the stage
+        dict(RING, KDA_EXPERIMENT="ring_dt_bias_global=1"),
+        # the producer lanes each on its own (default: in step)
+        dict(RING, KDA_EXPERIMENT="ring_producer_diverged=1"),
+    ]
 
 
 def _scenario_results() -> dict:

@@ -25,11 +25,11 @@ from conftest import (
     lengths_to_cu,
     recurrent_call,
     recurrent_reference,
+    route_env,
     scan_case,
     scan_reference,
     split_then_unsplit,
     state_only_matches,
-    route_env,
 )
 
 import kda_ops

@@ -360,7 +360,7 @@ def test_cuda_matches_cpu_op():
 
 
 def test_backward_host_route(monkeypatch):
-    """KDA_TRAINING_BACKWARD_HOST=1 takes the route of GPUs without the sweep's shared memory (sm_120): the
+    """KDA_TRAINING_SWEEP=host takes the route of GPUs without the sweep's shared memory (sm_120): the
     CPU op on host copies of the CUDA forward's tapes, so the gradients equal the CPU op's on those tapes bit
     for bit, and the kernels' within tolerance."""
     if not torch._C._dispatch_has_kernel_for_dispatch_key("kda::recurrent_kda_training_backward", "CPU"):
@@ -372,7 +372,7 @@ def test_backward_host_route(monkeypatch):
     _, _, t, s_ = torch.ops.kda.recurrent_kda_training_forward(*args, c["initial_state"], c["cu_seqlens"], sc, lam)
     tail = (c["initial_state"], c["cu_seqlens"], c["do"], c["dfinal_state"], sc, lam)
     g_kernels = torch.ops.kda.recurrent_kda_training_backward(*args, t, s_, *tail)
-    monkeypatch.setenv("KDA_TRAINING_BACKWARD_HOST", "1")
+    route_env(monkeypatch, KDA_TRAINING_SWEEP="host")
     g_host = torch.ops.kda.recurrent_kda_training_backward(*args, t, s_, *tail)
     args_cpu = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
     g_c = torch.ops.kda.recurrent_kda_training_backward(
@@ -391,11 +391,11 @@ def test_backward_host_route_refuses_capture(monkeypatch):
     x = _case_inputs(1, 0, 1, 2, [30, 0, 70], False, seed=9, with_dfinal=True)
     c = _cuda(x)
     pub = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["A_log"], c["dt_bias"], c["initial_state"], c["do"])
-    monkeypatch.setenv("KDA_TRAINING_BACKWARD_HOST", "1")
+    route_env(monkeypatch, KDA_TRAINING_SWEEP="host")
     kda_ops.recurrent_kda_backward(*pub, c["dfinal_state"], cu_seqlens=c["cu_seqlens"], scale=0.1, lower_bound=-4.0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="KDA_TRAINING_BACKWARD_HOST"):
+    with pytest.raises(RuntimeError, match="KDA_TRAINING_SWEEP=host"):
         with torch.cuda.graph(graph):
             kda_ops.recurrent_kda_backward(
                 *pub, c["dfinal_state"], cu_seqlens=c["cu_seqlens"], scale=0.1, lower_bound=-4.0
@@ -651,7 +651,7 @@ def test_uncovered_tokens_hold_inf(group):
 # route (the CPU op on host copies) would refuse CUDA-graph capture.
 
 from _training_cases import EDGES, MODES, PINNED_UNCOMPARED, make_case, mode_id, reference_grads  # noqa: E402
-from conftest import lengths_to_cu  # noqa: E402
+from conftest import lengths_to_cu, route_env  # noqa: E402
 
 _NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -814,12 +814,12 @@ def _force_sweep(monkeypatch, sweep):
         pytest.skip("the 64-token sweep is the Hopper (sm_90a) kernel")
     if sweep == "sub16" and torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
         pytest.skip("this GPU runs the small sweep by itself")
-    monkeypatch.delenv("KDA_TRAINING_BACKWARD_HOST", raising=False)
-    monkeypatch.setenv("KDA_TRAINING_SWEEP", sweep)
+    route_env(monkeypatch, KDA_TRAINING_SWEEP=sweep)
 
 
-# what KDA_TRAINING_VERBOSE=1 prints after "kda training sweep: " for each forced sweep
-_SWEEP_LINES = {"wgmma64": "wgmma64 (sm_90a)", "sub16": "sub16"}
+# what KDA_VERBOSE=1 prints for the sweep the spine chose (csrc/kda/route/route_cuda.cu)
+def _sweep_line(sweep: str) -> str:
+    return f"kda route: training_backward sweep={sweep} "
 
 
 @pytest.mark.parametrize("sweep", ["wgmma64", "sub16"])
@@ -830,7 +830,7 @@ def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     every mode: the eight gradients of recurrent_kda_backward against fp64 autograd, and two calls give the same
     bits."""
     _force_sweep(monkeypatch, sweep)
-    monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
+    route_env(monkeypatch, KDA_VERBOSE="1")
     label = case[0]
     x, kw, do, dS = _mode_case_inputs(case)
     ref = reference_grads(x, kw, do, dS)[2]
@@ -839,7 +839,7 @@ def test_each_sweep_every_mode(case, sweep, monkeypatch, capfd):
     g2 = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
     err = capfd.readouterr().err
-    assert f"kda training sweep: {_SWEEP_LINES[sweep]}" in err, err[-500:]
+    assert _sweep_line(sweep) in err, err[-500:]
     for n_, a, b in zip(GRADS, g, g2, strict=True):
         assert torch.equal(a, b), f"{label} {sweep}: {n_} differs between two runs"
     grads = [None if e is None else a for a, e in zip(g, ref, strict=True)]
@@ -856,14 +856,14 @@ def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
     three gradients are ~1e-18 in fp64 (below fp32's resolution of the sums that form them), so they are only held
     finite and below 1e-4."""
     _force_sweep(monkeypatch, sweep)
-    monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
+    route_env(monkeypatch, KDA_VERBOSE="1")
     x, kw, do, dS = make_case(("lower_bound", True, True), T=130, H=1, HV=2, K=128, seed=7, lb=-5.0)
     EDGES[edge](x)
     ref = reference_grads(x, kw, do, dS)[2]
     g = _raw_mode_backward(_to_cuda(x), kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
     err = capfd.readouterr().err
-    assert f"kda training sweep: {_SWEEP_LINES[sweep]}" in err, err[-500:]
+    assert _sweep_line(sweep) in err, err[-500:]
     label = f"{sweep} lower-bound {edge}"
     if edge == "pinned":
         for n_ in PINNED_UNCOMPARED:
@@ -883,7 +883,7 @@ def test_automatic_sweep(mode, monkeypatch, capfd):
     precomputed g (whose log-decays may be positive); elsewhere the 16-token sweep. The gradients match fp64
     autograd either way."""
     _default_sweep_or_skip(monkeypatch)
-    monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
+    route_env(monkeypatch, KDA_VERBOSE="1")
     x, kw, do, dS = make_case(mode, T=130, H=2, HV=2, K=128, seed=3, lb=-5.0)
     ref = reference_grads(x, kw, do, dS)[2]
     g = _raw_mode_backward(_to_cuda(x), kw, do.cuda(), dS.cuda())
@@ -891,7 +891,7 @@ def test_automatic_sweep(mode, monkeypatch, capfd):
     hopper = torch.cuda.get_device_capability() == (9, 0)
     want = "wgmma64" if hopper and mode[0] != "precomputed" else "sub16"
     err = capfd.readouterr().err
-    assert f"kda training sweep: {_SWEEP_LINES[want]}" in err, err[-500:]
+    assert _sweep_line(want) in err, err[-500:]
     _check_mode_grads(f"automatic {mode[0]}", [None if e is None else a for a, e in zip(g, ref, strict=True)], ref)
 
 
@@ -899,8 +899,7 @@ def _default_sweep_or_skip(monkeypatch):
     """Skips on GPUs that run the small sweep by themselves; clears the switches that pick a sweep."""
     if torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228032:
         pytest.skip("this GPU runs the small sweep by itself (no default sweep to compare with)")
-    for name in ("KDA_TRAINING_SWEEP", "KDA_TRAINING_BACKWARD_HOST"):
-        monkeypatch.delenv(name, raising=False)
+    route_env(monkeypatch, KDA_TRAINING_SWEEP=None)
 
 
 _SMALL_MODES = [("lower_bound", True, True), ("softplus", False, True), ("precomputed", True, False)]
@@ -916,15 +915,15 @@ def test_small_sweep_same_bits(mode, Kd, monkeypatch, capfd):
     _default_sweep_or_skip(monkeypatch)
     x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 167], H=1, HV=2, K=Kd, seed=23, lb=-1.0)
     c = _to_cuda(x)
-    monkeypatch.setenv("KDA_TRAINING_VERBOSE", "1")
-    monkeypatch.setenv("KDA_TRAINING_SWEEP", "sub16")  # (the 16-token sweep the small one shares its bits with)
+    route_env(monkeypatch, KDA_VERBOSE="1")
+    route_env(monkeypatch, KDA_TRAINING_SWEEP="sub16")  # (the 16-token sweep the small one shares its bits with)
     g_default = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
-    assert "kda training sweep: sub16" in capfd.readouterr().err
-    monkeypatch.setenv("KDA_TRAINING_SWEEP", "small")
+    assert _sweep_line("sub16") in capfd.readouterr().err
+    route_env(monkeypatch, KDA_TRAINING_SWEEP="small")
     g_small = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     torch.cuda.synchronize()
-    assert "kda training sweep: small" in capfd.readouterr().err
+    assert _sweep_line("small") in capfd.readouterr().err
     for n_, a, b in zip(GRADS, g_small, g_default, strict=True):
         assert torch.equal(a, b), f"{n_}: the small sweep differs from the default one"
     ref = reference_grads(x, kw, do, dS)[2]
@@ -935,7 +934,6 @@ def test_small_sweep_same_bits(mode, Kd, monkeypatch, capfd):
 def test_small_sweep_reuses_its_scratch(monkeypatch):
     """More sweep tasks than SMs: each CTA of the persistent small sweep runs several tasks through its one
     global scratch; bit-equal to the default sweep (the sequence split off: one plain call)."""
-    from kda_ops import _split
 
     _default_sweep_or_skip(monkeypatch)
     route_env(monkeypatch, KDA_SEQUENCE_SPLIT="0")
@@ -943,9 +941,9 @@ def test_small_sweep_reuses_its_scratch(monkeypatch):
     T = 64 * (sms // 2 + 7)  # tasks = (T / 64) * HV > SMs with HV = 2
     x, kw, do, dS = make_case(("softplus", True, True), T=T, H=1, HV=2, K=128, seed=31)
     c = _to_cuda(x)
-    monkeypatch.setenv("KDA_TRAINING_SWEEP", "sub16")
+    route_env(monkeypatch, KDA_TRAINING_SWEEP="sub16")
     g_default = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
-    monkeypatch.setenv("KDA_TRAINING_SWEEP", "small")
+    route_env(monkeypatch, KDA_TRAINING_SWEEP="small")
     g_small = _raw_mode_backward(c, kw, do.cuda(), dS.cuda())
     for n_, a, b in zip(GRADS, g_small, g_default, strict=True):
         assert torch.equal(a, b), f"{n_}: the small sweep differs from the default one"
@@ -970,15 +968,15 @@ torch.save({"grads": [None if leaves[n] is None else leaves[n].grad.cpu() for n 
 @pytest.mark.parametrize("mode", _SMALL_MODES[:2], ids=mode_id)
 def test_training_as_on_a_small_shared_memory_gpu(mode, tmp_path):
     """The whole training path a GPU with ~99 KiB of shared memory per block takes (sm_120), run on this one:
-    KDA_CHUNKED_PIPELINE=small (the chunked kernel's shallow pipeline for the forward and the backward chain,
-    read once per process: a child process) and KDA_TRAINING_SWEEP=small; the gradients of kda_ops.kda
+    KDA_CHUNKED_KERNEL=mma_small (the mma.sync kernel's shallow pipeline for the forward and the backward chain,
+    in a child process: the switches are read at import) and KDA_TRAINING_SWEEP=small; the gradients of kda_ops.kda
     against fp64 autograd, K = V = 128 and 64."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k_: v_ for k_, v_ in os.environ.items() if not k_.startswith(("KDA_CHUNKED_", "KDA_TRAINING_"))}
-    env.update(KDA_CHUNKED_PIPELINE="small", KDA_TRAINING_SWEEP="small", KDA_TRAINING_VERBOSE="1")
+    env.update(KDA_CHUNKED_KERNEL="mma_small", KDA_TRAINING_SWEEP="small", KDA_VERBOSE="1")
     gate, logit, l2 = mode
     for Kd in (128, 64):
         path = str(tmp_path / f"g{Kd}.pt")
@@ -992,7 +990,8 @@ def test_training_as_on_a_small_shared_memory_gpu(mode, tmp_path):
             env=env,
         )
         assert r.returncode == 0, r.stderr[-4000:]
-        assert "kda training sweep: small" in r.stderr and "kda training sweep: sub16" not in r.stderr
+        assert _sweep_line("small") in r.stderr and _sweep_line("sub16") not in r.stderr
+        assert "kernel=chunked_mma value_rows=64 pipeline=small" in r.stderr and "chunked_sm90" not in r.stderr
         x, kw, do, dS = make_case(mode, cu=[0, 150, 150, 230], H=2, HV=4, K=Kd, seed=29, lb=-5.0)
         grads = [None if t is None else t.cuda() for t in torch.load(path)["grads"]]
         _check_mode_grads(f"small gpu {mode_id(mode)} K{Kd}", grads, reference_grads(x, kw, do, dS)[2])
@@ -1141,7 +1140,7 @@ def test_backward_chain_kernels_extreme_gates(gate, kernel, monkeypatch):
     """The backward chain (and the forward) on either chunked kernel, forced by KDA_CHUNKED_KERNEL (the automatic
     choice takes the Hopper kernel only when the heads fill the SMs), with extreme unbounded gates, GQA 2: the
     eight gradients of recurrent_kda_backward within 1e-2 of fp64 autograd, finite."""
-    monkeypatch.setenv("KDA_CHUNKED_KERNEL", kernel)
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL=kernel)
     label = f"{gate}-{kernel}-chain"
     x, kw, do, dS = _extreme_case(gate, True, True, 90, None, 2, 4, True, seed=31)
     _, _, ref = reference_grads(x, kw, do, dS)
