@@ -1,6 +1,9 @@
 # The README's commands. `make test` and `make demo` work on a fresh machine: they create .venv,
 # install torch 2.14.1 + the pinned CUTLASS headers + test tools, build kda_ops._C, then run.
-# On a machine that already has torch (the GPU machine), use PY=python3 VENV= to skip the venv.
+# On a machine that already has torch, use PY=python3 VENV= to skip the venv.
+# KDA_CUDA_ARCHS=auto (setup.py) compiles the CUDA kernels for the GPU torch sees, and builds the CPU-only
+# extension on a machine without one (saying how to ask for kernels: KDA_CUDA_ARCHS=90a, a list, or all).
+# KDA_BUILD_EXPERIMENTS=1 compiles the experiment switches in (docs/env.md); `make wheel` refuses it.
 SHELL := /bin/bash
 VENV ?= .venv
 PY ?= $(if $(VENV),$(VENV)/bin/python,python3)
@@ -67,14 +70,20 @@ test-gpu: build
 demo: build
 	$(PY) -m kda_ops.demo
 
-bench: build  # the three benchmarks, --quick, beside fla when importable (GPU machine; tables in benchmarks/results)
+bench: build  # the three benchmarks, --quick, beside fla when importable (needs a GPU; tables in benchmarks/results)
 	for b in decode prefill train; do $(PY) benchmarks/bench_$$b.py --quick || exit 1; done
 
-device-check:
-	bash scripts/device_check.sh
+# On a GPU machine: build for its GPU, the GPU tier (one pytest process per file), the benchmarks (--quick) and
+# compute-sanitizer; logs and summary.json in $(DEVICE_OUT). DEVICE_STAGES picks stages (build tests bench sanitize).
+DEVICE_OUT ?= device-results
+DEVICE_STAGES ?= build tests bench sanitize
+# its build on every core, unless MAX_JOBS is given (the default of 2 above is for small machines)
+DEVICE_JOBS = $(if $(filter file,$(origin MAX_JOBS)),$(shell nproc),$(MAX_JOBS))
+device-check: venv
+	PY=$(PY) OUT=$(DEVICE_OUT) STAGES="$(DEVICE_STAGES)" MAX_JOBS=$(DEVICE_JOBS) bash scripts/device_check.sh
 
 .PHONY: sanitize
-sanitize: build  # compute-sanitizer memcheck/racecheck/synccheck/initcheck over every CUDA op (GPU machine)
+sanitize: build  # compute-sanitizer memcheck/racecheck/synccheck/initcheck over every CUDA op (needs a GPU)
 	PY=$(PY) bash scripts/sanitize.sh
 
 lint:

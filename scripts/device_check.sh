@@ -1,108 +1,150 @@
 #!/usr/bin/env bash
-# The one command for the GPU machine: build for sm_90a with 16 jobs, run the test
-# suite (GPU tier + CPU tier), run the benchmarks, and leave logs + a JSON summary under $OUT.
+# The GPU check of a checkout, on any machine with a CUDA GPU (`make device-check`):
 #
-#   bash scripts/device_check.sh            # everything
-#   bash scripts/device_check.sh --quick    # build + GPU tests only
-#   STAGES="build tests bench_decode" bash scripts/device_check.sh
+#   bash scripts/device_check.sh                  # build tests bench sanitize
+#   bash scripts/device_check.sh build tests      # some stages, in this order (or STAGES="build tests")
+#   FILES="tests/gpu/test_recurrent_cuda.py" bash scripts/device_check.sh tests
 #
-# The machine has no package registry: wheels in .whl/ (nvidia-cutlass, fla-core,
-# flash-linear-attention; see docs/development.md, "Peers on the GPU machine") are installed with --no-index first.
+# Stages:
+#   build     python setup.py build_ext --inplace; KDA_CUDA_ARCHS=auto (setup.py) compiles for the visible GPU.
+#             A failed build stops the run.
+#   tests     the GPU tier: one pytest process per file of tests/gpu, plus one for the GPU cases of the CPU-tier
+#             files (-m gpu), PARALLEL processes at a time sharing the one GPU. Each test runs under TEST_TIMEOUT
+#             seconds (pytest-timeout, when installed: a hang is named) and each file under FILE_TIMEOUT; the
+#             failed tests are listed by name at the end and in the summary.
+#   bench     benchmarks/bench_{decode,prefill,train}.py $BENCH_ARGS (default --quick), tables under $OUT/bench.
+#   sanitize  scripts/sanitize.sh: compute-sanitizer memcheck, racecheck, synccheck, initcheck over every CUDA op.
+#
+# Output in ${OUT:-./device-results}: <stage>.log, tests/<file>.log, bench/, sanitize/, and summary.json
+# ({"gpu", "stages": {stage: {"rc", "seconds"}}, "tests": {file: {"rc", "summary"}}, "failed": [test ids]}).
+# Exit status 0 only when every stage run passed.
+#
+# Settings (environment): PY (python3), STAGES, FILES, PARALLEL (half the CPU cores), TEST_TIMEOUT (200),
+# FILE_TIMEOUT (600), STAGE_TIMEOUT (3600, for build, bench and sanitize), BENCH_ARGS (--quick), MAX_JOBS (all
+# cores), OMP_NUM_THREADS (2 per pytest process: the fp64 CPU references of parallel processes would otherwise
+# oversubscribe the cores), TRITON_CACHE_DIR (default .triton_cache/ in the checkout, git-ignored: fla's Triton
+# kernels compile and autotune for minutes in a fresh process, once per machine with a kept cache).
 set -uo pipefail
-source "$(dirname "$0")/_device_env.sh"  # repository root, OUT, build env, .golden/, kda_install_wheels
-STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}  # seconds per stage; the device allows 600 per command
-QUICK=0
-[ "${1:-}" = "--quick" ] && QUICK=1
-STAGES=${STAGES:-$([ $QUICK = 1 ] && echo "build tests_gpu" || echo "build tests demo sanitize ncu ncu_chunked bench_decode bench_prefill bench_train")}
-# Benchmark tables/plots go to $RESULTS and come back as one archive ($OUT returns at most 8 files).
-export RESULTS=${RESULTS:-/tmp/kda_results}
-mkdir -p "$RESULTS"
-SUMMARY="$OUT/summary.json"
-declare -A SECS RC
-
-kda_install_wheels
-# Triton's compile + autotune cache (fla's chunk_kda kernels compile and autotune for minutes in a fresh
-# process). TRITON_CACHE_OUT=1 returns it compressed, split into parts under the GPU machine's 16 MiB file
-# limit ($OUT/triton_cache.tgz.part00, part01, ...: ~29 MB after fla's first training case).
-# Next time put those parts in .triton_cache_parts/ (git-ignored) and carry it: they are unpacked into
-# $TRITON_CACHE_DIR before the stages. A carried .triton_cache/ (unpacked) is used in place too.
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-$PWD/device-results}
+OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)
+STAGES=${STAGES:-${*:-build tests bench sanitize}}
+NPROC=$(nproc 2>/dev/null || echo 4)
+PARALLEL=${PARALLEL:-$(( NPROC / 2 > 0 ? NPROC / 2 : 1 ))}
+TEST_TIMEOUT=${TEST_TIMEOUT:-200}
+FILE_TIMEOUT=${FILE_TIMEOUT:-600}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-3600}
+BENCH_ARGS=${BENCH_ARGS:---quick}
+export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-$NPROC}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
-if compgen -G ".triton_cache_parts/triton_cache.tgz.part*" >/dev/null; then
-  cat .triton_cache_parts/triton_cache.tgz.part* | tar -xzf - -C "$TRITON_CACHE_DIR" ||
-    echo "warning: .triton_cache_parts did not unpack; Triton starts from an empty cache"
-fi
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+RESULTS=$OUT/stages.tsv  # stage, rc, seconds: read by the summary
+: >"$RESULTS"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/gpu.txt" 2>&1 ||
+  echo "warning: nvidia-smi failed (no GPU visible?)"
 
-# ncu_source REGEX SKIP NAME CASE: profile one launch of the kernels matching REGEX in scripts/ncu_profile.py
-# CASE (after SKIP launches), print the details page and write the source-level CSV to $RESULTS/NAME_source.csv.
-ncu_source() {
-  ncu --kernel-name "regex:$1" --launch-skip "$2" --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats --section SourceCounters --section InstructionStats --import-source yes \
-      -f -o "/tmp/$3" python3 scripts/ncu_profile.py "$4" >/dev/null &&
-    ncu -i "/tmp/$3.ncu-rep" --page details &&
-    ncu -i "/tmp/$3.ncu-rep" --page source --csv --print-source cuda,sass >"$RESULTS/$3_source.csv"
-}
-export -f ncu_source  # stage runs its command under timeout, in a child bash
-
-stage() {  # stage NAME CMD...: run, time, log to $OUT/NAME.log
-  local name=$1; shift
-  local t0=$(date +%s)
+stage() {  # stage NAME CMD...: run, log to $OUT/NAME.log (and here, but for the build), record rc and seconds.
+  # A command under STAGE_TIMEOUT; a function of this script (tests, bench) keeps its own timeouts.
+  local name=$1 t0 rc; shift
+  t0=$(date +%s)
   echo "== $name: $*"
-  timeout "$STAGE_TIMEOUT" "$@" 2>&1 | tee "$OUT/$name.log"
-  RC[$name]=${PIPESTATUS[0]}
-  SECS[$name]=$(( $(date +%s) - t0 ))
-  echo "== $name: rc=${RC[$name]} in ${SECS[$name]} s"
+  local run=(timeout "$STAGE_TIMEOUT" "$@")
+  declare -F "$1" >/dev/null && run=("$@")
+  if [ "$name" = build ]; then
+    "${run[@]}" >"$OUT/$name.log" 2>&1
+    rc=$?
+    [ $rc != 0 ] && tail -n 30 "$OUT/$name.log"
+  else
+    "${run[@]}" 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+  fi
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >>"$RESULTS"
+  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+  return "$rc"
 }
 
+gpu_tier() {  # one pytest process per file, PARALLEL at a time; rc 1 when any file failed
+  local logs=$OUT/tests pytest status=0 f n
+  rm -rf "$logs"; mkdir -p "$logs"
+  pytest=("$PY" -m pytest -q -rfE -p no:cacheprovider -o addopts= --durations=5)
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    pytest+=(--timeout="$TEST_TIMEOUT" --timeout-method=thread)
+  else
+    echo "note: pytest-timeout not installed: no per-test timeout, only FILE_TIMEOUT=$FILE_TIMEOUT s per file"
+  fi
+  # shellcheck disable=SC2206
+  [ -n "${PYTEST_ARGS:-}" ] && pytest+=($PYTEST_ARGS)
+  run_file() {  # run_file NAME ARGS...: its log and exit status in $logs/NAME.log
+    local name=$1; shift
+    timeout "$FILE_TIMEOUT" "${pytest[@]}" "$@" >"$logs/$name.log" 2>&1
+    echo "rc=$?" >>"$logs/$name.log"
+  }
+  for f in ${FILES:-tests/gpu/test_*.py}; do
+    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
+    n=$(basename "$f" .py)
+    run_file "$n" "$f" &
+  done
+  if [ -z "${FILES:-}" ]; then
+    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
+    run_file cpu_tier_gpu_cases -m gpu tests/test_*.py &
+  fi
+  wait
+  for f in "$logs"/*.log; do
+    n=$(basename "$f" .log)
+    last=$(tail -n 1 "$f")
+    summary=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$f" | grep -vE '^(FAILED|ERROR) ' | tail -n 1)
+    echo "### $n: $last | $summary"
+    # rc=5: no test collected (a file whose cases all need another GPU is fine)
+    [ "$last" != rc=0 ] && [ "$last" != rc=5 ] && status=1
+  done
+  grep -h -E "^(FAILED|ERROR) " "$logs"/*.log | cut -c1-300 | head -n 60
+  return $status
+}
+
+bench() {
+  local b rc=0
+  for b in decode prefill train; do
+    # shellcheck disable=SC2086
+    timeout "$STAGE_TIMEOUT" "$PY" "benchmarks/bench_$b.py" --out "$OUT/bench" $BENCH_ARGS || rc=1
+  done
+  return $rc
+}
+
+status=0
 for s in $STAGES; do
   case $s in
-    build) stage build python3 setup.py -q build_ext --inplace ;;
-    tests) stage tests python3 -m pytest -q -p no:cacheprovider tests ;;
-    tests_gpu) stage tests_gpu python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
-    tests_sel) stage tests_sel python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/gpu} ;;
-    chunked_debug) stage chunked_debug python3 scripts/chunked_debug.py ;;
-    sanitize) stage sanitize bash scripts/sanitize.sh ;;  # compute-sanitizer, 4 tools (full run only)
-    bench_*) stage "$s" python3 "benchmarks/$s.py" --out "$RESULTS" ${BENCH_ARGS:-} ;;
-    demo) stage demo python3 -m kda_ops.demo ;;
-    api_profile) stage api_profile python3 scripts/api_profile.py ;;  # where an end-to-end prefill call spends time
-    train_profile) stage train_profile python3 scripts/train_profile.py ;;  # kernels of one training backward
-    racecheck_probe) stage racecheck_probe bash -c 'nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu &&
-           /tmp/racecheck_probe && compute-sanitizer --tool racecheck /tmp/racecheck_probe' ;;
-    ncu_chunked) stage ncu_chunked bash -c 'ncu_source "$@"' _ kda_chunked 2 ncu_chunked "${NCU_CASE:-prefill_96_8192}" ;;
-    ncu_train) stage ncu_train bash -c 'ncu_source "$@"' _ kda_training_backward_chunked 1 ncu_train \
-                 "${NCU_TRAIN_CASE:-train_32_2048}" ;;
-    ncu) stage ncu ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 \
-           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-           --section WarpStateStats --section SchedulerStats python3 scripts/ncu_profile.py decode_bf16 ;;
-    *) echo "unknown stage $s"; RC[$s]=2; SECS[$s]=0 ;;
+    build)
+      if command -v flock >/dev/null; then
+        stage build flock "${BUILD_LOCK:-/tmp/kda_ops_build.lock}" "$PY" setup.py -q build_ext --inplace
+      else
+        stage build "$PY" setup.py -q build_ext --inplace
+      fi || { status=1; echo "== build failed: the remaining stages are skipped"; break; } ;;
+    tests) stage tests gpu_tier || status=1 ;;
+    bench) stage bench bench || status=1 ;;
+    sanitize) stage sanitize env PY="$PY" SANITIZE_LOG_DIR="$OUT/sanitize" bash scripts/sanitize.sh || status=1 ;;
+    *) echo "unknown stage $s (build tests bench sanitize)"; printf '%s\t2\t0\n' "$s" >>"$RESULTS"; status=1 ;;
   esac
-  [ "$s" = build ] && [ "${RC[build]}" != 0 ] && break
 done
 
-# The GPU machine returns at most 8 files from $OUT: every stage log also goes into the archive.
-mkdir -p "$RESULTS/logs" && cp "$OUT"/*.log "$RESULTS/logs/" 2>/dev/null
-tar -czf "$OUT/results.tar.gz" -C "$RESULTS" . 2>/dev/null
-if [ "${TRITON_CACHE_OUT:-0}" = 1 ]; then
-  tar -czf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M -d - "$OUT/triton_cache.tgz.part"
-fi
-# One log for all benchmarks keeps the returned file count low.
-for s in $STAGES; do case $s in bench_*) [ -f "$OUT/$s.log" ] && { echo "== $s"; cat "$OUT/$s.log"; rm "$OUT/$s.log"; };; esac; done >"$OUT/bench.log"
-python3 - "$SUMMARY" "$STAGES" <<PY
-import json, re, sys, os
-out, stages = sys.argv[1], sys.argv[2].split()
-res = {"gpu": open(os.path.join(os.path.dirname(out), "gpu.txt")).read().strip()}
-secs = {$(for s in "${!SECS[@]}"; do printf '"%s": %s, ' "$s" "${SECS[$s]}"; done)}
-rcs = {$(for s in "${!RC[@]}"; do printf '"%s": %s, ' "$s" "${RC[$s]}"; done)}
-for s in stages:
-    entry = {"seconds": secs.get(s), "rc": rcs.get(s)}
-    log = os.path.join(os.path.dirname(out), s + ".log")
-    if s.startswith("tests") and os.path.exists(log):
-        tail = [l for l in open(log).read().splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
-        entry["pytest"] = tail[-1] if tail else None
-    res[s] = entry
-json.dump(res, open(out, "w"), indent=1)
+"$PY" - "$OUT" <<'PY'
+import glob, json, os, re, sys
+
+out = sys.argv[1]
+res = {"gpu": open(os.path.join(out, "gpu.txt")).read().strip(), "stages": {}, "tests": {}, "failed": []}
+for line in open(os.path.join(out, "stages.tsv")).read().splitlines():
+    name, rc, secs = line.split("\t")
+    res["stages"][name] = {"rc": int(rc), "seconds": int(secs)}
+for log in sorted(glob.glob(os.path.join(out, "tests", "*.log"))):
+    lines = open(log, errors="replace").read().splitlines()
+    rc = int(lines[-1][3:]) if lines and lines[-1].startswith("rc=") else None
+    counts = [ln.strip("= ") for ln in lines if re.search(r"\d+ (passed|failed|error|skipped)|no tests ran", ln)
+              and not ln.startswith(("FAILED", "ERROR"))]
+    res["tests"][os.path.basename(log)[:-4]] = {"rc": rc, "summary": counts[-1] if counts else None}
+    res["failed"] += [ln.split(" - ")[0] for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+json.dump(res, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps(res, indent=1))
 PY
-exit $(( ${RC[build]:-0} ))
+echo "== device check: $([ $status = 0 ] && echo OK || echo FAILED) (logs and summary.json in $OUT)"
+exit $status

@@ -11,21 +11,19 @@
 #   SANITIZE_DEVICE=cpu COMPUTE_SANITIZER=<stub> bash scripts/sanitize.sh    # check this script without a GPU
 #
 # Prints one summary line per tool (exit code, sanitizer reports, cases run/skipped/failed, seconds) and
-# the first reports of any tool that found some; full logs go to $SANITIZE_LOG_DIR (default
-# /tmp/kda_results/sanitize when /tmp/kda_results exists, which device_check.sh archives, else
-# /tmp/kda_sanitize). Exit 0 only when every tool ran clean: zero reports and no failed case.
+# the first reports of any tool that found some; full logs go to $SANITIZE_LOG_DIR (default /tmp/kda_sanitize;
+# scripts/device_check.sh passes its $OUT/sanitize). Exit 0 only when every tool ran clean: zero reports and no
+# failed case.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
 CASES=${CASES:-}
 DEVICE=${SANITIZE_DEVICE:-cuda}
-# Per tool; 4 x 95 s stays inside device_check.sh's 420 s stage timeout. Cases print as they finish, so a
-# timeout still shows how far a tool got.
+# Seconds per tool (raise it on a slower GPU). Cases print as they finish, so a timeout still shows how far a
+# tool got.
 TIMEOUT=${SANITIZE_TIMEOUT:-95}
-if [ -z "${SANITIZE_LOG_DIR:-}" ]; then
-  if [ -d /tmp/kda_results ]; then SANITIZE_LOG_DIR=/tmp/kda_results/sanitize; else SANITIZE_LOG_DIR=/tmp/kda_sanitize; fi
-fi
+SANITIZE_LOG_DIR=${SANITIZE_LOG_DIR:-/tmp/kda_sanitize}
 mkdir -p "$SANITIZE_LOG_DIR"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONUNBUFFERED=1
 # tests/sanitize_cases.py runs as a script: the repository root must be importable (kda_ops).

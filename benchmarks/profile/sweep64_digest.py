@@ -2,10 +2,10 @@
 four cases of many tasks per CTA: packed with zero-length rows and GQA (lower-bound gate), softplus T=4096 with GQA,
 precomputed gate packed, and softplus packed with a band of wide blocks in every chunk; per case a hash of each
 gradient's bytes, the relative RMS against the 16-token sweep, and which elements differ from the previous run's
-gradients on this machine (saved under $TMPDIR, default /tmp). For an A/B of variants that should keep the arithmetic
-(scripts/ab_sweep64.sh's EXTRA): "bit-identical" after each.
+gradients on this machine (saved under $TMPDIR, default /tmp). For an A/B of variants that should keep the arithmetic,
+run it after each variant's build: "bit-identical" after each.
 
-    python3 scripts/sweep64_digest.py          (on the GPU machine; ~10 s)
+    python3 benchmarks/profile/sweep64_digest.py          (needs a Hopper GPU; ~10 s)
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from _training_cases import make_case, softplus_band  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 import kda_ops  # noqa: E402
+from benchmarks.profile.training_cases import make_case, softplus_band  # noqa: E402
 from kda_ops.reference import rel_rms  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -31,7 +30,7 @@ CASES = [
     ("precomp-packed", ("precomputed", False, False), [700, 0, 0, 1500, 65], 8, 8),
     ("softplus-band", ("softplus", True, True), [1000, 0, 700], 4, 8),
 ]
-# the "-band" cases: tests/_training_cases.py's softplus band in every 64-token chunk of the packed rows, so that many
+# the "-band" cases: training_cases.py's softplus band in every 64-token chunk of the packed rows, so that many
 # tasks have a wide block (the pairwise pair terms)
 
 

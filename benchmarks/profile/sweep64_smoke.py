@@ -1,7 +1,7 @@
 """Both CUDA backward sweeps (KDA_TRAINING_SWEEP=wgmma64: the Hopper 64-token sweep; sub16: the 16-token one) on a
 set of training cases, each of the eight gradients of recurrent_kda_backward as relative RMS against fp64 autograd
-through the token loop (kda_ops/reference.py), and whether the two sweeps' results are finite. A debugging aid for
-the GPU machine (the GPU tier holds the tolerances): `python3 scripts/sweep64_smoke.py [--quick]`."""
+through the token loop (kda_ops/reference.py), and whether the two sweeps' results are finite. A debugging aid on a
+Hopper GPU (the GPU tier holds the tolerances): `python3 benchmarks/profile/sweep64_smoke.py [--quick]`."""
 
 from __future__ import annotations
 
@@ -10,10 +10,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from _training_cases import EDGES, GRADS, PINNED_UNCOMPARED, make_case, reference_grads, softplus_band  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 import kda_ops  # noqa: E402
+from benchmarks.profile.training_cases import (  # noqa: E402
+    EDGES,
+    GRADS,
+    PINNED_UNCOMPARED,
+    make_case,
+    reference_grads,
+    softplus_band,
+)
 from kda_ops.reference import rel_rms  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -37,7 +43,7 @@ CASES = [
 
 
 def edit_case(label, x):
-    """The edge cases' inputs (tests/_training_cases.py's pinned gates and its softplus band of wide blocks); the names
+    """The edge cases' inputs (training_cases.py's pinned gates and its softplus band of wide blocks); the names
     of gradients not compared."""
     if label.startswith("lb-pinned"):
         EDGES["pinned"](x)

@@ -1,4 +1,4 @@
-"""Hopper chunked kernel (KDA_CHUNKED_KERNEL=sm90) vs the mma.sync kernel: ms per prefill call on the GPU machine
+"""Hopper chunked kernel (KDA_CHUNKED_KERNEL=sm90) vs the mma.sync kernel: ms per prefill call on a Hopper GPU
 (K = V = 128, λ = -5 lower-bound gate, logit β, L2 norm, bf16 tokens and bf16 state pool, preallocated output;
 median of 20 calls after 3 warm-up calls, CUDA events). Prints a markdown table (the variants of the Hopper
 kernel, KDA_SM90_VARIANT=1|2|3 as SM90_BENCH_VARIANTS lists them, default 2,3, each optionally with a schedule,
@@ -7,7 +7,7 @@ difference of the last listed variant from the first) and whether the Hopper ker
 (profiler) for each case, then the profile instantiation's per-segment cycle table (KDA_SM90_PROFILE=1) of
 CTA 0 at H=96 T=8192 for each variant (on stderr).
 
-    python3 scripts/sm90_bench.py
+    python3 benchmarks/profile/sm90_bench.py
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 
 import torch  # noqa: E402
 

@@ -11,7 +11,7 @@ state-only calls on the Hopper kernel's state-only instantiation (the default), 
 instantiation with an output (KDA_SM90_STATE_ONLY=0), and passes with outputs
 (KDA_SEQUENCE_SPLIT_STATE_ONLY=0).
 
-  python3 scripts/split_profile.py [8,4] [65536]
+  python3 benchmarks/profile/split_profile.py [8,4] [65536]
 """
 
 import os
@@ -21,7 +21,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 import kda_ops  # noqa: E402
 from benchmarks.bench_prefill import graph_time_ms  # noqa: E402
 from benchmarks.bench_split import make, ours  # noqa: E402  (the benchmark's inputs and call)

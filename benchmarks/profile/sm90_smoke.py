@@ -1,10 +1,10 @@
 """Smoke check of the Hopper chunked prefill kernel (KDA_CHUNKED_KERNEL=sm90) against the mma.sync kernel and
-the fp64 reference, smallest cases first, for the GPU machine (scripts/device_sm90.sh runs it).
+the fp64 reference, smallest cases first (needs a Hopper GPU).
 
-    python3 scripts/sm90_smoke.py                 # every case in order; stops at the first hang (the caller's
-                                                  # timeout) and prints the case it was in before each call
-    python3 scripts/sm90_smoke.py --only NAME     # one case, the Hopper kernel only (for compute-sanitizer)
-    python3 scripts/sm90_smoke.py --list          # the case names
+    timeout 90 python3 benchmarks/profile/sm90_smoke.py   # every case in order; a hang (a pipeline deadlock) stops
+                                                          # it; it prints the case it is in before each call
+    python3 benchmarks/profile/sm90_smoke.py --only NAME  # one case, the Hopper kernel only (for compute-sanitizer)
+    python3 benchmarks/profile/sm90_smoke.py --list       # the case names
 
 Per case one line: the Hopper and mma.sync errors against the reference (rel. RMS of output and state) and
 whether the profiler saw kda_chunked_sm90 run. For the first failing case a diagnosis follows: the first output
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 
 import torch  # noqa: E402
 

@@ -4,7 +4,7 @@ For recurrent_kda(backend="chunked") at H=96 T=8192 (and packed 6) prints: the b
 events around one call, synchronised), the pipelined time per call (20 calls back to back), the host
 time per call, and the CUDA kernels and host syncs of one call from torch.profiler.
 
-  python3 scripts/api_profile.py
+  python3 benchmarks/profile/api_profile.py
 """
 
 import os
@@ -15,7 +15,7 @@ import torch
 
 import kda_ops
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 from benchmarks.common import cuda_time_ms  # noqa: E402
 
 

@@ -9,7 +9,7 @@
 // the [64][128] token tile's offsets 8 rows apart differ by 512 elements and its 8-column pieces are 16 contiguous bytes;
 // and recast<uint32_t> of a bf16 A fragment pairs its elements (2 w, 2 w + 1) in word w (counted with the fragments);
 // and the dA / dMqk scatter's offsets (counted with the fragment layouts).
-//   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> scripts/sweep64_layout_check.cu -o /tmp/slc
+//   nvcc -std=c++17 --expt-relaxed-constexpr -I<cutlass include> tests/layout/sweep64_layout_check.cu -o /tmp/slc
 //   /tmp/slc
 #include <cstdio>
 

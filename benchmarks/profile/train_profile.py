@@ -4,15 +4,18 @@ For recurrent_kda_training_backward at the benchmark shapes (H=96 and H=32, T=81
 one call from torch.profiler (name, calls, total µs), so the backward chain, the chunk-parallel sweep and the finishing
 kernels can be told apart.
 
-  python3 scripts/train_profile.py [96,32]     (comma-separated head counts)
+  python3 benchmarks/profile/train_profile.py [96,32]     (comma-separated head counts)
 """
 
+import os
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import kda_ops  # noqa: F401  (registers torch.ops.kda)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+
+import kda_ops  # noqa: E402, F401  (registers torch.ops.kda)
 
 
 def inputs(H, T):

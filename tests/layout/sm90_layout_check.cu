@@ -3,7 +3,7 @@
 //    pointer gives, for a 1024-byte aligned base, in every operand layout (LayoutKd, LayoutKr, LayoutT16);
 //  * in LayoutKd (K-major SW128, bf16) and LayoutKr (MN-major SW128, fp16) the 8 channels d0..d0+7 (d0 a
 //    multiple of 8) of one token are 8 consecutive elements starting at a multiple of 8 (16-byte stores).
-//   nvcc -std=c++17 --expt-relaxed-constexpr -Icsrc -I<cutlass include> scripts/sm90_layout_check.cu -o /tmp/lc && /tmp/lc
+//   nvcc -std=c++17 --expt-relaxed-constexpr -Icsrc -I<cutlass include> tests/layout/sm90_layout_check.cu -o /tmp/lc && /tmp/lc
 #include <cstdio>
 
 #include "kda/chunked/sm90/chunked_sm90_kernel.cuh"

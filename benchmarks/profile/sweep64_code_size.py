@@ -6,7 +6,7 @@ stores). The phases are those of the kernel's profiling instantiation (the one w
 stack frame and spills are printed for both instantiations, and the local-memory instructions (LDL / STL: register
 spills) of each phase's hot code for the profiling one. No GPU needed:
 
-    .venv/bin/python scripts/sweep64_code_size.py [--source FILE]     (a Python with the CUTLASS headers)
+    .venv/bin/python benchmarks/profile/sweep64_code_size.py [--source FILE]     (a Python with the CUTLASS headers)
 
 Why: most of the kernel's code runs once per task, and with all SMs busy its phases slowed by ~200-370 cycles per KB
 of that code (docs/performance.md), so this count is a cost to watch beside the clocks. The phase of an instruction is
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "third_party"))
 from cutlass_include import find_cutlass_include  # noqa: E402
 
@@ -156,7 +156,8 @@ def main() -> None:
     for key in ["before the phases"] + PHASES + ["after the phases"]:
         if total[key]:
             print(f"{key:20s} {total[key] / 1024:9.1f} {hot[key] / 1024:9.1f} {spills[key]:12d}")
-    print(f"{'kernel':20s} {sum(total.values()) / 1024:9.1f} {sum(hot.values()) / 1024:9.1f} {sum(spills.values()):12d}")
+    all_kb, hot_kb = sum(total.values()) / 1024, sum(hot.values()) / 1024
+    print(f"{'kernel':20s} {all_kb:9.1f} {hot_kb:9.1f} {sum(spills.values()):12d}")
     if args.lines:
         print(f"\n{args.lines}: hot bytes per source line")
         for n, b in by_line.most_common(25):

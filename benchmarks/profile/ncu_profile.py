@@ -1,16 +1,22 @@
-"""Workloads for Nsight Compute (scripts/device_check.sh stages `ncu`, `ncu_chunked`, `ncu_train`): the hot
-kernels at the benchmark shapes (cases decode_bf16 | decode_fp32 | decode<B>_<dtype> | prefill_<H>_<T> |
-train_<H>_<T>).
+"""Workloads for Nsight Compute: the hot kernels at the benchmark shapes (cases decode_bf16 | decode_fp32 |
+decode<B>_<dtype> | prefill_<H>_<T> | train_<H>_<T>). Each case warms up first: skip those launches.
 
-  ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 --section SpeedOfLight ... \
-      python3 scripts/ncu_profile.py decode_bf16
+  ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section Occupancy python3 benchmarks/profile/ncu_profile.py decode_bf16
+  ncu --kernel-name regex:kda_chunked --launch-skip 2 --launch-count 1 --set full --import-source yes \
+      -o /tmp/chunked python3 benchmarks/profile/ncu_profile.py prefill_96_8192
+  ncu -i /tmp/chunked.ncu-rep --page source --csv --print-source cuda,sass > chunked_source.csv
+  (training: --kernel-name regex:kda_training_backward_chunked --launch-skip 1 ... train_32_2048)
 """
 
+import os
 import sys
 
 import torch
 
-import kda_ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+
+import kda_ops  # noqa: E402
 
 case = sys.argv[1] if len(sys.argv) > 1 else "decode_bf16"
 dev, H, K = "cuda", 32, 128

@@ -1,7 +1,7 @@
 """Which role bounds the chunked kernel? Times recurrent_kda(backend="chunked") with KDA_CHUNKED_DIAG
 switches that skip one role's math (1 chain, 2 W solve, 4 G prep; results are garbage on purpose).
 
-  python3 scripts/chunked_diag.py            # H=96 and H=32, T=8192, lower-bound gate, bf16 state
+  python3 benchmarks/profile/chunked_diag.py            # H=96 and H=32, T=8192, lower-bound gate, bf16 state
 
 The launcher reads KDA_CHUNKED_DIAG once per process, so every value runs in its own child process.
 """
@@ -13,7 +13,9 @@ import sys
 
 import torch
 
-import kda_ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+
+import kda_ops  # noqa: E402
 
 
 def time_ms(fn, rep=10):

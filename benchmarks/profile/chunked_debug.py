@@ -1,17 +1,22 @@
 """Quick error table of the chunked CUDA prefill against the fp64 token loop (device diagnostics).
 
-One line per case: output rel RMS / max abs, final-state rel RMS, and whether results are finite. Used by
-scripts/device_check.sh (stage chunked_debug) to localise a kernel bug before the full GPU tier runs.
+One line per case: output rel RMS / max abs, final-state rel RMS, and whether results are finite: localises a
+kernel bug before the full GPU tier runs.
+
+  python3 benchmarks/profile/chunked_debug.py
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
-import kda_ops
-from kda_ops.reference import recurrent_kda_reference, rel_rms
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
+
+import kda_ops  # noqa: E402
+from kda_ops.reference import recurrent_kda_reference, rel_rms  # noqa: E402
 
 
 def case(name, T=16, B=1, H=1, HV=1, gate="lower_bound", h0=False, l2=True, logit=True, lens=None, seed=0,
