@@ -184,9 +184,8 @@ def main() -> None:
             include_dirs.append(find_cutlass_include())
         except RuntimeError as e:
             raise SystemExit(str(e)) from None
-        cu_sources = sorted(glob.glob("csrc/kda/**/*.cu", recursive=True)) + sorted(
-            glob.glob("csrc/instantiations/*.cu")
-        )
+        # every kernel, launcher and instantiation lives under csrc/kda (instantiations beside their kernels)
+        cu_sources = sorted(glob.glob("csrc/kda/**/*.cu", recursive=True))
         sources = cpp_sources + sorted(glob.glob("csrc/api/*_cuda.cpp")) + cu_sources
         nvcc_flags = [
             "-O3",

@@ -203,6 +203,7 @@ def _check_do(do, B, T, HV, V):
     torch._check(tuple(do.shape) == (B, T, HV, V), lambda: f"do must be [B, T, HV, V], got {do.shape}")
 
 
+@torch.library.register_fake("kda::kda_forward")
 @torch.library.register_fake("kda::recurrent_kda_training_forward")
 def _training_forward_fake(
     q,
@@ -249,6 +250,7 @@ def _grads(q, k, v, g, beta, A_log, dt_bias, N, state_dtype):
     )
 
 
+@torch.library.register_fake("kda::kda_backward")
 @torch.library.register_fake("kda::recurrent_kda_training_backward")
 def _training_backward_fake(
     q,

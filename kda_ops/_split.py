@@ -48,9 +48,11 @@ with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouch
 ``initial_state_source`` (read once, never written), ``output=``, the returned fp32 final state without a
 pool. The pool is read once (before any write) and written once.
 
-Training (:func:`kda_ops.kda`, eager autograd; :class:`_TrainingSplit`): the same three passes with the
-training forward op (the output pass keeps its per-segment tapes), and a backward of two training
-backward passes over the segments: G (zero end-state gradients), a reverse scan
+Training (``torch.ops.kda.kda_forward`` / ``kda_backward``, the one op under :func:`kda_ops.kda` and its
+autograd, kda_ops/_autograd.py; and :func:`kda_ops.recurrent_kda_training_forward`): the same three passes with the
+training forward op (the output pass's per-segment tapes are returned in the unsplit layout), and a backward
+of two training backward passes over the segments (:func:`backward_from_tapes`; the transitions recomputed
+when the forward's are not at hand): G (zero end-state gradients), a reverse scan
 ``dS_end(j) = dS_end(j+1) P(j+1)ᵀ + G(j+1)``, then the gradients from the exact end-state gradients. Both
 scans are one ``segment_state_scan`` each (fp32; fp64 states stay fp64) over a [maxP, M·HV] grid of the
 split sequences' segments (:class:`_SegmentIndex`; the reverse one on each sequence's segments in reverse
@@ -68,16 +70,24 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
 from kda_ops import _routing
+from kda_ops import _state_map as SM
 from kda_ops import _validate as V
 
-__all__ = ["try_run", "try_kda", "try_training_forward", "training_backward_from_context"]
+__all__ = ["try_run", "try_training_forward", "training_backward_from_context", "backward_from_tapes"]
 
 
 SEGMENT_MULTIPLE = 64  # whole chunks of the chunked kernel per segment
+
+
+def training_modes_covered(gate_mode: int, use_qk_l2norm: bool, beta_is_logit: bool, dt_bias: Any) -> bool:
+    """The training modes the split covers: the default Kimi mode (lower-bound gate with dt_bias, L2 norm on q and
+    k, logit β); the other modes run unsplit."""
+    return gate_mode == V.GATE_LOWER_BOUND and use_qk_l2norm and beta_is_logit and dt_bias is not None
 
 
 class _Plan:
@@ -368,7 +378,7 @@ def _run(
             assert Pv is not None
             # S[j] = S[j-1] P[j-1] + Q[j-1], j = 2 .. mp-1: one launch on CUDA (one batched matmul per j on
             # the CPU); on the GPU the per-j matmuls were host-bound (~30 us a launch, ~1 ms at H=4 T=64K)
-            torch.ops.kda.segment_state_scan(S, Qv, Pv, 2)
+            SM.scan(S, Qv, Pv, 2)
 
     # pass 3: outputs and final states from the exact start states
     rows = ix.o_rows
@@ -451,6 +461,15 @@ def _train_fwd(q, k, v, g, beta, A, dtb, h0, cu, sc, lb):  # type: ignore[no-unt
     return torch.ops.kda.recurrent_kda_training_forward.default(q, k, v, g, beta, A, dtb, h0, cu, sc, lb)
 
 
+def _transitions(toks, A, dtb, n, cu, sc, lb, pdt):  # type: ignore[no-untyped-def]
+    """P [n, HV, K, K] of every segment (kda_ops/_state_map.py): the packed training forward from identities."""
+
+    def end_states(q, k, v, g, beta, start):  # type: ignore[no-untyped-def]
+        return _train_fwd(q, k, v, g, beta, A, dtb, start, cu, sc, lb)[1]
+
+    return SM.transitions(end_states, *toks, n, pdt)
+
+
 def _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: ignore[no-untyped-def]
     """The split training forward: (packed token views, o, final [N], segment tapes, their row starts,
     segment start states S, transitions P (None without split sequences), the segment index, cu)."""
@@ -468,9 +487,7 @@ def _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: igno
     _, Qs, _, _ = _train_fwd(q1, k1, v1, g1, b1, A, dtb, start_q, cu, sc, lb)
     Ps = None
     if pl.M > 0:  # P pass (the backward needs the P of every segment but the first)
-        v0 = torch.zeros((1, v1.shape[1], HV, K), dtype=v1.dtype, device=dev)
-        eye = torch.eye(K, dtype=pdt, device=dev).expand(S_tot, HV, K, K).contiguous()
-        _, Ps, _, _ = _train_fwd(q1, k1, v0, g1, b1, A, dtb, eye, cu, sc, lb)
+        Ps = _transitions((q1, k1, v1, g1, b1), A, dtb, S_tot, cu, sc, lb, pdt)
     S = start_q  # (read-only in the Q pass) the segment start states: the first from h0, the rest below
     if pl.M > 0:
         # scan over the grid of segments, all split sequences and heads at once: S_1 = Q_0, then
@@ -483,36 +500,13 @@ def _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: igno
         Sg[1] = Qg[0]
         if mp >= 3:
             assert Ps is not None
-            torch.ops.kda.segment_state_scan(Sg, Qg, _to_grid(Ps, pos, seg, mp, M, sdt), 2)
+            SM.scan(Sg, Qg, _to_grid(Ps, pos, seg, mp, M, sdt), 2)
         # back to the segments: the cells of rows >= 1 (the entries after the first M)
         S.index_copy_(0, seg[M:], Sg.view(mp * M, HV, Vd, K).index_select(0, pos[M:]).to(pdt))
     # output pass from the exact start states (tapes per segment, for the backward)
     o, fs_seg, tapes, starts = _train_fwd(q1, k1, v1, g1, b1, A, dtb, S, cu, sc, lb)
     fs = fs_seg.index_select(0, _device_tensor(si.last, torch.int64, dev))
     return (q1, k1, v1, g1, b1), o, fs, tapes, starts, S, Ps, si, cu
-
-
-class _TrainingSplit(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb):  # type: ignore[no-untyped-def]
-        toks, o, fs, tapes, starts, S, Ps, si, cu = _training_passes(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
-        ctx.save_for_backward(*toks, A, dtb, tapes, starts, S, cu, Ps)
-        ctx.pl, ctx.si, ctx.d, ctx.sc, ctx.lb = pl, si, d, sc, lb
-        ctx.shapes = [tuple(x.shape) for x in (q, k, v, g, beta)]
-        return o.view(v.shape), fs
-
-    @staticmethod
-    def backward(ctx, do, dfs):  # type: ignore[no-untyped-def]
-        q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, Ps = ctx.saved_tensors
-        d = ctx.d
-        do1 = torch.zeros(v1.shape, dtype=v1.dtype, device=d.device) if do is None else do
-        if dfs is None:
-            dfs = torch.zeros((d.N, d.HV, d.V, d.K), dtype=S.dtype, device=d.device)
-        toks = (q1, k1, v1, g1, b1)
-        grads = _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, ctx.pl, ctx.si, d, do1, dfs, ctx.sc, ctx.lb)
-        dq, dk, dv, dg, dbeta, dA, ddtb, dh0 = grads
-        tg = [t.view(shape) for t, shape in zip((dq, dk, dv, dg, dbeta), ctx.shapes, strict=True)]
-        return (*tg, dA, ddtb.view(-1, d.K), dh0, None, None, None, None)
 
 
 def _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, pl, si, d, do, dfs, sc, lb):  # type: ignore[no-untyped-def]
@@ -536,23 +530,11 @@ def _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, pl, si, d, do, dfs,
         Gg = _to_grid(G, pos, seg, mp, M, sdt)
         Dg = torch.empty_like(Gg)
         Dg[0] = dfs.index_select(0, _device_tensor(pl.split_ids, torch.int64, dev)).view(M * HV, Vd, K)
-        torch.ops.kda.segment_state_scan(Dg, Gg, _to_grid(Ps, pos, seg, mp, M, sdt, transpose=True), 1)
+        SM.scan(Dg, Gg, _to_grid(Ps, pos, seg, mp, M, sdt, transpose=True), 1)
         dS_end.index_copy_(0, seg[M:], Dg.view(mp * M, HV, Vd, K).index_select(0, pos[M:]).to(dS_end.dtype))
     dq, dk, dv, dg, dbeta, dA, ddtb, dinit = bwd(q1, k1, v1, g1, b1, A, dtb, tapes, starts, S, cu, do1, dS_end, sc, lb)
     dh0 = dinit.index_select(0, _device_tensor(si.first, torch.int64, dev))
     return dq, dk, dv, dg, dbeta, dA, ddtb, dh0
-
-
-def try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb):  # type: ignore[no-untyped-def]
-    """The split of :func:`kda_ops.kda` (eager autograd): (o, final_state) or None (out of scope: the
-    caller runs the unsplit op). Same scope rules as :func:`try_run`; packed input only with cu_seqlens
-    on the host (kda has no host mirror argument)."""
-    if type(q) is not torch.Tensor or any(_packed_view(x, d.B, d.T) is None for x in (q, k, v, g, beta)):
-        return None
-    pl = _plan_training(d, cu_seqlens, None)
-    if pl is None:
-        return None
-    return _TrainingSplit.apply(q, k, v, g, beta, A, dtb, h0, pl, d, sc, lb)
 
 
 def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
@@ -600,12 +582,26 @@ def try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, cu_host, s
 
 
 def training_backward_from_context(ctx, do, dfinal, saved):  # type: ignore[no-untyped-def]
-    """The split backward of a context from a split :func:`try_training_forward`: the segment tapes and
-    start states are gathered back from the unsplit-layout tapes (a segment start is a chunk boundary),
-    then the passes of the autograd split. Returns the 8 gradients as the backward op does."""
+    """The split backward of a context from a split :func:`try_training_forward` (``saved``: its plan and the
+    segments' transitions). Returns the 8 gradients as the backward op does."""
     pl, Ps = saved
-    q, k, v, g, beta = ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta
-    d = V.check_tokens(q, k, v, g, beta, ctx.cu_seqlens, kv_rule="training")
+    d = V.check_tokens(ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.cu_seqlens, kv_rule="training")
+    return backward_from_tapes(d, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.A_log, ctx.dt_bias, ctx.tapes,
+                               ctx.initial_state, do, dfinal, ctx.scale, ctx.lower_bound, pl, Ps, ctx.state_dtype)  # fmt: skip
+
+
+def plan_training_backward(d, cu_seqlens):  # type: ignore[no-untyped-def]
+    """The plan of a split backward from the unsplit-layout tapes (None: the unsplit backward op)."""
+    return _plan_training(d, cu_seqlens, None)
+
+
+def backward_from_tapes(d, q, k, v, g, beta, A, dtb, tapes_in, h0, do, dfinal, sc, lb, pl, Ps=None,
+                        state_dtype=torch.float32):  # type: ignore[no-untyped-def]  # fmt: skip
+    """The split backward from the tapes in the unsplit layout (the training forward op's, split or not: a
+    segment start is a chunk boundary, so its start state is a tape row or the sequence's initial state) and
+    the plan ``pl``: the segment tapes and start states are gathered from them, the segments' transitions
+    recomputed when ``Ps`` is None (one packed forward from identities), then the two backward passes and the
+    reverse scan. Returns the 8 gradients as the backward op does."""
     dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
     si = _SegmentIndex(pl)
     C = V.TAPE_CHUNK
@@ -613,7 +609,7 @@ def training_backward_from_context(ctx, do, dfinal, saved):  # type: ignore[no-u
     orig = [0]  # first unsplit tape row of each sequence
     for L in pl.lens:
         orig.append(orig[-1] + max(-(-L // C) - 1, 0))
-    seg_src, seg_starts, start_src = [], [0], []  # rows of ctx.tapes (start_src: -1 - n = initial state n)
+    seg_src, seg_starts, start_src = [], [0], []  # rows of tapes_in (start_src: -1 - n = initial state n)
     for n, P in enumerate(pl.nseg):
         for j in range(P):
             s_ = si.first[n] + j
@@ -623,23 +619,23 @@ def training_backward_from_context(ctx, do, dfinal, saved):  # type: ignore[no-u
             seg_starts.append(len(seg_src))
             start_src.append(-1 - n if j == 0 else orig[n] + j * per - 1)
     rows = V.tape_rows(1, d.B * d.T, True)
-    tapes = torch.zeros((rows, HV, Vd, K), dtype=ctx.tapes.dtype, device=dev)
+    tapes = torch.zeros((rows, HV, Vd, K), dtype=tapes_in.dtype, device=dev)
     if seg_src:
-        tapes[: len(seg_src)] = ctx.tapes.index_select(0, _device_tensor(seg_src, torch.int64, dev))
-    h0 = ctx.initial_state
-    if h0 is None:
-        h0 = torch.zeros((N, HV, Vd, K), dtype=ctx.state_dtype, device=dev)
-    src = torch.cat([ctx.tapes, h0.reshape(N, HV, Vd, K)])
-    idx = [x if x >= 0 else ctx.tapes.shape[0] + (-1 - x) for x in start_src]
-    S = src.index_select(0, _device_tensor(idx, torch.int64, dev))
+        tapes[: len(seg_src)] = tapes_in.index_select(0, _device_tensor(seg_src, torch.int64, dev))
+    if h0 is None or h0.stride(0) == 0:
+        h0 = torch.zeros((N, HV, Vd, K), dtype=state_dtype if h0 is None else h0.dtype, device=dev)
+    src = torch.cat([tapes_in, h0.reshape(N, HV, Vd, K).to(tapes_in.dtype)])
+    idx = [x if x >= 0 else tapes_in.shape[0] + (-1 - x) for x in start_src]
+    S = src.index_select(0, _device_tensor(idx, torch.int64, dev)).to(h0.dtype)
     toks = tuple(_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta))
     cu = _device_tensor(pl.cu, torch.int64, dev)
     starts = _device_tensor(seg_starts, torch.int64, dev)
+    if Ps is None and pl.M > 0:
+        Ps = _transitions(toks, A, dtb, si.nseg_total, cu, sc, lb, h0.dtype)
     if dfinal is None:
-        dfinal = torch.zeros((N, HV, Vd, K), dtype=ctx.state_dtype, device=dev)
-    grads = _backward_passes(
-        toks, ctx.A_log, ctx.dt_bias, tapes, starts, S, cu, Ps, pl, si, d, do, dfinal, ctx.scale, ctx.lower_bound
-    )
+        dfinal = torch.zeros((N, HV, Vd, K), dtype=h0.dtype, device=dev)
+    do1 = torch.zeros(v.shape, dtype=v.dtype, device=dev) if do is None else do
+    grads = _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, pl, si, d, do1, dfinal, sc, lb)
     dq, dk, dv, dg, dbeta, dA, ddtb, dh0 = grads
     tg = [t.view(x.shape) for t, x in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta), strict=True)]
     return (*tg, dA, ddtb, dh0)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kda_ops import _state_map as SM
 from kda_ops import _validate as V
 from kda_ops.interface import recurrent_kda_training_backward, recurrent_kda_training_forward
 
@@ -153,15 +154,14 @@ def _zero_grads(tok: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _segment_map(tok, A, dtb, sc, lb, pdt, HV, K, Vd):  # type: ignore[no-untyped-def]
-    """(P [HV, K, K], Q [HV, V, K]) of the whole token range (one sequence): Q from a zero start state,
-    P from the identity start state with v = 0 (head dim K)."""
-    q, k, v, g, beta = tok
-    dev = q.device
-    z = torch.zeros((1, HV, Vd, K), dtype=pdt, device=dev)
-    _, Q, _ = recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, z, scale=sc, lower_bound=lb)
-    eye = torch.eye(K, dtype=pdt, device=dev).expand(1, HV, K, K).contiguous()
-    v0 = torch.zeros((1, q.shape[1], HV, K), dtype=v.dtype, device=dev)
-    _, P, _ = recurrent_kda_training_forward(q, k, v0, g, beta, A, dtb, eye, scale=sc, lower_bound=lb)
+    """(P [HV, K, K], Q [HV, V, K]) of the whole token range (one run: kda_ops/_state_map.py)."""
+    dev = tok[0].device
+
+    def forward(q, k, v, g, beta, start):  # type: ignore[no-untyped-def]
+        return recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, start, scale=sc, lower_bound=lb)[1]
+
+    Q = SM.offsets(forward, *tok, torch.zeros((1, HV, Vd, K), dtype=pdt, device=dev))
+    P = SM.transitions(forward, *tok, 1, pdt)
     return P[0], Q[0]
 
 
@@ -279,7 +279,7 @@ class _ContextParallelKDA(torch.autograd.Function):
             for j in range(r):
                 kj = plan.kinds_fwd[j]
                 if kj == "inner":
-                    S = torch.matmul(S, Ps[j]) + Qs[j]
+                    S = SM.compose(S, Ps[j], Qs[j])
                 elif kj == "restart":
                     S = Qs[j].clone()
                 elif kj == "none":
@@ -340,7 +340,7 @@ class _ContextParallelKDA(torch.autograd.Function):
                     kj = plan.kinds_bwd[j]
                     Gj = Gs[j].view(HV, Vd, K)
                     if kj == "inner":
-                        dS_out = torch.matmul(dS_out, ctx.Ps[j].transpose(-1, -2)) + Gj
+                        dS_out = SM.compose_grad(dS_out, ctx.Ps[j], Gj)
                     elif kj == "restart":
                         dS_out = Gj.clone()
                     elif kj == "none":

@@ -675,7 +675,7 @@ def recurrent_kda_training_forward(
         V.check_context_out(context_out, RecurrentKDATrainingContext, shapes, d)
 
     split = None  # the exact segment split (kda_ops/_split.py): the same four results, unsplit tape layout
-    if not _routing.split_off() and _default_modes(gm, l2, logit, dtb):  # (the split covers the default modes only)
+    if not _routing.split_off() and _split.training_modes_covered(gm, l2, logit, dtb):
         split = _split.try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, host, sc, lb)
     o, fs, tapes, starts = (
         split[:4]
@@ -821,11 +821,6 @@ def _shape_or_none(t: torch.Tensor | None) -> tuple[int, ...] | None:
     return None if t is None else tuple(t.shape)
 
 
-def _default_modes(gate_mode: int, l2: bool, logit: bool, dtb: torch.Tensor | None) -> bool:
-    """The original training contract (lower-bound gate with dt_bias, L2 norm, logit β)."""
-    return gate_mode == V.GATE_LOWER_BOUND and l2 and logit and dtb is not None
-
-
 def _absent_grads(A: torch.Tensor | None, dtb: torch.Tensor | None) -> tuple[int, ...]:
     """Indices of the gradients returned as None: dA_log (5) without A_log, ddt_bias (6) without dt_bias."""
     return ((5,) if A is None else ()) + ((6,) if dtb is None else ())
@@ -933,7 +928,8 @@ def kda(
     :func:`recurrent_kda_training_forward` (defaults: L2 norm on q and k, lower-bound gate
     ``a = λ sigmoid(exp(A_log)(g + dt_bias))`` with λ = -5, ``β = sigmoid(beta)``; ``lower_bound=None`` the
     softplus gate, ``use_gate_in_kernel=False`` a precomputed log-decay g), with autograd
-    through ``torch.library.register_autograd`` on ``torch.ops.kda.recurrent_kda_training_forward``.
+    through ``torch.library.register_autograd`` on ``torch.ops.kda.kda_forward``, whose forward and backward route
+    internally (the exact sequence split of long sequences, or one call of the training ops).
 
     Differentiable in all eight tensor inputs (A_log / dt_bias when given). Works in eager autograd, under
     ``torch.compile(fullgraph=True)`` (no host syncs, no data-dependent Python here) and DDP/FSDP (no
@@ -976,13 +972,6 @@ def kda(
     if h0 is None:  # zeros as a stride-0 view: autograd saves one element, not [N, HV, V, K]
         h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
-    if (
-        not _routing.split_off()
-        and _default_modes(gm, l2, logit, dtb)
-        and (res := _split.try_kda(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, sc, lb)) is not None
-    ):
-        return res[0], (res[1] if ofs else None)  # the exact segment split (kda_ops/_split.py)
-    o, fs, _, _ = torch.ops.kda.recurrent_kda_training_forward(
-        q, k, v, g, beta, A, dtb, h0, cu64, sc, lb, gm, l2, logit
-    )
+    # one op whatever the route (kda_ops/_autograd.py: its kernel and its backward's route through the spine)
+    o, fs, _, _ = torch.ops.kda.kda_forward(q, k, v, g, beta, A, dtb, h0, cu64, sc, lb, gm, l2, logit)
     return o, (fs if ofs else None)

@@ -70,6 +70,25 @@ TORCH_LIBRARY(kda, m) {
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, "
       "Tensor dinitial_state)");
 
+  // The differentiable core of kda_ops.kda: the arguments and results of recurrent_kda_training_forward /
+  // recurrent_kda_training_backward, with one difference: each routes internally (the routing spine's split route:
+  // the exact sequence split, or one call of the training op), so torch.compile, autograd and FSDP see this one op
+  // pair whatever the route. Their kernels are Python compositions of the ops here (kda_ops/_autograd.py; autograd
+  // through register_autograd on kda_forward); the tapes are in the unsplit layout either way, so the backward may
+  // take a route of its own.
+  m.def(
+      "kda_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor initial_state, Tensor? cu_seqlens, float scale, float lower_bound, int gate_mode=2, "
+      "bool use_qk_l2norm=True, bool beta_is_logit=True) -> "
+      "(Tensor out, Tensor final_state, Tensor tapes, Tensor tape_cu_starts)");
+  m.def(
+      "kda_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor tapes, Tensor tape_cu_starts, Tensor? initial_state, Tensor? cu_seqlens, Tensor do, "
+      "Tensor? dfinal_state, float scale, float lower_bound, int gate_mode=2, bool use_qk_l2norm=True, "
+      "bool beta_is_logit=True) -> "
+      "(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dA_log, Tensor ddt_bias, "
+      "Tensor dinitial_state)");
+
   // The exact sequence split's scan of segment start states (kda_ops/_split.py): S, Q [J, batch, V, K], P
   // [J, batch, K, K], one dtype (CUDA: fp32, K <= 128), contiguous; for j = first .. J-1 in order,
   // S[j] = S[j-1] P[j-1] + Q[j-1] (S[0 .. first) are inputs). One launch on CUDA.
