@@ -364,12 +364,16 @@ def test_training_split_matches_unsplit(split_on, monkeypatch, lens, B, dtype): 
 
 
 def test_training_split_runs(split_on, monkeypatch):  # type: ignore[no-untyped-def]
-    calls = []
-    real = _split._TrainingSplit.apply
-    monkeypatch.setattr(_split._TrainingSplit, "apply", lambda *a: (calls.append(a[8]), real(*a))[1])
+    """kda() takes the split in its forward (torch.ops.kda.kda_forward) and, on its own route, in its backward
+    (kda_backward, from the unsplit-layout tapes)."""
+    calls, back = [], []
+    passes, from_tapes = _split._training_passes, _split.backward_from_tapes
+    monkeypatch.setattr(_split, "_training_passes", lambda *a: (calls.append(a[8]), passes(*a))[1])
+    monkeypatch.setattr(_split, "backward_from_tapes", lambda *a: (back.append(a[14]), from_tapes(*a))[1])
     x, cu, e = _training_case([300, 20], seed=12)
     _training_run(x, cu, e)
     assert len(calls) == 1 and calls[0].nseg == [5, 1]
+    assert len(back) == 1 and back[0].nseg == [5, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -8,7 +8,7 @@ namespace kda {
 
 // Element offset of a coordinate in a swizzled layout, computed on offsets instead of through a swizzled smem
 // pointer (CuTe applies the swizzle to the address bits after an integer cast, which turns the access into a
-// generic 64-bit one); equal to the pointer form when the tile is 1024-byte aligned (scripts/sm90_layout_check.cu
+// generic 64-bit one); equal to the pointer form when the tile is 1024-byte aligned (tests/layout/sm90_layout_check.cu
 // checks both facts on the host). The GMMA atoms' swizzle (Sw<3,4,3> for the 128-byte one) acts on byte offsets.
 template <class L, class... Is>
 CUTE_HOST_DEVICE int swz_offset(L, Is... is) {

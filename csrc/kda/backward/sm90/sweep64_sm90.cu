@@ -198,7 +198,7 @@ constexpr const char* kProfNames[kProfSegs] = {
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
 // kOn: the kernel's profiling instantiation (KDA_EXPERIMENT=sweep64_profile=1); the other compiles the clocks out, so that their
 // registers (a flag and a 64-bit time held across every phase) do not add to the production kernel's spills (ptxas -v
-// of both: scripts/sweep64_code_size.py)
+// of both: benchmarks/profile/sweep64_code_size.py)
 template <bool kOn>
 struct Prof {
   bool on = false;
@@ -796,7 +796,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   static_assert(decltype(size(aH))::value == 64, "A fragment: 64 elements");
 
   // A operand of a state's fp32 rows (row m at base + m * kD, 8-byte aligned): the fragment's element pairs are one
-  // row's consecutive k (scripts/sweep64_layout_check.cu), so one 8-byte load per pair; hi and lo bf16 parts
+  // row's consecutive k (tests/layout/sweep64_layout_check.cu), so one 8-byte load per pair; hi and lo bf16 parts
   const auto fill_a_rows = [&](const float* base) {
 #pragma unroll
     for (int i = 0; i < size(aH); i += 2) {
@@ -915,7 +915,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     prof.mark(kPfDR);
     // ---- Rᵀ = Yᵀ INVᵀ with Yᵀ = β (V - X)ᵀ (B(t, s) = INV[t][s]: K-major), dYᵀ = dRᵀ INV (B(t, s) = INV[s][t]:
     // the same tile MN-major); the accumulator values are the register A operand of the same (row, k) (the m64n64
-    // accumulator and the K = 64 A fragment index their elements alike: scripts/sweep64_layout_check.cu)
+    // accumulator and the K = 64 A fragment index their elements alike: tests/layout/sweep64_layout_check.cu)
     float r[8][4], dyv[8][4];
     {
       Tensor aYh = make_tensor<bf16_t>(partition_shape_A(mma_rs, Shape<_64, _64>{}));  // ((2, 2, 2), 1, 4)
@@ -974,7 +974,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     // .trans: the accumulator's 8 x 8 blocks (rows v, columns t; this thread: row lane / 4, columns 2 (lane % 4) + e)
     // are stored transposed, 16-byte rows of 8 v per token. Per instruction q (tokens [16 q, +16)) four blocks k:
     // value rows 8 (k & 1) + [0, 8) of this warp's 16, tokens 16 q + 8 (k >> 1) + [0, 8), their registers the
-    // accumulator elements 4 j + 2 (k & 1) + e with j = 2 q + (k >> 1) (scripts/sweep64_layout_check.cu); lane l
+    // accumulator elements 4 j + 2 (k & 1) + e with j = 2 q + (k >> 1) (tests/layout/sweep64_layout_check.cu); lane l
     // gives the address of block l / 8's token row l % 8. The token tile's swizzle repeats every 8 rows (512 elements
     // further), so q adds 1024 elements.
     {
@@ -1053,7 +1053,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_fence_operand(accM);
     // (t', t) -> dA(t, t') = -accA (t > t'), dMqk(t, t') = accM (t >= t'): element i of this thread is t' = 16 wq + g + 8 h
     // (g = lane / 4, h = (i >> 1) & 1) and t = 32 wg + 8 j + 2 q + e (j = i >> 2, q = lane % 4, e = i & 1;
-    // scripts/sweep64_layout_check.cu), so t's 16-token block is 2 wg + (j >> 1) and t' lies in block wq: a block pair
+    // tests/layout/sweep64_layout_check.cu), so t's 16-token block is 2 wg + (j >> 1) and t' lies in block wq: a block pair
     // is stored when wq <= that block (the same for the whole warp), at offsets from one base per block pair
     {
       const int g = lane >> 2, q = lane & 3;

@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         }
         // 8 consecutive channels are 16 contiguous, 16-byte aligned bytes in both swizzled layouts (K-major SW128:
         // a row's 64-element atom row, permuted in 8-element pieces; MN-major SW128 likewise along the channels);
-        // scripts/sm90_layout_check.cu checks this on the host.
+        // tests/layout/sm90_layout_check.cu checks this on the host.
         if constexpr (kBwd) {
           // the backward chain's B operands, all bf16: Kr as (token, channel) K-major for dRᵀ = dS Krᵀ (in the
           // kd tile), Q⁺ and K⁺ as (channel, token) MN-major for dS += dOᵀ Q⁺ + dXᵀ K⁺ (in the qd and kr tiles)
