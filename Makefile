@@ -17,7 +17,7 @@ BUILD_LOCK ?= /tmp/kda_ops_build.lock
 # ninja finds them up to date, so CI compiles every kernel once for both)
 BUILD_BASE ?=
 
-.PHONY: venv build test test-gpu demo bench device-check lint clean wheel wheel-smoke
+.PHONY: venv build test test-gpu demo bench device-check lint lint-tools format clean wheel wheel-smoke
 
 $(VENV)/.ready:
 	@echo "== creating $(VENV): $(TORCH_PIN), nvidia-cutlass==4.2.0.0 headers, fla-core==0.6.0, ninja, numpy, einops, pytest, hypothesis (a few minutes)"
@@ -86,9 +86,28 @@ device-check: venv
 sanitize: build  # compute-sanitizer memcheck/racecheck/synccheck/initcheck over every CUDA op (needs a GPU)
 	PY=$(PY) bash scripts/sanitize.sh
 
-lint:
-	$(PY) -m ruff check kda_ops tests benchmarks
+# Formatting and static checks, pinned (CI runs them): clang-format over csrc, ruff format and ruff check over the
+# Python, mypy over kda_ops. `make format` rewrites the tree the same way.
+LINT_PINS ?= ruff==0.8.4 clang-format==19.1.5 mypy==1.13.0
+PY_LINT_PATHS = kda_ops tests benchmarks scripts setup.py third_party
+CLANG_FORMAT = $(PY) -c "import clang_format, sys; sys.argv[0] = 'clang-format'; sys.exit(clang_format.clang_format())"
+CXX_SOURCES = $(shell git ls-files 'csrc/*.h' 'csrc/*.cuh' 'csrc/*.cpp' 'csrc/*.cu')
+
+$(VENV)/.lint-ready: $(if $(VENV),$(VENV)/.ready,)
+	$(PY) -m pip install -q $(LINT_PINS)
+	$(if $(VENV),touch $@,)
+
+lint-tools: $(if $(VENV),$(VENV)/.lint-ready,)
+
+lint: lint-tools
+	$(CLANG_FORMAT) --dry-run --Werror $(CXX_SOURCES)
+	$(PY) -m ruff format --check $(PY_LINT_PATHS)
+	$(PY) -m ruff check $(PY_LINT_PATHS)
 	$(PY) -m mypy
+
+format: lint-tools
+	$(CLANG_FORMAT) -i $(CXX_SOURCES)
+	$(PY) -m ruff format $(PY_LINT_PATHS)
 
 clean:
 	rm -rf build kda_ops/_C*.so

@@ -586,8 +586,22 @@ def training_backward_from_context(ctx, do, dfinal, saved):  # type: ignore[no-u
     segments' transitions). Returns the 8 gradients as the backward op does."""
     pl, Ps = saved
     d = V.check_tokens(ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.cu_seqlens, kv_rule="training")
-    return backward_from_tapes(d, ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta, ctx.A_log, ctx.dt_bias, ctx.tapes,
-                               ctx.initial_state, do, dfinal, ctx.scale, ctx.lower_bound, pl, Ps, ctx.state_dtype)  # fmt: skip
+    toks = (ctx.q, ctx.k, ctx.v, ctx.g, ctx.beta)
+    return backward_from_tapes(
+        d,
+        *toks,
+        ctx.A_log,
+        ctx.dt_bias,
+        ctx.tapes,
+        ctx.initial_state,
+        do,
+        dfinal,
+        ctx.scale,
+        ctx.lower_bound,
+        pl,
+        Ps,
+        ctx.state_dtype,
+    )
 
 
 def plan_training_backward(d, cu_seqlens):  # type: ignore[no-untyped-def]

@@ -1194,7 +1194,7 @@ def check_forward_outs(
     return out, final_state_out
 
 
-def check_context_out(context_out: Any, cls: type, shapes: tuple[tuple[Any, ...], ...], d: Dims) -> None:
+def check_context_out(context_out: Any, cls: type, shapes: tuple[tuple[Any, ...] | None, ...], d: Dims) -> None:
     """A training context to refill: of class ``cls``, holding tensors of ``shapes`` (q, k, v, g, beta,
     A_log, dt_bias, the tapes [tape_rows, HV, V, K], the tape starts [N+1]) and tapes of the state dtype
     on the device of q."""
