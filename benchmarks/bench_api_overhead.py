@@ -120,8 +120,22 @@ def raw_decode_call(d: dict):
     """The short-schema decode op (kda::recurrent_kda_decode, what the cached public path calls) with the same
     arguments: mode = lower-bound gate (2) | L2 norm (4) | logit beta (8) | backend recurrent (2 << 8)."""
     op = torch.ops.kda.recurrent_kda_decode.default
-    args = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], d["idx"], None, d["out"],
-            K**-0.5, LOWER_BOUND, 2 | 4 | 8 | (2 << 8))
+    args = (
+        d["q"],
+        d["k"],
+        d["v"],
+        d["g"],
+        d["beta"],
+        d["A_log"],
+        d["dt_bias"],
+        d["pool"],
+        d["idx"],
+        None,
+        d["out"],
+        K**-0.5,
+        LOWER_BOUND,
+        2 | 4 | 8 | (2 << 8),
+    )
     return lambda: op(*args)
 
 

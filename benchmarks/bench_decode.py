@@ -48,8 +48,10 @@ L2_BYTES = 60 * 2**20
 # The kernel switch (KDA_DECODE_KERNEL=ring|serial) and, in an experiments build, the launch knobs
 # (KDA_EXPERIMENT) are read once per process (docs/env.md): compare configurations by running this script once
 # per environment, with --tag to keep the result files apart. KERNEL names the configuration in the tables.
-KERNEL = " ".join([os.environ.get("KDA_DECODE_KERNEL", "auto")] +
-                  ([f"experiment={os.environ['KDA_EXPERIMENT']}"] if os.environ.get("KDA_EXPERIMENT") else []))
+KERNEL = " ".join(
+    [os.environ.get("KDA_DECODE_KERNEL", "auto")]
+    + ([f"experiment={os.environ['KDA_EXPERIMENT']}"] if os.environ.get("KDA_EXPERIMENT") else [])
+)
 CASES = "bf16:1,bf16:8,bf16:64,bf16:256,bf16:1024,fp32:1,fp32:8,fp32:64,fp32:256,fp32:1024,spec-bf16:64,spec-fp32:64"
 
 
@@ -68,19 +70,48 @@ def ours_step(d: dict, idx: torch.Tensor, S: int = 0, acc: torch.Tensor | None =
     import kda_ops
 
     return kda_ops.recurrent_kda(
-        d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"], initial_state=d["pool"],
-        ssm_state_indices=idx, use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True,
-        use_qk_l2norm_in_kernel=True, output=d["out"], num_spec_tokens=S or None, num_accepted_tokens=acc,
-        backend="recurrent", disable_state_update=verify,
+        d["q"],
+        d["k"],
+        d["v"],
+        d["g"],
+        d["beta"],
+        A_log=d["A_log"],
+        dt_bias=d["dt_bias"],
+        initial_state=d["pool"],
+        ssm_state_indices=idx,
+        use_gate_in_kernel=True,
+        lower_bound=LOWER_BOUND,
+        beta_is_logit=True,
+        use_qk_l2norm_in_kernel=True,
+        output=d["out"],
+        num_spec_tokens=S or None,
+        num_accepted_tokens=acc,
+        backend="recurrent",
+        disable_state_update=verify,
     )
 
 
 def fla_step(fla_fwd, d: dict, idx: torch.Tensor, out: torch.Tensor, acc: torch.Tensor | None = None):
     return fla_fwd(
-        q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-        initial_state=d["pool"], scale=K**-0.5, output_final_state=False, inplace_final_state=True,
-        state_v_first=True, ssm_state_indices=idx, num_accepted_tokens=acc, use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=out,
+        q=d["q"],
+        k=d["k"],
+        v=d["v"],
+        g=d["g"],
+        beta=d["beta"],
+        A_log=d["A_log"],
+        dt_bias=d["dt_bias"],
+        initial_state=d["pool"],
+        scale=K**-0.5,
+        output_final_state=False,
+        inplace_final_state=True,
+        state_v_first=True,
+        ssm_state_indices=idx,
+        num_accepted_tokens=acc,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=LOWER_BOUND,
+        out=out,
     )
 
 
@@ -121,8 +152,12 @@ def rotation(B: int, per_seq_bytes: int, W: int) -> int:
 
 def main() -> None:
     def extra(ap):
-        ap.add_argument("--cases", default=CASES, help="comma list of bf16:B, fp32:B, spec-bf16:B, spec-fp32:B, "
-                        "verify-bf16:B (speculative verify S=3, disable_state_update) and b1 (graph of one step)")
+        ap.add_argument(
+            "--cases",
+            default=CASES,
+            help="comma list of bf16:B, fp32:B, spec-bf16:B, spec-fp32:B, "
+            "verify-bf16:B (speculative verify S=3, disable_state_update) and b1 (graph of one step)",
+        )
         ap.add_argument("--tag", default="", help="suffix of the result files (e.g. the kernel)")
         ap.add_argument("--no-eager", action="store_true", help="skip the eager host-cost timings")
 
@@ -154,8 +189,10 @@ def main() -> None:
         Rn = rotation(B, per_seq, (1 + S))
         d = make_inputs(B, 1 + S, dt, slots=Rn * B * (1 + S), seed=B)
         if S:
-            idxs = [torch.arange(r * B * (1 + S), (r + 1) * B * (1 + S), device="cuda", dtype=torch.int32)
-                    .reshape(B, 1 + S) for r in range(Rn)]
+            idxs = [
+                torch.arange(r * B * (1 + S), (r + 1) * B * (1 + S), device="cuda", dtype=torch.int32).reshape(B, 1 + S)
+                for r in range(Rn)
+            ]
             acc = (torch.arange(B, device="cuda", dtype=torch.int32) % (S + 1)) + 1
         else:
             idxs = [torch.arange(r * B, (r + 1) * B, device="cuda", dtype=torch.int32) for r in range(Rn)]
@@ -168,8 +205,9 @@ def main() -> None:
         t_fla = None
         if fla_fwd is not None and not verify:
             out_fla = torch.empty_like(d["out"])
-            t_fla, ferr = try_call(lambda: graph_time_us([lambda i=i: fla_step(fla_fwd, d, i, out_fla, acc)
-                                                          for i in idxs]))
+            t_fla, ferr = try_call(
+                lambda: graph_time_us([lambda i=i: fla_step(fla_fwd, d, i, out_fla, acc) for i in idxs])
+            )
             if ferr:
                 print(f"[fla] {label}: {ferr}")
         # cross-check on one fresh slot set: our output vs fla's from identical pools
@@ -185,12 +223,32 @@ def main() -> None:
             xs = (p_ours.float() - d["pool"].float()).norm() / d["pool"].float().norm()
             xerr = (xo.item(), xs.item())
             d["pool"].copy_(pool0)
-        rec = dict(case=label, B=B, S=S, state_dtype=str(dt).replace("torch.", ""), bytes=nbytes, R=Rn,
-                   kernel=KERNEL, ours_us=t_ours, fla_us=t_fla, ours_tbs=tb(t_ours), fla_tbs=tb(t_fla),
-                   xcheck_out_state_rel=xerr)
+        rec = dict(
+            case=label,
+            B=B,
+            S=S,
+            state_dtype=str(dt).replace("torch.", ""),
+            bytes=nbytes,
+            R=Rn,
+            kernel=KERNEL,
+            ours_us=t_ours,
+            fla_us=t_fla,
+            ours_tbs=tb(t_ours),
+            fla_tbs=tb(t_fla),
+            xcheck_out_state_rel=xerr,
+        )
         records.append(rec)
-        rows.append([label, fmt(t_ours, 1), fmt(tb(t_ours), 2), fmt(t_fla, 1), fmt(tb(t_fla), 2), ratio(t_fla, t_ours),
-                     "n/a" if xerr is None else f"{xerr[0]:.1e}/{xerr[1]:.1e}"])
+        rows.append(
+            [
+                label,
+                fmt(t_ours, 1),
+                fmt(tb(t_ours), 2),
+                fmt(t_fla, 1),
+                fmt(tb(t_fla), 2),
+                ratio(t_fla, t_ours),
+                "n/a" if xerr is None else f"{xerr[0]:.1e}/{xerr[1]:.1e}",
+            ]
+        )
         print(f"{label}: ours {fmt(t_ours, 1)} us ({fmt(tb(t_ours), 2)} TB/s), fla {fmt(t_fla, 1)} us", flush=True)
         d.clear()
         torch.cuda.empty_cache()
@@ -210,10 +268,12 @@ def main() -> None:
                 tf = None
                 if fla_fwd is not None:
                     of = torch.empty_like(d["out"])
-                    tf, _ = try_call(lambda d=d, idx=idx, of=of: graph_time_us([lambda: fla_step(fla_fwd, d, idx, of)],
-                                                                                replays=200))
-                extra.append([f"B=1 {name}: graph of 1 step, per replay (launch-bound)", fmt(t1, 2), fmt(tf, 2),
-                              ratio(tf, t1)])
+                    tf, _ = try_call(
+                        lambda d=d, idx=idx, of=of: graph_time_us([lambda: fla_step(fla_fwd, d, idx, of)], replays=200)
+                    )
+                extra.append(
+                    [f"B=1 {name}: graph of 1 step, per replay (launch-bound)", fmt(t1, 2), fmt(tf, 2), ratio(tf, t1)]
+                )
                 records.append(dict(case=f"graph1 B=1 {name}", kernel=KERNEL, ours_us=t1, fla_us=tf))
             # the floor of a graph step: one trivial kernel per step (a 1-element in-place add, no PDL), R = 180
             x = torch.zeros(1, device="cuda")
@@ -257,13 +317,52 @@ def main() -> None:
 
     def raw_op():
         torch.ops.kda.recurrent_kda.default(
-            d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], None, None, None, idx,
-            None, None, d["out"], None, None, None, None, K**-0.5, 2, LOWER_BOUND, True, True, 0, 0, 2)
+            d["q"],
+            d["k"],
+            d["v"],
+            d["g"],
+            d["beta"],
+            d["A_log"],
+            d["dt_bias"],
+            d["pool"],
+            None,
+            None,
+            None,
+            idx,
+            None,
+            None,
+            d["out"],
+            None,
+            None,
+            None,
+            None,
+            K**-0.5,
+            2,
+            LOWER_BOUND,
+            True,
+            True,
+            0,
+            0,
+            2,
+        )
 
     def raw_decode_op():  # the short-schema op the cached public path calls
         torch.ops.kda.recurrent_kda_decode.default(
-            d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["pool"], idx, None, d["out"],
-            K**-0.5, LOWER_BOUND, 2 | 4 | 8 | (2 << 8))
+            d["q"],
+            d["k"],
+            d["v"],
+            d["g"],
+            d["beta"],
+            d["A_log"],
+            d["dt_bias"],
+            d["pool"],
+            idx,
+            None,
+            d["out"],
+            K**-0.5,
+            LOWER_BOUND,
+            2 | 4 | 8 | (2 << 8),
+        )
 
     if d is not None:
         idx = torch.zeros(1, device="cuda", dtype=torch.int32)
@@ -274,20 +373,36 @@ def main() -> None:
         if fla_fwd is not None:
             of = torch.empty_like(d["out"])
             e_fla = host_us(lambda: fla_step(fla_fwd, d, idx, of))
-        extra.append(["B=1 bf16: eager call from Python (host-bound), public API", fmt(e_api, 1), fmt(e_fla, 1),
-                      ratio(e_fla, e_api)])
+        extra.append(
+            [
+                "B=1 bf16: eager call from Python (host-bound), public API",
+                fmt(e_api, 1),
+                fmt(e_fla, 1),
+                ratio(e_fla, e_api),
+            ]
+        )
         extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda.recurrent_kda", fmt(e_raw, 1), "", ""])
-        extra.append(["B=1 bf16: eager call from Python, raw torch.ops.kda.recurrent_kda_decode", fmt(e_dec, 1), "",
-                      ""])
-        records.append(dict(case="eager B=1 bf16", kernel=KERNEL, ours_api_us=e_api, ours_raw_op_us=e_raw,
-                            ours_raw_decode_op_us=e_dec, fla_us=e_fla))
+        extra.append(
+            ["B=1 bf16: eager call from Python, raw torch.ops.kda.recurrent_kda_decode", fmt(e_dec, 1), "", ""]
+        )
+        records.append(
+            dict(
+                case="eager B=1 bf16",
+                kernel=KERNEL,
+                ours_api_us=e_api,
+                ours_raw_op_us=e_raw,
+                ours_raw_decode_op_us=e_dec,
+                fla_us=e_fla,
+            )
+        )
 
     header = ["case", "ours us/step", "ours TB/s", "fla us/step", "fla TB/s", "fla/ours", "xcheck out/state rel"]
     text_notes = notes
     stem = "bench_decode" + args.tag
     write_results(args.out, stem, header, rows, records, text_notes)
-    md = ["| case | ours (us) | fla (us) | fla/ours |", "|---|---|---|---|"] + ["| " + " | ".join(r) + " |"
-                                                                                for r in extra]
+    md = ["| case | ours (us) | fla (us) | fla/ours |", "|---|---|---|---|"] + [
+        "| " + " | ".join(r) + " |" for r in extra
+    ]
     print("\n".join(["## latency and host overhead"] + md), flush=True)
     with open(os.path.join(args.out, stem + ".md"), "a") as f:
         f.write("\n## latency and host overhead\n" + "\n".join(md) + "\n")

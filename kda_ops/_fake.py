@@ -325,7 +325,5 @@ def _segment_state_scan_fake(S, Q, P, first):
     torch._check(S.dtype.is_floating_point, lambda: f"S must be a floating dtype, got {S.dtype}")
     torch._check(Q.dtype == S.dtype and P.dtype == S.dtype, lambda: "S, Q and P must share one dtype")
     torch._check(Q.device == S.device and P.device == S.device, lambda: "S, Q and P must be on one device")
-    torch._check(
-        S.is_contiguous() and Q.is_contiguous() and P.is_contiguous(), lambda: "S, Q and P must be contiguous"
-    )
+    torch._check(S.is_contiguous() and Q.is_contiguous() and P.is_contiguous(), lambda: "S, Q and P must be contiguous")
     torch._check(first >= 1, lambda: f"first must be >= 1, got {first}")

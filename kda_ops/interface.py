@@ -419,8 +419,30 @@ def recurrent_kda(
         and S == 0
         and not disable_state_update
         and _split.try_run(
-            d, q, k, v, g, beta, A_hv, dtb_hv, pool, ssm_idx, cu_seqlens, cu_host, out, final, sc, gate_mode, lb, l2,
-            logit, backend_code, n_ck, ck, source, src_idx,
+            d,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_hv,
+            dtb_hv,
+            pool,
+            ssm_idx,
+            cu_seqlens,
+            cu_host,
+            out,
+            final,
+            sc,
+            gate_mode,
+            lb,
+            l2,
+            logit,
+            backend_code,
+            n_ck,
+            ck,
+            source,
+            src_idx,
         )  # fmt: skip
     )
     if not split:

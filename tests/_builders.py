@@ -89,9 +89,9 @@ def _snap(objs: list) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 def _unchanged(snap) -> None:
     for i, (t, b) in enumerate(snap):
         if b is not None:
-            assert torch.equal(b, raw_bytes(t)), (
-                f"tensor #{i} {tuple(t.shape)} {t.dtype} was modified by a rejected call"
-            )
+            assert torch.equal(
+                b, raw_bytes(t)
+            ), f"tensor #{i} {tuple(t.shape)} {t.dtype} was modified by a rejected call"
 
 
 def _names_in(msg: str, names: tuple[str, ...]) -> bool:

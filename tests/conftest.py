@@ -193,9 +193,9 @@ def check_pool(pool_after, pool_before, slots_written: dict[int, torch.Tensor], 
     others = [i for i in range(pool_after.shape[0]) if i not in slots_written]
     if others:
         idx = torch.tensor(others, device=pool_after.device)
-        assert torch.equal(bits(pool_after.index_select(0, idx)), bits(pool_before.index_select(0, idx))), (
-            f"{what}: untouched slots were modified"
-        )
+        assert torch.equal(
+            bits(pool_after.index_select(0, idx)), bits(pool_before.index_select(0, idx))
+        ), f"{what}: untouched slots were modified"
 
 
 def capture_graph(fn):

@@ -31,19 +31,52 @@ TAPE_CHUNK = 64
 # ----------------------------------------------------------------------------------------------
 
 
-def _inputs(B=1, T=17, H=1, HV=2, K=128, V=128, dtype=torch.float32, state_dtype=torch.float32, seed=0,
-            cu=None, N_pool=None, gate="lower_bound"):
-    inp = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, state_dtype=state_dtype, seed=seed,
-                      cu_seqlens=cu, N_pool=N_pool)
+def _inputs(
+    B=1,
+    T=17,
+    H=1,
+    HV=2,
+    K=128,
+    V=128,
+    dtype=torch.float32,
+    state_dtype=torch.float32,
+    seed=0,
+    cu=None,
+    N_pool=None,
+    gate="lower_bound",
+):
+    inp = make_inputs(
+        B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, state_dtype=state_dtype, seed=seed, cu_seqlens=cu, N_pool=N_pool
+    )
     if gate == "precomputed":
         # a precomputed gate is a log-decay: keep it negative so long sequences stay bounded
         inp["g"] = (F.logsigmoid(inp["g"].double()) * 0.5).to(dtype)
     return inp
 
 
-def recurrent(inp, *, gate="lower_bound", lower_bound=-5.0, l2=True, logit=True, scale=None, state=None,
-              source=None, source_idx=None, cu=None, ssm=None, n_acc=None, spec=0, final_state=None,
-              ckpt=None, ckpt_starts=None, ckpt_every=0, out=None, A_log=None, dt_bias=None):
+def recurrent(
+    inp,
+    *,
+    gate="lower_bound",
+    lower_bound=-5.0,
+    l2=True,
+    logit=True,
+    scale=None,
+    state=None,
+    source=None,
+    source_idx=None,
+    cu=None,
+    ssm=None,
+    n_acc=None,
+    spec=0,
+    final_state=None,
+    ckpt=None,
+    ckpt_starts=None,
+    ckpt_every=0,
+    out=None,
+    A_log=None,
+    dt_bias=None,
+):
     """torch.ops.kda.recurrent_kda with the arguments the public API passes; returns the output."""
     q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
     if gate != "precomputed":
@@ -53,22 +86,56 @@ def recurrent(inp, *, gate="lower_bound", lower_bound=-5.0, l2=True, logit=True,
         out = torch.full_like(v, float("nan"))  # every element must be written
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     OPS.recurrent_kda.default(
-        q, k, v, g, beta, A_log, dt_bias, state, source, source_idx, cu, ssm, n_acc, None, out, final_state,
-        ckpt, ckpt_starts, None, scale, GATE_MODE[gate], lower_bound if gate == "lower_bound" else 0.0, l2,
-        logit, spec, ckpt_every, 0,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        state,
+        source,
+        source_idx,
+        cu,
+        ssm,
+        n_acc,
+        None,
+        out,
+        final_state,
+        ckpt,
+        ckpt_starts,
+        None,
+        scale,
+        GATE_MODE[gate],
+        lower_bound if gate == "lower_bound" else 0.0,
+        l2,
+        logit,
+        spec,
+        ckpt_every,
+        0,
     )
     return out
 
 
-def reference(inp, init, *, gate="lower_bound", lower_bound=-5.0, l2=True, logit=True, scale=None, cu=None,
-              ckpt_every=0):
+def reference(
+    inp, init, *, gate="lower_bound", lower_bound=-5.0, l2=True, logit=True, scale=None, cu=None, ckpt_every=0
+):
     return recurrent_kda_reference(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        inp["g"],
+        inp["beta"],
         A_log=None if gate == "precomputed" else inp["A_log"],
         dt_bias=None if gate == "precomputed" else inp["dt_bias"],
-        scale=scale, initial_state=init, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
-        use_gate_in_kernel=gate != "precomputed", lower_bound=lower_bound if gate == "lower_bound" else None,
-        beta_is_logit=logit, checkpoint_every_n_tokens=ckpt_every,
+        scale=scale,
+        initial_state=init,
+        cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=l2,
+        use_gate_in_kernel=gate != "precomputed",
+        lower_bound=lower_bound if gate == "lower_bound" else None,
+        beta_is_logit=logit,
+        checkpoint_every_n_tokens=ckpt_every,
     )
 
 
@@ -219,12 +286,12 @@ def test_spec_decode_matches_single_token_decodes(state_dtype):
     read = torch.tensor([1, 4, 11], dtype=torch.int32)
     cur = pool0.clone()  # read-only copy the next decode starts from
     for t in range(S + 1):
-        tok = {n: inp[n][:, t::S + 1].transpose(0, 1).contiguous() for n in ("q", "k", "v", "g", "beta")}
+        tok = {n: inp[n][:, t :: S + 1].transpose(0, 1).contiguous() for n in ("q", "k", "v", "g", "beta")}
         tok.update(A_log=inp["A_log"], dt_bias=inp["dt_bias"])
         w = ssm[:, t].contiguous()
         active = w >= 0
         o = recurrent(tok, state=dec_pool, source=cur, source_idx=read, ssm=w)
-        dec_out[0, t::S + 1] = o[:, 0]
+        dec_out[0, t :: S + 1] = o[:, 0]
         read = torch.where(active, w, read).to(torch.int32)  # an inactive token does not advance
         cur = dec_pool.clone()
     if state_dtype == torch.float32:
@@ -237,8 +304,9 @@ def test_spec_decode_matches_single_token_decodes(state_dtype):
     for s in (10, 12, 13, 14, 15):
         assert_bits(pool[s], pool0[s], f"untouched slot {s}")
     # and vs the reference: sequence 0 starts at slot 1
-    ref = reference({k_: v_[:, : S + 1] if k_ in "q k v g beta".split() else v_ for k_, v_ in inp.items()},
-                    pool0[1:2].float())
+    ref = reference(
+        {k_: v_[:, : S + 1] if k_ in "q k v g beta".split() else v_ for k_, v_ in inp.items()}, pool0[1:2].float()
+    )
     assert rel_rms(out[:, : S + 1], ref.output) < 5e-3  # bf16 output rounding
 
 
@@ -259,16 +327,16 @@ def test_checkpoints(ckpt_dtype):
     assert_bits(ckpt[0], inp["initial_state"][0].to(ckpt_dtype), "row 0 = initial state")
     # fewer rows than needed: rows past the end are skipped, never written out of bounds
     small = torch.full((3, 2, 128, 128), 7.0, dtype=ckpt_dtype)
-    recurrent(inp, state=inp["initial_state"].clone(), cu=inp["cu_seqlens"], ckpt=small, ckpt_starts=starts,
-              ckpt_every=64)
+    recurrent(
+        inp, state=inp["initial_state"].clone(), cu=inp["cu_seqlens"], ckpt=small, ckpt_starts=starts, ckpt_every=64
+    )
     assert_bits(small, ckpt[:3].clone(), "truncated checkpoint rows")
 
 
 def test_fp64_matches_reference():
     cu = [0, 3, 3, 70]
     for gate in ("precomputed", "softplus", "lower_bound"):
-        inp = _inputs(cu=cu, H=1, HV=2, K=64, V=64, dtype=torch.float64, state_dtype=torch.float64, seed=17,
-                      gate=gate)
+        inp = _inputs(cu=cu, H=1, HV=2, K=64, V=64, dtype=torch.float64, state_dtype=torch.float64, seed=17, gate=gate)
         pool = inp["initial_state"].clone()
         out = recurrent(inp, gate=gate, lower_bound=-3.7, state=pool, cu=inp["cu_seqlens"], scale=0.21)
         ref = reference(inp, inp["initial_state"], gate=gate, lower_bound=-3.7, cu=inp["cu_seqlens"], scale=0.21)
@@ -301,7 +369,7 @@ def test_strided_token_views_and_padded_pool():
     ref = reference(inp, inp["initial_state"])
     assert rel_rms(out, ref.output) < 1e-5  # fp32 tokens and state
     assert rel_rms(pool, ref.final_state) < 1e-5
-    assert padded[:, HV * K * K:].abs().max() == 0, "pool padding untouched"
+    assert padded[:, HV * K * K :].abs().max() == 0, "pool padding untouched"
 
 
 def test_recurrent_deterministic():
@@ -327,8 +395,7 @@ def test_recurrent_deterministic():
 
 def _training_inputs(cu=None, B=1, T=0, H=1, HV=2, K=64, dtype=torch.bfloat16, seed=0):
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    inp = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=K, dtype=dtype, state_dtype=state_dtype, seed=seed,
-                      cu_seqlens=cu)
+    inp = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=K, dtype=dtype, state_dtype=state_dtype, seed=seed, cu_seqlens=cu)
     if dtype == torch.float64:  # gradcheck-grade: parameters in fp64 too
         inp["A_log"], inp["dt_bias"] = inp["A_log"].double(), inp["dt_bias"].double()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -339,21 +406,56 @@ def _training_inputs(cu=None, B=1, T=0, H=1, HV=2, K=64, dtype=torch.bfloat16, s
 
 def training_forward(inp, scale, lb):
     return OPS.recurrent_kda_training_forward.default(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], inp["initial_state"],
-        inp.get("cu_seqlens"), scale, lb)
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        inp["g"],
+        inp["beta"],
+        inp["A_log"],
+        inp["dt_bias"],
+        inp["initial_state"],
+        inp.get("cu_seqlens"),
+        scale,
+        lb,
+    )
 
 
 def training_backward(inp, fwd, scale, lb, dfinal=True):
     return OPS.recurrent_kda_training_backward.default(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], fwd[2], fwd[3],
-        inp["initial_state"], inp.get("cu_seqlens"), inp["do"], inp["dfinal"] if dfinal else None, scale, lb)
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        inp["g"],
+        inp["beta"],
+        inp["A_log"],
+        inp["dt_bias"],
+        fwd[2],
+        fwd[3],
+        inp["initial_state"],
+        inp.get("cu_seqlens"),
+        inp["do"],
+        inp["dfinal"] if dfinal else None,
+        scale,
+        lb,
+    )
 
 
 def reference_grads(inp, scale, lb, dfinal=True):
     return reference_training_grads(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], inp["initial_state"],
-        inp["do"], inp["dfinal"] if dfinal else None, cu_seqlens=inp.get("cu_seqlens"), scale=scale,
-        lower_bound=lb)
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        inp["g"],
+        inp["beta"],
+        inp["A_log"],
+        inp["dt_bias"],
+        inp["initial_state"],
+        inp["do"],
+        inp["dfinal"] if dfinal else None,
+        cu_seqlens=inp.get("cu_seqlens"),
+        scale=scale,
+        lower_bound=lb,
+    )
 
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")
@@ -376,9 +478,21 @@ def test_training_forward_tapes(layout):
     assert tapes.shape == (rows, 2, 64, 64) and tapes.dtype == torch.float32
     assert final.dtype == inp["initial_state"].dtype and out.dtype == inp["v"].dtype
     ref = recurrent_kda_reference(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], scale=scale,
-        initial_state=inp["initial_state"], cu_seqlens=inp.get("cu_seqlens"), use_gate_in_kernel=True,
-        lower_bound=lb, beta_is_logit=True, checkpoint_every_n_tokens=TAPE_CHUNK)
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        inp["g"],
+        inp["beta"],
+        inp["A_log"],
+        inp["dt_bias"],
+        scale=scale,
+        initial_state=inp["initial_state"],
+        cu_seqlens=inp.get("cu_seqlens"),
+        use_gate_in_kernel=True,
+        lower_bound=lb,
+        beta_is_logit=True,
+        checkpoint_every_n_tokens=TAPE_CHUNK,
+    )
     assert rel_rms(out, ref.output) < 5e-3  # bf16 output rounding
     assert rel_rms(final, ref.final_state) < 1e-5  # fp32 state, fp32 loop
     used = want_starts[-1]
@@ -436,8 +550,20 @@ def test_recurrent_kda_backward_equals_forward_plus_backward_and_is_deterministi
     try:
         torch.set_num_threads(1)
         direct = OPS.recurrent_kda_backward.default(
-            inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], inp["initial_state"],
-            inp["cu_seqlens"], inp["do"], inp["dfinal"], scale, lb)
+            inp["q"],
+            inp["k"],
+            inp["v"],
+            inp["g"],
+            inp["beta"],
+            inp["A_log"],
+            inp["dt_bias"],
+            inp["initial_state"],
+            inp["cu_seqlens"],
+            inp["do"],
+            inp["dfinal"],
+            scale,
+            lb,
+        )
         fwd1 = training_forward(inp, scale, lb)
     finally:
         torch.set_num_threads(old)
@@ -448,8 +574,20 @@ def test_recurrent_kda_backward_equals_forward_plus_backward_and_is_deterministi
     # bf16 initial state: dinitial_state comes back in its dtype
     inp16 = dict(inp, initial_state=inp["initial_state"].to(torch.bfloat16), dfinal=None)
     d16 = OPS.recurrent_kda_backward.default(
-        inp16["q"], inp16["k"], inp16["v"], inp16["g"], inp16["beta"], inp16["A_log"], inp16["dt_bias"],
-        inp16["initial_state"], inp16["cu_seqlens"], inp16["do"], None, scale, lb)
+        inp16["q"],
+        inp16["k"],
+        inp16["v"],
+        inp16["g"],
+        inp16["beta"],
+        inp16["A_log"],
+        inp16["dt_bias"],
+        inp16["initial_state"],
+        inp16["cu_seqlens"],
+        inp16["do"],
+        None,
+        scale,
+        lb,
+    )
     assert d16[7].dtype == torch.bfloat16
 
 
@@ -505,8 +643,13 @@ def test_golden_recurrent(name):
     inp, kw, exp = gd["inputs"], gd["kwargs"], gd["expected"]
     q, v = inp["q"], inp["v"]
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    gate = ("precomputed" if not kw.get("use_gate_in_kernel", False)
-            else "softplus" if kw.get("lower_bound") is None else "lower_bound")
+    gate = (
+        "precomputed"
+        if not kw.get("use_gate_in_kernel", False)
+        else "softplus"
+        if kw.get("lower_bound") is None
+        else "lower_bound"
+    )
     pool0 = inp.get("initial_state")
     pool = None if pool0 is None else pool0.clone()
     cu = inp.get("cu_seqlens")
@@ -520,10 +663,22 @@ def test_golden_recurrent(name):
         ckpt = torch.empty(int(starts[-1]), HV, V, K, dtype=torch.float32 if pool is None else pool.dtype)
     ssm = inp.get("ssm_state_indices")
     out = recurrent(
-        inp, gate=gate, lower_bound=kw.get("lower_bound") or 0.0, l2=kw.get("use_qk_l2norm_in_kernel", True),
-        logit=kw.get("beta_is_logit", False), scale=kw.get("scale"), state=pool, cu=cu, ssm=ssm,
-        n_acc=inp.get("num_accepted_tokens"), spec=spec, final_state=final, ckpt=ckpt, ckpt_starts=starts,
-        ckpt_every=every)
+        inp,
+        gate=gate,
+        lower_bound=kw.get("lower_bound") or 0.0,
+        l2=kw.get("use_qk_l2norm_in_kernel", True),
+        logit=kw.get("beta_is_logit", False),
+        scale=kw.get("scale"),
+        state=pool,
+        cu=cu,
+        ssm=ssm,
+        n_acc=inp.get("num_accepted_tokens"),
+        spec=spec,
+        final_state=final,
+        ckpt=ckpt,
+        ckpt_starts=starts,
+        ckpt_every=every,
+    )
     # docs/contract.md "Tolerances": bf16-input outputs within rel RMS 5e-3 and max abs 2e-2 of the fp64 result
     assert rel_rms(out, exp["output"]) < 5e-3
     assert (out.double() - exp["output"].double()).abs().max() < 2e-2
@@ -560,7 +715,19 @@ def test_golden_training():
         assert torch.isfinite(a).all(), name
         assert rel_rms(a, exp[name]) < 1e-2, name  # docs/contract.md "Tolerances": every gradient
     direct = OPS.recurrent_kda_backward.default(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], inp["initial_state"],
-        inp["cu_seqlens"], inp["do"], inp["dfinal_state"], scale, lb)
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        inp["g"],
+        inp["beta"],
+        inp["A_log"],
+        inp["dt_bias"],
+        inp["initial_state"],
+        inp["cu_seqlens"],
+        inp["do"],
+        inp["dfinal_state"],
+        scale,
+        lb,
+    )
     for name, a, b in zip(GRAD_NAMES, grads, direct, strict=True):
         assert_bits(a, b, name)

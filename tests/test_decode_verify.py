@@ -22,14 +22,53 @@ from kda_ops.reference import make_inputs, recurrent_kda_reference, rel_rms
 OPS = torch.ops.kda
 
 
-def _op(inp, *, state, verify, spec=0, ssm=None, n_acc=None, cu=None, source=None, source_idx=None,
-        final_state=None, ckpt=None, ckpt_starts=None, ckpt_every=0):
+def _op(
+    inp,
+    *,
+    state,
+    verify,
+    spec=0,
+    ssm=None,
+    n_acc=None,
+    cu=None,
+    source=None,
+    source_idx=None,
+    final_state=None,
+    ckpt=None,
+    ckpt_starts=None,
+    ckpt_every=0,
+):
     q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
     out = torch.full_like(v, float("nan"))  # every element must be written
     OPS.recurrent_kda.default(
-        q, k, v, g, beta, inp["A_log"], inp["dt_bias"], state, source, source_idx, cu, ssm, n_acc, None, out,
-        final_state, ckpt, ckpt_starts, None, 1.0 / math.sqrt(q.shape[-1]), 2, -5.0, True, True, spec, ckpt_every,
-        0, disable_state_update=verify,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        inp["A_log"],
+        inp["dt_bias"],
+        state,
+        source,
+        source_idx,
+        cu,
+        ssm,
+        n_acc,
+        None,
+        out,
+        final_state,
+        ckpt,
+        ckpt_starts,
+        None,
+        1.0 / math.sqrt(q.shape[-1]),
+        2,
+        -5.0,
+        True,
+        True,
+        spec,
+        ckpt_every,
+        0,
+        disable_state_update=verify,
     )
     return out
 
@@ -57,16 +96,25 @@ def _both(inp, pool, **kw):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_decode_writes_nothing(state_dtype):
     B, N_pool = 3, 6
-    inp = make_inputs(B=B, T=1, H=2, HV=4, K=64, V=64, dtype=torch.bfloat16, state_dtype=state_dtype, seed=1,
-                      N_pool=N_pool)
+    inp = make_inputs(
+        B=B, T=1, H=2, HV=4, K=64, V=64, dtype=torch.bfloat16, state_dtype=state_dtype, seed=1, N_pool=N_pool
+    )
     pool = inp["initial_state"]
     ssm = torch.tensor([4, -1, 1], dtype=torch.int32)  # sequence 1 is inactive (slot outside the pool)
     o, _, committed = _both(inp, pool, ssm=ssm)
     assert not torch.equal(committed[4], pool[4]), "the committing call does write (the test can fail)"
     assert o[1].abs().max() == 0, "inactive sequence: zero output"
     ref = recurrent_kda_reference(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
-        initial_state=pool[torch.tensor([4, 0, 1])].double(), use_gate_in_kernel=True, lower_bound=-5.0,
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        inp["g"],
+        inp["beta"],
+        A_log=inp["A_log"],
+        dt_bias=inp["dt_bias"],
+        initial_state=pool[torch.tensor([4, 0, 1])].double(),
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
         beta_is_logit=True,
     )
     for b in (0, 2):
@@ -80,12 +128,23 @@ def test_spec_decode_writes_nothing(state_dtype, packed):
     N, N_pool = 3, 12
     if packed:
         cu = [0, 4, 8, 12]
-        inp = make_inputs(T=12, H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype, seed=2,
-                          cu_seqlens=cu, N_pool=N_pool)
+        inp = make_inputs(
+            T=12,
+            H=1,
+            HV=2,
+            K=128,
+            V=128,
+            dtype=torch.bfloat16,
+            state_dtype=state_dtype,
+            seed=2,
+            cu_seqlens=cu,
+            N_pool=N_pool,
+        )
         cu_t = inp["cu_seqlens"]
     else:
-        inp = make_inputs(B=N, T=S + 1, H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype,
-                          seed=2, N_pool=N_pool)
+        inp = make_inputs(
+            B=N, T=S + 1, H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, state_dtype=state_dtype, seed=2, N_pool=N_pool
+        )
         cu_t = None
     # row 2 has an inactive token (slot -1): zero output, the state is not advanced past it
     ssm = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, -1, 11]], dtype=torch.int32)
@@ -98,8 +157,9 @@ def test_spec_decode_writes_nothing(state_dtype, packed):
 
 def test_source_start_state_writes_nothing():
     # initial_state_source (read-only start states) with a pool to write to: the verify pass writes no slot
-    inp = make_inputs(B=3, T=2, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, state_dtype=torch.float32, seed=3,
-                      N_pool=4)
+    inp = make_inputs(
+        B=3, T=2, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, state_dtype=torch.float32, seed=3, N_pool=4
+    )
     source = torch.randn(5, 2, 64, 64, generator=torch.Generator().manual_seed(7)) * 0.1
     src_idx = torch.tensor([3, 0, -1], dtype=torch.int32)  # the last sequence is inactive
     ssm = torch.tensor([1, 2, 0], dtype=torch.int32)
@@ -112,8 +172,9 @@ def test_source_start_state_writes_nothing():
 def test_prefill_checkpoints_still_written(ck_dtype):
     # Checkpoints are a caller buffer (not pool slots): a verify pass fills them exactly as a commit does.
     cu = [0, 5, 5, 14]  # a zero-length sequence in the middle
-    inp = make_inputs(T=14, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, state_dtype=torch.float32, seed=4,
-                      cu_seqlens=cu, N_pool=3)
+    inp = make_inputs(
+        T=14, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, state_dtype=torch.float32, seed=4, cu_seqlens=cu, N_pool=3
+    )
     every = 4
     starts = torch.tensor([0, 2, 2, 5], dtype=torch.int64)  # ceil(len / every) rows per sequence
     ck_v = torch.full((5, 2, 64, 64), 7.0, dtype=ck_dtype)
@@ -123,8 +184,7 @@ def test_prefill_checkpoints_still_written(ck_dtype):
     o_v = _op(inp, state=pool, verify=True, cu=inp["cu_seqlens"], ckpt=ck_v, ckpt_starts=starts, ckpt_every=every)
     assert_bits(pool, before, "pool after a verify prefill")
     committed = pool.clone()
-    o_c = _op(inp, state=committed, verify=False, cu=inp["cu_seqlens"], ckpt=ck_c, ckpt_starts=starts,
-              ckpt_every=every)
+    o_c = _op(inp, state=committed, verify=False, cu=inp["cu_seqlens"], ckpt=ck_c, ckpt_starts=starts, ckpt_every=every)
     assert_bits(o_v, o_c, "verify vs commit output")
     assert_bits(ck_v, ck_c, "verify vs commit checkpoints")
     assert not torch.equal(committed, before)
@@ -150,8 +210,35 @@ def test_default_commits():
     before = pool.clone()
     q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
     out = torch.empty_like(v)
-    OPS.recurrent_kda.default(q, k, v, g, beta, inp["A_log"], inp["dt_bias"], pool, None, None, None, None, None,
-                              None, out, None, None, None, None, 0.125, 2, -5.0, True, True, 0, 0, 0)
+    OPS.recurrent_kda.default(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        inp["A_log"],
+        inp["dt_bias"],
+        pool,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        out,
+        None,
+        None,
+        None,
+        None,
+        0.125,
+        2,
+        -5.0,
+        True,
+        True,
+        0,
+        0,
+        0,
+    )
     assert not torch.equal(pool, before)
 
 
@@ -159,8 +246,37 @@ def test_opcheck_verify():
     inp = make_inputs(B=2, T=4, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=8, N_pool=8)
     q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
     ssm = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
-    args = (q, k, v, g, beta, inp["A_log"], inp["dt_bias"], inp["initial_state"], None, None, None, ssm, None,
-            None, torch.empty_like(v), None, None, None, None, 0.125, 2, -5.0, True, True, 3, 0, 0, False, True)
+    args = (
+        q,
+        k,
+        v,
+        g,
+        beta,
+        inp["A_log"],
+        inp["dt_bias"],
+        inp["initial_state"],
+        None,
+        None,
+        None,
+        ssm,
+        None,
+        None,
+        torch.empty_like(v),
+        None,
+        None,
+        None,
+        None,
+        0.125,
+        2,
+        -5.0,
+        True,
+        True,
+        3,
+        0,
+        0,
+        False,
+        True,
+    )
     torch.library.opcheck(OPS.recurrent_kda.default, args)
 
 
@@ -170,9 +286,19 @@ def test_opcheck_verify():
 
 def _api(inp, pool, verify, **kw):
     return kda_ops.recurrent_kda(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
-        initial_state=pool, use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True,
-        disable_state_update=verify, **kw,
+        inp["q"],
+        inp["k"],
+        inp["v"],
+        inp["g"],
+        inp["beta"],
+        A_log=inp["A_log"],
+        dt_bias=inp["dt_bias"],
+        initial_state=pool,
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        beta_is_logit=True,
+        disable_state_update=verify,
+        **kw,
     )
 
 
@@ -184,8 +310,11 @@ def test_api_verify_then_commit(S):
     before = pool.clone()
     kw = {}
     if S:
-        kw = dict(num_spec_tokens=S, num_accepted_tokens=torch.tensor([1, 3, 2], dtype=torch.int32),
-                  ssm_state_indices=torch.arange(B * (1 + S), dtype=torch.int32).reshape(B, 1 + S))
+        kw = dict(
+            num_spec_tokens=S,
+            num_accepted_tokens=torch.tensor([1, 3, 2], dtype=torch.int32),
+            ssm_state_indices=torch.arange(B * (1 + S), dtype=torch.int32).reshape(B, 1 + S),
+        )
     o_v, fs = _api(inp, pool, True, output_final_state=True, **kw)
     assert fs is pool
     assert_bits(pool, before, "pool after a verify call")
@@ -199,9 +328,20 @@ def test_api_verify_rejects_chunked_and_non_bool():
     pool = inp["initial_state"]
     before = pool.clone()
     with pytest.raises(ValueError, match="disable_state_update"):
-        kda_ops.recurrent_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
-                              dt_bias=inp["dt_bias"], initial_state=pool, use_gate_in_kernel=True, lower_bound=-5.0,
-                              backend="chunked", disable_state_update=True)
+        kda_ops.recurrent_kda(
+            inp["q"],
+            inp["k"],
+            inp["v"],
+            inp["g"],
+            inp["beta"],
+            A_log=inp["A_log"],
+            dt_bias=inp["dt_bias"],
+            initial_state=pool,
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            backend="chunked",
+            disable_state_update=True,
+        )
     with pytest.raises(TypeError, match="disable_state_update"):
         _api(inp, pool, 1)
     assert_bits(pool, before, "nothing written on an error")
@@ -214,8 +354,14 @@ def test_api_verify_rejects_chunked_and_non_bool():
 
 def _decode_args(seed=11):
     inp = make_inputs(B=2, T=1, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=seed, N_pool=4)
-    return inp, dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], use_gate_in_kernel=True, lower_bound=-5.0,
-                     beta_is_logit=True, ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32))
+    return inp, dict(
+        A_log=inp["A_log"],
+        dt_bias=inp["dt_bias"],
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        beta_is_logit=True,
+        ssm_state_indices=torch.tensor([3, 1], dtype=torch.int32),
+    )
 
 
 def test_cache_repeated_call_same_results():

@@ -259,9 +259,9 @@ def test_broken_contracts_stay_in_bounds(device, case):
     if case == "slots_out_of_range":
         assert torch.count_nonzero(out.view[1:4].float()) == 0, "inactive rows must have zero output"
         untouched = [1, 2, 3, 4, 5]  # rows 0 and 4 write slots 6 and 0; rows 1-3 are inactive
-        assert torch.equal(raw_bytes(pool.view[untouched]), raw_bytes(pool_before[untouched])), (
-            "slots nobody names must be untouched"
-        )
+        assert torch.equal(
+            raw_bytes(pool.view[untouched]), raw_bytes(pool_before[untouched])
+        ), "slots nobody names must be untouched"
     if case == "source_out_of_range":
         assert torch.count_nonzero(out.view[1:4].float()) == 0, "sequences with an out-of-range source are inactive"
     STATS["broken_contract_runs"] += 1

@@ -119,7 +119,11 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[str]]:
     r = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [sys.executable, "-c", _CHILD],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     lines = [line for line in r.stdout.splitlines() if "|" in line]

@@ -503,8 +503,6 @@ def test_state_only_output_shape_checked():
         assert torch.equal(p, pool)
 
 
-
-
 # ---------------------------------------------------------------------------------------------------
 # the scan of segment start states (torch.ops.kda.segment_state_scan)
 

@@ -20,6 +20,7 @@ from kda_ops.reference import rel_rms
 
 pytestmark = needs_cpu_op("recurrent_kda_training_forward", "recurrent_kda_training_backward", "recurrent_kda_backward")
 
+
 def assert_grads_close(grads, ref, tol=1e-2, what=""):
     for name, a, e in zip(GRADS, grads, ref, strict=True):
         if e is None:

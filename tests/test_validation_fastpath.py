@@ -193,8 +193,7 @@ def test_implicit_slots_need_a_pool_of_n_slots():
     pool = x["initial_state"]
     before = pool.clone()
     with pytest.raises(ValueError, match="initial_state"):
-        kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
-                              cu_seqlens=x["cu_seqlens"])
+        kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=x["cu_seqlens"])
     assert torch.equal(pool, before)
 
 

@@ -29,9 +29,22 @@ def case(H, lens):
     A_log, dtb = torch.rand(H, device="cuda") * 0.5, torch.randn(H, 128, device="cuda") * 0.1
 
     def run(output=None):
-        return kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dtb, initial_state=pool, cu_seqlens=cu,
-                                     output=output, use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True,
-                                     backend="chunked")
+        return kda_ops.recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=A_log,
+            dt_bias=dtb,
+            initial_state=pool,
+            cu_seqlens=cu,
+            output=output,
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            beta_is_logit=True,
+            backend="chunked",
+        )
 
     return run, torch.empty_like(v)
 
@@ -54,8 +67,9 @@ def main():
         host = (time.perf_counter() - t0) / 20 * 1e3
         torch.cuda.synchronize()
         print(f"{name}: synced-call median {synced:.3f} ms | pipelined {pipe:.3f} ms/call | host {host:.3f} ms/call")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
             run()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))

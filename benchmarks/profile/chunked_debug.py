@@ -19,8 +19,21 @@ import kda_ops  # noqa: E402
 from kda_ops.reference import recurrent_kda_reference, rel_rms  # noqa: E402
 
 
-def case(name, T=16, B=1, H=1, HV=1, gate="lower_bound", h0=False, l2=True, logit=True, lens=None, seed=0,
-         pool_dtype=torch.float32, backend="chunked"):
+def case(
+    name,
+    T=16,
+    B=1,
+    H=1,
+    HV=1,
+    gate="lower_bound",
+    h0=False,
+    l2=True,
+    logit=True,
+    lens=None,
+    seed=0,
+    pool_dtype=torch.float32,
+    backend="chunked",
+):
     gen = torch.Generator().manual_seed(seed)
     K = 128
     if lens is not None:
@@ -36,19 +49,32 @@ def case(name, T=16, B=1, H=1, HV=1, gate="lower_bound", h0=False, l2=True, logi
     N = B if lens is None else len(lens)
     kw = dict(use_qk_l2norm_in_kernel=l2, beta_is_logit=logit)
     if gate != "precomputed":
-        kw.update(use_gate_in_kernel=True, A_log=torch.rand(HV) * 0.5, dt_bias=r(HV, K) * 0.1,
-                  lower_bound=-5.0 if gate == "lower_bound" else None)
+        kw.update(
+            use_gate_in_kernel=True,
+            A_log=torch.rand(HV) * 0.5,
+            dt_bias=r(HV, K) * 0.1,
+            lower_bound=-5.0 if gate == "lower_bound" else None,
+        )
     cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     pool = (r(N, HV, K, K) * 0.1) if h0 else torch.zeros(N, HV, K, K)
     pool = pool.to(pool_dtype).float()
     tok = [x.to(torch.bfloat16) for x in (q, k, v, g, beta)]
-    ref = recurrent_kda_reference(*[x.double() for x in tok], initial_state=pool.double(), cu_seqlens=cu,
-                                  **{a: (b.double() if torch.is_tensor(b) else b) for a, b in kw.items()})
+    ref = recurrent_kda_reference(
+        *[x.double() for x in tok],
+        initial_state=pool.double(),
+        cu_seqlens=cu,
+        **{a: (b.double() if torch.is_tensor(b) else b) for a, b in kw.items()},
+    )
     dev = [x.cuda() for x in tok]
     pool_d = pool.to(pool_dtype).cuda()
-    o, s = kda_ops.recurrent_kda(*dev, initial_state=pool_d, output_final_state=True,
-                                 cu_seqlens=None if cu is None else cu.cuda(), backend=backend,
-                                 **{a: (b.cuda() if torch.is_tensor(b) else b) for a, b in kw.items()})
+    o, s = kda_ops.recurrent_kda(
+        *dev,
+        initial_state=pool_d,
+        output_final_state=True,
+        cu_seqlens=None if cu is None else cu.cuda(),
+        backend=backend,
+        **{a: (b.cuda() if torch.is_tensor(b) else b) for a, b in kw.items()},
+    )
     torch.cuda.synchronize()
     o, s = o.double().cpu(), s.double().cpu()
     ro, rs = ref.output, ref.final_state

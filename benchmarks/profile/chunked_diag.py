@@ -38,9 +38,22 @@ def run_one(H, T):
     pool = torch.zeros(1, H, 128, 128, device="cuda", dtype=torch.bfloat16)
     A_log, dtb = torch.rand(H, device="cuda") * 0.5, torch.randn(H, 128, device="cuda") * 0.1
     out = torch.empty_like(v)
-    run = functools.partial(kda_ops.recurrent_kda, q, k, v, g, beta, A_log=A_log, dt_bias=dtb,
-                            initial_state=pool, output=out, use_gate_in_kernel=True, lower_bound=-5.0,
-                            beta_is_logit=True, backend="chunked")
+    run = functools.partial(
+        kda_ops.recurrent_kda,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dtb,
+        initial_state=pool,
+        output=out,
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        beta_is_logit=True,
+        backend="chunked",
+    )
     return time_ms(run)
 
 
@@ -52,8 +65,13 @@ def main():
         row = []
         for diag in ("0", "1", "2", "4", "3", "5", "6", "7"):
             env = dict(os.environ, KDA_CHUNKED_DIAG=diag)
-            ms = subprocess.run([sys.executable, __file__, str(H), str(T)], env=env, capture_output=True,
-                                text=True, check=True).stdout.strip().splitlines()[-1]
+            ms = (
+                subprocess.run(
+                    [sys.executable, __file__, str(H), str(T)], env=env, capture_output=True, text=True, check=True
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
             row.append(f"diag{diag}={ms}")
         print(f"H={H} T={T} ms: " + " ".join(row), flush=True)
 

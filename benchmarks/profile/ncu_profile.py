@@ -29,8 +29,20 @@ if case.startswith("prefill"):  # prefill_<H>_<T>: one sequence, bf16 state, the
     pool = torch.zeros(1, Hp, K, K, device=dev, dtype=torch.bfloat16)
     A_log, dt_bias = torch.rand(Hp, device=dev) * 0.5, torch.randn(Hp, K, device=dev) * 0.1
     for _ in range(4):
-        kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
-                              use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, backend="chunked")
+        kda_ops.recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            initial_state=pool,
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            beta_is_logit=True,
+            backend="chunked",
+        )
 elif case.startswith("train"):  # train_<H>_<T>: kda_ops.kda forward + backward, one sequence
     _, Hp, Tp = case.split("_") if case.count("_") == 2 else ("train", "32", "2048")
     Hp, Tp = int(Hp), int(Tp)
@@ -44,13 +56,24 @@ elif case.startswith("train"):  # train_<H>_<T>: kda_ops.kda forward + backward,
         o, _ = kda_ops.kda(q, k, v, g, beta, A_log, dt_bias, h0, lower_bound=-5.0)
         o.backward(do)
 elif case.startswith("decode"):  # decode_bf16 | decode_fp32 (B = 256), decode<B>_<dtype> (e.g. decode1_bf16)
-    B = int(case[len("decode"):].split("_")[0] or 256)
+    B = int(case[len("decode") :].split("_")[0] or 256)
     dt = torch.bfloat16 if case.endswith("bf16") else torch.float32
     r = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.bfloat16)  # noqa: E731
     q, k, v, g, beta = r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H, K), r(B, 1, H)
     pool = torch.zeros(B, H, K, K, device=dev, dtype=dt)
     A_log, dt_bias = torch.zeros(H, device=dev), torch.zeros(H, K, device=dev)
     for _ in range(5):
-        kda_ops.recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
-                              use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True)
+        kda_ops.recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            initial_state=pool,
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            beta_is_logit=True,
+        )
 torch.cuda.synchronize()

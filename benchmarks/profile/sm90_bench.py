@@ -32,13 +32,28 @@ def case(H, lengths):
     def r(*s):
         return torch.randn(*s, device="cuda", generator=g).bfloat16()
 
-    x = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, K), g=r(1, T, H, K), beta=r(1, T, H),
-             A_log=torch.rand(H, device="cuda") * 0.5 + 0.1, dt_bias=torch.randn(H, K, device="cuda") * 0.1)
+    x = dict(
+        q=r(1, T, H, K),
+        k=r(1, T, H, K),
+        v=r(1, T, H, K),
+        g=r(1, T, H, K),
+        beta=r(1, T, H),
+        A_log=torch.rand(H, device="cuda") * 0.5 + 0.1,
+        dt_bias=torch.randn(H, K, device="cuda") * 0.1,
+    )
     cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], device="cuda")
     pool = (torch.randn(len(lengths), H, K, K, device="cuda") * 0.1).bfloat16()
     out = torch.empty_like(x["v"])
-    return dict(**x, use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, initial_state=pool, output=out,
-                backend="chunked", cu_seqlens=cu if len(lengths) > 1 else None)
+    return dict(
+        **x,
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        beta_is_logit=True,
+        initial_state=pool,
+        output=out,
+        backend="chunked",
+        cu_seqlens=cu if len(lengths) > 1 else None,
+    )
 
 
 def ran_sm90(kw):
@@ -94,9 +109,13 @@ def output_of(kw, kern):
 
 
 def main():
-    rows = [("H=96 T=8192", 96, [8192]), ("H=64 T=8192", 64, [8192]), ("H=96 packed 8x1024", 96, [1024] * 8),
-            ("H=96 packed [1300,547,2048,963,271,3063]", 96, [1300, 547, 2048, 963, 271, 3063]),
-            ("H=32 T=8192", 32, [8192])]
+    rows = [
+        ("H=96 T=8192", 96, [8192]),
+        ("H=64 T=8192", 64, [8192]),
+        ("H=96 packed 8x1024", 96, [1024] * 8),
+        ("H=96 packed [1300,547,2048,963,271,3063]", 96, [1300, 547, 2048, 963, 271, 3063]),
+        ("H=32 T=8192", 32, [8192]),
+    ]
     variants = [v.strip() for v in os.environ.get("SM90_BENCH_VARIANTS", "2,3").split(",")]  # (a hung one left out)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     cols = " | ".join(f"sm90 v{v} ms" for v in variants)

@@ -77,12 +77,14 @@ def build(case):
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        x = make_inputs(H=H, HV=HV, N_pool=len(lens) + 1, state_dtype=pool_dtype or torch.float32, device=DEV,
-                        seed=1, cu_seqlens=cu)
+        x = make_inputs(
+            H=H, HV=HV, N_pool=len(lens) + 1, state_dtype=pool_dtype or torch.float32, device=DEV, seed=1, cu_seqlens=cu
+        )
         N = len(lens)
     else:
-        x = make_inputs(B=1, T=lens, H=H, HV=HV, N_pool=2, state_dtype=pool_dtype or torch.float32, device=DEV,
-                        seed=lens)
+        x = make_inputs(
+            B=1, T=lens, H=H, HV=HV, N_pool=2, state_dtype=pool_dtype or torch.float32, device=DEV, seed=lens
+        )
         N = 1
     g = x["g"] if gmode != "precomputed" else -torch.nn.functional.softplus(x["g"].float()).bfloat16()
     kw = dict(q=x["q"], k=x["k"], v=x["v"], g=g, beta=x["beta"], beta_is_logit=True, **gate_kw(x, gmode))
@@ -158,8 +160,10 @@ def diagnose(name, o90, omma, r, fs90, fsref, cu, N):
     m = omma.float().cpu()[0]
     e = r.output.float()[0]
     T, HV, V = a.shape
-    print(f"  sm90 output: finite {bool(torch.isfinite(a).all())}, all zero {bool((a == 0).all())}, "
-          f"max|.| {a.abs().max().item():.3e} (reference max|.| {e.abs().max().item():.3e})")
+    print(
+        f"  sm90 output: finite {bool(torch.isfinite(a).all())}, all zero {bool((a == 0).all())}, "
+        f"max|.| {a.abs().max().item():.3e} (reference max|.| {e.abs().max().item():.3e})"
+    )
     for h in range(min(HV, 2)):
         print(f"  head {h}: first output rows (tokens 0-2, value rows 0-7)")
         print("    sm90:\n" + fmt_rows(a[:, h]))
@@ -186,8 +190,10 @@ def diagnose(name, o90, omma, r, fs90, fsref, cu, N):
         print("  token best match (sm90 token -> ref token), tokens 0-31:", tm[:32])
     if fs90 is not None and fsref is not None:
         s, t = fs90[0].float(), fsref[0].float()  # head 0: [V, K]
-        print(f"  state head 0: rel_rms {rel_rms(s, t):.3e}, vs transposed {rel_rms(s, t.T):.3e}, "
-              f"all zero {bool((s == 0).all())}, finite {bool(torch.isfinite(s).all())}")
+        print(
+            f"  state head 0: rel_rms {rel_rms(s, t):.3e}, vs transposed {rel_rms(s, t.T):.3e}, "
+            f"all zero {bool((s == 0).all())}, finite {bool(torch.isfinite(s).all())}"
+        )
         print("    sm90 state rows 0-2:\n" + fmt_rows(s))
         print("    ref  state rows 0-2:\n" + fmt_rows(t))
         print("  state row best match (value rows 0-31):", best_match(s, t)[:32])
@@ -215,7 +221,7 @@ def check(case, profile=True, mma=True, diag=True):
     rowmask = torch.zeros(cu_l[-1], dtype=torch.bool)
     for n in range(N):
         if active[n]:
-            rowmask[cu_l[n]:cu_l[n + 1]] = True
+            rowmask[cu_l[n] : cu_l[n + 1]] = True
     line = f"{name:18s}"
     ok = True
     fsref = [r.final_state[n].float() for n in range(N)]
@@ -270,8 +276,14 @@ def main():
         if not torch.cuda.is_available():
             print("smoke: no CUDA device")
             return 2
-        print("device:", torch.cuda.get_device_name(), torch.cuda.get_device_capability(), "torch",
-              torch.__version__, flush=True)
+        print(
+            "device:",
+            torch.cuda.get_device_name(),
+            torch.cuda.get_device_capability(),
+            "torch",
+            torch.__version__,
+            flush=True,
+        )
     if "--only" in args:
         want = args[args.index("--only") + 1]
         case = next(c for c in CASES if c[0] == want)

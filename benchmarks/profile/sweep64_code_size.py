@@ -85,8 +85,12 @@ def cold_lines(src: list[str]) -> tuple[list[tuple[int, int]], set[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", default=SOURCE)
-    ap.add_argument("--lines", metavar="PHASE", help="also list the phase's hot code bytes per source line (the "
-                    "innermost line of this file an instruction comes from), largest first")
+    ap.add_argument(
+        "--lines",
+        metavar="PHASE",
+        help="also list the phase's hot code bytes per source line (the "
+        "innermost line of this file an instruction comes from), largest first",
+    )
     args = ap.parse_args()
     src = open(args.source, encoding="utf-8").read().splitlines()
     name = os.path.basename(args.source)

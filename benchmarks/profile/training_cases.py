@@ -58,9 +58,7 @@ def mode_id(m) -> str:
     return f"{gate}-{'logit' if logit else 'plain'}-{'l2' if l2 else 'nol2'}"
 
 
-def make_case(
-    mode, *, B=1, T=17, H=1, HV=2, K=16, cu=None, dtype=torch.bfloat16, init=True, dtb=True, seed=0, lb=-5.0
-):
+def make_case(mode, *, B=1, T=17, H=1, HV=2, K=16, cu=None, dtype=torch.bfloat16, init=True, dtb=True, seed=0, lb=-5.0):
     """Inputs in the ranges each mode is meant for: a precomputed g is a log-decay (<= 0), a plain β lies in
     (0, 1), and without the L2 norm q, k have norms near 1 (the delta rule is stable for β|k|^2 < 2)."""
     gate, logit, l2 = mode

@@ -91,8 +91,7 @@ PyObject* call_key(PyObject* const* args, Py_ssize_t nargs) {
       continue;
     }
     PyTypeObject* type = Py_TYPE(obj);
-    if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) && type != g_parameter_type)
-      Py_RETURN_NONE;
+    if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) && type != g_parameter_type) Py_RETURN_NONE;
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (!t.defined()) Py_RETURN_NONE;
     put(static_cast<int64_t>(reinterpret_cast<uintptr_t>(type)));

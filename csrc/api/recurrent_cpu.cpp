@@ -39,26 +39,45 @@ void zero_uncovered_tokens(const RecurrentParams& p, const at::Tensor& output) {
   }
 }
 
-bool state_dtype_ok(DType dt) { return dt == DType::kFloat32 || dt == DType::kBFloat16 || dt == DType::kFloat64; }
+bool state_dtype_ok(DType dt) {
+  return dt == DType::kFloat32 || dt == DType::kBFloat16 || dt == DType::kFloat64;
+}
 
-void recurrent_kda_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                       const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
-                       const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& state,
-                       const std::optional<at::Tensor>& state_source,
-                       const std::optional<at::Tensor>& initial_state_indices,
-                       const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& ssm_state_indices,
-                       const std::optional<at::Tensor>& num_accepted_tokens, const std::optional<at::Tensor>& seq_order,
-                       const at::Tensor& output, const std::optional<at::Tensor>& final_state,
-                       const std::optional<at::Tensor>& state_checkpoints,
-                       const std::optional<at::Tensor>& checkpoint_cu_starts,
-                       const std::optional<at::Tensor>& /*workspace*/, double scale, int64_t gate_mode,
-                       double lower_bound, bool use_qk_l2norm, bool beta_is_logit, int64_t num_spec_tokens,
-                       int64_t checkpoint_every_n_tokens, int64_t /*backend*/, bool zero_uncovered,
-                       bool disable_state_update) {
-  const RecurrentArgs args{q, k, v, g, beta, A_log, dt_bias, state, state_source, initial_state_indices,
-                           cu_seqlens, ssm_state_indices, num_accepted_tokens, seq_order, output,
-                           final_state, state_checkpoints, checkpoint_cu_starts, scale, gate_mode,
-                           lower_bound, use_qk_l2norm, beta_is_logit, num_spec_tokens,
+void recurrent_kda_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+    const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
+    const std::optional<at::Tensor>& state, const std::optional<at::Tensor>& state_source,
+    const std::optional<at::Tensor>& initial_state_indices, const std::optional<at::Tensor>& cu_seqlens,
+    const std::optional<at::Tensor>& ssm_state_indices, const std::optional<at::Tensor>& num_accepted_tokens,
+    const std::optional<at::Tensor>& seq_order, const at::Tensor& output, const std::optional<at::Tensor>& final_state,
+    const std::optional<at::Tensor>& state_checkpoints, const std::optional<at::Tensor>& checkpoint_cu_starts,
+    const std::optional<at::Tensor>& /*workspace*/, double scale, int64_t gate_mode, double lower_bound,
+    bool use_qk_l2norm, bool beta_is_logit, int64_t num_spec_tokens, int64_t checkpoint_every_n_tokens,
+    int64_t /*backend*/, bool zero_uncovered, bool disable_state_update) {
+  const RecurrentArgs args{q,
+                           k,
+                           v,
+                           g,
+                           beta,
+                           A_log,
+                           dt_bias,
+                           state,
+                           state_source,
+                           initial_state_indices,
+                           cu_seqlens,
+                           ssm_state_indices,
+                           num_accepted_tokens,
+                           seq_order,
+                           output,
+                           final_state,
+                           state_checkpoints,
+                           checkpoint_cu_starts,
+                           scale,
+                           gate_mode,
+                           lower_bound,
+                           use_qk_l2norm,
+                           beta_is_logit,
+                           num_spec_tokens,
                            checkpoint_every_n_tokens};
   RecurrentParams p = make_recurrent_params(args);
   const at::Tensor scratch = output_scratch(p, v);  // a state-only call: the loop writes a scratch output

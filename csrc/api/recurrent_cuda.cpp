@@ -34,7 +34,9 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+bool aligned(const void* ptr, int bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
 
 // q, k, g are read in 8- or 16-byte pieces: the base must be 16-byte aligned and every stride a multiple
 // of 8 elements. Views that are not (rare: fused projections have K-multiple strides) get a compact copy.
@@ -67,13 +69,15 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   KDA_CHECK(backend >= 0 && backend <= 2, "backend must be 0 (auto), 1 (chunked) or 2 (recurrent), got ", backend);
   KDA_CHECK(q_in.is_cuda(), "q must be a CUDA tensor, got ", q_in.device());
   for (const Tensor* t : {&k_in, &v_in, &g_in, &beta, &output}) KDA_CHECK_SAME_DEVICE(*t, q_in, "every token tensor");
-  for (const OptTensor* t : {&A_log, &dt_bias, &state, &state_source, &initial_state_indices, &cu_seqlens,
-                             &ssm_state_indices, &num_accepted_tokens, &seq_order, &final_state, &state_checkpoints,
-                             &checkpoint_cu_starts})
+  for (const OptTensor* t :
+       {&A_log, &dt_bias, &state, &state_source, &initial_state_indices, &cu_seqlens, &ssm_state_indices,
+        &num_accepted_tokens, &seq_order, &final_state, &state_checkpoints, &checkpoint_cu_starts})
     if (t->has_value()) KDA_CHECK_SAME_DEVICE(**t, q_in, "every tensor argument");
   for (const Tensor* t : {&q_in, &k_in, &v_in, &g_in, &beta, &output})
-    KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, "CUDA recurrent_kda token tensors (q, k, v, g, beta, output) "
-                   "must be ", at::kBFloat16, ", got ", t->scalar_type());
+    KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16,
+                   "CUDA recurrent_kda token tensors (q, k, v, g, beta, output) "
+                   "must be ",
+                   at::kBFloat16, ", got ", t->scalar_type());
   KDA_CHECK(q_in.dim() == 4 && v_in.dim() == 4, "q and v must be rank 4, got ", q_in.dim(), " and ", v_in.dim());
   const int64_t K = q_in.size(3), Vd = v_in.size(3);
   KDA_CHECK(K == Vd && (K == 64 || K == 128), "CUDA recurrent_kda needs K == V in {64, 128}, got K=", K, ", V=", Vd);
@@ -81,10 +85,30 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = vector_readable(q_in), k = vector_readable(k_in), g = vector_readable(g_in);
   const Tensor v = vector_readable(v_in);
-  const RecurrentArgs args{q, k, v, g, beta, A_log, dt_bias, state, state_source, initial_state_indices,
-                           cu_seqlens, ssm_state_indices, num_accepted_tokens, seq_order, output,
-                           final_state, state_checkpoints, checkpoint_cu_starts, scale, gate_mode,
-                           lower_bound, use_qk_l2norm, beta_is_logit, num_spec_tokens,
+  const RecurrentArgs args{q,
+                           k,
+                           v,
+                           g,
+                           beta,
+                           A_log,
+                           dt_bias,
+                           state,
+                           state_source,
+                           initial_state_indices,
+                           cu_seqlens,
+                           ssm_state_indices,
+                           num_accepted_tokens,
+                           seq_order,
+                           output,
+                           final_state,
+                           state_checkpoints,
+                           checkpoint_cu_starts,
+                           scale,
+                           gate_mode,
+                           lower_bound,
+                           use_qk_l2norm,
+                           beta_is_logit,
+                           num_spec_tokens,
                            checkpoint_every_n_tokens};
   RecurrentParams p = make_recurrent_params(args);
   check_state_buffer(state, "initial_state", p.state_slot_stride, true);
@@ -114,8 +138,8 @@ void recurrent_kda_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_
   }
   const cudaError_t err =
       chunked ? launch_chunked(p, route, stream) : launch_recurrent(p, route, stream, disable_state_update);
-  TORCH_CHECK(err == cudaSuccess, "kda ", chunked ? "chunked" : "recurrent", " kernel launch failed: ",
-              cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, "kda ", chunked ? "chunked" : "recurrent",
+              " kernel launch failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace

@@ -11,11 +11,16 @@ namespace kda {
 
 inline DType to_kda_dtype(at::ScalarType t, const char* name) {
   switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kDouble: return DType::kFloat64;
-    case at::kHalf: return DType::kFloat16;
-    default: TORCH_CHECK_TYPE(false, name, " has unsupported dtype ", t);
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kDouble:
+      return DType::kFloat64;
+    case at::kHalf:
+      return DType::kFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, name, " has unsupported dtype ", t);
   }
 }
 
@@ -32,10 +37,10 @@ inline TokenTensor token_tensor(const at::Tensor& t, const char* name) {
 
 struct RecurrentArgs {
   const at::Tensor &q, &k, &v, &g, &beta;
-  const std::optional<at::Tensor> &A_log, &dt_bias, &state, &state_source, &initial_state_indices,
-      &cu_seqlens, &ssm_state_indices, &num_accepted_tokens, &seq_order;
+  const std::optional<at::Tensor>&A_log, &dt_bias, &state, &state_source, &initial_state_indices, &cu_seqlens,
+      &ssm_state_indices, &num_accepted_tokens, &seq_order;
   const at::Tensor& output;
-  const std::optional<at::Tensor> &final_state, &state_checkpoints, &checkpoint_cu_starts;
+  const std::optional<at::Tensor>&final_state, &state_checkpoints, &checkpoint_cu_starts;
   double scale;
   int64_t gate_mode;
   double lower_bound;
@@ -51,8 +56,8 @@ struct DecodeMode {
 inline DecodeMode unpack_decode_mode(int64_t mode) {
   KDA_CHECK(mode >= 0 && mode < (int64_t(1) << 32),
             "recurrent_kda_decode decode_flags must be a 32-bit packed value, got ", mode);
-  return DecodeMode{mode & 3, (mode >> 8) & 0xff, mode >> 16, ((mode >> 2) & 1) != 0, ((mode >> 3) & 1) != 0,
-                    ((mode >> 4) & 1) != 0};
+  return DecodeMode{
+      mode & 3, (mode >> 8) & 0xff, mode >> 16, ((mode >> 2) & 1) != 0, ((mode >> 3) & 1) != 0, ((mode >> 4) & 1) != 0};
 }
 
 // recurrent_kda_decode (the short-schema entry of the eager decode hot path, registration.cpp) as a call of
@@ -68,9 +73,9 @@ void recurrent_kda_decode_as_full(const at::Tensor& q, const at::Tensor& k, cons
                                   double scale, double lower_bound, int64_t decode_flags) {
   const DecodeMode m = unpack_decode_mode(decode_flags);
   const std::optional<at::Tensor> none;
-  Full(q, k, v, g, beta, A_log, dt_bias, state, none, none, none, ssm_state_indices, num_accepted_tokens, none,
-       output, none, none, none, none, scale, m.gate_mode, lower_bound, m.use_qk_l2norm, m.beta_is_logit,
-       m.num_spec_tokens, 0, m.backend, false, m.disable_state_update);
+  Full(q, k, v, g, beta, A_log, dt_bias, state, none, none, none, ssm_state_indices, num_accepted_tokens, none, output,
+       none, none, none, none, scale, m.gate_mode, lower_bound, m.use_qk_l2norm, m.beta_is_logit, m.num_spec_tokens, 0,
+       m.backend, false, m.disable_state_update);
 }
 
 // Fills the POD params; checks only what would otherwise be a memory error (ranks, inner sizes,
@@ -85,13 +90,11 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
   KDA_CHECK(a.q.dim() == 4 && a.k.dim() == 4 && a.v.dim() == 4 && a.g.dim() == 4 && a.beta.dim() == 3,
             "q, k, v, g must be rank 4 and beta rank 3");
   // Head and channel counts >= 1 before anything divides by them (B and T may be 0: nothing to compute).
-  KDA_CHECK(a.q.size(2) >= 1 && a.q.size(3) >= 1, "q must be [B, T, H, K] with H >= 1 and K >= 1, got ",
-            a.q.sizes());
-  KDA_CHECK(a.v.size(2) >= 1 && a.v.size(3) >= 1, "v must be [B, T, HV, V] with HV >= 1 and V >= 1, got ",
-            a.v.sizes());
-  KDA_CHECK(a.q.size(2) <= INT32_MAX && a.v.size(2) <= INT32_MAX && a.q.size(3) <= INT32_MAX &&
-                a.v.size(3) <= INT32_MAX,
-            "head and channel counts must fit in int32, got q ", a.q.sizes(), ", v ", a.v.sizes());
+  KDA_CHECK(a.q.size(2) >= 1 && a.q.size(3) >= 1, "q must be [B, T, H, K] with H >= 1 and K >= 1, got ", a.q.sizes());
+  KDA_CHECK(a.v.size(2) >= 1 && a.v.size(3) >= 1, "v must be [B, T, HV, V] with HV >= 1 and V >= 1, got ", a.v.sizes());
+  KDA_CHECK(
+      a.q.size(2) <= INT32_MAX && a.v.size(2) <= INT32_MAX && a.q.size(3) <= INT32_MAX && a.v.size(3) <= INT32_MAX,
+      "head and channel counts must fit in int32, got q ", a.q.sizes(), ", v ", a.v.sizes());
   RecurrentParams p;
   p.B = a.q.size(0);
   p.T = a.q.size(1);
@@ -103,8 +106,8 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
   KDA_CHECK(a.k.sizes() == a.q.sizes(), "k must have the shape of q ", a.q.sizes(), ", got ", a.k.sizes());
   KDA_CHECK(a.g.size(0) == p.B && a.g.size(1) == p.T && a.g.size(2) == p.HV && a.g.size(3) == p.K,
             "g must be [B, T, HV, K], got ", a.g.sizes());
-  KDA_CHECK(a.beta.size(0) == p.B && a.beta.size(1) == p.T && a.beta.size(2) == p.HV,
-            "beta must be [B, T, HV], got ", a.beta.sizes());
+  KDA_CHECK(a.beta.size(0) == p.B && a.beta.size(1) == p.T && a.beta.size(2) == p.HV, "beta must be [B, T, HV], got ",
+            a.beta.sizes());
   // A 1-D empty output: the caller needs only the states (the sequence split's end-state passes); the
   // chunked kernel then skips the output product, the other paths write a scratch buffer (output_scratch).
   const bool no_output = a.output.dim() == 1 && a.output.numel() == 0;
@@ -112,8 +115,8 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
             " (or be a 1-D empty tensor when only the states are needed), got ", a.output.sizes());
   p.token_dtype = to_kda_dtype(a.q.scalar_type(), "q");
   for (const at::Tensor* t : {&a.k, &a.v, &a.g, &a.beta, &a.output})
-    KDA_CHECK_TYPE(t->scalar_type() == a.q.scalar_type(), "token tensors must share q's dtype ",
-                   a.q.scalar_type(), ", got ", t->scalar_type());
+    KDA_CHECK_TYPE(t->scalar_type() == a.q.scalar_type(), "token tensors must share q's dtype ", a.q.scalar_type(),
+                   ", got ", t->scalar_type());
   p.q = token_tensor(a.q, "q");
   p.k = token_tensor(a.k, "k");
   p.v = token_tensor(a.v, "v");
@@ -133,8 +136,8 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
   p.gate_mode = static_cast<GateMode>(a.gate_mode);
   if (p.gate_mode != GateMode::kPrecomputed) {
     KDA_CHECK(a.A_log.has_value(), "A_log is required by the in-kernel gate");
-    KDA_CHECK(a.A_log->is_contiguous() && a.A_log->numel() == p.HV, "A_log must be contiguous [HV]=[", p.HV,
-              "], got ", a.A_log->sizes());
+    KDA_CHECK(a.A_log->is_contiguous() && a.A_log->numel() == p.HV, "A_log must be contiguous [HV]=[", p.HV, "], got ",
+              a.A_log->sizes());
     KDA_CHECK_DTYPE(*a.A_log, at::kFloat, "A_log");
     p.A_log = a.A_log->data_ptr<float>();
     if (a.dt_bias.has_value()) {
@@ -147,8 +150,8 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
 
   const int64_t inner = int64_t(p.HV) * p.V * p.K;
   auto check_pool = [&](const at::Tensor& s, const char* name) {
-    KDA_CHECK(s.dim() == 4 && s.size(1) == p.HV && s.size(2) == p.V && s.size(3) == p.K,
-              name, " must be [N_pool, HV, V, K] = [*, ", p.HV, ", ", p.V, ", ", p.K, "], got ", s.sizes());
+    KDA_CHECK(s.dim() == 4 && s.size(1) == p.HV && s.size(2) == p.V && s.size(3) == p.K, name,
+              " must be [N_pool, HV, V, K] = [*, ", p.HV, ", ", p.V, ", ", p.K, "], got ", s.sizes());
     KDA_CHECK(s.stride(3) == 1 && s.stride(2) == p.K && s.stride(1) == int64_t(p.V) * p.K &&
                   (s.size(0) <= 1 || s.stride(0) >= inner),
               name, " must have a compact [HV, V, K] block per slot, got strides ", s.strides());
@@ -184,8 +187,8 @@ inline RecurrentParams make_recurrent_params(const RecurrentArgs& a) {
   auto check_index = [&](const std::optional<at::Tensor>& t, int64_t numel, const char* name) -> const int32_t* {
     if (!t.has_value()) return nullptr;
     KDA_CHECK_TYPE(t->scalar_type() == at::kInt, name, " must be int32, got ", t->scalar_type());
-    KDA_CHECK(t->is_contiguous() && t->numel() == numel, name, " must be contiguous with ", numel,
-              " elements, got ", t->sizes());
+    KDA_CHECK(t->is_contiguous() && t->numel() == numel, name, " must be contiguous with ", numel, " elements, got ",
+              t->sizes());
     return t->data_ptr<int32_t>();
   };
   p.ssm_state_indices = check_index(a.ssm_state_indices, p.N * (p.num_spec_tokens + 1), "ssm_state_indices");

@@ -9,14 +9,14 @@ TORCH_LIBRARY(kda, m) {
   // Inference: decode (T=1), speculative decode (1+S tokens), prefill (any T), fixed or packed.
   // Writes `output`, the state pool `state` (in place, its own dtype), `final_state` (fp32, only when
   // `state` is None), and `state_checkpoints`. A 1-D empty `output` makes a state-only call: no outputs
-  // (the chunked kernel skips the output product; the sequence split's end-state passes). gate_mode: 0 precomputed, 1 softplus, 2 lower bound.
-  // backend: 0 auto, 1 chunked, 2 recurrent. A_log is [HV] fp32 and dt_bias [HV, K] fp32 here (the
-  // Python layer expands per-q/k-head parameters). zero_uncovered: also write zeros to the packed tokens
-  // outside every sequence (a broken cu_seqlens contract; by the clamp rule of kda::seq_range), for an
-  // `output` the Python layer allocated itself; False leaves those tokens of a caller's buffer as they were.
-  // disable_state_update (speculative verify): the outputs of every token as usual, by the same slot and
-  // activity rules, but no pool slot of `state` is written (no final write, no per-token spec columns);
-  // final_state and state_checkpoints (caller buffers, not pool slots) are written as usual.
+  // (the chunked kernel skips the output product; the sequence split's end-state passes). gate_mode: 0 precomputed, 1
+  // softplus, 2 lower bound. backend: 0 auto, 1 chunked, 2 recurrent. A_log is [HV] fp32 and dt_bias [HV, K] fp32 here
+  // (the Python layer expands per-q/k-head parameters). zero_uncovered: also write zeros to the packed tokens outside
+  // every sequence (a broken cu_seqlens contract; by the clamp rule of kda::seq_range), for an `output` the Python
+  // layer allocated itself; False leaves those tokens of a caller's buffer as they were. disable_state_update
+  // (speculative verify): the outputs of every token as usual, by the same slot and activity rules, but no pool slot of
+  // `state` is written (no final write, no per-token spec columns); final_state and state_checkpoints (caller buffers,
+  // not pool slots) are written as usual.
   m.def(
       "recurrent_kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor(a!)? state, Tensor? state_source, Tensor? initial_state_indices, Tensor? cu_seqlens, "

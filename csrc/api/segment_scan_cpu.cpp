@@ -18,4 +18,6 @@ void segment_state_scan_cpu(const at::Tensor& S, const at::Tensor& Q, const at::
 }  // namespace
 }  // namespace kda
 
-TORCH_LIBRARY_IMPL(kda, CPU, m) { m.impl("segment_state_scan", &kda::segment_state_scan_cpu); }
+TORCH_LIBRARY_IMPL(kda, CPU, m) {
+  m.impl("segment_state_scan", &kda::segment_state_scan_cpu);
+}

@@ -20,14 +20,15 @@ void segment_state_scan_cuda(const at::Tensor& S, const at::Tensor& Q, const at:
             "CUDA segment_state_scan needs V <= 524280 and batch < 2^31, got V=", S.size(2), ", batch=", S.size(1));
   if (S.numel() == 0) return;
   c10::cuda::CUDAGuard guard(S.device());
-  const cudaError_t err = launch_segment_state_scan(S.data_ptr<float>(), Q.data_ptr<float>(), P.data_ptr<float>(),
-                                                    S.size(0), S.size(1), static_cast<int>(S.size(2)),
-                                                    static_cast<int>(S.size(3)), first,
-                                                    c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = launch_segment_state_scan(
+      S.data_ptr<float>(), Q.data_ptr<float>(), P.data_ptr<float>(), S.size(0), S.size(1), static_cast<int>(S.size(2)),
+      static_cast<int>(S.size(3)), first, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "kda segment_state_scan kernel launch failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace
 }  // namespace kda
 
-TORCH_LIBRARY_IMPL(kda, CUDA, m) { m.impl("segment_state_scan", &kda::segment_state_scan_cuda); }
+TORCH_LIBRARY_IMPL(kda, CUDA, m) {
+  m.impl("segment_state_scan", &kda::segment_state_scan_cuda);
+}

@@ -44,12 +44,12 @@ inline TrainingShape check_training_shapes(const char* op, const at::Tensor& q, 
   KDA_CHECK(v.size(0) == d.B && v.size(1) == d.T, op, ": v must be [B, T, HV, V], got ", v.sizes());
   KDA_CHECK(g.size(0) == d.B && g.size(1) == d.T && g.size(2) == d.HV && g.size(3) == d.K, op,
             ": g must be [B, T, HV, K], got ", g.sizes());
-  KDA_CHECK(beta.size(0) == d.B && beta.size(1) == d.T && beta.size(2) == d.HV, op,
-            ": beta must be [B, T, HV], got ", beta.sizes());
+  KDA_CHECK(beta.size(0) == d.B && beta.size(1) == d.T && beta.size(2) == d.HV, op, ": beta must be [B, T, HV], got ",
+            beta.sizes());
   for (const at::Tensor* t : {&q, &k, &v, &g})
     KDA_CHECK(t->stride(-1) == 1, op, ": token tensors must have a contiguous last dim, got strides ", t->strides());
-  KDA_CHECK(gate_mode >= 0 && gate_mode <= 2, op, ": gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ",
-            gate_mode);
+  KDA_CHECK(gate_mode >= 0 && gate_mode <= 2, op,
+            ": gate_mode must be 0 (precomputed), 1 (softplus) or 2 (lower bound), got ", gate_mode);
   if (gate_mode == 0) {
     KDA_CHECK(!A_log.has_value() && !dt_bias.has_value(), op,
               ": A_log and dt_bias must be None with the precomputed gate (gate_mode=0: g is the log-decay)");

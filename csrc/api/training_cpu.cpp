@@ -26,8 +26,8 @@ namespace cpu {
 
 namespace {
 
-using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                         at::Tensor>;
+using Grads =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 bool is_float_or_double(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
@@ -52,8 +52,7 @@ std::optional<at::Tensor> compact(const std::optional<at::Tensor>& t) {
 
 TrainingProblem check_training_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& g, const at::Tensor& beta,
-                                      const std::optional<at::Tensor>& A_log,
-                                      const std::optional<at::Tensor>& dt_bias,
+                                      const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                                       const std::optional<at::Tensor>& cu_seqlens, double scale, double lower_bound,
                                       const TrainingModes& m) {
   const TrainingShape s =
@@ -72,8 +71,8 @@ TrainingProblem check_training_inputs(const char* op, const at::Tensor& q, const
     const int64_t* cp = c.data_ptr<int64_t>();
     KDA_CHECK(cp[0] == 0, op, ": cu_seqlens[0] must be 0, got ", cp[0]);
     for (int64_t n = 0; n < pb.N; ++n) {
-      KDA_CHECK(cp[n] <= cp[n + 1] && cp[n + 1] <= pb.T, op, ": cu_seqlens must be non-decreasing within [0, T=",
-                pb.T, "], got cu_seqlens[", n, ":", n + 2, "] = ", cp[n], ", ", cp[n + 1]);
+      KDA_CHECK(cp[n] <= cp[n + 1] && cp[n + 1] <= pb.T, op, ": cu_seqlens must be non-decreasing within [0, T=", pb.T,
+                "], got cu_seqlens[", n, ":", n + 2, "] = ", cp[n], ", ", cp[n + 1]);
       pb.bos.push_back(cp[n]);
       pb.len.push_back(cp[n + 1] - cp[n]);
     }
@@ -85,7 +84,9 @@ TrainingProblem check_training_inputs(const char* op, const at::Tensor& q, const
 }
 
 // Tape rows (kda/tape_rows.h): the bound from shapes, as the fake kernel computes it. Unused rows stay zero.
-int64_t tape_rows(const TrainingProblem& pb, bool packed) { return tape_rows_bound(packed, pb.B, pb.T); }
+int64_t tape_rows(const TrainingProblem& pb, bool packed) {
+  return tape_rows_bound(packed, pb.B, pb.T);
+}
 
 at::Tensor tape_starts(const TrainingProblem& pb) {
   at::Tensor s = at::empty({pb.N + 1}, at::kLong);
@@ -96,8 +97,8 @@ at::Tensor tape_starts(const TrainingProblem& pb) {
 }
 
 void check_state(const at::Tensor& s, const TrainingProblem& pb, const char* name) {
-  KDA_CHECK(s.dim() == 4 && s.size(0) == pb.N && s.size(1) == pb.HV && s.size(2) == pb.V && s.size(3) == pb.K,
-            name, " must be [N, HV, V, K] = [", pb.N, ", ", pb.HV, ", ", pb.V, ", ", pb.K, "], got ", s.sizes());
+  KDA_CHECK(s.dim() == 4 && s.size(0) == pb.N && s.size(1) == pb.HV && s.size(2) == pb.V && s.size(3) == pb.K, name,
+            " must be [N, HV, V, K] = [", pb.N, ", ", pb.HV, ", ", pb.V, ", ", pb.K, "], got ", s.sizes());
   const auto t = s.scalar_type();
   KDA_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kDouble, name,
                  " must be float32, bfloat16 or float64, got ", t);
@@ -108,15 +109,35 @@ void check_state(const at::Tensor& s, const TrainingProblem& pb, const char* nam
 // `output` gives the output layout (the backward passes `do` for the shape check and clears p.out).
 RecurrentParams training_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
-                                const std::optional<at::Tensor>& dt_bias,
-                                const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& output,
-                                const at::Tensor& tapes, const at::Tensor& starts, double scale,
-                                double lower_bound, const TrainingModes& m, CpuExtras& x) {
+                                const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
+                                const at::Tensor& output, const at::Tensor& tapes, const at::Tensor& starts,
+                                double scale, double lower_bound, const TrainingModes& m, CpuExtras& x) {
   const std::optional<at::Tensor> none;
   const std::optional<at::Tensor> tapes_opt(tapes), starts_opt(starts);
-  const RecurrentArgs args{q, k, v, g, beta, none, none, none, none, none, cu_seqlens, none, none, none, output,
-                           none, tapes_opt, starts_opt, scale, /*gate_mode=*/0, lower_bound,
-                           m.use_qk_l2norm, m.beta_is_logit, /*num_spec_tokens=*/0,
+  const RecurrentArgs args{q,
+                           k,
+                           v,
+                           g,
+                           beta,
+                           none,
+                           none,
+                           none,
+                           none,
+                           none,
+                           cu_seqlens,
+                           none,
+                           none,
+                           none,
+                           output,
+                           none,
+                           tapes_opt,
+                           starts_opt,
+                           scale,
+                           /*gate_mode=*/0,
+                           lower_bound,
+                           m.use_qk_l2norm,
+                           m.beta_is_logit,
+                           /*num_spec_tokens=*/0,
                            /*checkpoint_every_n_tokens=*/kTapeChunk};
   RecurrentParams p = make_recurrent_params(args);
   p.gate_mode = static_cast<GateMode>(m.gate_mode);
@@ -148,7 +169,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
   check_state(initial_state, pb, "initial_state");
   const at::Tensor init = initial_state.contiguous();
   const auto tape_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor tapes = at::zeros({tape_rows(pb, cu_seqlens.has_value()), pb.HV, pb.V, pb.K}, q.options().dtype(tape_dtype));
+  at::Tensor tapes =
+      at::zeros({tape_rows(pb, cu_seqlens.has_value()), pb.HV, pb.V, pb.K}, q.options().dtype(tape_dtype));
   at::Tensor starts = tape_starts(pb);
   at::Tensor out = at::zeros(v.sizes(), v.options());
   at::Tensor final_state = at::empty({pb.N, pb.HV, pb.V, pb.K}, init.options());
@@ -166,10 +188,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
 }
 
 template <typename TokT>
-void run_backward_typed(const RecurrentParams& p, const CpuExtras& x, const TrainingProblem& pb,
-                        const at::Tensor& dout, const std::optional<at::Tensor>& dfinal, at::Tensor& dq,
-                        at::Tensor& dk, at::Tensor& dv, at::Tensor& dg, at::Tensor& dbeta, at::Tensor& dA_log,
-                        at::Tensor& ddt_bias, at::Tensor& dinit) {
+void run_backward_typed(const RecurrentParams& p, const CpuExtras& x, const TrainingProblem& pb, const at::Tensor& dout,
+                        const std::optional<at::Tensor>& dfinal, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                        at::Tensor& dg, at::Tensor& dbeta, at::Tensor& dA_log, at::Tensor& ddt_bias,
+                        at::Tensor& dinit) {
   using Acc = acc_t<TokT>;
   const int64_t rows = pb.B * pb.T;
   std::vector<Acc> dq_hv(size_t(rows * pb.HV * pb.K), Acc(0)), dk_hv(dq_hv.size(), Acc(0));
@@ -252,16 +274,16 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor tapes_c = tapes.contiguous();
   KDA_CHECK_TYPE(tape_cu_starts.scalar_type() == at::kLong, "tape_cu_starts must be int64, got ",
                  tape_cu_starts.scalar_type());
-  KDA_CHECK(tape_cu_starts.dim() == 1 && tape_cu_starts.numel() == pb.N + 1,
-            "tape_cu_starts must be [N+1] = [", pb.N + 1, "], got ", tape_cu_starts.sizes());
+  KDA_CHECK(tape_cu_starts.dim() == 1 && tape_cu_starts.numel() == pb.N + 1, "tape_cu_starts must be [N+1] = [",
+            pb.N + 1, "], got ", tape_cu_starts.sizes());
   const at::Tensor starts = tape_cu_starts.contiguous();
   {
     const int64_t* sp = starts.data_ptr<int64_t>();
     for (int64_t n = 0; n < pb.N; ++n) {
       const int64_t want = tape_rows_of(pb.len[n]);
       KDA_CHECK(sp[n] >= 0 && sp[n + 1] - sp[n] == want && sp[n + 1] <= tapes.size(0),
-                "tape_cu_starts does not match the sequences and tapes: sequence ", n, " has ", pb.len[n],
-                " tokens (", want, " tape rows), got rows [", sp[n], ", ", sp[n + 1], ") of ", tapes.size(0));
+                "tape_cu_starts does not match the sequences and tapes: sequence ", n, " has ", pb.len[n], " tokens (",
+                want, " tape rows), got rows [", sp[n], ", ", sp[n + 1], ") of ", tapes.size(0));
     }
   }
   std::optional<at::Tensor> dfinal;
@@ -271,8 +293,8 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
   }
 
   CpuExtras x;
-  RecurrentParams p = training_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, do_c, tapes_c, starts, scale,
-                                      lower_bound, m, x);
+  RecurrentParams p =
+      training_params(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, do_c, tapes_c, starts, scale, lower_bound, m, x);
   p.out = nullptr;  // the backward writes no forward output
   at::Tensor init;
   if (initial_state.has_value()) {
@@ -315,9 +337,9 @@ Grads backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    bool use_qk_l2norm, bool beta_is_logit) {
   auto fwd = training_forward_cpu(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
                                   gate_mode, use_qk_l2norm, beta_is_logit);
-  Grads gr = training_backward_cpu(q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd),
-                                   initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound, gate_mode,
-                                   use_qk_l2norm, beta_is_logit);
+  Grads gr = training_backward_cpu(q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd), initial_state,
+                                   cu_seqlens, dout, dfinal_state, scale, lower_bound, gate_mode, use_qk_l2norm,
+                                   beta_is_logit);
   std::get<7>(gr) = std::get<7>(gr).to(initial_state.scalar_type());
   return gr;
 }

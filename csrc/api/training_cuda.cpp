@@ -8,7 +8,8 @@
 //                                     (beta logit or plain, L2 norm on or off) at K == V == 128, and at
 //                                     K == V == 64 on zero-padded copies (training_backward_padded); the small
 //                                     sweep on GPUs with ~99 KiB of shared memory per block (sm_120); the CPU
-//                                     op on host copies only where even that does not fit (route_training_sweep, kda/route/route.h);
+//                                     op on host copies only where even that does not fit (route_training_sweep,
+//                                     kda/route/route.h);
 //   recurrent_kda_backward          = both.
 // Shapes/dtypes follow kda_ops/_fake.py. CUDA fast path: bf16 tokens, K == V == 128. No host synchronisation
 // there (tape_cu_starts is computed on the device), so those calls can be captured in a CUDA graph; the torch
@@ -52,7 +53,9 @@ struct TrainDims : TrainingShape {
   int64_t slots;  // 64-token chunks of all sequences: an upper bound from shapes (the sweep's tasks)
 };
 
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+bool aligned16(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
 
 // Token tensor as the recurrent kernel wants it: 16-byte aligned base, strides multiples of 8 elements,
 // contiguous last dim. Views that are not get a compact copy.
@@ -76,8 +79,7 @@ struct TrainingModes {
 
 TrainDims check_training_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                 const Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
-                                const OptTensor& cu_seqlens, double scale, double lower_bound,
-                                const TrainingModes& m) {
+                                const OptTensor& cu_seqlens, double scale, double lower_bound, const TrainingModes& m) {
   KDA_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   for (const Tensor* t : {&k, &v, &g, &beta}) KDA_CHECK_SAME_DEVICE(*t, q, "every input");
   for (const OptTensor* t : {&A_log, &dt_bias})
@@ -88,12 +90,11 @@ TrainDims check_training_inputs(const char* op, const Tensor& q, const Tensor& k
   for (const Tensor* t : {&q, &k, &v, &g, &beta})
     KDA_CHECK_TYPE(t->scalar_type() == at::kBFloat16, op, ": CUDA token tensors (q, k, v, g, beta) must be ",
                    at::kBFloat16, ", got ", t->scalar_type());
-  KDA_CHECK(s.K == s.V && (s.K == 64 || s.K == kBwdDim), op,
-            ": the CUDA training ops support K == V in {64, ", kBwdDim, "}, got K=", s.K, ", V=", s.V);
+  KDA_CHECK(s.K == s.V && (s.K == 64 || s.K == kBwdDim), op, ": the CUDA training ops support K == V in {64, ", kBwdDim,
+            "}, got K=", s.K, ", V=", s.V);
   if (A_log.has_value()) KDA_CHECK_DTYPE(*A_log, at::kFloat, "A_log");
   if (dt_bias.has_value()) KDA_CHECK_DTYPE(*dt_bias, at::kFloat, "dt_bias");
-  if (m.gate_mode == 2)
-    KDA_CHECK(lower_bound >= -5.0, op, ": lower_bound must be in [-5, 0), got ", lower_bound);
+  if (m.gate_mode == 2) KDA_CHECK(lower_bound >= -5.0, op, ": lower_bound must be in [-5, 0), got ", lower_bound);
   if (cu_seqlens.has_value())
     KDA_CHECK(cu_seqlens->is_contiguous(), op, ": cu_seqlens must be a contiguous [N+1] tensor, got strides ",
               cu_seqlens->strides());
@@ -144,7 +145,9 @@ Tensor pad_channels(const Tensor& t, double value = 0.0) {
 // The raw gate's padding: 0 (a finite decay on zero state rows/columns) but for the softplus gate, whose
 // a = -exp(A_log) softplus(0) = -exp(A_log) ln 2 per token would make every chunk "wide" (the slower pairwise
 // exponents) for exp(A_log) > ~3.6; there g = -1e4 gives a = 0 (no decay) in the padded channels.
-Tensor pad_gate(const Tensor& g, const TrainingModes& m) { return pad_channels(g, m.gate_mode == 1 ? -1e4 : 0.0); }
+Tensor pad_gate(const Tensor& g, const TrainingModes& m) {
+  return pad_channels(g, m.gate_mode == 1 ? -1e4 : 0.0);
+}
 Tensor pad_state(const Tensor& t) {
   return at::constant_pad_nd(t, {0, kBwdDim - kPaddedDim, 0, kBwdDim - kPaddedDim});
 }
@@ -160,14 +163,14 @@ Tensor first_channels(const Tensor& t) {
   std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
   shape.back() = kPaddedDim;
   Tensor out = at::empty(shape, t.options());
-  check_cuda(launch_first_channels_bf16(t.data_ptr(), t.numel() / kBwdDim, out.data_ptr(),
-                                        c10::cuda::getCurrentCUDAStream()),
-             "kda channel crop kernel");
+  check_cuda(
+      launch_first_channels_bf16(t.data_ptr(), t.numel() / kBwdDim, out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+      "kda channel crop kernel");
   return out;
 }
 Tensor first_state_block(const Tensor& t) {
-  if (t.scalar_type() != at::kFloat || t.dim() != 4 || !t.is_contiguous() || !aligned16(t) ||
-      t.size(2) != kBwdDim || t.size(3) != kBwdDim)
+  if (t.scalar_type() != at::kFloat || t.dim() != 4 || !t.is_contiguous() || !aligned16(t) || t.size(2) != kBwdDim ||
+      t.size(3) != kBwdDim)
     return t.narrow(-2, 0, kPaddedDim).narrow(-1, 0, kPaddedDim).contiguous();
   Tensor out = at::empty({t.size(0), t.size(1), kPaddedDim, kPaddedDim}, t.options());
   check_cuda(launch_first_state_block_f32(t.data_ptr<float>(), t.size(0) * t.size(1), out.data_ptr<float>(),
@@ -251,11 +254,10 @@ BackwardChainParams backward_chain_params(const TrainingBackwardParams& p, float
 }
 
 // Forward with tapes. Returns (out bf16, final_state fp32, tapes fp32, tape_cu_starts int64).
-std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op, const Tensor& q_in,
-                                                                 const Tensor& k_in, const Tensor& v_in,
-                                                                 const Tensor& g_in, const Tensor& beta,
-                                                                 const OptTensor& A_log, const OptTensor& dt_bias,
-                                                                 const Tensor& initial_state,
+std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op, const Tensor& q_in, const Tensor& k_in,
+                                                                 const Tensor& v_in, const Tensor& g_in,
+                                                                 const Tensor& beta, const OptTensor& A_log,
+                                                                 const OptTensor& dt_bias, const Tensor& initial_state,
                                                                  const OptTensor& cu_seqlens, double scale,
                                                                  double lower_bound, const TrainingModes& m) {
   const TrainDims d =
@@ -272,10 +274,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_impl(const char* op,
   // zero-padded copies (see kPaddedDim; the token-serial kernel is several times slower there), the output, final
   // state and tapes cut back to 64 channels (the context keeps the 64 x 64 tapes).
   if (d.K == kPaddedDim && d.V == kPaddedDim && d.N > 0 && (d.packed ? d.T : d.B * d.T) >= 16 * d.N) {
-    auto [o, fs, tp, starts] =
-        training_forward_impl(op, pad_channels(q_in), pad_channels(k_in), pad_channels(v_in), pad_gate(g_in, m),
-                              beta, A_log, pad_dt_bias(dt_bias, d.HV), pad_state(initial_state), cu_seqlens, scale,
-                              lower_bound, m);
+    auto [o, fs, tp, starts] = training_forward_impl(op, pad_channels(q_in), pad_channels(k_in), pad_channels(v_in),
+                                                     pad_gate(g_in, m), beta, A_log, pad_dt_bias(dt_bias, d.HV),
+                                                     pad_state(initial_state), cu_seqlens, scale, lower_bound, m);
     return {first_channels(o), first_state_block(fs), first_state_block(tp), starts};
   }
   const Tensor q = kernel_tokens(q_in), k = kernel_tokens(k_in), v = kernel_tokens(v_in), g = kernel_tokens(g_in);
@@ -327,12 +328,12 @@ Grads training_backward_on_cpu(const Tensor& q, const Tensor& k, const Tensor& v
                                const Tensor& tape_cu_starts, const OptTensor& initial_state,
                                const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
                                double scale, double lower_bound, const TrainingModes& m) {
-  static auto cpu_op = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("kda::recurrent_kda_training_backward", "")
-                           .typed<Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                        const OptTensor&, const OptTensor&, const Tensor&, const Tensor&,
-                                        const OptTensor&, const OptTensor&, const Tensor&, const OptTensor&, double,
-                                        double, int64_t, bool, bool)>();
+  static auto cpu_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kda::recurrent_kda_training_backward", "")
+          .typed<Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                       const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
+                       const Tensor&, const OptTensor&, double, double, int64_t, bool, bool)>();
   const auto host = [](const OptTensor& t) { return t ? OptTensor(t->cpu()) : std::nullopt; };
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // a kernel call, as this one is: no autograd recording
   Grads r = cpu_op.call(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), host(A_log), host(dt_bias), tapes.cpu(),
@@ -366,14 +367,13 @@ void check_backward_tensors(const char* op, const TrainDims& d, const Tensor& q,
   KDA_CHECK_DTYPE(tape_cu_starts, at::kLong, "tape_cu_starts");
   KDA_CHECK(tape_cu_starts.dim() == 1 && tape_cu_starts.numel() == d.N + 1 && tape_cu_starts.is_contiguous(), op,
             ": tape_cu_starts must be a contiguous [N+1]=[", d.N + 1, "], got ", tape_cu_starts.sizes());
-  KDA_CHECK_TYPE(dout.scalar_type() == at::kBFloat16, op, ": do must be ", at::kBFloat16, ", got ",
-                 dout.scalar_type());
-  KDA_CHECK(dout.dim() == 4 && dout.size(0) == d.B && dout.size(1) == d.T && dout.size(2) == d.HV &&
-                dout.size(3) == d.V,
-            op, ": do must be [B, T, HV, V], got ", dout.sizes());
+  KDA_CHECK_TYPE(dout.scalar_type() == at::kBFloat16, op, ": do must be ", at::kBFloat16, ", got ", dout.scalar_type());
+  KDA_CHECK(
+      dout.dim() == 4 && dout.size(0) == d.B && dout.size(1) == d.T && dout.size(2) == d.HV && dout.size(3) == d.V, op,
+      ": do must be [B, T, HV, V], got ", dout.sizes());
   KDA_CHECK(dout.stride(-1) == 1, op, ": do must have a contiguous last dim, got strides ", dout.strides());
-  for (const auto& [t, name] : {std::pair<const OptTensor*, const char*>{&dfinal_state, "dfinal_state"},
-                                {&initial_state, "initial_state"}})
+  for (const auto& [t, name] :
+       {std::pair<const OptTensor*, const char*>{&dfinal_state, "dfinal_state"}, {&initial_state, "initial_state"}})
     if (t->has_value()) {
       KDA_CHECK_SAME_DEVICE(**t, q, name);
       const int64_t sd = t == &initial_state ? state_dim : d.K;
@@ -403,8 +403,14 @@ Grads training_backward_padded(const char* op, const Tensor& q, const Tensor& k,
                                    pad_channels(dout), dfinal, scale, lower_bound, m, kPaddedDim);
   Tensor ddt = std::get<6>(r);
   if (dt_bias) ddt = first_channels(ddt).view(dt_bias->sizes());
-  return {first_channels(std::get<0>(r)), first_channels(std::get<1>(r)), first_channels(std::get<2>(r)),
-          first_channels(std::get<3>(r)), std::get<4>(r), std::get<5>(r), ddt, first_state_block(std::get<7>(r))};
+  return {first_channels(std::get<0>(r)),
+          first_channels(std::get<1>(r)),
+          first_channels(std::get<2>(r)),
+          first_channels(std::get<3>(r)),
+          std::get<4>(r),
+          std::get<5>(r),
+          ddt,
+          first_state_block(std::get<7>(r))};
 }
 
 Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
@@ -412,8 +418,7 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
                              const Tensor& tapes_in, const Tensor& tape_cu_starts, const OptTensor& initial_state,
                              const OptTensor& cu_seqlens, const Tensor& dout, const OptTensor& dfinal_state,
                              double scale, double lower_bound, const TrainingModes& m, int64_t state_dim) {
-  const TrainDims d =
-      check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
+  const TrainDims d = check_training_inputs(op, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, m);
   c10::cuda::CUDAGuard guard(q.device());
   if (state_dim <= 0) state_dim = d.K;
   const SweepKernel route = route_training_sweep(static_cast<int>(m.gate_mode));  // (kda/route/route.h)
@@ -562,20 +567,24 @@ Grads training_backward_impl(const char* op, const Tensor& q, const Tensor& k, c
   BackwardChainParams chain = backward_chain_params(p, dstates.data_ptr<float>(), dinit.data_ptr<float>());
   chain.dstate_every = sweep64 ? kTapeChunk : 16;
   const RecurrentParams chain_p = chain_as_recurrent(chain);
-  check_cuda(launch_chunked_backward_chain(chain_p, route_backward_chain(chain_p), stream), "kda backward chain kernel");
+  check_cuda(launch_chunked_backward_chain(chain_p, route_backward_chain(chain_p), stream),
+             "kda backward chain kernel");
   check_cuda(launch_training_backward(p, stream), "kda training backward kernels");
   // Parameter gradients shaped like their inputs (dt_bias may be a flat [HV*K]).
-  return {dq, dk, dv, dg, dbeta, A_log ? dA_log.view(A_log->sizes()) : at::empty({0}, f32),
-          dt_bias ? ddt_bias.view(dt_bias->sizes()) : at::empty({0}, f32), dinit};
+  return {dq,
+          dk,
+          dv,
+          dg,
+          dbeta,
+          A_log ? dA_log.view(A_log->sizes()) : at::empty({0}, f32),
+          dt_bias ? ddt_bias.view(dt_bias->sizes()) : at::empty({0}, f32),
+          dinit};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                                 const Tensor& g, const Tensor& beta,
-                                                                 const OptTensor& A_log, const OptTensor& dt_bias,
-                                                                 const Tensor& initial_state,
-                                                                 const OptTensor& cu_seqlens, double scale,
-                                                                 double lower_bound, int64_t gate_mode,
-                                                                 bool use_qk_l2norm, bool beta_is_logit) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> training_forward_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const OptTensor& A_log,
+    const OptTensor& dt_bias, const Tensor& initial_state, const OptTensor& cu_seqlens, double scale,
+    double lower_bound, int64_t gate_mode, bool use_qk_l2norm, bool beta_is_logit) {
   return training_forward_impl("recurrent_kda_training_forward", q, k, v, g, beta, A_log, dt_bias, initial_state,
                                cu_seqlens, scale, lower_bound, {gate_mode, use_qk_l2norm, beta_is_logit});
 }
@@ -596,8 +605,8 @@ Grads backward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                     double lower_bound, int64_t gate_mode, bool use_qk_l2norm, bool beta_is_logit) {
   const char* op = "recurrent_kda_backward";
   const TrainingModes m{gate_mode, use_qk_l2norm, beta_is_logit};
-  auto fwd = training_forward_impl(op, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
-                                   lower_bound, m);
+  auto fwd =
+      training_forward_impl(op, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound, m);
   auto grads = training_backward_impl(op, q, k, v, g, beta, A_log, dt_bias, std::get<2>(fwd), std::get<3>(fwd),
                                       initial_state, cu_seqlens, dout, dfinal_state, scale, lower_bound, m);
   // dinitial_state in initial_state's dtype (kda_ops/_fake.py).

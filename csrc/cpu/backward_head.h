@@ -15,20 +15,22 @@
 namespace kda {
 namespace cpu {
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 // Where the backward of one (sequence, value head) writes.
 template <typename TokT>
 struct BackwardOut {
   using Acc = acc_t<TokT>;
-  const TokT* dout;  // do, contiguous [B, T, HV, V]
+  const TokT* dout;              // do, contiguous [B, T, HV, V]
   const void* dfinal = nullptr;  // [N, HV, V, K] compact, or null (zeros)
   DType dfinal_dtype = DType::kFloat32;
-  Acc* dq_hv;   // [B, T, HV, K]: dq per VALUE head (summed into q/k heads afterwards)
-  Acc* dk_hv;   // [B, T, HV, K]
-  TokT* dv;     // [B, T, HV, V]
-  TokT* dg;     // [B, T, HV, K]
-  TokT* dbeta;  // [B, T, HV]
+  Acc* dq_hv;     // [B, T, HV, K]: dq per VALUE head (summed into q/k heads afterwards)
+  Acc* dk_hv;     // [B, T, HV, K]
+  TokT* dv;       // [B, T, HV, V]
+  TokT* dg;       // [B, T, HV, K]
+  TokT* dbeta;    // [B, T, HV]
   Acc* dA_part;   // [N, HV]: per (sequence, head) partial of dA_log
   Acc* ddt_part;  // [N, HV, K]
   void* dinit;    // [N, HV, V, K] compact
@@ -38,17 +40,16 @@ struct BackwardOut {
 // Per-thread scratch of the backward.
 template <typename Acc>
 struct BackwardScratch {
-  std::vector<Acc> states;  // [kTapeChunk + 1, V, K]: states[i] = state before token i of the chunk
-  std::vector<Acc> G;       // [V, K]: dL/dS after the current token
+  std::vector<Acc> states;              // [kTapeChunk + 1, V, K]: states[i] = state before token i of the chunk
+  std::vector<Acc> G;                   // [V, K]: dL/dS after the current token
   std::vector<Acc> o, dO, dv;           // [V]
   std::vector<Acc> sbar, dqn, dkn, da;  // [K]
   BackwardScratch(int K, int V)
-      : states(size_t(kTapeChunk + 1) * V * K), G(size_t(V) * K), o(V), dO(V), dv(V), sbar(K), dqn(K), dkn(K),
-        da(K) {}
+      : states(size_t(kTapeChunk + 1) * V * K), G(size_t(V) * K), o(V), dO(V), dv(V), sbar(K), dqn(K), dkn(K), da(K) {}
 };
 
-// Reverse sweep (docs/contract.md, Recurrence, the backward) for token t of the bound sequence: Sp = S_{t-1}, St = S_t, G = dL/dS_t
-// on entry and dL/dS_{t-1} on exit. `c` holds token t's loaded inputs.
+// Reverse sweep (docs/contract.md, Recurrence, the backward) for token t of the bound sequence: Sp = S_{t-1}, St = S_t,
+// G = dL/dS_t on entry and dL/dS_{t-1} on exit. `c` holds token t's loaded inputs.
 template <typename TokT>
 void reverse_token(const HeadContext<TokT>& c, const acc_t<TokT>* Sp, const acc_t<TokT>* St, int64_t t,
                    const BackwardOut<TokT>& bo, BackwardScratch<acc_t<TokT>>& w) {
@@ -56,7 +57,7 @@ void reverse_token(const HeadContext<TokT>& c, const acc_t<TokT>* Sp, const acc_
   const RecurrentParams& p = c.p;
   const int K = c.K, V = c.V;
   const int64_t tok_row = c.seq.batch * p.T + c.token(t);  // row of [B*T]
-  const int64_t hv_row = tok_row * p.HV + c.hv;               // row of [B*T*HV]
+  const int64_t hv_row = tok_row * p.HV + c.hv;            // row of [B*T*HV]
   convert_in(w.dO.data(), bo.dout + hv_row * V, V);
   std::fill(w.dqn.begin(), w.dqn.end(), Acc(0));
   std::fill(w.dkn.begin(), w.dkn.end(), Acc(0));
@@ -72,9 +73,9 @@ void reverse_token(const HeadContext<TokT>& c, const acc_t<TokT>* Sp, const acc_
     const Acc* Str = St + int64_t(vi) * K;
     const Acc dov = w.dO[vi];
     for (int i = 0; i < K; ++i) {
-      Gr[i] += dov * q[i];           // G += dO q^T
-      w.dqn[i] += Str[i] * dov;      // S_t^T dO
-      sbar[i] = Spr[i] * d[i];       // decayed state, as in the forward step
+      Gr[i] += dov * q[i];       // G += dO q^T
+      w.dqn[i] += Str[i] * dov;  // S_t^T dO
+      sbar[i] = Spr[i] * d[i];   // decayed state, as in the forward step
     }
     const Acc pv = dot(sbar, kk, K);
     const Acc diff = c.v[vi] - pv;

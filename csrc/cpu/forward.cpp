@@ -31,10 +31,17 @@ void run_forward_typed(const RecurrentParams& p, const CpuExtras& x) {
 
 void run_forward(const RecurrentParams& p, const CpuExtras& x) {
   switch (p.token_dtype) {
-    case DType::kBFloat16: run_forward_typed<c10::BFloat16>(p, x); break;
-    case DType::kFloat32: run_forward_typed<float>(p, x); break;
-    case DType::kFloat64: run_forward_typed<double>(p, x); break;
-    default: TORCH_CHECK_TYPE(false, "q must be bfloat16, float32 or float64 on CPU");
+    case DType::kBFloat16:
+      run_forward_typed<c10::BFloat16>(p, x);
+      break;
+    case DType::kFloat32:
+      run_forward_typed<float>(p, x);
+      break;
+    case DType::kFloat64:
+      run_forward_typed<double>(p, x);
+      break;
+    default:
+      TORCH_CHECK_TYPE(false, "q must be bfloat16, float32 or float64 on CPU");
   }
 }
 

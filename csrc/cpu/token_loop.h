@@ -27,9 +27,12 @@ using acc_t = std::conditional_t<std::is_same<TokT, double>::value, double, floa
 
 inline int64_t dtype_bytes(DType dt) {
   switch (dt) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat64: return 8;
-    default: return 2;
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat64:
+      return 8;
+    default:
+      return 2;
   }
 }
 
@@ -54,10 +57,18 @@ inline void convert_in(Acc* dst, const double* src, int64_t n) {
 template <typename Acc>
 inline void load_vec(Acc* dst, const void* src, DType dt, int64_t n) {
   switch (dt) {
-    case DType::kFloat32: convert_in(dst, static_cast<const float*>(src), n); break;
-    case DType::kFloat64: convert_in(dst, static_cast<const double*>(src), n); break;
-    case DType::kBFloat16: convert_in(dst, static_cast<const c10::BFloat16*>(src), n); break;
-    case DType::kFloat16: convert_in(dst, static_cast<const c10::Half*>(src), n); break;
+    case DType::kFloat32:
+      convert_in(dst, static_cast<const float*>(src), n);
+      break;
+    case DType::kFloat64:
+      convert_in(dst, static_cast<const double*>(src), n);
+      break;
+    case DType::kBFloat16:
+      convert_in(dst, static_cast<const c10::BFloat16*>(src), n);
+      break;
+    case DType::kFloat16:
+      convert_in(dst, static_cast<const c10::Half*>(src), n);
+      break;
   }
 }
 
@@ -214,9 +225,9 @@ struct HeadContext {
   }
 };
 
-// Runs the whole bound sequence for the bound value head with every rule of docs/contract.md, API and Slots (start state,
-// token activity, pool/spec writes, checkpoints or tapes, final state). S: [V*K] scratch, o: [V].
-// Inactive tokens and sequences get zero output; tokens outside every sequence are never touched.
+// Runs the whole bound sequence for the bound value head with every rule of docs/contract.md, API and Slots (start
+// state, token activity, pool/spec writes, checkpoints or tapes, final state). S: [V*K] scratch, o: [V]. Inactive
+// tokens and sequences get zero output; tokens outside every sequence are never touched.
 template <typename TokT>
 void run_sequence_head(HeadContext<TokT>& c, acc_t<TokT>* S, acc_t<TokT>* o) {
   using Acc = acc_t<TokT>;
@@ -254,8 +265,8 @@ void run_sequence_head(HeadContext<TokT>& c, acc_t<TokT>* S, acc_t<TokT>* o) {
     if (every > 0 && t % every == 0 && t / every >= p.checkpoint_first) {
       const int64_t row = p.checkpoint_cu_starts[n] + t / every - p.checkpoint_first;
       if (row >= 0 && row < p.n_checkpoint_rows)
-        store_vec(elem_ptr(p.state_checkpoints, p.checkpoint_dtype, row * p.HV * blk + head_off),
-                  p.checkpoint_dtype, S, blk);
+        store_vec(elem_ptr(p.state_checkpoints, p.checkpoint_dtype, row * p.HV * blk + head_off), p.checkpoint_dtype, S,
+                  blk);
     }
     if (!token_active(p, n, t)) {
       zero_output(t);

@@ -50,10 +50,10 @@ struct RecurrentParams {
   int H = 0, HV = 0, K = 0, V = 0;
   DType token_dtype = DType::kBFloat16;  // q, k, v, g, beta, output share it
 
-  TokenTensor q, k;  // [B, T, H, K]
-  TokenTensor v;     // [B, T, HV, V]
-  TokenTensor g;     // [B, T, HV, K]: raw gate input (or log-decay when precomputed)
-  TokenTensor beta;  // [B, T, HV]: logits when beta_is_logit, else β itself
+  TokenTensor q, k;     // [B, T, H, K]
+  TokenTensor v;        // [B, T, HV, V]
+  TokenTensor g;        // [B, T, HV, K]: raw gate input (or log-decay when precomputed)
+  TokenTensor beta;     // [B, T, HV]: logits when beta_is_logit, else β itself
   void* out = nullptr;  // [B, T, HV, V], same strides rule as TokenTensor
   int64_t out_batch_stride = 0, out_token_stride = 0, out_head_stride = 0;
 

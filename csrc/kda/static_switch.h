@@ -11,8 +11,8 @@
 
 #include "kda/params.h"
 
-#define KDA_SWITCH_FAIL(what, value)                                                                 \
-  throw std::invalid_argument(std::string("kda static switch: unsupported ") + (what) + " " +        \
+#define KDA_SWITCH_FAIL(what, value)                                                          \
+  throw std::invalid_argument(std::string("kda static switch: unsupported ") + (what) + " " + \
                               std::to_string(static_cast<long long>(value)))
 
 #define KDA_BOOL_SWITCH(cond, kName, ...) \
@@ -27,37 +27,37 @@
   }()
 
 // Head dim K (= V): 64 or 128.
-#define KDA_HEADDIM_SWITCH(d, kName, ...)   \
-  [&] {                                     \
-    switch (d) {                            \
-      case 64: {                            \
-        constexpr int kName = 64;           \
-        return __VA_ARGS__();               \
-      }                                     \
-      case 128: {                           \
-        constexpr int kName = 128;          \
-        return __VA_ARGS__();               \
-      }                                     \
-      default:                              \
-        KDA_SWITCH_FAIL("head dim", (d));   \
-    }                                       \
+#define KDA_HEADDIM_SWITCH(d, kName, ...) \
+  [&] {                                   \
+    switch (d) {                          \
+      case 64: {                          \
+        constexpr int kName = 64;         \
+        return __VA_ARGS__();             \
+      }                                   \
+      case 128: {                         \
+        constexpr int kName = 128;        \
+        return __VA_ARGS__();             \
+      }                                   \
+      default:                            \
+        KDA_SWITCH_FAIL("head dim", (d)); \
+    }                                     \
   }()
 
 // Storage dtype of a state pool: kda::DType::kFloat32 -> float, kBFloat16 -> __nv_bfloat16.
-#define KDA_STATE_DTYPE_SWITCH(dt, TName, ...)                    \
-  [&] {                                                           \
-    switch (dt) {                                                 \
-      case ::kda::DType::kFloat32: {                              \
-        using TName = float;                                      \
-        return __VA_ARGS__();                                     \
-      }                                                           \
-      case ::kda::DType::kBFloat16: {                             \
-        using TName = __nv_bfloat16;                              \
-        return __VA_ARGS__();                                     \
-      }                                                           \
-      default:                                                    \
-        KDA_SWITCH_FAIL("state dtype", static_cast<int>(dt));     \
-    }                                                             \
+#define KDA_STATE_DTYPE_SWITCH(dt, TName, ...)                \
+  [&] {                                                       \
+    switch (dt) {                                             \
+      case ::kda::DType::kFloat32: {                          \
+        using TName = float;                                  \
+        return __VA_ARGS__();                                 \
+      }                                                       \
+      case ::kda::DType::kBFloat16: {                         \
+        using TName = __nv_bfloat16;                          \
+        return __VA_ARGS__();                                 \
+      }                                                       \
+      default:                                                \
+        KDA_SWITCH_FAIL("state dtype", static_cast<int>(dt)); \
+    }                                                         \
   }()
 
 // State rows held per lane by the token-serial kernel: 4 or 8 (the tiles a route chooses); 1 and 2 too in an

@@ -26,7 +26,9 @@ KDA_HD int64_t chunk_rows(int64_t len, int64_t chunk, int64_t first) {
 }
 
 // Tape rows of one sequence of `len` tokens.
-KDA_HD int64_t tape_rows_of(int64_t len) { return chunk_rows(len, kTapeChunk, 1); }
+KDA_HD int64_t tape_rows_of(int64_t len) {
+  return chunk_rows(len, kTapeChunk, 1);
+}
 
 // An upper bound from shapes alone (no host read of cu_seqlens) on the rows of all sequences, the size the
 // ops allocate: fixed layout (B sequences of T tokens) exactly B chunk_rows(T); packed (T tokens in N
@@ -40,6 +42,8 @@ KDA_HD int64_t tape_rows_bound(bool packed, int64_t B, int64_t T) {
 }
 
 // The tape row of the state before token kTapeChunk * c (c >= 1) of sequence n, from the row prefix.
-KDA_HD int64_t tape_row(const int64_t* tape_cu_starts, int64_t n, int64_t c) { return tape_cu_starts[n] + c - 1; }
+KDA_HD int64_t tape_row(const int64_t* tape_cu_starts, int64_t n, int64_t c) {
+  return tape_cu_starts[n] + c - 1;
+}
 
 }  // namespace kda

@@ -55,6 +55,7 @@ def _mma_kernel(monkeypatch):  # type: ignore[no-untyped-def]
     with that kernel forced."""
     route_env(monkeypatch, KDA_CHUNKED_KERNEL="mma")
 
+
 K = 128  # the chunked path takes K = V = 128 only
 F32, BF16 = torch.float32, torch.bfloat16
 # decode rows, zero-length rows and long prefill rows in one packed call
@@ -69,8 +70,9 @@ PACKED_SLOTS = [4, 6, 0, 9, 2, 7, 1, -5]  # 9 (== N_pool) and -5: inactive; 4, 2
 
 def make(B=1, T=1, H=1, HV=2, state_dtype=F32, N_pool=None, lengths=None, seed=0):
     cu = None if lengths is None else lengths_to_cu(lengths).tolist()
-    return inputs(B=B, T=T, H=H, HV=HV, K=K, V=K, state_dtype=state_dtype, N_pool=N_pool, cu_seqlens=cu,
-                  device=DEV, seed=seed)
+    return inputs(
+        B=B, T=T, H=H, HV=HV, K=K, V=K, state_dtype=state_dtype, N_pool=N_pool, cu_seqlens=cu, device=DEV, seed=seed
+    )
 
 
 def tok(x, gate="lower_bound", logit=True, l2=True):
@@ -100,8 +102,11 @@ def ref(t, g, initial_state=None, cu_seqlens=None, **kw):
     on_device = t["q"].shape[1] >= 512
     c = lambda z: (z if on_device else z.cpu()) if isinstance(z, torch.Tensor) else z  # noqa: E731
     return recurrent_kda_reference(
-        **{n: c(z) for n, z in t.items()}, **{n: c(z) for n, z in g.items()},
-        initial_state=c(initial_state), cu_seqlens=c(cu_seqlens), **kw,
+        **{n: c(z) for n, z in t.items()},
+        **{n: c(z) for n, z in g.items()},
+        initial_state=c(initial_state),
+        cu_seqlens=c(cu_seqlens),
+        **kw,
     )
 
 
@@ -160,8 +165,19 @@ def _sweep_cases():
                 B, HV, n_pool, slots = 2, 2, 3, [2, 3 if sd == F32 else -1]
             else:
                 B, HV, n_pool, slots = 1, 2, 2, [1]
-            c = dict(B=B, T=T, H=1, HV=HV, N_pool=n_pool, slots=slots, state_dtype=sd, gate="lower_bound",
-                     logit=True, l2=True, seed=len(cases))
+            c = dict(
+                B=B,
+                T=T,
+                H=1,
+                HV=HV,
+                N_pool=n_pool,
+                slots=slots,
+                state_dtype=sd,
+                gate="lower_bound",
+                logit=True,
+                l2=True,
+                seed=len(cases),
+            )
             cases.append(pytest.param(c, id=f"T{T}-{'fp32' if sd == F32 else 'bf16'}"))
     i = 0
     for gate in GATES:
@@ -169,8 +185,18 @@ def _sweep_cases():
             for l2 in (True, False):
                 for sd in (F32, BF16):
                     H, HV = [(1, 2), (2, 4), (2, 2)][i % 3]
-                    c = dict(lengths=PACKED_LENGTHS, H=H, HV=HV, N_pool=PACKED_N_POOL, slots=PACKED_SLOTS,
-                             state_dtype=sd, gate=gate, logit=logit, l2=l2, seed=len(cases))
+                    c = dict(
+                        lengths=PACKED_LENGTHS,
+                        H=H,
+                        HV=HV,
+                        N_pool=PACKED_N_POOL,
+                        slots=PACKED_SLOTS,
+                        state_dtype=sd,
+                        gate=gate,
+                        logit=logit,
+                        l2=l2,
+                        seed=len(cases),
+                    )
                     tag = f"packed-{gate}-{'logit' if logit else 'plain'}-{'l2' if l2 else 'nol2'}"
                     cases.append(pytest.param(c, id=f"{tag}-{'fp32' if sd == F32 else 'bf16'}-H{H}HV{HV}"))
                     i += 1
@@ -182,11 +208,11 @@ def test_sweep(case):
     c = case
     seed = 1000 + c["seed"]
     if "lengths" in c:
-        x = make(H=c["H"], HV=c["HV"], state_dtype=c["state_dtype"], N_pool=c["N_pool"], lengths=c["lengths"],
-                 seed=seed)
+        x = make(
+            H=c["H"], HV=c["HV"], state_dtype=c["state_dtype"], N_pool=c["N_pool"], lengths=c["lengths"], seed=seed
+        )
     else:
-        x = make(B=c["B"], T=c["T"], H=c["H"], HV=c["HV"], state_dtype=c["state_dtype"], N_pool=c["N_pool"],
-                 seed=seed)
+        x = make(B=c["B"], T=c["T"], H=c["H"], HV=c["HV"], state_dtype=c["state_dtype"], N_pool=c["N_pool"], seed=seed)
     t, g, m = tok(x, c["gate"], c["logit"], c["l2"]), gkw(x, c["gate"]), mode(c["logit"], c["l2"])
     pool = x["initial_state"]
     before = pool.clone()
@@ -222,8 +248,15 @@ def test_state_source(pool_dtype, src_dtype):
     src_before = bits(source)
     src_idx = torch.tensor([3, 0, 1, 6], dtype=torch.int32, device=DEV)  # 6 >= N0: sequence 3 inactive
     slots = torch.tensor([1, 2, 0, 3], dtype=torch.int32, device=DEV)
-    o, _ = call(t, g, initial_state=pool, ssm_state_indices=slots, cu_seqlens=x["cu_seqlens"],
-                initial_state_source=source, initial_state_indices=src_idx)
+    o, _ = call(
+        t,
+        g,
+        initial_state=pool,
+        ssm_state_indices=slots,
+        cu_seqlens=x["cu_seqlens"],
+        initial_state_source=source,
+        initial_state_indices=src_idx,
+    )
     assert torch.equal(bits(source), src_before), "the source pool was written"
     r = ref(t, g, source[src_idx.long().clamp(0, 5)], cu_seqlens=x["cu_seqlens"])
     check_rows(o, r.output, token_mask(x, [True, True, True, False]))
@@ -244,8 +277,14 @@ def test_final_state_without_pool():
     # with a read-only source and no pool the final state starts from the source
     source = (torch.randn(3, 4, K, K, generator=torch.Generator().manual_seed(34)) * 0.1).bfloat16().to(DEV)
     src_idx = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=DEV)
-    o, fs = call(t, g, cu_seqlens=x["cu_seqlens"], output_final_state=True, initial_state_source=source,
-                 initial_state_indices=src_idx)
+    o, fs = call(
+        t,
+        g,
+        cu_seqlens=x["cu_seqlens"],
+        output_final_state=True,
+        initial_state_source=source,
+        initial_state_indices=src_idx,
+    )
     r = ref(t, g, source[src_idx.long()], cu_seqlens=x["cu_seqlens"])
     assert_output(o, r.output)
     assert_close_rms(fs, r.final_state, TOL_STATE_FP32, "final_state from source")
@@ -262,8 +301,9 @@ def test_checkpoints(pool_dtype, every):
     t, g = tok(x), gkw(x)
     pool = x["initial_state"] if pool_dtype is not None else None
     init = None if pool is None else pool.clone()
-    o, fs, ck = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every,
-                     output_final_state=True)
+    o, fs, ck = call(
+        t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every, output_final_state=True
+    )
     r = ref(t, g, init, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every)
     assert ck.dtype == (pool_dtype or F32)
     expected = torch.cat([c for c in r.checkpoints if c.shape[0] > 0])
@@ -406,8 +446,9 @@ def test_backends_agree():
     res = {}
     for backend in ("chunked", "recurrent"):
         pool = x["initial_state"].clone()
-        o, _, ck = call(t, g, backend=backend, initial_state=pool, cu_seqlens=x["cu_seqlens"],
-                        checkpoint_every_n_tokens=64)
+        o, _, ck = call(
+            t, g, backend=backend, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=64
+        )
         res[backend] = (o, pool, ck)
     (oc, pc, cc), (orr, pr, cr) = res["chunked"], res["recurrent"]
     assert_output(oc, orr, "chunked vs recurrent output")
@@ -485,13 +526,22 @@ def test_pipeline_and_split_do_not_change_bits(gate, tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     runs = {}
-    for name, env in (("vb128", {"KDA_CHUNKED_KERNEL": "mma128"}), ("vb64", {"KDA_CHUNKED_KERNEL": "mma64"}),
-                      ("small", {"KDA_CHUNKED_KERNEL": "mma_small"})):
+    for name, env in (
+        ("vb128", {"KDA_CHUNKED_KERNEL": "mma128"}),
+        ("vb64", {"KDA_CHUNKED_KERNEL": "mma64"}),
+        ("small", {"KDA_CHUNKED_KERNEL": "mma_small"}),
+    ):
         path = str(tmp_path / f"{name}.pt")
         child_env = {k_: v_ for k_, v_ in os.environ.items() if not k_.startswith("KDA_CHUNKED_")}
         child_env.update(env)
-        r = subprocess.run([sys.executable, "-c", _KNOB_CHILD, gate, path], capture_output=True, text=True,
-                           timeout=300, cwd=root, env=child_env)
+        r = subprocess.run(
+            [sys.executable, "-c", _KNOB_CHILD, gate, path],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=root,
+            env=child_env,
+        )
         assert r.returncode == 0, f"{name}: {r.stderr[-4000:]}"
         d = torch.load(path)
         runs[name] = (bits(d["o"]), bits(d["pool"]), bits(d["ck"]))
@@ -539,24 +589,44 @@ def test_cuda_graph_packed_prefill(with_checkpoints):
     N, T = len(lengths), sum(lengths)
     x = make(H=2, HV=4, state_dtype=BF16, N_pool=n_pool, lengths=lengths, seed=52)
     static = {n: x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
-    static.update(pool=x["initial_state"], cu=x["cu_seqlens"], idx=torch.tensor([5, 0, 1, 2], dtype=torch.int32,
-                  device=DEV), out=torch.zeros_like(x["v"]), ws=kda_ops.RecurrentKDAPrefillWorkspace())
+    static.update(
+        pool=x["initial_state"],
+        cu=x["cu_seqlens"],
+        idx=torch.tensor([5, 0, 1, 2], dtype=torch.int32, device=DEV),
+        out=torch.zeros_like(x["v"]),
+        ws=kda_ops.RecurrentKDAPrefillWorkspace(),
+    )
     if with_checkpoints:
-        static.update(ck=torch.zeros(T // every + N, 4, K, K, dtype=BF16, device=DEV),
-                      cks=_ck_starts(lengths, every))
+        static.update(ck=torch.zeros(T // every + N, 4, K, K, dtype=BF16, device=DEV), cks=_ck_starts(lengths, every))
 
     def run(d):
         kw = {}
         if with_checkpoints:
             kw = dict(state_checkpoints=d["ck"], checkpoint_cu_starts=d["cks"], checkpoint_every_n_tokens=every)
-        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                              initial_state=d["pool"], ssm_state_indices=d["idx"], cu_seqlens=d["cu"],
-                              use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, output=d["out"],
-                              prefill_workspace=d["ws"], backend="chunked", **kw)
+        kda_ops.recurrent_kda(
+            d["q"],
+            d["k"],
+            d["v"],
+            d["g"],
+            d["beta"],
+            A_log=d["A_log"],
+            dt_bias=d["dt_bias"],
+            initial_state=d["pool"],
+            ssm_state_indices=d["idx"],
+            cu_seqlens=d["cu"],
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            beta_is_logit=True,
+            output=d["out"],
+            prefill_workspace=d["ws"],
+            backend="chunked",
+            **kw,
+        )
 
     fresh = []
-    for i, (L, idx) in enumerate(([[201, 0, 0, 0], [5, 0, 1, 2]], [[64, 64, 64, 9], [3, -1, 0, 4]],
-                                  [[1, 100, 0, 100], [2, 4, 5, 1]])):
+    for i, (L, idx) in enumerate(
+        ([[201, 0, 0, 0], [5, 0, 1, 2]], [[64, 64, 64, 9], [3, -1, 0, 4]], [[1, 100, 0, 100], [2, 4, 5, 1]])
+    ):
         y = make(H=2, HV=4, state_dtype=BF16, N_pool=n_pool, lengths=L, seed=60 + i)
         f = {n: y[n] for n in ("q", "k", "v", "g", "beta")} if i else {}
         f.update(cu=y["cu_seqlens"], idx=torch.tensor(idx, dtype=torch.int32, device=DEV))
@@ -583,8 +653,13 @@ def test_cuda_graph_packed_prefill(with_checkpoints):
     # the last replay against the reference (all slots active)
     L, cu = [1, 100, 0, 100], static["cu"]
     t = {n: static[n] for n in ("q", "k", "v", "g", "beta")}
-    r = ref(t, dict(A_log=static["A_log"], dt_bias=static["dt_bias"], use_gate_in_kernel=True, lower_bound=-5.0),
-            pool0[static["idx"].long()], cu_seqlens=cu, checkpoint_every_n_tokens=every if with_checkpoints else 0)
+    r = ref(
+        t,
+        dict(A_log=static["A_log"], dt_bias=static["dt_bias"], use_gate_in_kernel=True, lower_bound=-5.0),
+        pool0[static["idx"].long()],
+        cu_seqlens=cu,
+        checkpoint_every_n_tokens=every if with_checkpoints else 0,
+    )
     assert_output(static["out"], r.output)
     check_pool(static["pool"], pool0, {int(s): r.final_state[n] for n, s in enumerate([2, 4, 5, 1]) if L[n] > 0})
     if with_checkpoints:

@@ -64,8 +64,14 @@ K, F32, BF16 = base.K, base.F32, base.BF16
 def _tma_ok(z: torch.Tensor) -> bool:
     """A token tensor [B, T, heads, 128] the Hopper kernel's TMA maps take (chunked_sm90_supported)."""
     st = z.stride()
-    return (z.dtype == torch.bfloat16 and z.data_ptr() % 16 == 0 and st[3] == 1 and st[1] % 8 == 0
-            and st[2] % 8 == 0 and (z.shape[0] == 1 or st[0] % 8 == 0))
+    return (
+        z.dtype == torch.bfloat16
+        and z.data_ptr() % 16 == 0
+        and st[3] == 1
+        and st[1] % 8 == 0
+        and st[2] % 8 == 0
+        and (z.shape[0] == 1 or st[0] % 8 == 0)
+    )
 
 
 def hopper_covers(kw) -> bool:
@@ -122,8 +128,9 @@ def test_hopper_kernel_runs_and_falls_back(monkeypatch):
     names = kernel_names(lambda: base.call(t, g, cu_seqlens=x["cu_seqlens"]))
     assert any("kda_chunked_sm90" in n for n in names), names
     pool = x["initial_state"].clone()
-    names = kernel_names(lambda: base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"],
-                                           checkpoint_every_n_tokens=16))
+    names = kernel_names(
+        lambda: base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=16)
+    )
     assert any("kda_chunked_sm90" in n for n in names), names
     # a grid that fills few SMs: KDA_CHUNKED_KERNEL=auto runs the Hopper kernel there too, mma the mma.sync kernel
     for kernel, hopper in (("auto", True), ("mma", False)):
@@ -159,9 +166,21 @@ def _training_forward(x, kernel, monkeypatch):
     res = []
 
     def one():
-        res.append(kda_ops.recurrent_kda_training_forward(
-            t["q"], t["k"], t["v"], t["g"], t["beta"], g["A_log"], g["dt_bias"], h0, cu_seqlens=cu,
-            cu_seqlens_cpu=None if cu is None else cu.cpu(), lower_bound=g["lower_bound"]))
+        res.append(
+            kda_ops.recurrent_kda_training_forward(
+                t["q"],
+                t["k"],
+                t["v"],
+                t["g"],
+                t["beta"],
+                g["A_log"],
+                g["dt_bias"],
+                h0,
+                cu_seqlens=cu,
+                cu_seqlens_cpu=None if cu is None else cu.cpu(),
+                lower_bound=g["lower_bound"],
+            )
+        )
 
     ran = any("kda_chunked_sm90" in n for n in kernel_names(one))
     o, fs, ctx = res[0]
@@ -289,18 +308,26 @@ def _run(t, g, m, kernel, monkeypatch, **kw):
 def _cases():
     cases = []
     for T in (1, 15, 16, 17, 64, 65, 1000, 4096):
-        cases.append(pytest.param(dict(T=T, B=2 if T <= 1000 else 1, H=1, HV=2, gate="lower_bound", logit=True,
-                                       l2=True, sd=F32), id=f"T{T}"))
+        cases.append(
+            pytest.param(
+                dict(T=T, B=2 if T <= 1000 else 1, H=1, HV=2, gate="lower_bound", logit=True, l2=True, sd=F32),
+                id=f"T{T}",
+            )
+        )
     i = 0
     for gate in GATES:
         for logit in (True, False):
             for l2 in (True, False):
                 H, HV = [(1, 2), (2, 2), (1, 1)][i % 3]
                 sd = (F32, BF16)[i % 2]
-                cases.append(pytest.param(dict(lengths=[0, 1, 300, 16, 0, 77, 1, 40, 1], H=H, HV=HV, gate=gate,
-                                               logit=logit, l2=l2, sd=sd),
-                                          id=f"packed-{gate}-{'logit' if logit else 'plain'}-"
-                                             f"{'l2' if l2 else 'nol2'}-H{H}HV{HV}"))
+                cases.append(
+                    pytest.param(
+                        dict(
+                            lengths=[0, 1, 300, 16, 0, 77, 1, 40, 1], H=H, HV=HV, gate=gate, logit=logit, l2=l2, sd=sd
+                        ),
+                        id=f"packed-{gate}-{'logit' if logit else 'plain'}-" f"{'l2' if l2 else 'nol2'}-H{H}HV{HV}",
+                    )
+                )
                 i += 1
     return cases
 

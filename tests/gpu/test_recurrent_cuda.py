@@ -49,8 +49,9 @@ def make(B=2, T=1, H=1, HV=2, K=128, state_dtype=torch.float32, N_pool=None, len
     cu = None
     if lengths is not None:
         cu = lengths_to_cu(lengths).tolist()
-    x = inputs(B=B, T=T, H=H, HV=HV, K=K, V=K, state_dtype=state_dtype, N_pool=N_pool, cu_seqlens=cu,
-               device=DEV, seed=seed)
+    x = inputs(
+        B=B, T=T, H=H, HV=HV, K=K, V=K, state_dtype=state_dtype, N_pool=N_pool, cu_seqlens=cu, device=DEV, seed=seed
+    )
     return x
 
 
@@ -73,9 +74,13 @@ def ref(t, g, initial_state=None, cu_seqlens=None, l2=True, logit=True, **kw):
     on_device = t["q"].shape[1] >= 512
     c = lambda z: (z if on_device else z.cpu()) if isinstance(z, torch.Tensor) else z  # noqa: E731
     return recurrent_kda_reference(
-        **{n: c(z) for n, z in t.items()}, **{n: c(z) for n, z in g.items()},
-        initial_state=c(initial_state), cu_seqlens=c(cu_seqlens), use_qk_l2norm_in_kernel=l2,
-        beta_is_logit=logit, **kw,
+        **{n: c(z) for n, z in t.items()},
+        **{n: c(z) for n, z in g.items()},
+        initial_state=c(initial_state),
+        cu_seqlens=c(cu_seqlens),
+        use_qk_l2norm_in_kernel=l2,
+        beta_is_logit=logit,
+        **kw,
     )
 
 
@@ -103,8 +108,16 @@ def test_modes(K, state_dtype, gate, logit, l2):
     before = pool.clone()
     slots = torch.tensor([3, 0, 4], dtype=torch.int32, device=DEV)
     scale = 0.3 if not l2 else None
-    o, fs = call(t, g, initial_state=pool, ssm_state_indices=slots, use_qk_l2norm_in_kernel=l2,
-                 beta_is_logit=logit, output_final_state=True, scale=scale)
+    o, fs = call(
+        t,
+        g,
+        initial_state=pool,
+        ssm_state_indices=slots,
+        use_qk_l2norm_in_kernel=l2,
+        beta_is_logit=logit,
+        output_final_state=True,
+        scale=scale,
+    )
     assert fs is pool
     r = ref(t, g, before[slots.long()], l2=l2, logit=logit, scale=scale)
     assert_output(o, r.output)
@@ -151,14 +164,27 @@ def _scenarios(K: int, state_dtype: torch.dtype):
 
     def run_b():
         pool = xb["initial_state"].clone()
-        o, _, ck = call(tb, gb, initial_state=pool, cu_seqlens=xb["cu_seqlens"], ssm_state_indices=slots_b,
-                        beta_is_logit=False, checkpoint_every_n_tokens=16)
+        o, _, ck = call(
+            tb,
+            gb,
+            initial_state=pool,
+            cu_seqlens=xb["cu_seqlens"],
+            ssm_state_indices=slots_b,
+            beta_is_logit=False,
+            checkpoint_every_n_tokens=16,
+        )
         return o, pool, ck
 
     def check_b(res):
         o, pool, ck = res
-        r = ref(tb, gb, xb["initial_state"][slots_b.long()], cu_seqlens=xb["cu_seqlens"], logit=False,
-                checkpoint_every_n_tokens=16)
+        r = ref(
+            tb,
+            gb,
+            xb["initial_state"][slots_b.long()],
+            cu_seqlens=xb["cu_seqlens"],
+            logit=False,
+            checkpoint_every_n_tokens=16,
+        )
         assert_output(o, r.output)
         check_pool(pool, xb["initial_state"], {int(slots_b[i]): r.final_state[i] for i, L in enumerate(lengths) if L})
         assert_close_rms(ck, torch.cat([c for c in r.checkpoints if c.shape[0] > 0]), state_tol(ck.dtype), "ckpt")
@@ -183,8 +209,9 @@ def _scenarios(K: int, state_dtype: torch.dtype):
         cols = (acc_c.long() - 1).clamp(0, S)
         r = ref(tc, gc, xc["initial_state"][idx_c.long()[torch.arange(Bs, device=DEV), cols]], return_all_states=True)
         assert_output(o, r.output)
-        check_pool(pool, xc["initial_state"],
-                   {int(idx_c[n, j]): r.all_states[n][j] for n in range(Bs) for j in range(S + 1)})
+        check_pool(
+            pool, xc["initial_state"], {int(idx_c[n, j]): r.all_states[n][j] for n in range(Bs) for j in range(S + 1)}
+        )
 
     sc.append(("spec", run_c, check_c))
 
@@ -197,8 +224,14 @@ def _scenarios(K: int, state_dtype: torch.dtype):
 
     def run_d():
         pool = xd["initial_state"].clone()
-        o, _ = call(td, gd, initial_state=pool, ssm_state_indices=slots_d, initial_state_source=source,
-                    initial_state_indices=src_idx)
+        o, _ = call(
+            td,
+            gd,
+            initial_state=pool,
+            ssm_state_indices=slots_d,
+            initial_state_source=source,
+            initial_state_indices=src_idx,
+        )
         return o, pool
 
     def check_d(res):
@@ -268,8 +301,15 @@ def _scenarios(K: int, state_dtype: torch.dtype):
     # H. speculative verify (disable_state_update): outputs of scenario C, the pool left bit-identical
     def run_h():
         pool = xc["initial_state"].clone()
-        o, _ = call(tc, gc, initial_state=pool, ssm_state_indices=idx_c, num_spec_tokens=S, num_accepted_tokens=acc_c,
-                    disable_state_update=True)
+        o, _ = call(
+            tc,
+            gc,
+            initial_state=pool,
+            ssm_state_indices=idx_c,
+            num_spec_tokens=S,
+            num_accepted_tokens=acc_c,
+            disable_state_update=True,
+        )
         return o, pool
 
     def check_h(res):
@@ -345,12 +385,15 @@ def _spawn_child(env: dict, out: str):
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]; import torch; "
-            f"import test_recurrent_cuda as m; torch.save(m._scenario_results(), {out!r})")
+    code = (
+        f"import sys; sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]; import torch; "
+        f"import test_recurrent_cuda as m; torch.save(m._scenario_results(), {out!r})"
+    )
     child_env = {k: v for k, v in os.environ.items() if k not in KNOB_NAMES}
     child_env.update(env)
-    return subprocess.Popen([sys.executable, "-c", code], env=child_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 @cuda_only
@@ -379,13 +422,35 @@ def test_cuda_graph_b1(state_dtype):
     x = make(B=1, T=1, H=32, HV=32, K=128, state_dtype=state_dtype, N_pool=4, seed=37)
 
     def decode(d):
-        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                              initial_state=d["pool"], ssm_state_indices=d["idx"], use_gate_in_kernel=True,
-                              lower_bound=-5.0, beta_is_logit=True, output=d["out"], backend="recurrent")
+        kda_ops.recurrent_kda(
+            d["q"],
+            d["k"],
+            d["v"],
+            d["g"],
+            d["beta"],
+            A_log=d["A_log"],
+            dt_bias=d["dt_bias"],
+            initial_state=d["pool"],
+            ssm_state_indices=d["idx"],
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            beta_is_logit=True,
+            output=d["out"],
+            backend="recurrent",
+        )
 
-    static = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                  pool=x["initial_state"], idx=torch.zeros(1, dtype=torch.int32, device=DEV),
-                  out=torch.empty_like(x["v"]))
+    static = dict(
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        pool=x["initial_state"],
+        idx=torch.zeros(1, dtype=torch.int32, device=DEV),
+        out=torch.empty_like(x["v"]),
+    )
     decode(static)  # eager warm-up (occupancy queries, smem opt-in) before capture
     graph = capture_graph(lambda: decode(static))
     for i in range(3):
@@ -423,8 +488,16 @@ def test_cuda_graph_verify_then_commit(S, state_dtype):
     t, g = tok(x), gkw(x)
 
     def step(out, verify, p):
-        call(t, g, initial_state=p, ssm_state_indices=idx, num_spec_tokens=S or None, num_accepted_tokens=acc,
-             output=out, disable_state_update=verify)
+        call(
+            t,
+            g,
+            initial_state=p,
+            ssm_state_indices=idx,
+            num_spec_tokens=S or None,
+            num_accepted_tokens=acc,
+            output=out,
+            disable_state_update=verify,
+        )
 
     commit_pool = pool.clone()
     step(out_v, True, pool)
@@ -468,8 +541,14 @@ def test_packed_mixed_lengths_and_zero_length():
     slots = torch.tensor([7, 1, 2, 3, 4, 5, 6], dtype=torch.int32, device=DEV)
     for cu_dtype in (torch.int64, torch.int32):
         pool.copy_(before)
-        o, _ = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"].to(cu_dtype), ssm_state_indices=slots,
-                    beta_is_logit=False)
+        o, _ = call(
+            t,
+            g,
+            initial_state=pool,
+            cu_seqlens=x["cu_seqlens"].to(cu_dtype),
+            ssm_state_indices=slots,
+            beta_is_logit=False,
+        )
         r = ref(t, g, before[slots.long()], cu_seqlens=x["cu_seqlens"], logit=False)
         assert_output(o, r.output)
         written = {int(slots[i]): r.final_state[i] for i, L in enumerate(lengths) if L > 0}
@@ -553,8 +632,13 @@ def test_spec_inactive_token_and_sequence():
     assert_output(o[0, [0, 2]], r0.output[0])
     assert torch.count_nonzero(o[0, 1]) == 0 and torch.count_nonzero(o[2]) == 0
     assert_output(o[1], r1.output[0])
-    written = {1: r0.all_states[0][0], 2: r0.all_states[0][1], 3: r1.all_states[0][0], 4: r1.all_states[0][1],
-               5: r1.all_states[0][2]}
+    written = {
+        1: r0.all_states[0][0],
+        2: r0.all_states[0][1],
+        3: r1.all_states[0][0],
+        4: r1.all_states[0][1],
+        5: r1.all_states[0][2],
+    }
     check_pool(pool, before, written)
 
 
@@ -586,8 +670,9 @@ def test_state_source(src_dtype, pool_dtype):
     src_before = bits(source)
     src_idx = torch.tensor([5, 0, 6], dtype=torch.int32, device=DEV)  # 6 >= N0: inactive
     slots = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEV)
-    o, _ = call(t, g, initial_state=pool, ssm_state_indices=slots, initial_state_source=source,
-                initial_state_indices=src_idx)
+    o, _ = call(
+        t, g, initial_state=pool, ssm_state_indices=slots, initial_state_source=source, initial_state_indices=src_idx
+    )
     assert torch.equal(bits(source), src_before), "the source pool was written"
     r = ref({n: z[:2] for n, z in t.items()}, g, source[[5, 0]])
     assert_output(o[:2], r.output)
@@ -607,8 +692,14 @@ def test_final_state_without_pool():
     # with a read-only source and no pool: the final state starts from the source
     source = (torch.randn(3, 2, 128, 128, device=DEV) * 0.1).bfloat16()
     src_idx = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
-    o, fs = call(t, g, cu_seqlens=x["cu_seqlens"], output_final_state=True, initial_state_source=source,
-                 initial_state_indices=src_idx)
+    o, fs = call(
+        t,
+        g,
+        cu_seqlens=x["cu_seqlens"],
+        output_final_state=True,
+        initial_state_source=source,
+        initial_state_indices=src_idx,
+    )
     r = ref(t, g, source[src_idx.long()], cu_seqlens=x["cu_seqlens"])
     assert_output(o, r.output)
     assert_close_rms(fs, r.final_state, TOL_STATE_FP32, "final_state from source")
@@ -622,8 +713,14 @@ def test_checkpoints(pool_dtype, every):
     t, g = tok(x), gkw(x)
     pool = x["initial_state"] if pool_dtype is not None else None
     init = None if pool is None else pool.clone()
-    res = call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every,
-               output_final_state=pool is None)
+    res = call(
+        t,
+        g,
+        initial_state=pool,
+        cu_seqlens=x["cu_seqlens"],
+        checkpoint_every_n_tokens=every,
+        output_final_state=pool is None,
+    )
     o, fs, ck = res
     r = ref(t, g, init, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every)
     assert_output(o, r.output)
@@ -647,8 +744,33 @@ def test_checkpoint_rows_past_buffer_are_skipped(ck_dtype):
     init = pool.clone()
     out = torch.empty_like(x["v"])
     torch.ops.kda.recurrent_kda.default(
-        t["q"], t["k"], t["v"], t["g"], t["beta"], x["A_log"], x["dt_bias"], pool, None, None, x["cu_seqlens"],
-        None, None, None, out, None, ck, starts, None, 1 / 8, 2, -5.0, True, True, 0, every, 2,
+        t["q"],
+        t["k"],
+        t["v"],
+        t["g"],
+        t["beta"],
+        x["A_log"],
+        x["dt_bias"],
+        pool,
+        None,
+        None,
+        x["cu_seqlens"],
+        None,
+        None,
+        None,
+        out,
+        None,
+        ck,
+        starts,
+        None,
+        1 / 8,
+        2,
+        -5.0,
+        True,
+        True,
+        0,
+        every,
+        2,
     )
     r = ref(t, g, init, cu_seqlens=x["cu_seqlens"], checkpoint_every_n_tokens=every, scale=1 / 8)
     exp = torch.cat(r.checkpoints)
@@ -725,13 +847,35 @@ def test_cuda_graph_decode_and_spec():
     x = make(B=B, T=1, H=2, HV=HV, K=K, state_dtype=torch.bfloat16, N_pool=2 * B, seed=15)
 
     def decode(d):
-        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                              initial_state=d["pool"], ssm_state_indices=d["idx"], use_gate_in_kernel=True,
-                              lower_bound=-5.0, beta_is_logit=True, output=d["out"], backend="recurrent")
+        kda_ops.recurrent_kda(
+            d["q"],
+            d["k"],
+            d["v"],
+            d["g"],
+            d["beta"],
+            A_log=d["A_log"],
+            dt_bias=d["dt_bias"],
+            initial_state=d["pool"],
+            ssm_state_indices=d["idx"],
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            beta_is_logit=True,
+            output=d["out"],
+            backend="recurrent",
+        )
 
-    static = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                  pool=x["initial_state"], idx=torch.arange(B, dtype=torch.int32, device=DEV),
-                  out=torch.empty_like(x["v"]))
+    static = dict(
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        pool=x["initial_state"],
+        idx=torch.arange(B, dtype=torch.int32, device=DEV),
+        out=torch.empty_like(x["v"]),
+    )
     fresh = []
     for i in range(3):
         y = make(B=B, T=1, H=2, HV=HV, K=K, state_dtype=torch.bfloat16, N_pool=2 * B, seed=100 + i)
@@ -743,22 +887,46 @@ def test_cuda_graph_decode_and_spec():
     xs = _spec_inputs(B, S, torch.float32, N_pool=B * (S + 1), seed=16, packed=True)
 
     def spec(d):
-        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                              initial_state=d["pool"], ssm_state_indices=d["idx"], num_spec_tokens=S,
-                              num_accepted_tokens=d["acc"], cu_seqlens=d["cu"], use_gate_in_kernel=True,
-                              lower_bound=-5.0, beta_is_logit=True, output=d["out"], backend="recurrent")
+        kda_ops.recurrent_kda(
+            d["q"],
+            d["k"],
+            d["v"],
+            d["g"],
+            d["beta"],
+            A_log=d["A_log"],
+            dt_bias=d["dt_bias"],
+            initial_state=d["pool"],
+            ssm_state_indices=d["idx"],
+            num_spec_tokens=S,
+            num_accepted_tokens=d["acc"],
+            cu_seqlens=d["cu"],
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            beta_is_logit=True,
+            output=d["out"],
+            backend="recurrent",
+        )
 
-    static = dict(q=xs["q"], k=xs["k"], v=xs["v"], g=xs["g"], beta=xs["beta"], A_log=xs["A_log"],
-                  dt_bias=xs["dt_bias"], pool=xs["initial_state"], cu=xs["cu_seqlens"],
-                  idx=torch.arange(B * (S + 1), dtype=torch.int32, device=DEV).reshape(B, S + 1),
-                  acc=torch.ones(B, dtype=torch.int32, device=DEV), out=torch.empty_like(xs["v"]))
+    static = dict(
+        q=xs["q"],
+        k=xs["k"],
+        v=xs["v"],
+        g=xs["g"],
+        beta=xs["beta"],
+        A_log=xs["A_log"],
+        dt_bias=xs["dt_bias"],
+        pool=xs["initial_state"],
+        cu=xs["cu_seqlens"],
+        idx=torch.arange(B * (S + 1), dtype=torch.int32, device=DEV).reshape(B, S + 1),
+        acc=torch.ones(B, dtype=torch.int32, device=DEV),
+        out=torch.empty_like(xs["v"]),
+    )
     fresh = []
     for i in range(3):
         y = _spec_inputs(B, S, torch.float32, N_pool=B * (S + 1), seed=200 + i, packed=True)
         perm = torch.randperm(B * (S + 1), generator=torch.Generator().manual_seed(i)).to(torch.int32).to(DEV)
         acc = torch.randint(1, S + 2, (B,), generator=torch.Generator().manual_seed(i)).to(torch.int32).to(DEV)
-        fresh.append(dict(q=y["q"], k=y["k"], v=y["v"], g=y["g"], beta=y["beta"], idx=perm.reshape(B, S + 1),
-                          acc=acc))
+        fresh.append(dict(q=y["q"], k=y["k"], v=y["v"], g=y["g"], beta=y["beta"], idx=perm.reshape(B, S + 1), acc=acc))
     _graph_check(static, fresh, spec)
 
 
@@ -769,14 +937,37 @@ def test_cuda_graph_packed_prefill_new_lengths():
     x = make(H=1, HV=2, K=128, lengths=lengths, seed=17)
 
     def prefill(d):
-        kda_ops.recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                              initial_state=d["pool"], cu_seqlens=d["cu"], use_gate_in_kernel=True, lower_bound=-5.0,
-                              beta_is_logit=True, output=d["out"], backend="recurrent",
-                              prefill_workspace=d["ws"])
+        kda_ops.recurrent_kda(
+            d["q"],
+            d["k"],
+            d["v"],
+            d["g"],
+            d["beta"],
+            A_log=d["A_log"],
+            dt_bias=d["dt_bias"],
+            initial_state=d["pool"],
+            cu_seqlens=d["cu"],
+            use_gate_in_kernel=True,
+            lower_bound=-5.0,
+            beta_is_logit=True,
+            output=d["out"],
+            backend="recurrent",
+            prefill_workspace=d["ws"],
+        )
 
-    static = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                  pool=x["initial_state"], cu=x["cu_seqlens"], out=torch.zeros_like(x["v"]),
-                  ws=kda_ops.RecurrentKDAPrefillWorkspace())
+    static = dict(
+        q=x["q"],
+        k=x["k"],
+        v=x["v"],
+        g=x["g"],
+        beta=x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        pool=x["initial_state"],
+        cu=x["cu_seqlens"],
+        out=torch.zeros_like(x["v"]),
+        ws=kda_ops.RecurrentKDAPrefillWorkspace(),
+    )
     fresh = [dict(cu=lengths_to_cu(L, device=DEV)) for L in ([40, 1, 1, 22], [0, 64, 0, 0], [16, 16, 16, 16])]
     _graph_check(static, fresh, prefill)
 
@@ -917,14 +1108,20 @@ def test_cuda_matches_cpu_op(state_dtype):
     t, g = tok(x, "softplus"), gkw(x, "softplus")
     slots = torch.tensor([5, 0, 1, 2, 3], dtype=torch.int32, device=DEV)
     pool_gpu = x["initial_state"].clone()
-    o_gpu, _ = call(t, g, initial_state=pool_gpu, cu_seqlens=x["cu_seqlens"], ssm_state_indices=slots,
-                    checkpoint_every_n_tokens=16)[:2]
+    o_gpu, _ = call(
+        t, g, initial_state=pool_gpu, cu_seqlens=x["cu_seqlens"], ssm_state_indices=slots, checkpoint_every_n_tokens=16
+    )[:2]
     cpu = lambda z: z.cpu() if isinstance(z, torch.Tensor) else z  # noqa: E731
     pool_cpu = x["initial_state"].cpu().clone()
-    o_cpu, _ = kda_ops.recurrent_kda(**{n: cpu(z) for n, z in t.items()}, **{n: cpu(z) for n, z in g.items()},
-                                     initial_state=pool_cpu, cu_seqlens=x["cu_seqlens"].cpu(),
-                                     ssm_state_indices=slots.cpu(), checkpoint_every_n_tokens=16,
-                                     beta_is_logit=True)[:2]
+    o_cpu, _ = kda_ops.recurrent_kda(
+        **{n: cpu(z) for n, z in t.items()},
+        **{n: cpu(z) for n, z in g.items()},
+        initial_state=pool_cpu,
+        cu_seqlens=x["cu_seqlens"].cpu(),
+        ssm_state_indices=slots.cpu(),
+        checkpoint_every_n_tokens=16,
+        beta_is_logit=True,
+    )[:2]
     assert_output(o_gpu, o_cpu.float())
     assert_close_rms(pool_gpu, pool_cpu, state_tol(state_dtype), "pool vs CPU op")
 

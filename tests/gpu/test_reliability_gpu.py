@@ -345,8 +345,14 @@ def test_graph_packed_prefill_replays(ckpt):
         v_pool = pool_i.clone()
         # Same kernel as the captured call: backend="auto" picks by the call's shape (T >= 16 N: chunked), and
         # dropping the padding sequence can move the remainder to the other kernel. This checks isolation.
-        res_v = run(vd, v_pool, torch.empty(1, len(toks), HV, K, dtype=torch.bfloat16, device=DEV), v_ck, FRESH(),
-                    backend=routed)
+        res_v = run(
+            vd,
+            v_pool,
+            torch.empty(1, len(toks), HV, K, dtype=torch.bfloat16, device=DEV),
+            v_ck,
+            FRESH(),
+            backend=routed,
+        )
         _same(got_o[:, toks], res_v[0], f"replay {i}: valid sequences vs a call without the padding sequence")
         _same(got_pool, v_pool, f"replay {i}: pool vs a call without the padding sequence")
         if ckpt:
@@ -590,9 +596,9 @@ def test_stress_mixed_calls():
         assert after_warm == base, f"allocated memory grew during warm-up: {base} -> {after_warm} bytes"
         assert end == base, f"allocated memory leaked: {base} -> {end} bytes"
         transient = peak_warm - base
-        assert peak_rest <= peak_warm + max(transient // 4, 32 << 20), (
-            f"peak allocated grew after warm-up: {peak_warm} -> {peak_rest} bytes (baseline {base})"
-        )
+        assert peak_rest <= peak_warm + max(
+            transient // 4, 32 << 20
+        ), f"peak allocated grew after warm-up: {peak_warm} -> {peak_rest} bytes (baseline {base})"
 
 
 # ---------------------------------------------------------------------------------------------------

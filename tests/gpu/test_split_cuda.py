@@ -392,8 +392,6 @@ def test_state_only_call_cuda(backend, HV):  # type: ignore[no-untyped-def]
     state_only_matches("cuda", K=K, dtype=torch.bfloat16, backend=backend, HV=HV)
 
 
-
-
 @cuda_only
 @pytest.mark.parametrize("J,Bt,Vd,Kd,first", [(33, 4, 128, 128, 2), (17, 8, 64, 64, 2), (5, 3, 20, 128, 1)])
 def test_segment_state_scan_cuda(J, Bt, Vd, Kd, first):  # type: ignore[no-untyped-def]

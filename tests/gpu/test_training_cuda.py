@@ -875,8 +875,9 @@ def test_each_sweep_lower_bound_edges(edge, sweep, monkeypatch, capfd):
     _check_mode_grads(label, list(g), ref)
 
 
-@pytest.mark.parametrize("mode", [("lower_bound", True, True), ("softplus", True, True), ("precomputed", True, False)],
-                         ids=mode_id)
+@pytest.mark.parametrize(
+    "mode", [("lower_bound", True, True), ("softplus", True, True), ("precomputed", True, False)], ids=mode_id
+)
 def test_automatic_sweep(mode, monkeypatch, capfd):
     """With KDA_TRAINING_SWEEP unset the backward picks its sweep itself (the verbose line names it): on sm_90a the
     64-token sweep for the lower-bound and softplus gates (log-decays <= 0 by construction) and the 16-token one for a

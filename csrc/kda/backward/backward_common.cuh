@@ -18,7 +18,9 @@ __device__ __forceinline__ float ld_bf16(const void* base, int64_t off) {
 __device__ __forceinline__ void st_bf16(void* base, int64_t off, float x) {
   static_cast<__nv_bfloat16*>(base)[off] = __float2bfloat16_rn(x);
 }
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + __expf(-x)); }
+__device__ __forceinline__ float sigmoidf_(float x) {
+  return 1.f / (1.f + __expf(-x));
+}
 
 __device__ __forceinline__ float warp_sum32(float x) {
 #pragma unroll
@@ -79,7 +81,10 @@ __device__ __forceinline__ int64_t slot_sequence(const int64_t* starts, int64_t 
   int64_t lo = 0, hi = N;  // invariant: starts[lo] <= row < starts[hi]
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
-    if (starts[mid] <= row) lo = mid; else hi = mid;
+    if (starts[mid] <= row)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }

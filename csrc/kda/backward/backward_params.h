@@ -21,10 +21,10 @@ struct TrainingBackwardParams {
   int64_t B = 0, T = 0, N = 0;
   int H = 0, HV = 0;  // K = V = kBwdDim
 
-  TokenTensor q, k;   // [B, T, H, 128] bf16
-  TokenTensor v, g;   // [B, T, HV, 128] bf16 (g: raw gate input)
-  TokenTensor beta;   // [B, T, HV] bf16 logits
-  TokenTensor dout;   // [B, T, HV, 128] bf16: dL/do
+  TokenTensor q, k;  // [B, T, H, 128] bf16
+  TokenTensor v, g;  // [B, T, HV, 128] bf16 (g: raw gate input)
+  TokenTensor beta;  // [B, T, HV] bf16 logits
+  TokenTensor dout;  // [B, T, HV, 128] bf16: dL/do
 
   const float* A_log = nullptr;    // [HV]; null with the precomputed gate
   const float* dt_bias = nullptr;  // [HV, 128], may be null (0; always null with the precomputed gate)
@@ -55,14 +55,14 @@ struct TrainingBackwardParams {
   bool use_qk_l2norm = true;
 
   // Outputs written by the sweep (all compact; tokens outside covered_tokens are zeroed by the launcher).
-  void* dv = nullptr;               // [B, T, HV, 128] bf16
-  void* dg = nullptr;               // [B, T, HV, 128] bf16
-  void* dbeta = nullptr;            // [B, T, HV] bf16
+  void* dv = nullptr;     // [B, T, HV, 128] bf16
+  void* dg = nullptr;     // [B, T, HV, 128] bf16
+  void* dbeta = nullptr;  // [B, T, HV] bf16
   // (dinitial_state is written by the backward chain, launch_chunked_backward_chain, not by these kernels.)
 
   // Workspace (caller-allocated, fp32).
-  float* dq_head = nullptr;      // [B*T, HV, 128] dL/d(normalised q) per value head (covered tokens only)
-  float* dk_head = nullptr;      // [B*T, HV, 128] dL/d(normalised k) per value head (covered tokens only)
+  float* dq_head = nullptr;  // [B*T, HV, 128] dL/d(normalised q) per value head (covered tokens only)
+  float* dk_head = nullptr;  // [B*T, HV, 128] dL/d(normalised k) per value head (covered tokens only)
   // Parameter-gradient partials, one row per task slot (fully written): partial_rows = n_slots.
   int64_t partial_rows = 0;
   float* ddt_partial = nullptr;  // [partial_rows, HV, 128] ddt_bias sums
@@ -75,17 +75,17 @@ struct TrainingBackwardParams {
   const float* dstates = nullptr;
   const int64_t* dstate_cu_starts = nullptr;  // [N+1]
   int64_t n_dstate_rows = 0;
-  int grid = 0;                  // CTAs of the sweep (persistent over its tasks)
+  int grid = 0;  // CTAs of the sweep (persistent over its tasks)
 
   // HV == H (no GQA group to sum): the sweep does the L2-norm backward itself and writes
   // dq, dk (zeroed by the launcher outside covered_tokens); dq_head, dk_head unused, no qk finishing kernel.
   bool fused_qk = false;
 
   // Outputs of the finishing kernels.
-  void* dq = nullptr;        // [B, T, H, 128] bf16 compact
-  void* dk = nullptr;        // [B, T, H, 128] bf16 compact
-  float* dA_log = nullptr;   // [HV] (scratch with the precomputed gate: zeros)
-  float* ddt_bias = nullptr; // [HV, 128] (scratch without dt_bias)
+  void* dq = nullptr;         // [B, T, H, 128] bf16 compact
+  void* dk = nullptr;         // [B, T, H, 128] bf16 compact
+  float* dA_log = nullptr;    // [HV] (scratch with the precomputed gate: zeros)
+  float* ddt_bias = nullptr;  // [HV, 128] (scratch without dt_bias)
 
   // The gate (docs/contract.md, Recurrence): kLowerBound a = λ σ(exp(A_log) (g + dt_bias)); kSoftplus
   // a = -exp(A_log) softplus(g + dt_bias); kPrecomputed a = g. (Last, so that the other fields keep their offsets

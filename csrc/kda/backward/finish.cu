@@ -120,8 +120,8 @@ cudaError_t launch_training_backward(const TrainingBackwardParams& p, cudaStream
   // fused_qk (the sweep writes dq/dk itself) needs no GQA group: with HV > H several value heads would write
   // one dq row.
   if (p.fused_qk && p.HV != p.H) return cudaErrorInvalidValue;
-  if (p.cu_seqlens != nullptr && p.B * p.T > 0) {  // the fixed layout covers every token
-    if (p.B != 1) return cudaErrorInvalidValue;     // packed calls have B = 1
+  if (p.cu_seqlens != nullptr && p.B * p.T > 0) {        // the fixed layout covers every token
+    if (p.B != 1) return cudaErrorInvalidValue;          // packed calls have B = 1
     const int64_t blocks = std::min<int64_t>(p.T, 512);  // (blocks past the uncovered tokens exit at once)
     kda_training_backward_zero_uncovered_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
     KDA_CHECK_LAUNCH();

@@ -16,9 +16,8 @@ namespace {
 
 constexpr int kScanThreads = 1024;
 
-__global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const void* cu, bool i64, int64_t N,
-                                                                          int64_t T, int chunk, int first,
-                                                                          int64_t* out) {
+__global__ void __launch_bounds__(kScanThreads)
+    kda_tape_cu_starts_kernel(const void* cu, bool i64, int64_t N, int64_t T, int chunk, int first, int64_t* out) {
   __shared__ int64_t part[kScanThreads];
   const int tid = threadIdx.x;
   const int64_t per = (N + kScanThreads - 1) / kScanThreads;
@@ -45,8 +44,8 @@ __global__ void __launch_bounds__(kScanThreads) kda_tape_cu_starts_kernel(const 
   }
 }
 
-__global__ void __launch_bounds__(256) kda_zero_rows_past_kernel(float* x, int64_t rows, int64_t row_elems,
-                                                                  const int64_t* starts, int64_t N) {
+__global__ void __launch_bounds__(256)
+    kda_zero_rows_past_kernel(float* x, int64_t rows, int64_t row_elems, const int64_t* starts, int64_t N) {
   const int64_t first = starts[N] < 0 ? 0 : starts[N];
   for (int64_t r = first + blockIdx.y; r < rows; r += gridDim.y) {
     float4* row = reinterpret_cast<float4*>(x + r * row_elems);

@@ -54,11 +54,11 @@ namespace kda {
 namespace {
 using namespace bwd;
 
-constexpr int kC = 16;          // tokens per sub-chunk
-constexpr int kMid = 8;         // reference token of the pair factors ("mid" diagonal blocks, docs/design.md)
-constexpr int kD = kBwdDim;     // K == V == 128
-constexpr int kLD = kD + 4;     // padded row stride (floats) of the shared-memory matrices
-constexpr int kThreads = 512;   // 16 warps: warp w owns columns [8w, 8w+8) of every [16 x 128] product
+constexpr int kC = 16;         // tokens per sub-chunk
+constexpr int kMid = 8;        // reference token of the pair factors ("mid" diagonal blocks, docs/design.md)
+constexpr int kD = kBwdDim;    // K == V == 128
+constexpr int kLD = kD + 4;    // padded row stride (floats) of the shared-memory matrices
+constexpr int kThreads = 512;  // 16 warps: warp w owns columns [8w, 8w+8) of every [16 x 128] product
 constexpr int kWarps = kThreads / 32;
 constexpr int kSubPerTape = kTapeChunk / kC;
 static_assert(kD == 128 && kWarps == 16, "thread layouts below assume 128 channels and 16 warps");
@@ -84,18 +84,22 @@ struct ChunkedBwdSmem {
   float L[kC][kC];     // strictly lower, β not applied
   float M[kC][kC];     // Mqk, lower incl. diagonal
   float INV[kC][kC];
-  float dA[kC][kC];    // dL/dA (strictly lower), A = I + diag(β) L
+  float dA[kC][kC];  // dL/dA (strictly lower), A = I + diag(β) L
   float dM[kC][kC];
-  float beta[kC];      // σ(logit), 0 on padding tokens
-  float rho_q[kC];     // 1 / |q| and 1 / |k| (the L2 norms' rsqrt, no scale), for the fused L2-norm backward
+  float beta[kC];   // σ(logit), 0 on padding tokens
+  float rho_q[kC];  // 1 / |q| and 1 / |k| (the L2 norms' rsqrt, no scale), for the fused L2-norm backward
   float rho_k[kC];
-  float gC[kD];        // e^{Γ_last}
-  float ext[kD];       // extra dΓ of the last position (Kr·dKr and the S_0 decay term)
-  float part[4][kD];   // partial column sums
+  float gC[kD];       // e^{Γ_last}
+  float ext[kD];      // extra dΓ of the last position (Kr·dKr and the S_0 decay term)
+  float part[4][kD];  // partial column sums
 };
 
-__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ void st4(float* p, float4 x) { *reinterpret_cast<float4*>(p) = x; }
+__device__ __forceinline__ float4 ld4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ void st4(float* p, float4 x) {
+  *reinterpret_cast<float4*>(p) = x;
+}
 __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
 }
@@ -117,8 +121,8 @@ template <bool B_NK, bool B_GLOBAL = false, bool PRECISE = false>
 __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, const float* B) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const float* pa = A + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLD + 4 * (lane >> 4);
-  const float* pb = B_NK ? (B_GLOBAL ? B + (n0 + g) * kLD + q : B + (n0 + (lane & 7)) * kLD + 4 * (lane >> 3))
-                         : B + q * kLD + n0 + g;
+  const float* pb =
+      B_NK ? (B_GLOBAL ? B + (n0 + g) * kLD + q : B + (n0 + (lane & 7)) * kLD + 4 * (lane >> 3)) : B + q * kLD + n0 + g;
   float e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int k0 = 0; k0 < kD; k0 += 16) {
@@ -163,8 +167,8 @@ __device__ __forceinline__ void mma_rows(float (&d)[4], int n0, const float* A, 
 
 // d1 += Σ_k A1[m][k] B[k][n0 + n], d2 += Σ_k A2[m][k] B[k][n0 + n] over k < 128: mma_rows<false> for two A tiles
 // ([16][kLD]) against one B ([128][kLD], n contiguous), whose scalar loads serve both; A2 holds tf32-exact values.
-__device__ __forceinline__ void mma_rows_pair(float (&d1)[4], float (&d2)[4], int n0, const float* A1,
-                                              const float* A2, const float* B) {
+__device__ __forceinline__ void mma_rows_pair(float (&d1)[4], float (&d2)[4], int n0, const float* A1, const float* A2,
+                                              const float* B) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int ao = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLD + 4 * (lane >> 4);
   const float* pb = B + q * kLD + n0 + g;
@@ -203,8 +207,7 @@ __device__ __forceinline__ void gemm_abt(float* C, const float* A, const float* 
 }
 
 // C[t][c] = sign·rs(t)·Σ_v A[t][v] B[v][c]   (A, C [16][kLD]; B [128][kLD]); rs = row_scale or 1.
-__device__ __forceinline__ void gemm_ab(float* C, const float* A, const float* B, float sign,
-                                        const float* row_scale) {
+__device__ __forceinline__ void gemm_ab(float* C, const float* A, const float* B, float sign, const float* row_scale) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
   mma_rows<false>(d, n0, A, B);
@@ -217,8 +220,9 @@ template <bool TRANS, bool PRECISE = false>
 __device__ __forceinline__ void gemm_small(float* C, const float (*Wm)[kC], const float* cs, const float* A) {
   const int n0 = (threadIdx.x >> 5) * 8;
   float d[4] = {};
-  mma_frag<kC, PRECISE>(d, n0, [&](int m, int k) { return TRANS ? Wm[k][m] : Wm[m][k]; },
-               [&](int k, int n) { return (cs ? cs[k] : 1.f) * A[k * kLD + n]; });
+  mma_frag<kC, PRECISE>(
+      d, n0, [&](int m, int k) { return TRANS ? Wm[k][m] : Wm[m][k]; },
+      [&](int k, int n) { return (cs ? cs[k] : 1.f) * A[k * kLD + n]; });
   frag_each(d, n0, [&](int t, int c, float x) { C[t * kLD + c] = x; });
 }
 
@@ -352,8 +356,8 @@ __device__ __forceinline__ void prefetch_sub_chunk(const TrainingBackwardParams&
 // factors then stay within the same e^{40} (every |Γ_i - Γ_j| <= 40).
 // S: the state entering the sub-chunk ([128][kLD], global memory if kGlobalState).
 template <bool kUnbounded, bool kGlobalState>
-__device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk,
-                                  int64_t t0, int len, float dtb_col, const float* S) {
+__device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardParams& p, const Task& tk, int64_t t0,
+                                  int len, float dtb_col, const float* S) {
   [[maybe_unused]] bool wide = false;  // (kUnbounded only; the lower-bound instantiation returns nothing)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int tl = warp; tl < kC; tl += kThreads / 32) {
@@ -426,7 +430,7 @@ __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     bool w = false;
 #pragma unroll
     for (int u = 0; u < 4; ++u) w = w || !(fabsf(gam[u] + off) <= kNarrowSpan);  // (NaN counts as wide)
-    wide = __syncthreads_or(w);  // (every thread of the CTA is here)
+    wide = __syncthreads_or(w);                                                  // (every thread of the CTA is here)
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int o = (4 * part + u) * kLD + c;
@@ -440,7 +444,7 @@ __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     }
     if (part == 3) sm.gC[c] = __expf(gam[3] + off);
   } else {  // Γ = inclusive prefix of the log-decay a = λ σ(A (g + dt_bias)) over the sub-chunk (a = 0 past len),
-     // from gate loads of this thread's own (channel tid / 4, tokens [4 (tid % 4), +4)): no barrier before the prefix
+    // from gate loads of this thread's own (channel tid / 4, tokens [4 (tid % 4), +4)): no barrier before the prefix
     const int c = threadIdx.x >> 2, part = threadIdx.x & 3;
     float gam[4], run = 0.f;
 #pragma unroll
@@ -485,8 +489,8 @@ __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
           const float4 ai = ld4(sm.Ei + i * kLD + c0);
           ex[0] += ai.x, ex[1] += ai.y, ex[2] += ai.z, ex[3] += ai.w;
         }
-        const float4 w = make_float4(kj.x * __expf(ex[0]), kj.y * __expf(ex[1]), kj.z * __expf(ex[2]),
-                                     kj.w * __expf(ex[3]));
+        const float4 w =
+            make_float4(kj.x * __expf(ex[0]), kj.y * __expf(ex[1]), kj.z * __expf(ex[2]), kj.w * __expf(ex[3]));
         vl[i] = dot4(ki, w, 0.f);
         vm[i] = dot4(qi, w, 0.f);
       }
@@ -497,10 +501,12 @@ __device__ auto sub_chunk_forward(ChunkedBwdSmem& sm, const TrainingBackwardPara
     // L and Mqk on tensor cores with the mid-token reference: e^{Γ_i - Γ_j} = P_i N_j, P = e^{Γ - Γ_mid}
     // (E · Ei_mid), N = e^{Γ_mid - Γ} (E_mid · Ei); every factor <= e^{8|λ|} = e^{40} (λ >= -5).
     const auto colop = [&](int j, int c) { return sm.kn[j * kLD + c] * (sm.E[kMid * kLD + c] * sm.Ei[j * kLD + c]); };
-    gemm_tri(sm.L, 0, [&](int i, int c) { return sm.kn[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
-             colop, true, 1.f);
-    gemm_tri(sm.M, 2, [&](int i, int c) { return sm.qs[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); },
-             colop, false, 1.f);
+    gemm_tri(
+        sm.L, 0, [&](int i, int c) { return sm.kn[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); }, colop,
+        true, 1.f);
+    gemm_tri(
+        sm.M, 2, [&](int i, int c) { return sm.qs[i * kLD + c] * (sm.E[i * kLD + c] * sm.Ei[kMid * kLD + c]); }, colop,
+        false, 1.f);
   }
   // K⁺ and Kr
   for (int idx = threadIdx.x; idx < kC * kD; idx += kThreads) {
@@ -559,10 +565,12 @@ __device__ __forceinline__ void pair_terms_mid(ChunkedBwdSmem& sm, const Trainin
   const auto kN = [&](int j, int c) { return sm.kn[j * kLD + c] * N(j, c); };
   mma_frag<kC, true>(rm, n0, [&](int t, int j) { return sm.dM[t][j]; }, kN);               // Σ_j dM_tj k_j N_j
   mma_frag<kC, true>(rl, n0, [&](int t, int j) { return sm.beta[t] * sm.dA[t][j]; }, kN);  // Σ_j dL_tj k_j N_j
-  mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.dM[i][t]; },
-                     [&](int i, int c) { return sm.qs[i * kLD + c] * P(i, c); });  // Σ_i dM_it q_i P_i
-  mma_frag<kC, true>(cl, n0, [&](int t, int i) { return sm.beta[i] * sm.dA[i][t]; },
-                     [&](int i, int c) { return sm.kn[i * kLD + c] * P(i, c); });  // Σ_i dL_it k_i P_i
+  mma_frag<kC, true>(
+      cl, n0, [&](int t, int i) { return sm.dM[i][t]; },
+      [&](int i, int c) { return sm.qs[i * kLD + c] * P(i, c); });  // Σ_i dM_it q_i P_i
+  mma_frag<kC, true>(
+      cl, n0, [&](int t, int i) { return sm.beta[i] * sm.dA[i][t]; },
+      [&](int i, int c) { return sm.kn[i * kLD + c] * P(i, c); });  // Σ_i dL_it k_i P_i
   const int lane = tid & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
@@ -599,8 +607,8 @@ __device__ __forceinline__ const float* task_state(const TrainingBackwardParams&
 template <bool kUnbounded, bool kGlobalState>
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_kernel(const TrainingBackwardParams p) {
   extern __shared__ float4 smem_raw[];
-  float* const S = kGlobalState ? p.sweep_state + int64_t(blockIdx.x) * 2 * kStateFloats
-                                : reinterpret_cast<float*>(smem_raw);
+  float* const S =
+      kGlobalState ? p.sweep_state + int64_t(blockIdx.x) * 2 * kStateFloats : reinterpret_cast<float*>(smem_raw);
   float* const dS = S + kStateFloats;
   ChunkedBwdSmem& sm =
       *reinterpret_cast<ChunkedBwdSmem*>(reinterpret_cast<float*>(smem_raw) + (kGlobalState ? 0 : 2 * kStateFloats));
@@ -632,12 +640,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
     const float dtb_col = p.dt_bias != nullptr ? p.dt_bias[tk.hv * kD + (tid >> 2)] : 0.f;
     float ddt_acc = 0.f, dA_acc = 0.f;
 
-    __syncthreads();  // the previous task is done with S and dS
+    __syncthreads();                                                       // the previous task is done with S and dS
     load_state<kGlobalState>(S, tape_state(p, n, c, tk.hv), p.state_dim);  // null: zeros
     {
       const int64_t tc0 = tk.s.bos + c * kTapeChunk;
-      const int clen = static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk
-                                                                                : kTapeChunk);
+      const int clen =
+          static_cast<int>(tk.s.len - c * kTapeChunk < kTapeChunk ? tk.s.len - c * kTapeChunk : kTapeChunk);
       const int nsub = (clen + kC - 1) / kC;
       // dS_C row of sub-chunk sb (a broken dstate_cu_starts reads nothing out of bounds: null = zeros)
       const int64_t drow0 = p.dstate_cu_starts[n] + c * kSubPerTape;
@@ -672,16 +680,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         gemm_small<true, true>(sm.kp, sm.INV, nullptr, sm.dr);
         __syncthreads();
         const auto row_of = [&](const float* X) { return [X](int i, int c) { return X[i * kLD + c]; }; };
-        gemm_tri(sm.dA, 0, row_of(sm.kp), row_of(sm.R), true, -1.f);   // dA = -stril(dY Rᵀ)
-        gemm_tri(sm.dM, 2, row_of(sm.dO), row_of(sm.R), false, 1.f);   // dMqk = tril(dO Rᵀ)
+        gemm_tri(sm.dA, 0, row_of(sm.kp), row_of(sm.R), true, -1.f);  // dA = -stril(dY Rᵀ)
+        gemm_tri(sm.dM, 2, row_of(sm.dO), row_of(sm.R), false, 1.f);  // dMqk = tril(dO Rᵀ)
         {  // the S_0 decay term of dΓ_last, g_C ⊙ colsum(dS_C ⊙ S_0): four partial sums of 32 rows
           const int c = tid & 127, v0 = (tid >> 7) * 32;
           float s[4] = {0.f, 0.f, 0.f, 0.f};  // independent chains (fixed order: deterministic)
 #pragma unroll
           for (int v = 0; v < 32; v += 4)
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
-              s[u] = fmaf(dS[(v0 + v + u) * kLD + c], S[(v0 + v + u) * kLD + c], s[u]);
+            for (int u = 0; u < 4; ++u) s[u] = fmaf(dS[(v0 + v + u) * kLD + c], S[(v0 + v + u) * kLD + c], s[u]);
           sm.part[tid >> 7][c] = (s[0] + s[1]) + (s[2] + s[3]);
         }
         __syncthreads();
@@ -707,7 +714,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
           }
         }
         gemm_ab(sm.dr, sm.R, dS, 1.f, nullptr);  // dKr = R dS_C (dR is dead)
-        __syncthreads();                              // everyone is done with vx (dβ) and with dS
+        __syncthreads();                         // everyone is done with vx (dβ) and with dS
         if (sb + 1 < nsub) load_state<kGlobalState>(dS, dstate(sb + 1));
         {  // dK⁺ = -β dY S_0 (into vx) and dQ⁺ = dO S_0 (into kp once dY is dead; dO is bf16: exact in tf32)
           const int n0 = (tid >> 5) * 8;
@@ -725,8 +732,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_chunked_ker
         __syncthreads();  // every product with S_0 is done; dO is dead (the fused dq̂ goes there)
         // the state entering the next sub-chunk: S = S g_C + Rᵀ Kr
         if (sb + 1 < nsub)
-          rank_update<1>(S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
-                         [&](int, int t, int c) { return sm.kr[t * kLD + c]; });
+          rank_update<1>(
+              S, sm.gC, [&](int, int t, int v) { return sm.R[t * kLD + v]; },
+              [&](int, int t, int c) { return sm.kr[t * kLD + c]; });
         if constexpr (kUnbounded) {
           if (wide) {
             // pair terms from exact pairwise exponents on CUDA cores (warp t: row t; lane: channels [4 lane, +4)):
@@ -893,7 +901,9 @@ int64_t training_backward_chunked_smem_bytes(bool small) {
   return static_cast<int64_t>(sizeof(ChunkedBwdSmem)) + (small ? 0 : 2 * kStateFloats * int64_t(sizeof(float)));
 }
 
-int64_t training_backward_sweep_state_floats() { return 2 * int64_t(kStateFloats); }
+int64_t training_backward_sweep_state_floats() {
+  return 2 * int64_t(kStateFloats);
+}
 
 cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams& p, cudaStream_t stream) {
   if (p.dstates == nullptr || p.dstate_cu_starts == nullptr || p.slot_cu_starts == nullptr)
@@ -902,10 +912,11 @@ cudaError_t launch_training_backward_chunked_sweep(const TrainingBackwardParams&
   const int smem = static_cast<int>(training_backward_chunked_smem_bytes(small));
   // the lower-bound gate's factorised exponents, or the pairwise ones of the unbounded gates
   const bool lb = p.gate_mode == GateMode::kLowerBound;
-  const auto kernel = small ? (lb ? kda_training_backward_chunked_kernel<false, true>
-                                  : kda_training_backward_chunked_kernel<true, true>)
-                            : (lb ? kda_training_backward_chunked_kernel<false, false>
-                                  : kda_training_backward_chunked_kernel<true, false>);
+  const auto kernel =
+      small
+          ? (lb ? kda_training_backward_chunked_kernel<false, true> : kda_training_backward_chunked_kernel<true, true>)
+          : (lb ? kda_training_backward_chunked_kernel<false, false>
+                : kda_training_backward_chunked_kernel<true, false>);
   KDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (p.n_slots * p.HV <= 0) return cudaSuccess;
   kernel<<<p.grid, kThreads, smem, stream>>>(p);

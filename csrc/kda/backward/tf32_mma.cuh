@@ -15,12 +15,16 @@ namespace bwd {
 //   C (16x8): c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q), c3 (g+8, 2q+1).
 // tf32 operand bits: x rounded at the 13th bit by one integer add (the tensor core ignores the low 13 bits),
 // as CUTLASS's round_half_ulp_truncate; cheaper than cvt.rna.tf32.f32 (inf inputs become NaN).
-__device__ __forceinline__ uint32_t tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+__device__ __forceinline__ uint32_t tf32(float x) {
+  return __float_as_uint(x) + 0x1000u;
+}
 // The same value with the low bits cleared: an exact fp32 number, so x - tf32_hi(x) is the exact remainder.
-__device__ __forceinline__ uint32_t tf32_hi(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+__device__ __forceinline__ uint32_t tf32_hi(float x) {
+  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
-                                           d[2], d[3]);
+  cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2],
+                                           d[3]);
 }
 
 // d += Σ_k A(m, k) B(k, n0 + n) over k < KD, m < 16, n < 8: one 16x8 output fragment, operands from accessors.
@@ -34,7 +38,7 @@ __device__ __forceinline__ void mma_frag(float (&d)[4], int n0, FA fa, FB fb) {
   float e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int k0 = 0; k0 < KD; k0 += 8) {
-    float (&acc)[4] = (k0 & 8) ? e : d;
+    float(&acc)[4] = (k0 & 8) ? e : d;
     const float af[4] = {fa(g, k0 + q), fa(g + 8, k0 + q), fa(g, k0 + q + 4), fa(g + 8, k0 + q + 4)};
     const float bf[2] = {fb(k0 + q, n0 + g), fb(k0 + q + 4, n0 + g)};
     const uint32_t a[4] = {PRECISE ? tf32_hi(af[0]) : tf32(af[0]), PRECISE ? tf32_hi(af[1]) : tf32(af[1]),

@@ -20,7 +20,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kSpanLimit = 80.f * kLog2e;  // relative-exponent GEMM mode needs -Γ'_15 <= 80 nats (log2 units here)
 constexpr float kMinLogDecay = -1e30f;       // keeps -inf gates from making inf - inf in relative exponents
 
-__device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(const __nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <class T>
 __device__ __forceinline__ float to_float(const T x) {  // cutlass::bfloat16_t (the same exact conversion)
   return static_cast<float>(x);
@@ -42,8 +44,8 @@ __device__ __forceinline__ float gate_a(float x, float A, float Adtb, float dtb,
 // Γ' = Σ_{1..i} a of channel d over the chunk into gp[i * 128 + d] (a = 0 on rows i >= cl: padding, or the
 // next sequence's tokens); returns a_0 and Γ'_15. graw: the chunk's raw gate rows [16][128].
 template <GateMode M, class Bf16>
-__device__ __forceinline__ void gate_prefix(const Bf16* graw, float* gp, int d, int cl, float A, float Adtb,
-                                            float dtb, float lb, float& a0, float& gc) {
+__device__ __forceinline__ void gate_prefix(const Bf16* graw, float* gp, int d, int cl, float A, float Adtb, float dtb,
+                                            float lb, float& a0, float& gc) {
   // all loads first, then the 16 independent gate evaluations, then the (cheap) serial prefix
   float a[kChunkTokens];
 #pragma unroll

@@ -24,8 +24,7 @@ struct alignas(16) ChainStorage {  // per warp: v of the ring's chunks and the o
 // output product O = S Q⁺ᵀ + R Mqkᵀ and its store are left out; the state path is the same arithmetic.
 template <class Cfg, bool BWD, bool kOut = true, class Smem>
 __device__ __forceinline__ void chunked_chain(const RecurrentParams& p, Smem& sm, const ChunkedTask<BWD>& task,
-                                              const int lane, const int warp, const bool out_vec16,
-                                              const int diag) {
+                                              const int lane, const int warp, const bool out_vec16, const int diag) {
   constexpr int kStages = Cfg::kStages, kRawStages = Cfg::kRawStages;
   constexpr int kBarEmpty0 = Cfg::kBarEmpty0;
   constexpr int K = Cfg::K;
@@ -191,87 +190,86 @@ __device__ __forceinline__ void chunked_chain(const RecurrentParams& p, Smem& sm
         }
       }
     } else {
-
-    // ---- [Xᵀ | O_interᵀ] = S [K⁺ ; Q⁺]ᵀ and Yᵀ = Vᵀ - Xᵀ
-    // Two accumulator sets (even / odd k-steps) halve the dependent HMMA chain; the B fragments of step
-    // ks + 1 are loaded before the HMMAs of step ks (ldmatrix and mma are ordered asm).
-    float ax[2][4], ao[2][4], ax2[2][4], ao2[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ax[nt][e] = 0.f, ao[nt][e] = 0.f, ax2[nt][e] = 0.f, ao2[nt][e] = 0.f;
-    {
-      uint32_t bk[2][4], bq[2][4];
-      ldsm_x4(op.kp + toff_b.at(0), bk[0]);
-      if constexpr (kOut) ldsm_x4(op.qp + toff_b.at(0), bq[0]);
-#pragma unroll
-      for (int ks = 0; ks < K / 16; ++ks) {
-        const int cur = ks & 1;
-        if (ks + 1 < K / 16) {
-          ldsm_x4(op.kp + toff_b.at(ks + 1), bk[cur ^ 1]);
-          if constexpr (kOut) ldsm_x4(op.qp + toff_b.at(ks + 1), bq[cur ^ 1]);
-        }
-        const uint32_t a[4] = {pack_bf16x2(s[2 * ks][0], s[2 * ks][1]), pack_bf16x2(s[2 * ks][2], s[2 * ks][3]),
-                               pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                               pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-        float(&x)[2][4] = cur ? ax2 : ax;
-        float(&o)[2][4] = cur ? ao2 : ao;
-        mma_bf16(x[0], a, bk[cur][0], bk[cur][1]);
-        mma_bf16(x[1], a, bk[cur][2], bk[cur][3]);
-        if constexpr (kOut) {
-          mma_bf16(o[0], a, bq[cur][0], bq[cur][1]);
-          mma_bf16(o[1], a, bq[cur][2], bq[cur][3]);
-        }
-      }
+      // ---- [Xᵀ | O_interᵀ] = S [K⁺ ; Q⁺]ᵀ and Yᵀ = Vᵀ - Xᵀ
+      // Two accumulator sets (even / odd k-steps) halve the dependent HMMA chain; the B fragments of step
+      // ks + 1 are loaded before the HMMAs of step ks (ldmatrix and mma are ordered asm).
+      float ax[2][4], ao[2][4], ax2[2][4], ao2[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ax[nt][e] += ax2[nt][e], ao[nt][e] += ao2[nt][e];
-    }
-    // Yᵀ[v][t] = V[t][v] - Xᵀ[v][t] (padding rows: V = 0 and K⁺ = 0, so Y = 0)
+        for (int e = 0; e < 4; ++e) ax[nt][e] = 0.f, ao[nt][e] = 0.f, ax2[nt][e] = 0.f, ao2[nt][e] = 0.f;
+      {
+        uint32_t bk[2][4], bq[2][4];
+        ldsm_x4(op.kp + toff_b.at(0), bk[0]);
+        if constexpr (kOut) ldsm_x4(op.qp + toff_b.at(0), bq[0]);
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+        for (int ks = 0; ks < K / 16; ++ks) {
+          const int cur = ks & 1;
+          if (ks + 1 < K / 16) {
+            ldsm_x4(op.kp + toff_b.at(ks + 1), bk[cur ^ 1]);
+            if constexpr (kOut) ldsm_x4(op.qp + toff_b.at(ks + 1), bq[cur ^ 1]);
+          }
+          const uint32_t a[4] = {pack_bf16x2(s[2 * ks][0], s[2 * ks][1]), pack_bf16x2(s[2 * ks][2], s[2 * ks][3]),
+                                 pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                                 pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+          float(&x)[2][4] = cur ? ax2 : ax;
+          float(&o)[2][4] = cur ? ao2 : ao;
+          mma_bf16(x[0], a, bk[cur][0], bk[cur][1]);
+          mma_bf16(x[1], a, bk[cur][2], bk[cur][3]);
+          if constexpr (kOut) {
+            mma_bf16(o[0], a, bq[cur][0], bq[cur][1]);
+            mma_bf16(o[1], a, bq[cur][2], bq[cur][3]);
+          }
+        }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int vr = gq + 8 * (e >> 1), t = 8 * nt + 2 * cq + (e & 1);
-        ax[nt][e] = bf(vb[t * 16 + vr]) - ax[nt][e];
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ax[nt][e] += ax2[nt][e], ao[nt][e] += ao2[nt][e];
       }
+      // Yᵀ[v][t] = V[t][v] - Xᵀ[v][t] (padding rows: V = 0 and K⁺ = 0, so Y = 0)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int vr = gq + 8 * (e >> 1), t = 8 * nt + 2 * cq + (e & 1);
+          ax[nt][e] = bf(vb[t * 16 + vr]) - ax[nt][e];
+        }
 
-    // ---- Rᵀ = Yᵀ INVbᵀ; Oᵀ += Rᵀ Mqkᵀ; S = S ⊙ γ_C + Rᵀ Kr
-    float ar[2][4];
-    {
-      const uint32_t ya[4] = {pack_f16(ax[0][0], ax[0][1]), pack_f16(ax[0][2], ax[0][3]),
-                              pack_f16(ax[1][0], ax[1][1]), pack_f16(ax[1][2], ax[1][3])};
-      uint32_t bi[4];
-      load_b16x16(op.invb, lane, bi);
+      // ---- Rᵀ = Yᵀ INVbᵀ; Oᵀ += Rᵀ Mqkᵀ; S = S ⊙ γ_C + Rᵀ Kr
+      float ar[2][4];
+      {
+        const uint32_t ya[4] = {pack_f16(ax[0][0], ax[0][1]), pack_f16(ax[0][2], ax[0][3]),
+                                pack_f16(ax[1][0], ax[1][1]), pack_f16(ax[1][2], ax[1][3])};
+        uint32_t bi[4];
+        load_b16x16(op.invb, lane, bi);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ar[0][e] = 0.f, ar[1][e] = 0.f;
-      mma_f16(ar[0], ya, bi[0], bi[1]);
-      mma_f16(ar[1], ya, bi[2], bi[3]);
-    }
-    const uint32_t ra[4] = {pack_f16(ar[0][0], ar[0][1]), pack_f16(ar[0][2], ar[0][3]), pack_f16(ar[1][0], ar[1][1]),
-                            pack_f16(ar[1][2], ar[1][3])};
-    if constexpr (kOut) {
-      uint32_t bm[4];
-      load_b16x16(op.mqk, lane, bm);
-      mma_f16(ao[0], ra, bm[0], bm[1]);
-      mma_f16(ao[1], ra, bm[2], bm[3]);
-      store_output_tile(sm.chain.ostage[warp], ao, lane, gq, cq, cl, sr.bos + t0, out_row, out_vec16);
-    }
-    {
+        for (int e = 0; e < 4; ++e) ar[0][e] = 0.f, ar[1][e] = 0.f;
+        mma_f16(ar[0], ya, bi[0], bi[1]);
+        mma_f16(ar[1], ya, bi[2], bi[3]);
+      }
+      const uint32_t ra[4] = {pack_f16(ar[0][0], ar[0][1]), pack_f16(ar[0][2], ar[0][3]), pack_f16(ar[1][0], ar[1][1]),
+                              pack_f16(ar[1][2], ar[1][3])};
+      if constexpr (kOut) {
+        uint32_t bm[4];
+        load_b16x16(op.mqk, lane, bm);
+        mma_f16(ao[0], ra, bm[0], bm[1]);
+        mma_f16(ao[1], ra, bm[2], bm[3]);
+        store_output_tile(sm.chain.ostage[warp], ao, lane, gq, cq, cl, sr.bos + t0, out_row, out_vec16);
+      }
+      {
 #pragma unroll
-      for (int pp = 0; pp < K / 16; ++pp) {
-        uint32_t bb[4];
-        ldsm_x4_t(op.kr + toff_t.at(pp), bb);
+        for (int pp = 0; pp < K / 16; ++pp) {
+          uint32_t bb[4];
+          ldsm_x4_t(op.kr + toff_t.at(pp), bb);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int nt = 2 * pp + hh;
-          const float2 gmm = *reinterpret_cast<const float2*>(op.gamma_c + 8 * nt + 2 * cq);
-          s[nt][0] *= gmm.x, s[nt][1] *= gmm.y, s[nt][2] *= gmm.x, s[nt][3] *= gmm.y;
-          mma_f16(s[nt], ra, bb[2 * hh], bb[2 * hh + 1]);
+          for (int hh = 0; hh < 2; ++hh) {
+            const int nt = 2 * pp + hh;
+            const float2 gmm = *reinterpret_cast<const float2*>(op.gamma_c + 8 * nt + 2 * cq);
+            s[nt][0] *= gmm.x, s[nt][1] *= gmm.y, s[nt][2] *= gmm.x, s[nt][3] *= gmm.y;
+            mma_f16(s[nt], ra, bb[2 * hh], bb[2 * hh + 1]);
+          }
         }
       }
-    }
     }  // (forward)
     named_arrive(kBarEmpty0 + b, Cfg::kCountEmpty);  // done with chunk c's operands
   }

@@ -27,8 +27,8 @@ namespace kda::prefill {
 using namespace ::kda::ptx;         // ldsm / mma / cp.async / named barriers
 using namespace ::kda::chunk_math;  // gate prefix, norms, β, the 16x16 inverse (shared with the Hopper kernel)
 
-constexpr int kChunk = 16;              // tokens per chunk (the m16 of mma.sync)
-constexpr int kHeadDim = 128;           // K = V
+constexpr int kChunk = 16;                     // tokens per chunk (the m16 of mma.sync)
+constexpr int kHeadDim = 128;                  // K = V
 constexpr int kPrepWarps = 4;                  // "G" warps: gate, norms, decayed operand tiles
 constexpr int kPrepThreads = kPrepWarps * 32;  // one per channel (K = 128)
 constexpr int kSolveThreads = 32;              // "W" warp: L and Mqk GEMMs, the triangular inverse
@@ -47,24 +47,26 @@ constexpr int kDiagNoChain = 1, kDiagNoSolve = 2, kDiagNoPrep = 4;
 template <int VB_, int STAGES_ = 3, int RAW_STAGES_ = 4>
 struct ChunkedConfig {
   static constexpr int K = kHeadDim;
-  static constexpr int VB = VB_;             // value rows per CTA
+  static constexpr int VB = VB_;  // value rows per CTA
   static constexpr int kStages = STAGES_;
   static constexpr int kRawStages = RAW_STAGES_;
   static constexpr int kBarEmpty0 = kBarFull0 + kStages, kBarKReady0 = kBarFull0 + 2 * kStages;
   static_assert(kBarKReady0 + kStages <= 16, "16 hardware barriers per CTA");
   static_assert(kStages >= 2 && kRawStages >= 2, "double buffering at least");
-  static constexpr int NW = VB / 16;         // chain warps (16 value rows each)
-  static constexpr int NC = NW * 32;         // chain threads
+  static constexpr int NW = VB / 16;  // chain warps (16 value rows each)
+  static constexpr int NC = NW * 32;  // chain threads
   static constexpr int NT = NC + kPrepThreads + kSolveThreads;
-  static constexpr int kCountFull = NC + kSolveThreads;    // W arrives, chain syncs
-  static constexpr int kCountEmpty = NC + kPrepThreads;    // chain arrives, G syncs
+  static constexpr int kCountFull = NC + kSolveThreads;  // W arrives, chain syncs
+  static constexpr int kCountEmpty = NC + kPrepThreads;  // chain arrives, G syncs
   static constexpr int kCountKReady = kPrepThreads + kSolveThreads;
-  static constexpr int kParts = K / VB;      // CTAs per (sequence, value head)
-  static constexpr int KCH = K / 8;          // 16-byte pieces per K row
+  static constexpr int kParts = K / VB;  // CTAs per (sequence, value head)
+  static constexpr int KCH = K / 8;      // 16-byte pieces per K row
   static_assert(VB == 64 || VB == 128, "value rows per CTA must be 64 or 128");
 };
 
-__device__ __forceinline__ int swz(int row, int piece) { return row * kHeadDim + ((piece ^ (row & 7)) << 3); }
+__device__ __forceinline__ int swz(int row, int piece) {
+  return row * kHeadDim + ((piece ^ (row & 7)) << 3);
+}
 
 // ldmatrix addresses of a lane for the 8 k-steps over a swizzled [16][K] tile: row `row` (0..15), pieces
 // 2 ks + bit. Since (2 ks + bit) ^ (row & 7) = 8 (ks >= 4) + ((2 (ks & 3) + bit) ^ (row & 7)), four offsets
@@ -85,8 +87,9 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
 }
-__device__ __forceinline__ float bf(const __nv_bfloat16 x) { return __bfloat162float(x); }
-
+__device__ __forceinline__ float bf(const __nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 
 // B operand fragments (n = 16 rows of a row-major [16][16] fp16 matrix M, k = its columns): b for n-tile
 // 0 in r[0..1], n-tile 1 in r[2..3].
@@ -110,7 +113,9 @@ __device__ __forceinline__ uint4 pack8_f16_nosat(const float (&x)[8]) {
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
-__device__ __forceinline__ float clamp_f16(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
+__device__ __forceinline__ float clamp_f16(float x) {
+  return fminf(fmaxf(x, -65504.f), 65504.f);
+}
 
 // Stores x at M[r][c] of a [16][16] 16-bit operand matrix: fp16 (saturated) in the forward; in the backward
 // chain (BWD) bf16 at the transposed position M[c][r], the orientation the adjoint products read.
@@ -121,7 +126,6 @@ __device__ __forceinline__ void put16(__half* m, int r, int c, float x) {
   else
     m[r * kChunk + c] = __float2half_rn(clamp_f16(x));
 }
-
 
 // Shared memory of one CTA. Operand tiles [16 rows][K] of 16-bit values are XOR-swizzled in 16-byte
 // pieces (piece ^ (row & 7)) so every ldmatrix phase hits 8 distinct bank groups. Every member is 16-byte
@@ -149,7 +153,7 @@ struct alignas(16) PrepToSolveTiles {
 template <bool BWD>
 struct ChunkedTask {
   int64_t n;
-  int part, hv, h;   // h: the q/k head of hv's GQA group
+  int part, hv, h;  // h: the q/k head of hv's GQA group
   SeqRange sr;
   StartState st;
   int64_t head_off;  // elements of head hv's [V, K] block within a slot

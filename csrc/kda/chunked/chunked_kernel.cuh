@@ -68,13 +68,13 @@ template <int VB, int kStages = 3, int kRawStages = 4>
 struct ChunkedSmem {
   using Raw = PrepRaw;
   using Operands = ChunkedOperands<kStages>;
-  alignas(16) Raw raw[kRawStages];                       // prep: cp.async ring of raw q/k/g tiles
-  alignas(16) Operands op[kStages];                      // prep/solve -> chain
-  alignas(16) PrepToSolveTiles<kStages> tiles;           // prep -> solve
-  alignas(16) PrepScratch prep;                          // prep only
-  alignas(16) SolveScratch solve;                        // solve only
-  alignas(16) ChainStorage<VB, kRawStages> chain;        // chain only
-  alignas(16) int pairwise[kStages];                     // prep -> solve: the chunk's mode
+  alignas(16) Raw raw[kRawStages];                 // prep: cp.async ring of raw q/k/g tiles
+  alignas(16) Operands op[kStages];                // prep/solve -> chain
+  alignas(16) PrepToSolveTiles<kStages> tiles;     // prep -> solve
+  alignas(16) PrepScratch prep;                    // prep only
+  alignas(16) SolveScratch solve;                  // solve only
+  alignas(16) ChainStorage<VB, kRawStages> chain;  // chain only
+  alignas(16) int pairwise[kStages];               // prep -> solve: the chunk's mode
 };
 
 // BWD = false: the prefill (and the training forward with tapes). BWD = true: the backward chain of the
@@ -168,4 +168,3 @@ cudaError_t run_chunked_(const RecurrentParams& p, bool out_vec16, int diag, cud
 }
 
 }  // namespace kda::prefill
-

@@ -14,7 +14,9 @@ namespace kda {
 namespace {
 
 // Largest dynamic shared memory one block may opt into (227 KB on sm_90/sm_100, 99 KB on sm_120).
-int max_smem_optin() { return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(227 * 1024); }
+int max_smem_optin() {
+  return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(227 * 1024);
+}
 
 constexpr int kSmem64 = static_cast<int>(sizeof(prefill::ChunkedSmem<64, 3, 4>));
 constexpr int kSmem128 = static_cast<int>(sizeof(prefill::ChunkedSmem<128, 3, 4>));
@@ -22,7 +24,9 @@ constexpr int kSmemSmall = static_cast<int>(sizeof(prefill::ChunkedSmem<64, 2, 2
 
 }  // namespace
 
-int64_t chunked_small_pipeline_smem_bytes() { return kSmemSmall; }
+int64_t chunked_small_pipeline_smem_bytes() {
+  return kSmemSmall;
+}
 
 int64_t chunked_mma_smem_bytes(int value_rows, bool small) {
   return small ? kSmemSmall : (value_rows == 128 ? kSmem128 : kSmem64);

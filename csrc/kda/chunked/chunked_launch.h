@@ -35,22 +35,22 @@ int64_t chunked_small_pipeline_smem_bytes();
 // strides that are multiples of 8 elements; the training contract). The chunked kernel reads them through
 // RecurrentParams' fields in BWD mode; chain_as_recurrent (chunked_launch.cu) is the one place that maps them.
 struct BackwardChainParams {
-  int64_t B = 0, T = 0, N = 0;  // as RecurrentParams: fixed N = B; packed B = 1, N = len(cu_seqlens) - 1
-  int H = 0, HV = 0;            // K = V = 128
-  TokenTensor q, k;             // [B, T, H, 128]
-  TokenTensor g;                // [B, T, HV, 128] raw gate input
-  TokenTensor beta;             // [B, T, HV] logits (or β, beta_is_logit = false)
-  TokenTensor dout;             // [B, T, HV, 128] dL/do
-  const float* A_log = nullptr;    // [HV]; null with the precomputed gate
-  const float* dt_bias = nullptr;  // [HV, 128], may be null (0)
+  int64_t B = 0, T = 0, N = 0;       // as RecurrentParams: fixed N = B; packed B = 1, N = len(cu_seqlens) - 1
+  int H = 0, HV = 0;                 // K = V = 128
+  TokenTensor q, k;                  // [B, T, H, 128]
+  TokenTensor g;                     // [B, T, HV, 128] raw gate input
+  TokenTensor beta;                  // [B, T, HV] logits (or β, beta_is_logit = false)
+  TokenTensor dout;                  // [B, T, HV, 128] dL/do
+  const float* A_log = nullptr;      // [HV]; null with the precomputed gate
+  const float* dt_bias = nullptr;    // [HV, 128], may be null (0)
   const void* cu_seqlens = nullptr;  // [N+1] int32 / int64; null for the fixed layout
   bool cu_seqlens_int64 = false;
   GateMode gate_mode = GateMode::kLowerBound;
   float scale = 0.f, lower_bound = 0.f;  // (lower_bound: the lower-bound gate's λ)
-  bool beta_is_logit = true;  // beta holds logits (else β itself)
-  bool use_qk_l2norm = true;  // q, k L2-normalised in the op
-  const float* dfinal_state = nullptr;  // [N, HV, 128, 128] compact fp32, 16-byte aligned; null = zeros
-  float* dinitial_state = nullptr;      // out: [N, HV, 128, 128] compact fp32
+  bool beta_is_logit = true;             // beta holds logits (else β itself)
+  bool use_qk_l2norm = true;             // q, k L2-normalised in the op
+  const float* dfinal_state = nullptr;   // [N, HV, 128, 128] compact fp32, 16-byte aligned; null = zeros
+  float* dinitial_state = nullptr;       // out: [N, HV, 128, 128] compact fp32
   // out: the chain gradient dS at the END of every dstate_every-token chunk (16 or 64; the sequence's last chunk
   // ends at its last token), fp32 [n_dstate_rows, HV, 128, 128], row dstate_cu_starts[n] + j for chunk j of
   // sequence n (launch_tape_cu_starts with chunk dstate_every, first 0); rows at or past n_dstate_rows are never

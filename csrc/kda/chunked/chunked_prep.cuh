@@ -59,8 +59,8 @@ __device__ __forceinline__ void chunked_prep(const RecurrentParams& p, Smem& sm,
       static_cast<const __nv_bfloat16*>(p.k.ptr) + sr.batch * p.k.batch_stride + int64_t(h) * p.k.head_stride,
       static_cast<const __nv_bfloat16*>(p.g.ptr) + sr.batch * p.g.batch_stride + int64_t(hv) * p.g.head_stride};
   const int64_t stride3[3] = {p.q.token_stride, p.k.token_stride, p.g.token_stride};
-  const auto* bsrc = static_cast<const __nv_bfloat16*>(p.beta.ptr) + sr.batch * p.beta.batch_stride +
-                     int64_t(hv) * p.beta.head_stride;
+  const auto* bsrc =
+      static_cast<const __nv_bfloat16*>(p.beta.ptr) + sr.batch * p.beta.batch_stride + int64_t(hv) * p.beta.head_stride;
 
   // raw q, k, g of chunk c into ring slot c % kRawStages: 3 tiles x 256 pieces of 16 bytes, 6 per thread
   auto issue = [&](int64_t c) {

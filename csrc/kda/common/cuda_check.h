@@ -5,10 +5,10 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
-#define KDA_RETURN_IF_ERROR(expr)                    \
-  do {                                               \
-    const cudaError_t kda_err_ = (expr);             \
-    if (kda_err_ != cudaSuccess) return kda_err_;    \
+#define KDA_RETURN_IF_ERROR(expr)                 \
+  do {                                            \
+    const cudaError_t kda_err_ = (expr);          \
+    if (kda_err_ != cudaSuccess) return kda_err_; \
   } while (0)
 
 // After a <<<...>>> launch: the launch error (bad configuration, too much shared memory, ...), if any.

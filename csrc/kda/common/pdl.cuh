@@ -4,7 +4,8 @@
 // griddepcontrol.launch_dependents lets the next PDL-launched kernel start early. Both instructions are
 // no-ops for a grid launched without the attribute, and the wait returns only when every grid this one
 // depends on has completed with its writes visible, so where the signal sits changes timing, never results.
-// The decode kernels use it to hide the launch latency of back-to-back steps (on by default; KDA_EXPERIMENT=pdl=0 turns it off in an experiments build).
+// The decode kernels use it to hide the launch latency of back-to-back steps (on by default; KDA_EXPERIMENT=pdl=0 turns
+// it off in an experiments build).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -1,5 +1,5 @@
-// The slot, activity and gate rules of recurrent_kda (docs/contract.md, Recurrence and Slots), shared by the CPU loop and the
-// CUDA kernels so both read the same contract. Host/device, no torch.
+// The slot, activity and gate rules of recurrent_kda (docs/contract.md, Recurrence and Slots), shared by the CPU loop
+// and the CUDA kernels so both read the same contract. Host/device, no torch.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -35,11 +35,15 @@ KDA_HD SeqRange seq_range(const RecurrentParams& p, int64_t n) {
   return seq_range(p.cu_seqlens, p.cu_seqlens_int64, p.T, n);
 }
 
-KDA_HD bool slot_in_pool(int64_t slot, int64_t n_pool) { return slot >= 0 && slot < n_pool; }
+KDA_HD bool slot_in_pool(int64_t slot, int64_t n_pool) {
+  return slot >= 0 && slot < n_pool;
+}
 
 // GQA: the q/k head of value head hv (contiguous groups of HV / H value heads). Without GQA (the common case)
 // no integer division: in the decode kernels the two divisions cost ~45 instructions an item.
-KDA_HD int qk_head(const RecurrentParams& p, int hv) { return p.HV == p.H ? hv : hv / (p.HV / p.H); }
+KDA_HD int qk_head(const RecurrentParams& p, int hv) {
+  return p.HV == p.H ? hv : hv / (p.HV / p.H);
+}
 
 // Whether the output view takes 16-byte stores of 8 consecutive values: its base and its token, head and
 // (fixed layout) batch strides are multiples of 16 bytes (bf16 output).
@@ -76,8 +80,7 @@ KDA_HD StartState start_state(const RecurrentParams& p, int64_t n) {
     int64_t s = p.initial_state_indices ? p.initial_state_indices[n] : n;  // null: identity (training)
     if (!slot_in_pool(s, p.n_source)) return {-1, s};
     // Non-speculative: the results go to the write slot; an invalid one makes the sequence inactive.
-    if (p.state != nullptr && p.num_spec_tokens == 0 && !slot_in_pool(write_slot(p, n, 0), p.n_pool))
-      return {-1, s};
+    if (p.state != nullptr && p.num_spec_tokens == 0 && !slot_in_pool(write_slot(p, n, 0), p.n_pool)) return {-1, s};
     return {2, s};
   }
   if (p.state == nullptr) return {0, 0};
@@ -103,7 +106,8 @@ KDA_HD T kda_sigmoid(T x) {
   return T(1) / (T(1) + exp(-x));
 }
 
-// Log-decay a for one channel (docs/contract.md, Recurrence, step 2). A = exp(A_log[hv]); dtb = dt_bias[hv, k] (0 if none).
+// Log-decay a for one channel (docs/contract.md, Recurrence, step 2). A = exp(A_log[hv]); dtb = dt_bias[hv, k] (0 if
+// none).
 template <typename T>
 KDA_HD T gate_log_decay(GateMode mode, T g, T A, T dtb, T lower_bound) {
   if (mode == GateMode::kPrecomputed) return g;

@@ -19,7 +19,7 @@ constexpr int kScanCols = 128;  // one thread per column and part, K <= 128
 constexpr int kParts = 4;       // the k range split over four thread groups
 constexpr int kRows = 8;        // state rows per block
 
-__global__ void __launch_bounds__(kScanCols * kParts)
+__global__ void __launch_bounds__(kScanCols* kParts)
     kda_segment_state_scan_kernel(float* __restrict__ S, const float* __restrict__ Q, const float* __restrict__ P,
                                   int64_t J, int64_t batch, int V, int K, int64_t first) {
   __shared__ float rows[kRows][kScanCols];
@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(kScanCols * kParts)
 
 }  // namespace
 
-cudaError_t launch_segment_state_scan(float* S, const float* Q, const float* P, int64_t J, int64_t batch, int V,
-                                      int K, int64_t first, cudaStream_t stream) {
+cudaError_t launch_segment_state_scan(float* S, const float* Q, const float* P, int64_t J, int64_t batch, int V, int K,
+                                      int64_t first, cudaStream_t stream) {
   if (first < 1) first = 1;
   if (J <= first || batch <= 0 || V <= 0 || K <= 0) return cudaSuccess;
   if (K > kScanCols || batch > 0x7fffffff) return cudaErrorInvalidValue;

@@ -12,7 +12,7 @@ namespace kda {
 // S, Q: [J, batch, V, K] fp32, P: [J, batch, K, K] fp32, contiguous, on the current device. For j = first
 // .. J-1 in order: S[j] = S[j-1] P[j-1] + Q[j-1] (each element a sequential fp32 sum over k, so the
 // result is deterministic). K <= 128.
-cudaError_t launch_segment_state_scan(float* S, const float* Q, const float* P, int64_t J, int64_t batch, int V,
-                                      int K, int64_t first, cudaStream_t stream);
+cudaError_t launch_segment_state_scan(float* S, const float* Q, const float* P, int64_t J, int64_t batch, int V, int K,
+                                      int64_t first, cudaStream_t stream);
 
 }  // namespace kda

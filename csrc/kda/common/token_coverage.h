@@ -16,7 +16,9 @@
 
 namespace kda {
 
-KDA_HD int64_t seq_end(const SeqRange& r) { return r.bos + r.len; }
+KDA_HD int64_t seq_end(const SeqRange& r) {
+  return r.bos + r.len;
+}
 
 // Sequence n (n >= 1) starts where sequence n-1 ends. When this holds for every n the ranges tile one
 // interval [bos_0, end_{N-1}) and the uncovered tokens are exactly [0, bos_0) and [end_{N-1}, T).
@@ -44,8 +46,8 @@ struct CoveredTokens {
 KDA_HD CoveredTokens covered_span(const void* cu_seqlens, bool cu_seqlens_int64, int64_t T, int64_t N) {
   if (cu_seqlens == nullptr) return {0, T};
   const auto clamped = [&](int64_t i) {
-    const int64_t x = cu_seqlens_int64 ? static_cast<const int64_t*>(cu_seqlens)[i]
-                                       : static_cast<const int32_t*>(cu_seqlens)[i];
+    const int64_t x =
+        cu_seqlens_int64 ? static_cast<const int64_t*>(cu_seqlens)[i] : static_cast<const int32_t*>(cu_seqlens)[i];
     return x < 0 ? int64_t(0) : (x > T ? T : x);
   };
   const int64_t lo = clamped(0), hi = clamped(N);

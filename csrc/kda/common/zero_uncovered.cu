@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kZeroThreads)
   for (int64_t n = 1 + threadIdx.x; n < p.N && adjoin; n += blockDim.x) adjoin = ranges_adjoin(p, n);
   const bool chained = __syncthreads_and(adjoin);
 
-  Word* out = static_cast<Word*>(p.out);  // [1, T, HV, V]: batch row 0 only (packed)
+  Word* out = static_cast<Word*>(p.out);    // [1, T, HV, V]: batch row 0 only (packed)
   const int64_t row = int64_t(p.HV) * p.V;  // elements of one token
   if (chained) {
     const int64_t lo = seq_range(p, 0).bos, hi = seq_end(seq_range(p, p.N - 1));
@@ -77,9 +77,12 @@ cudaError_t launch_zero_uncovered_tokens(const RecurrentParams& p, cudaStream_t 
   if (p.cu_seqlens == nullptr || p.T == 0 || p.N == 0 || p.HV == 0 || p.V == 0) return cudaSuccess;
   switch (p.token_dtype) {
     case DType::kBFloat16:
-    case DType::kFloat16: return launch_typed<uint16_t>(p, stream);
-    case DType::kFloat32: return launch_typed<uint32_t>(p, stream);
-    case DType::kFloat64: return launch_typed<uint64_t>(p, stream);
+    case DType::kFloat16:
+      return launch_typed<uint16_t>(p, stream);
+    case DType::kFloat32:
+      return launch_typed<uint32_t>(p, stream);
+    case DType::kFloat64:
+      return launch_typed<uint64_t>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -36,10 +36,10 @@ constexpr int kFlagRingProducerDiverged = 64;
 struct RecurrentLaunch {
   int warps_per_block = 4;
   int num_sms = 132;
-  int max_blocks_per_sm = 0;                    // 0: as many as fit
-  int carveout_percent = kCarveoutMin;          // or kCarveoutUntouched, -1 (driver default), 0..100
-  int flags = 4;  // kernel flags: kFlagNoL1Prefetch (the default), kDiag* (benchmarks only)
-  bool pdl = false;  // programmatic dependent launch (kda/common/pdl.cuh)
+  int max_blocks_per_sm = 0;            // 0: as many as fit
+  int carveout_percent = kCarveoutMin;  // or kCarveoutUntouched, -1 (driver default), 0..100
+  int flags = 4;                        // kernel flags: kFlagNoL1Prefetch (the default), kDiag* (benchmarks only)
+  bool pdl = false;                     // programmatic dependent launch (kda/common/pdl.cuh)
 };
 
 // K: head dim (K == V, 64 or 128). StateT: pool storage type (float or __nv_bfloat16). NR: state rows

@@ -290,8 +290,8 @@ __device__ __forceinline__ void load_token_slice(const __nv_bfloat16* base, int 
 }
 
 template <class Tile>
-__device__ __forceinline__ void load_token(const RecurrentParams& p, int64_t batch, int64_t tok, int h, int hv,
-                                           int kl, int my_row, TokenRaw& r) {
+__device__ __forceinline__ void load_token(const RecurrentParams& p, int64_t batch, int64_t tok, int h, int hv, int kl,
+                                           int my_row, TokenRaw& r) {
   const auto* q = p.q.row<__nv_bfloat16>(batch, tok, h);
   const auto* k = p.k.row<__nv_bfloat16>(batch, tok, h);
   const auto* g = p.g.row<__nv_bfloat16>(batch, tok, hv);
@@ -320,7 +320,9 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -413,9 +415,9 @@ __device__ __forceinline__ void prefetch_item(const RecurrentParams& p, const It
       for (int i = 0; i < Tile::NR; ++i)
 #pragma unroll
         for (int c = 0; c < Tile::kChunks; ++c)
-          cp_async_16(ring + (i * Tile::kChunks + c) * 32 + lane,
-                      head + int64_t(m.tile * Tile::kRowsPerWarp + i * Tile::RP + rg) * Tile::K +
-                          Tile::chunk_offset(kl, c));
+          cp_async_16(
+              ring + (i * Tile::kChunks + c) * 32 + lane,
+              head + int64_t(m.tile * Tile::kRowsPerWarp + i * Tile::RP + rg) * Tile::K + Tile::chunk_offset(kl, c));
     }
     if (!l1) {
       cp_async_commit();
@@ -476,8 +478,8 @@ __device__ __forceinline__ float dt_bias_at(const float* dtb, int kl, int e) {
 // `dtb`: dt_bias[hv, :] (global or shared memory), null when absent; `A` = exp(A_log[hv]).
 template <class Tile>
 __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const int flags, const ItemMeta& m,
-                                                const int lane, TokenRaw cur, const int32_t spec_slot,
-                                                const float A, const float* dtb, float (&s)[Tile::NR][8]) {
+                                                const int lane, TokenRaw cur, const int32_t spec_slot, const float A,
+                                                const float* dtb, float (&s)[Tile::NR][8]) {
   using StateT = typename Tile::StateT;
   constexpr int K = Tile::K, NR = Tile::NR, KL = Tile::KL, RP = Tile::RP;
   const int kl = lane % KL, rg = lane / KL;
@@ -492,8 +494,8 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
   const int my_row = row0 + my_idx * RP + rg;
   const int h = qk_head(p, hv);
   const int64_t head_off = int64_t(hv) * K * K;
-  uint16_t* out = static_cast<uint16_t*>(p.out) + int64_t(m.batch) * p.out_batch_stride +
-                  int64_t(hv) * p.out_head_stride + my_row;
+  uint16_t* out =
+      static_cast<uint16_t*>(p.out) + int64_t(m.batch) * p.out_batch_stride + int64_t(hv) * p.out_head_stride + my_row;
   const int64_t ckpt_row0 = every > 0 ? p.checkpoint_cu_starts[n] : 0;
 
   int64_t next_ckpt = 0;
@@ -512,8 +514,7 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
     // is outside the pool is inactive (token_active in recurrent_rules.h), as is a token past column S
     // (a sequence longer than 1+S, a broken contract, never indexes past its row).
     int64_t wslot = -1;
-    if (S > 0 && t <= S)
-      wslot = S < 32 ? __shfl_sync(kFullMask, spec_slot, static_cast<int>(t)) : write_slot(p, n, t);
+    if (S > 0 && t <= S) wslot = S < 32 ? __shfl_sync(kFullMask, spec_slot, static_cast<int>(t)) : write_slot(p, n, t);
     const bool active = S == 0 || (t <= S && slot_in_pool(wslot, p.n_pool));
     if (!active) {
       if (writer) out[(m.bos + t) * p.out_token_stride] = 0;
@@ -544,13 +545,11 @@ __device__ __forceinline__ void run_item_tokens(const RecurrentParams& p, const 
       if (p.gate_mode == GateMode::kLowerBound) {
 #pragma unroll
         for (int e = 0; e < 8; ++e)
-          dec[e] = gate_log_decay<float>(GateMode::kLowerBound, dec[e], A, dt_bias_at<Tile>(dtb, kl, e),
-                                         p.lower_bound);
+          dec[e] = gate_log_decay<float>(GateMode::kLowerBound, dec[e], A, dt_bias_at<Tile>(dtb, kl, e), p.lower_bound);
       } else if (p.gate_mode == GateMode::kSoftplus) {
 #pragma unroll
         for (int e = 0; e < 8; ++e)
-          dec[e] = gate_log_decay<float>(GateMode::kSoftplus, dec[e], A, dt_bias_at<Tile>(dtb, kl, e),
-                                         p.lower_bound);
+          dec[e] = gate_log_decay<float>(GateMode::kSoftplus, dec[e], A, dt_bias_at<Tile>(dtb, kl, e), p.lower_bound);
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -693,7 +692,7 @@ __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
     } else {
       load_unstaged_start<Tile>(p, !skip && m.kind == 2, m.slot, head_off, row0, rg, kl, s);
     }
-    __syncwarp();  // every lane has read its ring slot before it is refilled
+    __syncwarp();                         // every lane has read its ring slot before it is refilled
     if ((j + kStages) % kMetaBatch == 0)  // the next table, one stall per 32 items (its buffer is consumed)
       resolve_items<Tile>(p, j + kStages, first, stride, total, meta_at(j + kStages), lane);
     prefetch_item<Tile>(p, *meta_at(j + kStages), ring + stage * kTileU4, lane, l1);
@@ -714,8 +713,8 @@ __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
 
     // A zero-length sequence leaves its slot bit-identical.
     if (S == 0 && p.state != nullptr && m.len > 0 && !(flags & (kDiagNoStateStore | kFlagNoStateUpdate)))
-      store_tile<Tile>(static_cast<StateT*>(p.state) + write_slot(p, n, 0) * p.state_slot_stride + head_off, row0,
-                       rg, kl, s);
+      store_tile<Tile>(static_cast<StateT*>(p.state) + write_slot(p, n, 0) * p.state_slot_stride + head_off, row0, rg,
+                       kl, s);
     if (p.final_state != nullptr) store_tile<Tile>(p.final_state + n * inner + head_off, row0, rg, kl, s);
   }
   cp_async_wait<0>();  // no copy outlives the block (the tail prefetches are empty groups, but be exact)
@@ -723,7 +722,9 @@ __global__ void __launch_bounds__(128, recurrent_min_blocks<Tile>())
 
 // Launch helpers shared by the decode launchers (this file's kernel, recurrent_ring_kernel.cuh).
 // Shared memory `blocks` resident blocks of `block_bytes` occupy (the system reserves 1 KB per block).
-inline int resident_smem_bytes(int blocks, int block_bytes) { return blocks * (block_bytes + 1024); }
+inline int resident_smem_bytes(int blocks, int block_bytes) {
+  return blocks * (block_bytes + 1024);
+}
 
 // The carveout percent a launch asks for: kCarveoutUntouched (-2) leaves the driver's, kCarveoutMin takes
 // the smallest percent of the SM's 228 KB that holds `need` bytes, any other value is a percent (-1: the

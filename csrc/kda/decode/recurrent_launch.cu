@@ -12,7 +12,9 @@
 namespace kda {
 namespace {
 
-int num_sms_of_current_device() { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(132); }
+int num_sms_of_current_device() {
+  return cached_device_attribute<cudaDevAttrMultiProcessorCount>(132);
+}
 
 }  // namespace
 
@@ -50,9 +52,15 @@ cudaError_t launch_recurrent(const RecurrentParams& p, const ForwardRoute& r, cu
     } else {
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
       switch (r.ring_shape) {  // (block shapes that lost to shape 1 on the H200: kept for A/B work)
-        case 2: decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 2>(p, cfg, stream); break;
-        case 3: decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 3>(p, cfg, stream); break;
-        default: decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 0>(p, cfg, stream); break;
+        case 2:
+          decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 2>(p, cfg, stream);
+          break;
+        case 3:
+          decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 3>(p, cfg, stream);
+          break;
+        default:
+          decode::run_recurrent_ring_<128, __nv_bfloat16, 8, 0>(p, cfg, stream);
+          break;
       }
 #else
       return cudaErrorInvalidDeviceFunction;

@@ -71,10 +71,10 @@ constexpr int kRingVariants = 4;
 
 // What the producer writes into a stage besides the copied bytes.
 struct RingItemMeta {
-  ItemMeta m;         // sequence range, start slot, kind, tile, head (kind kNoItem: nothing to do)
-  int64_t wslot;      // decode (S == 0) with a pool: the slot the final state goes to
-  float beta;         // first token's beta as stored (a logit when beta_is_logit)
-  float A;            // exp(A_log[hv]) (0 for the precomputed gate)
+  ItemMeta m;     // sequence range, start slot, kind, tile, head (kind kNoItem: nothing to do)
+  int64_t wslot;  // decode (S == 0) with a pool: the slot the final state goes to
+  float beta;     // first token's beta as stored (a logit when beta_is_logit)
+  float A;        // exp(A_log[hv]) (0 for the precomputed gate)
 };
 
 // One stage, bytes; every piece starts 16-byte aligned (bulk-copy rule).
@@ -82,7 +82,7 @@ template <class Tile, int kStagesWanted = 0>
 struct RingStage {
   using StateT = typename Tile::StateT;
   static constexpr int kStateBytes = Tile::kRowsPerWarp * Tile::K * int(sizeof(StateT));  // the tile, row-major
-  static constexpr int kTokenBytes = Tile::K * 2;                                          // one bf16 row
+  static constexpr int kTokenBytes = Tile::K * 2;                                         // one bf16 row
   static constexpr int kVBytes = Tile::kRowsPerWarp * 2;  // v[row0 .. row0 + kRowsPerWarp), bf16
   static constexpr int kQ = kStateBytes;
   static constexpr int kKey = kQ + kTokenBytes;
@@ -167,27 +167,26 @@ __device__ __forceinline__ void ring_issue(const RecurrentParams& p, const RingI
   constexpr int K = Tile::K;
   const ItemMeta& m = r.m;
   const bool tokens = m.kind != kNoItem && m.len > 0;
-  const bool dtb = tokens && p.dt_bias != nullptr && p.gate_mode != GateMode::kPrecomputed &&
-                   !(flags & kFlagRingDtBiasGlobal);
+  const bool dtb =
+      tokens && p.dt_bias != nullptr && p.gate_mode != GateMode::kPrecomputed && !(flags & kFlagRingDtBiasGlobal);
   auto state_copy = [&] {
     if (tokens && m.kind == 1) {  // a pool start state (a zero-length or inactive sequence's is never needed)
       cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, Stage::kStateBytes);
-      const StateT* src = static_cast<const StateT*>(p.state) + m.slot * p.state_slot_stride +
-                          int64_t(m.hv) * K * K + int64_t(m.tile) * Tile::kRowsPerWarp * K;
+      const StateT* src = static_cast<const StateT*>(p.state) + m.slot * p.state_slot_stride + int64_t(m.hv) * K * K +
+                          int64_t(m.tile) * Tile::kRowsPerWarp * K;
       cute::SM90_BULK_COPY_G2S::copy(src, full, stage, Stage::kStateBytes);
     }
   };
   const bool state_first = (flags & kFlagRingStateFirst) != 0;
   if (state_first) state_copy();
   if (tokens) {
-    cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, 3 * Stage::kTokenBytes + Stage::kVBytes +
-                                                                           (dtb ? K * 4 : 0));
+    cutlass::arch::ClusterTransactionBarrier::expect_transaction(
+        full, 3 * Stage::kTokenBytes + Stage::kVBytes + (dtb ? K * 4 : 0));
     const int h = qk_head(p, m.hv);
     const int64_t b = m.batch, t = m.bos;
     cute::SM90_BULK_COPY_G2S::copy(p.q.row<__nv_bfloat16>(b, t, h), full, stage + Stage::kQ, Stage::kTokenBytes);
     cute::SM90_BULK_COPY_G2S::copy(p.k.row<__nv_bfloat16>(b, t, h), full, stage + Stage::kKey, Stage::kTokenBytes);
-    cute::SM90_BULK_COPY_G2S::copy(p.g.row<__nv_bfloat16>(b, t, m.hv), full, stage + Stage::kGate,
-                                   Stage::kTokenBytes);
+    cute::SM90_BULK_COPY_G2S::copy(p.g.row<__nv_bfloat16>(b, t, m.hv), full, stage + Stage::kGate, Stage::kTokenBytes);
     cute::SM90_BULK_COPY_G2S::copy(p.v.row<__nv_bfloat16>(b, t, m.hv) + m.tile * Tile::kRowsPerWarp, full,
                                    stage + Stage::kV, Stage::kVBytes);
     if (dtb) cute::SM90_BULK_COPY_G2S::copy(p.dt_bias + int64_t(m.hv) * K, full, stage + Stage::kDtBias, K * 4);
@@ -272,8 +271,8 @@ __global__ void __launch_bounds__(RingKernelLayout<Tile, Shape>::kThreads, ring_
       if (mine) {
         ring_issue<Tile, Stage>(p, cur, flags, ring + stage * Stage::kBytes, full_bar(w, stage));
         cur = nxt;
-        ring_scalars<Tile>(p, cur);                               // item j+1: used at the next issue
-        ring_resolve<Tile>(p, item + 2 * stride, total, nxt);     // item j+2
+        ring_scalars<Tile>(p, cur);                            // item j+1: used at the next issue
+        ring_resolve<Tile>(p, item + 2 * stride, total, nxt);  // item j+2
         if (++stage == kStages) stage = 0, phase ^= 1u;
       }
     }
@@ -335,10 +334,10 @@ __global__ void __launch_bounds__(RingKernelLayout<Tile, Shape>::kThreads, ring_
         for (int64_t t = 0; t < m.len; ++t) out[(m.bos + t) * p.out_token_stride] = 0;
       }
     } else if (!skip) {
-      const float* dtb = p.dt_bias == nullptr || p.gate_mode == GateMode::kPrecomputed
-                             ? nullptr
-                             : (dtb_global ? p.dt_bias + int64_t(hv) * K
-                                           : reinterpret_cast<const float*>(st + Stage::kDtBias));
+      const float* dtb =
+          p.dt_bias == nullptr || p.gate_mode == GateMode::kPrecomputed
+              ? nullptr
+              : (dtb_global ? p.dt_bias + int64_t(hv) * K : reinterpret_cast<const float*>(st + Stage::kDtBias));
       run_item_tokens<Tile>(p, flags, m, lane, cur, spec_slot, rm.A, dtb, s);
       // A zero-length sequence leaves its slot bit-identical; a verify pass writes no slot.
       if (S == 0 && rm.wslot >= 0 && m.len > 0 && !(flags & (kDiagNoStateStore | kFlagNoStateUpdate))) {
@@ -347,9 +346,9 @@ __global__ void __launch_bounds__(RingKernelLayout<Tile, Shape>::kThreads, ring_
         cute::tma_store_fence();  // this lane's generic-proxy writes -> visible to the bulk copy (async proxy)
         __syncwarp();
         if (lane == 0)
-          cute::SM90_BULK_COPY_S2G::copy(st, static_cast<StateT*>(p.state) + rm.wslot * p.state_slot_stride +
-                                                 head_off + int64_t(row0) * K,
-                                         Stage::kStateBytes);
+          cute::SM90_BULK_COPY_S2G::copy(
+              st, static_cast<StateT*>(p.state) + rm.wslot * p.state_slot_stride + head_off + int64_t(row0) * K,
+              Stage::kStateBytes);
         stored = true;
       }
       if (p.final_state != nullptr) store_tile<Tile>(p.final_state + n * inner + head_off, row0, rg, kl, s);
@@ -357,7 +356,7 @@ __global__ void __launch_bounds__(RingKernelLayout<Tile, Shape>::kThreads, ring_
     (void)stored;
     __syncwarp();  // every lane is done with this stage's inputs
     if (lane == 0) {
-      cute::tma_store_arrive();  // one bulk group per item (empty when nothing was stored)
+      cute::tma_store_arrive();   // one bulk group per item (empty when nothing was stored)
       cute::tma_store_wait<1>();  // item j-1's store has read its stage
       if (j > 0) cutlass::arch::ClusterBarrier::arrive(empty_bar(w, stage == 0 ? kStages - 1 : stage - 1));
     }

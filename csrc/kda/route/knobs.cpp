@@ -81,26 +81,46 @@ void read_experiments(LaunchKnobs& k, const std::string& spec) {
       if (!is_bool) return fail(k, "KDA_EXPERIMENT: " + key + " must be 0 or 1, got '" + val + "'");
       x.ring_flags = b ? (x.ring_flags | mask) : (x.ring_flags & ~mask);
     };
-    if (key == "sm90_variant") count(&x.sm90_variant, 1, 3);
-    else if (key == "sm90_schedule") count(&x.sm90_schedule, 0, 15);
-    else if (key == "sm90_profile") flag(&x.sm90_profile);
-    else if (key == "sm90_state_only") flag(&x.sm90_state_only);
-    else if (key == "sweep64_profile") flag(&x.sweep64_profile);
-    else if (key == "sweep64_profile_grid") count(&x.sweep64_profile_grid, 0, 1 << 20);
-    else if (key == "rows_per_lane") count(&x.rows_per_lane, 0, 8);
-    else if (key == "blocks_per_sm") count(&x.blocks_per_sm, 0, 64);
-    else if (key == "carveout") count(&x.carveout, -3, 100);
-    else if (key == "l1_prefetch") flag(&x.l1_prefetch);
-    else if (key == "warps_per_block") count(&x.warps_per_block, 1, 4);
-    else if (key == "pdl") flag(&x.pdl);
-    else if (key == "ring_shape") count(&x.ring_shape, 0, 3);
-    else if (key == "ring_state_first") bit(32);         // decode::kFlagRingStateFirst
-    else if (key == "ring_dt_bias_global") bit(16);      // decode::kFlagRingDtBiasGlobal
-    else if (key == "ring_producer_diverged") bit(64);   // decode::kFlagRingProducerDiverged
-    else if (key == "ring_fp32") flag(&x.ring_fp32);
-    else if (key == "recurrent_diag") count(&x.recurrent_diag, 0, 3);
-    else if (key == "chunked_diag") count(&x.chunked_diag, 0, 1 << 16);
-    else fail(k, "KDA_EXPERIMENT: unknown key '" + key + "' (docs/env.md lists them)");
+    if (key == "sm90_variant")
+      count(&x.sm90_variant, 1, 3);
+    else if (key == "sm90_schedule")
+      count(&x.sm90_schedule, 0, 15);
+    else if (key == "sm90_profile")
+      flag(&x.sm90_profile);
+    else if (key == "sm90_state_only")
+      flag(&x.sm90_state_only);
+    else if (key == "sweep64_profile")
+      flag(&x.sweep64_profile);
+    else if (key == "sweep64_profile_grid")
+      count(&x.sweep64_profile_grid, 0, 1 << 20);
+    else if (key == "rows_per_lane")
+      count(&x.rows_per_lane, 0, 8);
+    else if (key == "blocks_per_sm")
+      count(&x.blocks_per_sm, 0, 64);
+    else if (key == "carveout")
+      count(&x.carveout, -3, 100);
+    else if (key == "l1_prefetch")
+      flag(&x.l1_prefetch);
+    else if (key == "warps_per_block")
+      count(&x.warps_per_block, 1, 4);
+    else if (key == "pdl")
+      flag(&x.pdl);
+    else if (key == "ring_shape")
+      count(&x.ring_shape, 0, 3);
+    else if (key == "ring_state_first")
+      bit(32);  // decode::kFlagRingStateFirst
+    else if (key == "ring_dt_bias_global")
+      bit(16);  // decode::kFlagRingDtBiasGlobal
+    else if (key == "ring_producer_diverged")
+      bit(64);  // decode::kFlagRingProducerDiverged
+    else if (key == "ring_fp32")
+      flag(&x.ring_fp32);
+    else if (key == "recurrent_diag")
+      count(&x.recurrent_diag, 0, 3);
+    else if (key == "chunked_diag")
+      count(&x.chunked_diag, 0, 1 << 16);
+    else
+      fail(k, "KDA_EXPERIMENT: unknown key '" + key + "' (docs/env.md lists them)");
   }
   if (x.rows_per_lane != 0 && x.rows_per_lane != 1 && x.rows_per_lane != 2 && x.rows_per_lane != 4 &&
       x.rows_per_lane != 8)
@@ -130,8 +150,9 @@ LaunchKnobs read_environment() {
     read_experiments(k, lower(e));
 #else
     if (e[0] != '\0')
-      fail(k, "KDA_EXPERIMENT is set but this build has no experiments: rebuild with KDA_BUILD_EXPERIMENTS=1 "
-              "(docs/env.md), or unset it");
+      fail(k,
+           "KDA_EXPERIMENT is set but this build has no experiments: rebuild with KDA_BUILD_EXPERIMENTS=1 "
+           "(docs/env.md), or unset it");
 #endif
   }
   return k;
@@ -161,9 +182,17 @@ std::string reload_launch_knobs() {
   return k->error;
 }
 
-const char* pin_name(DecodePin p) { return kDecodeNames[static_cast<int>(p)]; }
-const char* pin_name(ChunkedPin p) { return kChunkedNames[static_cast<int>(p)]; }
-const char* pin_name(SweepPin p) { return kSweepNames[static_cast<int>(p)]; }
-const char* pin_name(SplitPin p) { return kSplitNames[static_cast<int>(p)]; }
+const char* pin_name(DecodePin p) {
+  return kDecodeNames[static_cast<int>(p)];
+}
+const char* pin_name(ChunkedPin p) {
+  return kChunkedNames[static_cast<int>(p)];
+}
+const char* pin_name(SweepPin p) {
+  return kSweepNames[static_cast<int>(p)];
+}
+const char* pin_name(SplitPin p) {
+  return kSplitNames[static_cast<int>(p)];
+}
 
 }  // namespace kda

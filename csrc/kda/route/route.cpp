@@ -60,7 +60,9 @@ SplitFacts split_facts(bool on_cuda, int device_index) {
   return f;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 }  // namespace
 

@@ -21,7 +21,7 @@ namespace kda {
 // The device facts a route depends on (of the current device, cached per device).
 struct DeviceFacts {
   int sms = 132;
-  int cc = 0;  // compute capability, major * 10 + minor (90: H100 / H200)
+  int cc = 0;                   // compute capability, major * 10 + minor (90: H100 / H200)
   int smem_optin = 227 * 1024;  // the largest dynamic shared memory a block may opt into, bytes
 };
 DeviceFacts current_device_facts();  // (route_cuda.cu)

@@ -23,20 +23,28 @@ DeviceFacts current_device_facts() {
 
 const char* kernel_name(ForwardKernel k) {
   switch (k) {
-    case ForwardKernel::kSerial: return "serial";
-    case ForwardKernel::kRing: return "ring";
-    case ForwardKernel::kChunkedMma: return "chunked_mma";
-    case ForwardKernel::kChunkedSm90: return "chunked_sm90";
+    case ForwardKernel::kSerial:
+      return "serial";
+    case ForwardKernel::kRing:
+      return "ring";
+    case ForwardKernel::kChunkedMma:
+      return "chunked_mma";
+    case ForwardKernel::kChunkedSm90:
+      return "chunked_sm90";
   }
   return "?";
 }
 
 const char* sweep_name(SweepKernel s) {
   switch (s) {
-    case SweepKernel::kSweep64: return "wgmma64";
-    case SweepKernel::kSub16: return "sub16";
-    case SweepKernel::kSmall: return "small";
-    case SweepKernel::kHost: return "host";
+    case SweepKernel::kSweep64:
+      return "wgmma64";
+    case SweepKernel::kSub16:
+      return "sub16";
+    case SweepKernel::kSmall:
+      return "small";
+    case SweepKernel::kHost:
+      return "host";
   }
   return "?";
 }
@@ -75,8 +83,8 @@ ForwardRoute route_token_serial(const RecurrentParams& p, const DeviceFacts& f, 
   const bool latency_bound = heuristic == 4;  // (whatever tile an experiment forces)
   const DType tile =
       p.state != nullptr ? p.state_dtype : (p.state_source != nullptr ? p.state_source_dtype : DType::kFloat32);
-  const bool ring = k.decode != DecodePin::kSerial && (k.decode == DecodePin::kRing || !latency_bound) &&
-                    ring_supported(p, f);
+  const bool ring =
+      k.decode != DecodePin::kSerial && (k.decode == DecodePin::kRing || !latency_bound) && ring_supported(p, f);
   r.rows_per_lane = nr;
   if (ring && tile == DType::kBFloat16 && (nr == 4 || nr == 8)) {
     r.kernel = ForwardKernel::kRing;
@@ -199,12 +207,16 @@ SweepKernel route_training_sweep(int gate_mode) {
   const bool fits_small =
       std::max(training_backward_chunked_smem_bytes(true), chunked_small_pipeline_smem_bytes()) <= f.smem_optin;
   switch (k.sweep) {
-    case SweepPin::kHost: s = SweepKernel::kHost; break;
+    case SweepPin::kHost:
+      s = SweepKernel::kHost;
+      break;
     case SweepPin::kSweep64:
       s = training_backward_sweep64_supported() ? SweepKernel::kSweep64
                                                 : (fits16 ? SweepKernel::kSub16 : SweepKernel::kSmall);
       break;
-    case SweepPin::kSmall: s = fits_small ? SweepKernel::kSmall : SweepKernel::kHost; break;
+    case SweepPin::kSmall:
+      s = fits_small ? SweepKernel::kSmall : SweepKernel::kHost;
+      break;
     case SweepPin::kSub16:
     case SweepPin::kAuto:
       if (k.sweep == SweepPin::kAuto && gate_mode != 0 && training_backward_sweep64_supported())

@@ -80,18 +80,22 @@ using MmaSS = SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Majo
 using LayoutSq = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_64, _64>{}));
 using LayoutSqT = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16_t>{}, Shape<_64, _64>{}));
 static_assert(cosize_v<LayoutSq> == kT * kT && cosize_v<LayoutSqT> == kT * kT, "square tile size");
-using MmaRSt = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>;  // dY = dR INV
+using MmaRSt = SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>;   // dY = dR INV
 using MmaSSt = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>;  // dOᵀ Mqk; columns
-using MmaSSr = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::K>;  // the pair terms' rows
+using MmaSSr = SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::K>;   // the pair terms' rows
 
 // 64 x 64 lower-block-triangular matrices: the 16 x 16 blocks (I, J), I >= J, packed row by row.
-__host__ __device__ constexpr int tri_block(int I, int J) { return I * (I + 1) / 2 + J; }
+__host__ __device__ constexpr int tri_block(int I, int J) {
+  return I * (I + 1) / 2 + J;
+}
 constexpr int kTriFloats = tri_block(kNB, 0) * kB * kB;
 __device__ __forceinline__ int tri(int i, int j) {
   return (tri_block(i >> 4, j >> 4) << 8) + ((i & 15) << 4) + (j & 15);
 }
 // m(i, j), 0 in the blocks above the diagonal (never stored)
-__device__ __forceinline__ float tri_at(const float* m, int i, int j) { return (j >> 4) > (i >> 4) ? 0.f : m[tri(i, j)]; }
+__device__ __forceinline__ float tri_at(const float* m, int i, int j) {
+  return (j >> 4) > (i >> 4) ? 0.f : m[tri(i, j)];
+}
 
 // Where a task's data lives: its sequence n (-1: an unused slot), its chunk c within the sequence, the sequence's
 // token range and the state rows S_0 and dS_C (null: zeros). (An L2 prefetch of the next task's states and token
@@ -107,12 +111,12 @@ struct alignas(1024) Smem {
   // (in order of use within a task; the pair terms' operands after dKr)
   bf16_t kp_hi[kT * kD];  // K⁺, Kr (hi parts); R's lo part; Kσ hi; Kgβ lo; with kp_lo, the fp32 dq̂ scratch [64][128]
   bf16_t kp_lo[kT * kD];  // K⁺, Kr (lo parts); dY's lo part; Kσ lo
-  bf16_t r[kT * kD];      // raw gate rows; Mqk (hi, lo: LayoutSq); R [t][v] (hi); dMqk (hi, lo); with dy, the dk̂ scratch
-  bf16_t dy[kT * kD];     // INV (hi, lo: LayoutSq); dY [t][v] (hi part); dA (hi, lo)
-  bf16_t dO[kT * kD];     // dO [t][v]; Kgβ hi
-  __nv_bfloat16 q[kT * kLDH], k[kT * kLDH];  // raw q, k (0 past the chunk's end)
-  float eg[kT * kLDF];  // e^{γ}; dΓ at the end
-  float es[kT * kLDF];  // e^{σ}; the Qg tiles (hi, lo) in the pair terms
+  bf16_t r[kT * kD];   // raw gate rows; Mqk (hi, lo: LayoutSq); R [t][v] (hi); dMqk (hi, lo); with dy, the dk̂ scratch
+  bf16_t dy[kT * kD];  // INV (hi, lo: LayoutSq); dY [t][v] (hi part); dA (hi, lo)
+  bf16_t dO[kT * kD];  // dO [t][v]; Kgβ hi
+  __nv_bfloat16 q[kT * kLDH], k[kT * kLDH];             // raw q, k (0 past the chunk's end)
+  float eg[kT * kLDF];                                  // e^{γ}; dΓ at the end
+  float es[kT * kLDF];                                  // e^{σ}; the Qg tiles (hi, lo) in the pair terms
   float L[kTriFloats], M[kTriFloats], INV[kTriFloats];  // M: Mqk, then dMqk; INV: INV, then dA
   union {
     float tmp[3 * kB * kB];  // D_IJ of the six off-diagonal block pairs [6][128] (L, Mqk); the inverse's blocks
@@ -121,11 +125,11 @@ struct alignas(1024) Smem {
       float part[2][kD];
     } fin;  // (after the inverse)
   };
-  float beta[kT], rq[kT], rq0[kT], rk[kT];                // β; ρ_q · scale, ρ_q, ρ_k
-  float etb[kNB][kD];                                     // e^{T_b}
-  float ep[kNB][kD], eq[kNB][kD];                         // e^{P_I}, e^{Q_J}
-  float iem[kNB][kD];                                     // e^{-γ_mid} of each block (narrow blocks)
-  float dbp[8][kT];                                       // dY · (V - X) partial sums per warp
+  float beta[kT], rq[kT], rq0[kT], rk[kT];  // β; ρ_q · scale, ρ_q, ρ_k
+  float etb[kNB][kD];                       // e^{T_b}
+  float ep[kNB][kD], eq[kNB][kD];           // e^{P_I}, e^{Q_J}
+  float iem[kNB][kD];                       // e^{-γ_mid} of each block (narrow blocks)
+  float dbp[8][kT];                         // dY · (V - X) partial sums per warp
   TaskRef ref[2];  // the task's own (ref[cur]) and the CTA's next task's (ref[cur ^ 1]), written by thread 0
   int issued;      // the task's token loads were issued during the da walk of the task before
 };
@@ -135,17 +139,29 @@ static_assert(offsetof(Smem, es) % 1024 == 0 && sizeof(Smem::es) >= 2 * sizeof(S
 static_assert(sizeof(Smem) + 1024 <= 227 * 1024, "shared memory per block");
 static_assert(sizeof(Smem::tmp) >= 6 * kD * sizeof(float), "D_IJ of six block pairs in tmp");
 
-__device__ __forceinline__ float kh(const Smem& sm, int t, int c) { return __bfloat162float(sm.k[t * kLDH + c]) * sm.rk[t]; }
-__device__ __forceinline__ float qh(const Smem& sm, int t, int c) { return __bfloat162float(sm.q[t * kLDH + c]) * sm.rq[t]; }
-__device__ __forceinline__ float egv(const Smem& sm, int t, int c) { return sm.eg[t * kLDF + c]; }
-__device__ __forceinline__ float esv(const Smem& sm, int t, int c) { return sm.es[t * kLDF + c]; }
+__device__ __forceinline__ float kh(const Smem& sm, int t, int c) {
+  return __bfloat162float(sm.k[t * kLDH + c]) * sm.rk[t];
+}
+__device__ __forceinline__ float qh(const Smem& sm, int t, int c) {
+  return __bfloat162float(sm.q[t * kLDH + c]) * sm.rq[t];
+}
+__device__ __forceinline__ float egv(const Smem& sm, int t, int c) {
+  return sm.eg[t * kLDF + c];
+}
+__device__ __forceinline__ float esv(const Smem& sm, int t, int c) {
+  return sm.es[t * kLDF + c];
+}
 // Four consecutive columns c0..c0+3 (c0 a multiple of 4) of the rows above, by 16-byte (fp32) or 8-byte (bf16) loads:
 // a warp reading consecutive pieces of a row is then conflict-free. Products elementwise, left to right.
 struct F4 {
   float v[4];
 };
-__device__ __forceinline__ F4 f4(float4 a) { return {{a.x, a.y, a.z, a.w}}; }
-__device__ __forceinline__ F4 ld4(const float* p) { return f4(*reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ F4 f4(float4 a) {
+  return {{a.x, a.y, a.z, a.w}};
+}
+__device__ __forceinline__ F4 ld4(const float* p) {
+  return f4(*reinterpret_cast<const float4*>(p));
+}
 __device__ __forceinline__ F4 operator*(F4 a, const F4& b) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) a.v[e] *= b.v[e];
@@ -170,8 +186,12 @@ __device__ __forceinline__ F4 qh4(const Smem& sm, int t, int c0) {
   const float r = sm.rq[t];
   return bf16x4(sm.q + t * kLDH + c0) * F4{{r, r, r, r}};
 }
-__device__ __forceinline__ F4 eg4(const Smem& sm, int t, int c0) { return ld4(sm.eg + t * kLDF + c0); }
-__device__ __forceinline__ F4 es4(const Smem& sm, int t, int c0) { return ld4(sm.es + t * kLDF + c0); }
+__device__ __forceinline__ F4 eg4(const Smem& sm, int t, int c0) {
+  return ld4(sm.eg + t * kLDF + c0);
+}
+__device__ __forceinline__ F4 es4(const Smem& sm, int t, int c0) {
+  return ld4(sm.es + t * kLDF + c0);
+}
 // m(i, j0..j0+3) of a packed lower-block-triangular matrix (j0 a multiple of 4: one block), 0 above the diagonal blocks
 __device__ __forceinline__ F4 tri4(const float* m, int i, int j0) {
   return (j0 >> 4) > (i >> 4) ? F4{{0.f, 0.f, 0.f, 0.f}} : ld4(m + tri(i, j0));
@@ -186,19 +206,36 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
-// The profile (KDA_EXPERIMENT=sweep64_profile=1, launch_training_backward_sweep64): clock cycles per phase, summed over CTA 0's
-// tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the tasks.
+// The profile (KDA_EXPERIMENT=sweep64_profile=1, launch_training_backward_sweep64): clock cycles per phase, summed over
+// CTA 0's tasks, measured by its thread 0 (so a phase includes its waits at the barriers); slot kProfSegs counts the
+// tasks.
 enum ProfSeg : int {
-  kPfSetup, kPfLoadWait, kPfGate, kPfNorms, kPfPairMatrices, kPfXStart, kPfInverseDiag, kPfInverse, kPfXWaitKr,
-  kPfDR, kPfRdY, kPfDaDmDqDk, kPfDKr, kPfPairTerms, kPfDGamma, kPfDBetaL2, kPfDa, kProfSegs
+  kPfSetup,
+  kPfLoadWait,
+  kPfGate,
+  kPfNorms,
+  kPfPairMatrices,
+  kPfXStart,
+  kPfInverseDiag,
+  kPfInverse,
+  kPfXWaitKr,
+  kPfDR,
+  kPfRdY,
+  kPfDaDmDqDk,
+  kPfDKr,
+  kPfPairTerms,
+  kPfDGamma,
+  kPfDBetaL2,
+  kPfDa,
+  kProfSegs
 };
 constexpr const char* kProfNames[kProfSegs] = {
-    "setup", "load+wait", "gate", "norms", "L/Mqk+K+", "X start", "inverse diag", "inverse rest", "X wait+Kr",
-    "dR", "R/dY/dbeta", "dA/dM/dQ/dK", "dKr", "pair terms", "dgam", "dbeta+l2", "da+partials"};
+    "setup", "load+wait",  "gate",        "norms", "L/Mqk+K+",   "X start", "inverse diag", "inverse rest", "X wait+Kr",
+    "dR",    "R/dY/dbeta", "dA/dM/dQ/dK", "dKr",   "pair terms", "dgam",    "dbeta+l2",     "da+partials"};
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
-// kOn: the kernel's profiling instantiation (KDA_EXPERIMENT=sweep64_profile=1); the other compiles the clocks out, so that their
-// registers (a flag and a 64-bit time held across every phase) do not add to the production kernel's spills (ptxas -v
-// of both: benchmarks/profile/sweep64_code_size.py)
+// kOn: the kernel's profiling instantiation (KDA_EXPERIMENT=sweep64_profile=1); the other compiles the clocks out, so
+// that their registers (a flag and a 64-bit time held across every phase) do not add to the production kernel's spills
+// (ptxas -v of both: benchmarks/profile/sweep64_code_size.py)
 template <bool kOn>
 struct Prof {
   bool on = false;
@@ -246,9 +283,9 @@ __device__ __forceinline__ void open_batch(TA& a_hi, TA& a_lo, TC& acc) {
 struct Task {
   SeqRange s;
   int hv, hq;
-  float A;      // exp(A_log[hv]) (0 for the precomputed gate)
-  int64_t t0;   // the chunk's first token (index along T)
-  int len;      // tokens of the chunk (1..64)
+  float A;          // exp(A_log[hv]) (0 for the precomputed gate)
+  int64_t t0;       // the chunk's first token (index along T)
+  int len;          // tokens of the chunk (1..64)
   const float* S0;  // the state entering the chunk, [sd][sd] (null: zeros)
   const float* dS;  // dS_C, [128][128] (null: zeros)
 };
@@ -256,7 +293,9 @@ struct Task {
 // The log-decay a of an unbounded gate from its input x (g + dt_bias), in nats. Not inlined: the call sites are in
 // unrolled loops, and its code (softplus) at each of them made the kernel several times larger than the
 // instruction cache. Scalars only (a reference to the kernel parameters would put them in local memory).
-__device__ __noinline__ float unbounded_gate(bool softplus, float x, float A) { return unbounded_log_decay(softplus, x, A); }
+__device__ __noinline__ float unbounded_gate(bool softplus, float x, float A) {
+  return unbounded_log_decay(softplus, x, A);
+}
 // The log-decay of input x (g + dt_bias) in nats: the lower-bound gate inline (two instructions' worth), the others
 // through the call above.
 __device__ __forceinline__ float gate_value(GateMode mode, float lower_bound, float A, float x) {
@@ -460,7 +499,8 @@ __device__ void load_chunk(Smem& sm, const TrainingBackwardParams& p, const Task
     float sk = 0.f, sq = 0.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float kx = __bfloat162float(sm.k[t * kLDH + 4 * lane + e]), qx = __bfloat162float(sm.q[t * kLDH + 4 * lane + e]);
+      const float kx = __bfloat162float(sm.k[t * kLDH + 4 * lane + e]),
+                  qx = __bfloat162float(sm.q[t * kLDH + 4 * lane + e]);
       sk = fmaf(kx, kx, sk);
       sq = fmaf(qx, qx, sq);
     }
@@ -673,8 +713,8 @@ __device__ __forceinline__ void write_sq(bf16_t* hi, bf16_t* lo, F f) {
 // wide_diag_element, one element at a time (so that the caller holds five more values, not forty, beside its
 // accumulators): rm, rl, the row terms of dq and dk (W_M = dMqk, W_L = β_i dA); cm, cl, the column terms of dk;
 // esig, e^{σ_t} (the block's column factor, from the same log-decays).
-__device__ __forceinline__ void wide_log_decays(const Smem& sm, const TrainingBackwardParams& p, const Task& tk,
-                                                int c0, int I, float (&av)[2][kB]) {
+__device__ __forceinline__ void wide_log_decays(const Smem& sm, const TrainingBackwardParams& p, const Task& tk, int c0,
+                                                int I, float (&av)[2][kB]) {
   const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -684,9 +724,8 @@ __device__ __forceinline__ void wide_log_decays(const Smem& sm, const TrainingBa
     for (int u = 0; u < kB; ++u) av[h][u] = log_decay_at(p, tk, kB * I + u, c, dtb);
   }
 }
-__device__ __noinline__ void wide_diag_element(const Smem& sm, int c0, int I, int n, int e,
-                                               const float (&av)[2][kB], float& rm, float& rl, float& cm, float& cl,
-                                               float& esig) {
+__device__ __noinline__ void wide_diag_element(const Smem& sm, int c0, int I, int n, int e, const float (&av)[2][kB],
+                                               float& rm, float& rl, float& cm, float& cl, float& esig) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, i0 = kB * I;
   const auto wl = [&](int i, int j) { return sm.beta[i] * tri_at(sm.INV, i, j); };
   const auto wm = [&](int i, int j) { return tri_at(sm.M, i, j); };
@@ -722,7 +761,8 @@ __device__ __forceinline__ T* fresh(T* ptr) {
   return ptr;
 }
 
-// kProfile: the instantiation that keeps the phase clocks (KDA_EXPERIMENT=sweep64_profile=1 in an experiments build; Prof)
+// kProfile: the instantiation that keeps the phase clocks (KDA_EXPERIMENT=sweep64_profile=1 in an experiments build;
+// Prof)
 template <bool kProfile>
 __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_kernel(const TrainingBackwardParams p) {
 #if defined(KDA_SWEEP64_DEVICE)
@@ -739,7 +779,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   auto thr_ss = mma_ss.get_slice(wtid);
   // the wgmma operands in shared memory, as functions: each use forms its descriptors
   const auto tile = [](bf16_t* ptr) { return make_tensor(make_smem_ptr(fresh(ptr)), LayoutTile{}); };  // [64][128]
-  const auto bKh = [&] { return thr.partition_fragment_B(tile(sm.kp_hi)); };  // (MMA, 1, 8)
+  const auto bKh = [&] { return thr.partition_fragment_B(tile(sm.kp_hi)); };                           // (MMA, 1, 8)
   const auto bKl = [&] { return thr.partition_fragment_B(tile(sm.kp_lo)); };
   const auto bR = [&] { return thr.partition_fragment_B(tile(sm.r)); };
   const auto bY = [&] { return thr.partition_fragment_B(tile(sm.dy)); };
@@ -781,9 +821,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
   const auto bLtl = [&] { return thr_sst.partition_fragment_B(sq_t(sm.dy + kT * kT)); };
   // SS operands of dA / dMqk: R (hi: r, lo: kp_hi) as A; dY (hi: dy, lo: kp_lo) and dO as B, the warpgroup's half
   // of the tokens t in [32 wg, +32) (the same instructions in both warpgroups: no divergent wgmma)
-  const auto half = [&](bf16_t* ptr) {
-    return local_tile(tile(ptr), Shape<_32, _128>{}, make_coord(wg, _0{}));
-  };
+  const auto half = [&](bf16_t* ptr) { return local_tile(tile(ptr), Shape<_32, _128>{}, make_coord(wg, _0{})); };
   const auto aRs = [&] { return thr_ss.partition_fragment_A(tile(sm.r)); };
   const auto aRls = [&] { return thr_ss.partition_fragment_A(tile(sm.kp_hi)); };
   const auto bYs = [&] { return thr_ss.partition_fragment_B(half(sm.dy)); };
@@ -951,11 +989,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) colsum[j][e] = fmaf(dyv[j][e], vx[j][e], dyv[j][e + 2] * vx[j][e + 2]);
-      // the sum over the warp's 8 row groups (lane / 4) by a halving exchange: at lane bit 4 k (k = 4, 2, 1) a lane keeps
-      // the half of its column groups j whose bit matches its own and adds its partner's copy of that half (14
+      // the sum over the warp's 8 row groups (lane / 4) by a halving exchange: at lane bit 4 k (k = 4, 2, 1) a lane
+      // keeps the half of its column groups j whose bit matches its own and adds its partner's copy of that half (14
       // shuffles, not 48); lane l ends with column group j = l / 4 (columns 8 j + 2 (l % 4) + e)
 #pragma unroll
-      for (int k = 4; k >= 1; k >>= 1) {  // (k: the half's size in column groups)
+      for (int k = 4; k >= 1; k >>= 1) {        // (k: the half's size in column groups)
         const bool up = (lane & (4 * k)) != 0;  // (the partner is lane ^ 4 k)
 #pragma unroll
         for (int j = 0; j < k; ++j)
@@ -981,7 +1019,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       const int k = lane >> 3;
       const int o0 = swz_offset(LayoutTile{}, 8 * (k >> 1) + (lane & 7), 64 * wg + 16 * wq + 8 * (k & 1));
       // x (R or dY) as its hi and lo tiles
-      const auto store = [&](const float (&x)[8][4], bf16_t* hi_tile, bf16_t* lo_tile) {
+      const auto store = [&](const float(&x)[8][4], bf16_t* hi_tile, bf16_t* lo_tile) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           uint32_t h[4], l[4];
@@ -1031,7 +1069,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 #pragma unroll 1
       for (int i = tid; i < kT * (kD / 8); i += kThreads) {
         const int t = i >> 4, v0 = 8 * (i & 15);
-        if (t >= tk.len) break;  // (t grows with i)
+        if (t >= tk.len) break;                         // (t grows with i)
         const int o = swz_offset(LayoutTile{}, t, v0);  // (8 elements of one 16-byte chunk: contiguous)
         const uint4 hv = *reinterpret_cast<const uint4*>(sm.dy + o), lv = *reinterpret_cast<const uint4*>(sm.kp_lo + o);
         const uint32_t h[4] = {hv.x, hv.y, hv.z, hv.w}, l[4] = {lv.x, lv.y, lv.z, lv.w};
@@ -1051,10 +1089,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     warpgroup_wait<1>();  // dA, dMqk (the first batch) are done
     warpgroup_fence_operand(accA);
     warpgroup_fence_operand(accM);
-    // (t', t) -> dA(t, t') = -accA (t > t'), dMqk(t, t') = accM (t >= t'): element i of this thread is t' = 16 wq + g + 8 h
-    // (g = lane / 4, h = (i >> 1) & 1) and t = 32 wg + 8 j + 2 q + e (j = i >> 2, q = lane % 4, e = i & 1;
-    // tests/layout/sweep64_layout_check.cu), so t's 16-token block is 2 wg + (j >> 1) and t' lies in block wq: a block pair
-    // is stored when wq <= that block (the same for the whole warp), at offsets from one base per block pair
+    // (t', t) -> dA(t, t') = -accA (t > t'), dMqk(t, t') = accM (t >= t'): element i of this thread is t' = 16 wq + g +
+    // 8 h (g = lane / 4, h = (i >> 1) & 1) and t = 32 wg + 8 j + 2 q + e (j = i >> 2, q = lane % 4, e = i & 1;
+    // tests/layout/sweep64_layout_check.cu), so t's 16-token block is 2 wg + (j >> 1) and t' lies in block wq: a block
+    // pair is stored when wq <= that block (the same for the whole warp), at offsets from one base per block pair
     {
       const int g = lane >> 2, q = lane & 3;
 #pragma unroll
@@ -1116,7 +1154,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 
     // ---- the pair terms on wgmma, in the transposed accumulators (row c = channel, column t = token), folded into
     // the state products by a Horner walk over the 16-token blocks (every step's factor <= 1; docs/design.md):
-    //   rows (dq, dk_row):  acc = dQ⁺ᵀ (-S_0ᵀ dYᵀ: dK⁺ᵀ / β); for J = 0..3: columns of blocks > J *= e^{T_J}, block J *= ρ_J,
+    //   rows (dq, dk_row):  acc = dQ⁺ᵀ (-S_0ᵀ dYᵀ: dK⁺ᵀ / β); for J = 0..3: columns of blocks > J *= e^{T_J}, block J
+    //   *= ρ_J,
     //                       acc += Kσ_J W_Jᵀ (Kσ = k̂ e^{σ}, W = dMqk, dA; K = the block's 16 tokens j);
     //                       then column t *= e^{-σ_t} (ρ = e^{T}: narrow blocks) or e^{γ_t} (ρ = 1: wide blocks);
     //                       dk_row also *= β_t;
@@ -1174,14 +1213,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     };
 #pragma unroll 1
     for (int J = 0; J < kNB; ++J)
-      horner_step(J, false, [&] {
-        split3(mma_ssr, aSh()(_, _, J), aSl()(_, _, J), bWmh()(_, _, J), bWml()(_, _, J), accQ);
-        split3(mma_ssr, aSh()(_, _, J), aSl()(_, _, J), bWlh()(_, _, J), bWll()(_, _, J), accK);
-      }, accQ, accK);
+      horner_step(
+          J, false,
+          [&] {
+            split3(mma_ssr, aSh()(_, _, J), aSl()(_, _, J), bWmh()(_, _, J), bWml()(_, _, J), accQ);
+            split3(mma_ssr, aSh()(_, _, J), aSl()(_, _, J), bWlh()(_, _, J), bWll()(_, _, J), accK);
+          },
+          accQ, accK);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accQ);
     warpgroup_fence_operand(accK);
-    __syncthreads();  // both warpgroups are done with Kσ
+    __syncthreads();                                   // both warpgroups are done with Kσ
     write_tile(sm.kp_hi, nullptr, [&](int t, int c) {  // Kgβ lo
       F4 x = sm.beta[t] * kh4(sm, t, c) * eg4(sm, t, c);
 #pragma unroll
@@ -1192,10 +1234,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
     __syncthreads();
 #pragma unroll 1
     for (int I = kNB - 1; I >= 0; --I)
-      horner_step(I, true, [&] {
-        split3(mma_sst, aQgh()(_, _, I), aQgl()(_, _, I), bMh()(_, _, I), bMl()(_, _, I), accR);
-        split3(mma_sst, aKgh()(_, _, I), aKgl()(_, _, I), bLth()(_, _, I), bLtl()(_, _, I), accR);
-      }, accR);
+      horner_step(
+          I, true,
+          [&] {
+            split3(mma_sst, aQgh()(_, _, I), aQgl()(_, _, I), bMh()(_, _, I), bMl()(_, _, I), accR);
+            split3(mma_sst, aKgh()(_, _, I), aKgl()(_, _, I), bLth()(_, _, I), bLtl()(_, _, I), accR);
+          },
+          accR);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accR);
     float dq[8][4], dkr[8][4], dkc[8][4];
@@ -1224,10 +1269,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
         for (int e = 0; e < 4; ++e) {
           float rm, rl, cm, cl, esig;
           wide_diag_element(sm, 64 * wg + 16 * wq, I, n, e, av, rm, rl, cm, cl, esig);  // (wide path)
-          const int j = 2 * I + n;  // (the element's column group)
-          dq[j][e] += rm;                          // (wide path)
-          dkr[j][e] += rl;                         // (wide path)
-          dkc[j][e] = dkc[j][e] * esig + cm + cl;  // (wide path)
+          const int j = 2 * I + n;                                                      // (the element's column group)
+          dq[j][e] += rm;                                                               // (wide path)
+          dkr[j][e] += rl;                                                              // (wide path)
+          dkc[j][e] = dkc[j][e] * esig + cm + cl;                                       // (wide path)
         }
     }
     {  // ext[c] = Σ_t Kr dKr + g_C colsum(dS_C ⊙ S_0): the four lanes of a row (q) hold its parts
@@ -1406,8 +1451,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
       if (h == 1) sm.fin.part[0][cc] = ddt_acc, sm.fin.part[1][cc] = dA_acc;
       {  // dg ([B, T, HV, 128] compact): thread's 16-byte piece tid % 16 of tokens tid / 16 + 16 u
         const int piece = tid & 15;
-        __nv_bfloat16* const dg0 = static_cast<__nv_bfloat16*>(p.dg) +
-                                   ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD + 8 * piece;
+        __nv_bfloat16* const dg0 =
+            static_cast<__nv_bfloat16*>(p.dg) + ((tk.s.batch * p.T + tk.t0) * p.HV + tk.hv) * kD + 8 * piece;
         const int64_t rows = int64_t(p.HV) * kD;
 #pragma unroll
         for (int u = 0; u < kT * kD / 8 / kThreads; ++u) {
@@ -1433,11 +1478,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_training_backward_sweep64_ker
 }  // namespace
 }  // namespace sweep64
 
-int64_t training_backward_sweep64_smem_bytes() { return static_cast<int64_t>(sizeof(sweep64::Smem)) + 1024; }
+int64_t training_backward_sweep64_smem_bytes() {
+  return static_cast<int64_t>(sizeof(sweep64::Smem)) + 1024;
+}
 
 bool training_backward_sweep64_supported() {
   return current_device_is_sm90() && training_backward_sweep64_smem_bytes() <=
-         cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
+                                         cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024);
 }
 
 cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cudaStream_t stream) {
@@ -1468,7 +1515,8 @@ cudaError_t launch_training_backward_sweep64(const TrainingBackwardParams& p, cu
     const double tasks = prof[sweep64::kProfSegs] > 0 ? double(prof[sweep64::kProfSegs]) : 1.0;
     std::fprintf(stderr, "kda sweep64 profile: CTA 0 of %d, %llu tasks, cycles per task:", q.grid,
                  prof[sweep64::kProfSegs]);
-    for (int i = 0; i < sweep64::kProfSegs; ++i) std::fprintf(stderr, " %s %.0f", sweep64::kProfNames[i], prof[i] / tasks);
+    for (int i = 0; i < sweep64::kProfSegs; ++i)
+      std::fprintf(stderr, " %s %.0f", sweep64::kProfNames[i], prof[i] / tasks);
     std::fprintf(stderr, "\n");
     return cudaSuccess;
   }

@@ -1,7 +1,8 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
-// chunk, K = V = 128, with the Hopper machinery. Three designs (template kVariant, Cfg below; KDA_EXPERIMENT=sm90_variant
-// per call, default 3, the fastest measured: docs/performance.md; the backward chain runs 2):
+// chunk, K = V = 128, with the Hopper machinery. Three designs (template kVariant, Cfg below;
+// KDA_EXPERIMENT=sm90_variant per call, default 3, the fastest measured: docs/performance.md; the backward chain runs
+// 2):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
 //     WGs. Packed input uses per-sequence coordinates into the packed tensor (domain_offset); rows past a
@@ -84,8 +85,8 @@ using namespace ::kda::chunk_math;  // gate prefix, norms, β, the 16x16 inverse
 using bf16_t = cutlass::bfloat16_t;
 using f16_t = cutlass::half_t;
 
-constexpr int kC = 16;    // tokens per chunk
-constexpr int kD = 128;   // K = V
+constexpr int kC = 16;   // tokens per chunk
+constexpr int kD = 128;  // K = V
 // The designs (template kVariant, KDA_EXPERIMENT=sm90_variant, default 3; the backward chain: 1 or 2, default 2):
 //   1: a producer warpgroup (one thread issues every TMA load) and one prep warpgroup for all chunks;
 //   2: two prep warpgroups, each for every other chunk (prep of a chunk depends on nothing before it), each
@@ -124,7 +125,7 @@ struct Cfg<3> {
 #ifndef KDA_SM90_OP_STAGES
 #define KDA_SM90_OP_STAGES 5
 #endif
-constexpr int kOpStages = KDA_SM90_OP_STAGES;               // operand ring (prep -> chain)
+constexpr int kOpStages = KDA_SM90_OP_STAGES;                    // operand ring (prep -> chain)
 constexpr int kVStages = kOpStages + 4 > 8 ? kOpStages + 4 : 8;  // raw v ring (TMA -> chain)
 // Variants 2 and 3: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads
 // of chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
@@ -146,8 +147,8 @@ constexpr bool regs_fit() {
   return setmaxnreg_sum<V>() <= (Cfg<V>::kThreads / 128) * ((65536 / Cfg<V>::kThreads) / 8 * 8);
 }
 static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>(), "setmaxnreg counts exceed the CTA's register pool");
-constexpr int kBarPrep = 1;  // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
-constexpr int kBarOut = 4;   // named barrier of chain warpgroup w (output staging): kBarOut + w
+constexpr int kBarPrep = 1;   // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
+constexpr int kBarOut = 4;    // named barrier of chain warpgroup w (output staging): kBarOut + w
 constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
 // per-warp output staging (kWarpOutput): [16 tokens][16 value rows], rows of 24 elements (48 bytes: 16-byte
 // aligned; the accumulator's writes, tokens 2 apart per lane quad, fall on banks 0, 24, 16, 8: no conflicts)
@@ -181,7 +182,7 @@ using PipeOp = cutlass::PipelineAsync<kOpStages>;
 // prep-only scratch of one prep warpgroup (one chunk at a time; that warpgroup's named barrier orders it)
 struct PrepScratch {
   alignas(16) __nv_bfloat16 km[kC * kD], qm[kC * kD], kn[kC * kD];  // XOR-swizzled for ldmatrix
-  alignas(16) float gp[kC * kD];  // Γ' = Γ - Γ_0 (log2 units)
+  alignas(16) float gp[kC * kD];                                    // Γ' = Γ - Γ_0 (log2 units)
   alignas(16) float e0[kD], ecp[kD], a0[kD], gc[kD];
   alignas(16) float rq[kC], rk[kC], beta[kC];
   alignas(16) float ap[kC * kC];  // A' = diag(β) strict_tril(L)
@@ -228,17 +229,17 @@ inline auto make_token_tma(const void* ptr, int T, int heads, int B, int64_t ts,
 }
 using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8), int64_t(8)));
 
-// schedule (KDA_EXPERIMENT=sm90_schedule, default 11: every bit but kWarpOutput, which measured no gain; it stays for when the
-// chain limits): with kRotateRoles, prep warpgroup w runs its serial roles (L and the inverse; Mqk; the TMA leader) on
-// warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial parts of the prep warpgroups issue from different SM
-// sub-partitions (warp i issues from sub-partition i mod 4; unrotated, every L/inverse warp shared sub-partition 0).
-// Measured on the H200 (docs/performance.md): 5-6% faster at H=96. (Acquiring the operand stage after the gate and
-// norms instead of before them measured no gain and was removed.) With kVectorInverse, the 16x16 inverse reads its rows
-// with 16-byte loads (chunk_math.cuh; without it, scalar loads, the earlier form): 3% faster at H=96 in variant 3, 5%
-// in variant 2. With kWarpOutput, each chain warp transposes and stores its own 16 output rows (no named barrier of the
-// chain warpgroup per chunk; the chain loop below). With kSplitInverseRows (which implies the vector loads), the
-// inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the rows each,
-// instead of lanes 0-15.
+// schedule (KDA_EXPERIMENT=sm90_schedule, default 11: every bit but kWarpOutput, which measured no gain; it stays for
+// when the chain limits): with kRotateRoles, prep warpgroup w runs its serial roles (L and the inverse; Mqk; the TMA
+// leader) on warps w, w + 1, w + 3 (mod 4) rather than 0, 1, 3, so the serial parts of the prep warpgroups issue from
+// different SM sub-partitions (warp i issues from sub-partition i mod 4; unrotated, every L/inverse warp shared
+// sub-partition 0). Measured on the H200 (docs/performance.md): 5-6% faster at H=96. (Acquiring the operand stage after
+// the gate and norms instead of before them measured no gain and was removed.) With kVectorInverse, the 16x16 inverse
+// reads its rows with 16-byte loads (chunk_math.cuh; without it, scalar loads, the earlier form): 3% faster at H=96 in
+// variant 3, 5% in variant 2. With kWarpOutput, each chain warp transposes and stores its own 16 output rows (no named
+// barrier of the chain warpgroup per chunk; the chain loop below). With kSplitInverseRows (which implies the vector
+// loads), the inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the
+// rows each, instead of lanes 0-15.
 constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8;
 struct KernelArgs {
   RecurrentParams p;
@@ -247,7 +248,9 @@ struct KernelArgs {
 };
 
 // ---- small device helpers
-__device__ __forceinline__ int swz(int row, int piece) { return row * kD + ((piece ^ (row & 7)) << 3); }
+__device__ __forceinline__ int swz(int row, int piece) {
+  return row * kD + ((piece ^ (row & 7)) << 3);
+}
 struct TileOffsets {
   int off[4];
   __device__ __forceinline__ TileOffsets(int row, int bit) {
@@ -260,8 +263,12 @@ struct TileOffsets {
 using ptx::ldsm_x4;
 using ptx::named_sync;
 using ptx::named_sync_or;
-__device__ __forceinline__ float sat_f16(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
-__device__ __forceinline__ float bfv(const __nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float sat_f16(float x) {
+  return fminf(fmaxf(x, -65504.f), 65504.f);
+}
+__device__ __forceinline__ float bfv(const __nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
   const float4 a = *reinterpret_cast<const float4*>(p);
   const float4 b = *reinterpret_cast<const float4*>(p + 4);
@@ -429,11 +436,13 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   };
   auto raw_part = [&](const TmaToken& tma, bf16_t* ring, int heads, int head) {
     Tensor s_ = make_tensor(make_smem_ptr(ring + pw * kRawStages * kC * kD), LayoutRawRing<kRawStages>{});
-    return tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_), group_modes<0, 2>(tiles(tma, heads, head)));
+    return tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_),
+                         group_modes<0, 2>(tiles(tma, heads, head)));
   };
   auto v_part = [&] {
     Tensor s_ = make_tensor(make_smem_ptr(ss.v), LayoutVRing{});
-    return tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_), group_modes<0, 2>(tiles(args.tma_v, p.HV, hv)));
+    return tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_),
+                         group_modes<0, 2>(tiles(args.tma_v, p.HV, hv)));
   };
   auto prefetch_maps = [&] {
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
@@ -467,7 +476,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
           prof.mark(1);
           pipe_v.producer_acquire(st_v);
           prof.mark(2);
-          copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v)), get<0>(tv)(_, phys(c)), get<1>(tv)(_, st_v.index()));
+          copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v)), get<0>(tv)(_, phys(c)),
+               get<1>(tv)(_, st_v.index()));
           ++st_v;
           prof.mark(3);
         }
@@ -534,7 +544,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       pipe_v.producer_acquire(st_v_p);
       {
         auto t = v_part();
-        copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v_p)), get<0>(t)(_, phys(c_issue)), get<1>(t)(_, st_v_p.index()));
+        copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v_p)), get<0>(t)(_, phys(c_issue)),
+             get<1>(t)(_, st_v_p.index()));
       }
       st_v_p.advance(kPrepWGs);
       c_issue += kPrepWGs;
@@ -758,15 +769,15 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   auto thr_s = mma_s.get_slice(ctid);
 
   Tensor sKd = make_tensor(make_smem_ptr(ss.kd()), LayoutKd{});  // the backward chain's Kr
-  Tensor sKQ = make_tensor(make_smem_ptr(ss.kq), LayoutKQ{});     // the forward's [K⁺; Q⁺]
+  Tensor sKQ = make_tensor(make_smem_ptr(ss.kq), LayoutKQ{});    // the forward's [K⁺; Q⁺]
   Tensor sKr = make_tensor(make_smem_ptr(ss.kr), LayoutKr{});
   Tensor sInv = make_tensor(make_smem_ptr(ss.invb), LayoutT16{});
   Tensor sMqk = make_tensor(make_smem_ptr(ss.mqk), LayoutT16{});
   Tensor bKd = thr_x.partition_fragment_B(sKd);    // (MMA, 1, 8, stages) descriptors
-  Tensor bKQ = thr_xo.partition_fragment_B(sKQ);  // (MMA, 1, 8, stages)
+  Tensor bKQ = thr_xo.partition_fragment_B(sKQ);   // (MMA, 1, 8, stages)
   Tensor bInv = thr_u.partition_fragment_B(sInv);  // (MMA, 1, 1, stages)
   Tensor bMqk = thr_u.partition_fragment_B(sMqk);
-  Tensor bKr = thr_s.partition_fragment_B(sKr);    // (MMA, 1, 1, stages)
+  Tensor bKr = thr_s.partition_fragment_B(sKr);  // (MMA, 1, 1, stages)
 
   Tensor accS = partition_fragment_C(mma_s, Shape<_64, _128>{});  // ((2, 2, 16), 1, 1) fp32: the state rows
   Tensor accX0 = partition_fragment_C(mma_x, Shape<_64, _16>{});  // ((2, 2, 2), 1, 1): the layout of one half
@@ -777,8 +788,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   Tensor accX = make_tensor(accXO.data(), accX0.layout());
   Tensor accO = make_tensor(accXO.data() + size(accX), accX0.layout());
   Tensor accU = partition_fragment_C(mma_u, Shape<_64, _16>{});
-  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (value row, channel) per element
-  Tensor cX = thr_x.partition_C(make_identity_tensor(Shape<_64, _16>{}));   // (value row, token)
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, _128>{}));        // (value row, channel) per element
+  Tensor cX = thr_x.partition_C(make_identity_tensor(Shape<_64, _16>{}));         // (value row, token)
   Tensor aS = make_tensor<bf16_t>(partition_shape_A(mma_x, Shape<_64, _128>{}));  // ((2, 2, 2), 1, 8)
   Tensor aY = make_tensor<f16_t>(partition_shape_A(mma_u, Shape<_64, _16>{}));    // ((2, 2, 2), 1, 1)
   Tensor aU = make_tensor<f16_t>(partition_shape_A(mma_s, Shape<_64, _16>{}));    // ((2, 2, 2), 1, 1)
@@ -805,7 +816,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     if (base == nullptr) {
       clear(accS);
     } else if (dt == DType::kBFloat16) {
-      Tensor t = thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<const __nv_bfloat16*>(base) + o), LayoutRows{}));
+      Tensor t =
+          thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<const __nv_bfloat16*>(base) + o), LayoutRows{}));
 #pragma unroll
       for (int i = 0; i < size(accS); ++i) accS(i) = __bfloat162float(t(i));
     } else {
@@ -820,7 +832,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   auto store_state = [&](void* base, DType dt, int64_t off) {
     const int64_t o = off + head_off + int64_t(v0) * kD;
     // elements 2j, 2j + 1 of the accumulator are two adjacent channels of one row (an even channel): pairs
-    static_assert(decltype(stride<0, 0>(thr_s.partition_C(make_tensor(make_gmem_ptr((float*)nullptr), LayoutRows{}))))::value == 1,
+    static_assert(decltype(stride<0, 0>(
+                      thr_s.partition_C(make_tensor(make_gmem_ptr((float*)nullptr), LayoutRows{}))))::value == 1,
                   "accumulator pairs are adjacent channels");
     if (dt == DType::kBFloat16) {
       Tensor t = thr_s.partition_C(make_tensor(make_gmem_ptr(static_cast<__nv_bfloat16*>(base) + o), LayoutRows{}));
@@ -855,8 +868,10 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     using MmaSb = SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>;
     auto mma_sb = make_tiled_mma(MmaSb{});
     auto thr_sb = mma_sb.get_slice(ctid);
-    Tensor bMqkT = thr_x.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.mqk)), LayoutT16{}));
-    Tensor bInvT = thr_x.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.invb)), LayoutT16{}));
+    Tensor bMqkT =
+        thr_x.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.mqk)), LayoutT16{}));
+    Tensor bInvT =
+        thr_x.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.invb)), LayoutT16{}));
     Tensor bQp = thr_sb.partition_fragment_B(make_tensor(make_smem_ptr(ss.qd()), LayoutKr{}));
     Tensor bKp = thr_sb.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<bf16_t*>(ss.kr)), LayoutKr{}));
     Tensor accR = partition_fragment_C(mma_x, Shape<_64, _16>{});
@@ -940,142 +955,144 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       prof.mark(5);
     }
   } else {
-  for (int64_t c = 0; c < n_chunks; ++c) {
-    const int cl = chunk_len(c);
-    if (c == ck_next) {
-      const int64_t row = p.checkpoint_cu_starts[n] + ck_j;
-      if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
-      ck_next += ck_step;
-      ++ck_j;
-    }
-    prof.mark(7);
-    pipe_op.consumer_wait(st_op);
-    prof.mark(0);
-    const int os = st_op.index();
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      const int cl = chunk_len(c);
+      if (c == ck_next) {
+        const int64_t row = p.checkpoint_cu_starts[n] + ck_j;
+        if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
+        ck_next += ck_step;
+        ++ck_j;
+      }
+      prof.mark(7);
+      pipe_op.consumer_wait(st_op);
+      prof.mark(0);
+      const int os = st_op.index();
 
-    // ---- Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ
+      // ---- Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ
 #pragma unroll
-    for (int i = 0; i < size(aS); ++i) aS(i) = bf16_t(accS(i));
-    clear(accXO);
-    warpgroup_fence_operand(aS);
-    warpgroup_fence_operand(accXO);
-    const float* gam = ss.gamma[os];
-    float vv[size(accX)];
-    // this chunk's v values (tokens past the end: 0) into registers, then the stage back to the producer
-    auto take_v = [&] {
-      const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_v.index() * kC * kD;
+      for (int i = 0; i < size(aS); ++i) aS(i) = bf16_t(accS(i));
+      clear(accXO);
+      warpgroup_fence_operand(aS);
+      warpgroup_fence_operand(accXO);
+      const float* gam = ss.gamma[os];
+      float vv[size(accX)];
+      // this chunk's v values (tokens past the end: 0) into registers, then the stage back to the producer
+      auto take_v = [&] {
+        const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_v.index() * kC * kD;
+#pragma unroll
+        for (int i = 0; i < size(accX); ++i) {
+          const int m = get<0>(cX(i)), t = get<1>(cX(i));
+          vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
+        }
+        pipe_v.consumer_release(st_v);
+        ++st_v;
+      };
+      // one N = 32 product over the stacked tile: X and O_inter in one batch (two N = 16 batches measured slower)
+      warpgroup_arrive();
+      gemm(mma_xo, aS, bKQ(_, _, _, os), accXO);
+      warpgroup_commit_batch();
+      prof.mark(2);
+      pipe_v.consumer_wait(st_v);  // (the v tile, long loaded by now)
+      prof.mark(1);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accXO);
+      prof.mark(2);
+      take_v();  // after X: its registers are not live while X and O_inter run (the peak of the chain)
+      prof.mark(3);
+
+      // ---- Yᵀ = Vᵀ - Xᵀ (tokens past the end: 0)
 #pragma unroll
       for (int i = 0; i < size(accX); ++i) {
-        const int m = get<0>(cX(i)), t = get<1>(cX(i));
-        vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
+        const int t = get<1>(cX(i));
+        aY(i) = f16_t(sat_f16(t < cl ? vv[i] - accX(i) : 0.f));
       }
-      pipe_v.consumer_release(st_v);
-      ++st_v;
-    };
-    // one N = 32 product over the stacked tile: X and O_inter in one batch (two N = 16 batches measured slower)
-    warpgroup_arrive();
-    gemm(mma_xo, aS, bKQ(_, _, _, os), accXO);
-    warpgroup_commit_batch();
-    prof.mark(2);
-    pipe_v.consumer_wait(st_v);  // (the v tile, long loaded by now)
-    prof.mark(1);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accXO);
-    prof.mark(2);
-    take_v();  // after X: its registers are not live while X and O_inter run (the peak of the chain)
-    prof.mark(3);
+      prof.mark(3);
 
-    // ---- Yᵀ = Vᵀ - Xᵀ (tokens past the end: 0)
+      // ---- Uᵀ = Yᵀ INVbᵀ
+      clear(accU);
+      warpgroup_fence_operand(aY);
+      warpgroup_fence_operand(accU);
+      warpgroup_arrive();
+      gemm(mma_u, aY, bInv(_, _, _, os), accU);
+      warpgroup_commit_batch();
+      // while U runs: S ⊙ γ_C (accS is no operand of the products in flight; scaling it while X and O_inter
+      // ran made ptxas insert a wait for them, C7517)
+      warpgroup_fence_operand(accS);
 #pragma unroll
-    for (int i = 0; i < size(accX); ++i) {
-      const int t = get<1>(cX(i));
-      aY(i) = f16_t(sat_f16(t < cl ? vv[i] - accX(i) : 0.f));
-    }
-    prof.mark(3);
+      for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
+      warpgroup_fence_operand(accS);
+      warpgroup_wait<0>();  // (also O_inter, long done by now)
+      warpgroup_fence_operand(accU);
+      warpgroup_fence_operand(accO);
+#pragma unroll
+      for (int i = 0; i < size(accU); ++i) aU(i) = f16_t(sat_f16(accU(i)));
+      prof.mark(4);
 
-    // ---- Uᵀ = Yᵀ INVbᵀ
-    clear(accU);
-    warpgroup_fence_operand(aY);
-    warpgroup_fence_operand(accU);
-    warpgroup_arrive();
-    gemm(mma_u, aY, bInv(_, _, _, os), accU);
-    warpgroup_commit_batch();
-    // while U runs: S ⊙ γ_C (accS is no operand of the products in flight; scaling it while X and O_inter
-    // ran made ptxas insert a wait for them, C7517)
-    warpgroup_fence_operand(accS);
-#pragma unroll
-    for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
-    warpgroup_fence_operand(accS);
-    warpgroup_wait<0>();  // (also O_inter, long done by now)
-    warpgroup_fence_operand(accU);
-    warpgroup_fence_operand(accO);
-#pragma unroll
-    for (int i = 0; i < size(accU); ++i) aU(i) = f16_t(sat_f16(accU(i)));
-    prof.mark(4);
+      // ---- S = S ⊙ γ_C + Uᵀ Kr;  Oᵀ = O_interᵀ + Uᵀ Mqkᵀ
+      warpgroup_fence_operand(aU);
+      warpgroup_fence_operand(accS);
+      warpgroup_fence_operand(accO);
+      warpgroup_arrive();
+      gemm(mma_s, aU, bKr(_, _, _, os), accS);
+      if constexpr (kQ) gemm(mma_u, aU, bMqk(_, _, _, os), accO);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accS);
+      warpgroup_fence_operand(accO);
+      pipe_op.consumer_release(st_op);
+      ++st_op;
+      prof.mark(5);
 
-    // ---- S = S ⊙ γ_C + Uᵀ Kr;  Oᵀ = O_interᵀ + Uᵀ Mqkᵀ
-    warpgroup_fence_operand(aU);
-    warpgroup_fence_operand(accS);
-    warpgroup_fence_operand(accO);
-    warpgroup_arrive();
-    gemm(mma_s, aU, bKr(_, _, _, os), accS);
-    if constexpr (kQ) gemm(mma_u, aU, bMqk(_, _, _, os), accO);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accS);
-    warpgroup_fence_operand(accO);
-    pipe_op.consumer_release(st_op);
-    ++st_op;
-    prof.mark(5);
-
-    // ---- output rows of this chunk (none in a state-only call, p.out null). Oᵀ is transposed to O[t][v] through
-    // shared memory; element stores when the output view is not 16-byte aligned.
-    //   kWarpOutput: each warp stages the 16 value rows it holds (wgmma's accumulator: warp w of the warpgroup
-    //   owns rows 16 w .. 16 w + 15) as [16 tokens][16 rows] in its own buffer and stores them with one 16-byte
-    //   store per lane (token lane / 2, rows 8 (lane % 2) .. + 8): only __syncwarp, no barrier of the warpgroup.
-    //   Otherwise: the warpgroup's 64 rows in its buffer of the chunk's parity, one named barrier, one 16-byte
-    //   store per thread (token ctid / 8, rows 8 (ctid % 8) .. + 8); the buffer is rewritten two chunks later,
-    //   after every thread passed the next chunk's barrier.
-    if (kQ && p.out != nullptr) {
-      const bool warp_out = args.schedule & kWarpOutput;
-      int t, row0;
-      const __nv_bfloat16* src;
-      if (warp_out) {
-        __nv_bfloat16* wst = &ss.ostage[0][0][0] + cw * 4 * kWStage;  // this warpgroup's four warp buffers
-        // (value row m, token t) -> buffer m / 16, [t][m % 16]
-        Tensor st_ = thr_x.partition_C(make_tensor(
-            make_smem_ptr(wst), Layout<Shape<Shape<_16, _4>, _16>, Stride<Stride<_1, Int<kWStage>>, Int<kWStride>>>{}));
+      // ---- output rows of this chunk (none in a state-only call, p.out null). Oᵀ is transposed to O[t][v] through
+      // shared memory; element stores when the output view is not 16-byte aligned.
+      //   kWarpOutput: each warp stages the 16 value rows it holds (wgmma's accumulator: warp w of the warpgroup
+      //   owns rows 16 w .. 16 w + 15) as [16 tokens][16 rows] in its own buffer and stores them with one 16-byte
+      //   store per lane (token lane / 2, rows 8 (lane % 2) .. + 8): only __syncwarp, no barrier of the warpgroup.
+      //   Otherwise: the warpgroup's 64 rows in its buffer of the chunk's parity, one named barrier, one 16-byte
+      //   store per thread (token ctid / 8, rows 8 (ctid % 8) .. + 8); the buffer is rewritten two chunks later,
+      //   after every thread passed the next chunk's barrier.
+      if (kQ && p.out != nullptr) {
+        const bool warp_out = args.schedule & kWarpOutput;
+        int t, row0;
+        const __nv_bfloat16* src;
+        if (warp_out) {
+          __nv_bfloat16* wst = &ss.ostage[0][0][0] + cw * 4 * kWStage;  // this warpgroup's four warp buffers
+          // (value row m, token t) -> buffer m / 16, [t][m % 16]
+          Tensor st_ = thr_x.partition_C(
+              make_tensor(make_smem_ptr(wst),
+                          Layout<Shape<Shape<_16, _4>, _16>, Stride<Stride<_1, Int<kWStage>>, Int<kWStride>>>{}));
 #pragma unroll
-        for (int i = 0; i < size(accO); ++i) st_(i) = __float2bfloat16_rn(accO(i));
-        __syncwarp();
-        const int warp = ctid >> 5;
-        t = lane >> 1, row0 = 16 * warp + 8 * (lane & 1);
-        src = wst + warp * kWStage + t * kWStride + 8 * (lane & 1);
-      } else {
-        __nv_bfloat16* ost = ss.ostage[cw][c & 1];
-        // (value row, token) -> ost[token][value row], through the accumulator partition (constant offsets)
-        Tensor st_ = thr_x.partition_C(make_tensor(make_smem_ptr(ost), Layout<Shape<_64, _16>, Stride<_1, Int<kOStride>>>{}));
-#pragma unroll
-        for (int i = 0; i < size(accO); ++i) st_(i) = __float2bfloat16_rn(accO(i));
-        named_sync(kBarOut + cw, 128);
-        t = ctid >> 3, row0 = 8 * (ctid & 7);
-        src = ost + t * kOStride + row0;
-      }
-      const uint4 w = *reinterpret_cast<const uint4*>(src);
-      if (warp_out) __syncwarp();  // every lane read its piece before the next chunk's writes
-      if (t < cl) {
-        __nv_bfloat16* dst = out_ptr(sr.bos + c * kC + t) + v0 + row0;
-        if (out_vec16) {
-          *reinterpret_cast<uint4*>(dst) = w;
+          for (int i = 0; i < size(accO); ++i) st_(i) = __float2bfloat16_rn(accO(i));
+          __syncwarp();
+          const int warp = ctid >> 5;
+          t = lane >> 1, row0 = 16 * warp + 8 * (lane & 1);
+          src = wst + warp * kWStage + t * kWStride + 8 * (lane & 1);
         } else {
-          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+          __nv_bfloat16* ost = ss.ostage[cw][c & 1];
+          // (value row, token) -> ost[token][value row], through the accumulator partition (constant offsets)
+          Tensor st_ =
+              thr_x.partition_C(make_tensor(make_smem_ptr(ost), Layout<Shape<_64, _16>, Stride<_1, Int<kOStride>>>{}));
 #pragma unroll
-          for (int e = 0; e < 8; ++e) dst[e] = x[e];
+          for (int i = 0; i < size(accO); ++i) st_(i) = __float2bfloat16_rn(accO(i));
+          named_sync(kBarOut + cw, 128);
+          t = ctid >> 3, row0 = 8 * (ctid & 7);
+          src = ost + t * kOStride + row0;
+        }
+        const uint4 w = *reinterpret_cast<const uint4*>(src);
+        if (warp_out) __syncwarp();  // every lane read its piece before the next chunk's writes
+        if (t < cl) {
+          __nv_bfloat16* dst = out_ptr(sr.bos + c * kC + t) + v0 + row0;
+          if (out_vec16) {
+            *reinterpret_cast<uint4*>(dst) = w;
+          } else {
+            const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dst[e] = x[e];
+          }
         }
       }
+      prof.mark(6);
     }
-    prof.mark(6);
-  }
   }  // (forward)
   prof.finish(2 + cw, n_chunks);
 

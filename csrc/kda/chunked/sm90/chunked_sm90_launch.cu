@@ -24,7 +24,8 @@ bool chunked_sm90_supported(const RecurrentParams& p) {
   if (p.num_spec_tokens > 0 || p.checkpoint_every_n_tokens % chunked_sm90::kC != 0) return false;
   if (p.state_source != nullptr && p.state_source_dtype != DType::kFloat32 && p.state_source_dtype != DType::kBFloat16)
     return false;
-  if (p.checkpoint_every_n_tokens > 0 && p.checkpoint_dtype != DType::kFloat32 && p.checkpoint_dtype != DType::kBFloat16)
+  if (p.checkpoint_every_n_tokens > 0 && p.checkpoint_dtype != DType::kFloat32 &&
+      p.checkpoint_dtype != DType::kBFloat16)
     return false;
   if (p.state != nullptr && p.state_dtype != DType::kFloat32 && p.state_dtype != DType::kBFloat16) return false;
   if (p.T <= 0 || p.T >= (int64_t(1) << 31) || p.B >= (int64_t(1) << 31) || p.N * p.HV >= (int64_t(1) << 31))
@@ -92,10 +93,12 @@ Design design_of() {
 // is skipped). Null: not built (an experiment in a build without them).
 Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (!profile && bwd && variant == 2) return design_of<false, 2, true>();
-  if (!profile && !bwd && variant == 3) return state_only ? design_of<false, 3, false, true>() : design_of<false, 3, false>();
+  if (!profile && !bwd && variant == 3)
+    return state_only ? design_of<false, 3, false, true>() : design_of<false, 3, false>();
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
-  if (variant == 3 && state_only) return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
+  if (variant == 3 && state_only)
+    return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
   return profile ? design_of<true, 2, false>() : design_of<false, 2, false>();
@@ -121,8 +124,10 @@ void print_profile(int variant) {
       {"acq op", "wait raw", "named bar", "gate+norm", "operands", "L+Mqk", "inverse", "commit+loop"},
       {"wait op", "wait v", "X(+Oi)", "v+Y", "U+gamma", "S+O", "out", "loop+ckpt"},
       {"wait op", "wait v", "X(+Oi)", "v+Y", "U+gamma", "S+O", "out", "loop+ckpt"}};
-  std::fprintf(stderr, "kda_chunked_sm90 profile, variant %d, CTA 0: clock cycles per chunk per segment (lane 0 of each role's warp)\n",
-               variant);
+  std::fprintf(
+      stderr,
+      "kda_chunked_sm90 profile, variant %d, CTA 0: clock cycles per chunk per segment (lane 0 of each role's warp)\n",
+      variant);
   for (int r = 0; r < kProfRoles; ++r) {
     const unsigned long long nc = h[r][kProfSegs] > 0 ? h[r][kProfSegs] : 1;
     unsigned long long tot = 0;
@@ -140,11 +145,15 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
                                 bool backward_chain) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   using namespace chunked_sm90;
-  if (!token_map_valid("q", p, p.q, p.H) || !token_map_valid("k", p, p.k, p.H) ||
-      !token_map_valid("g", p, p.g, p.HV) || !token_map_valid("v", p, p.v, p.HV))
+  if (!token_map_valid("q", p, p.q, p.H) || !token_map_valid("k", p, p.k, p.H) || !token_map_valid("g", p, p.g, p.HV) ||
+      !token_map_valid("v", p, p.v, p.HV))
     return cudaErrorInvalidValue;
-  const KernelArgs args{p, token_tma(p, p.q, p.H), token_tma(p, p.k, p.H), token_tma(p, p.g, p.HV),
-                        token_tma(p, p.v, p.HV), sm90_schedule()};
+  const KernelArgs args{p,
+                        token_tma(p, p.q, p.H),
+                        token_tma(p, p.k, p.H),
+                        token_tma(p, p.g, p.HV),
+                        token_tma(p, p.v, p.HV),
+                        sm90_schedule()};
   const bool profile = launch_knobs().exp.sm90_profile && !backward_chain;  // (experiments build only)
   const int variant = r.sm90_variant;
   const bool state_only = r.state_only;
@@ -165,8 +174,9 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
     const cudaError_t ea = cudaFuncGetAttributes(&fa, fn);
     if (ea != cudaSuccess) return ea;
     if (fa.numRegs * (threads / 128) < dz.setmaxnreg_sum) {
-      std::fprintf(stderr, "kda_chunked_sm90: variant %d was compiled with %d registers per thread, fewer than its "
-                           "setmaxnreg counts need (%d per thread over %d warpgroups): not launched\n",
+      std::fprintf(stderr,
+                   "kda_chunked_sm90: variant %d was compiled with %d registers per thread, fewer than its "
+                   "setmaxnreg counts need (%d per thread over %d warpgroups): not launched\n",
                    variant, fa.numRegs, dz.setmaxnreg_sum, threads / 128);
       return cudaErrorLaunchOutOfResources;
     }
@@ -178,10 +188,13 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   fn<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(args);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
-    std::fprintf(stderr, "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d schedule %d%s%s: %s\n",
+    std::fprintf(stderr,
+                 "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d "
+                 "schedule %d%s%s: %s\n",
                  static_cast<long long>(blocks), threads, smem, static_cast<long long>(p.N), static_cast<int>(p.HV),
                  static_cast<long long>(p.T), static_cast<long long>(p.B), p.seq_order != nullptr ? " seq_order" : "",
-                 variant, args.schedule, state_only ? " state-only" : "", profile ? " profile" : "", cudaGetErrorString(e));
+                 variant, args.schedule, state_only ? " state-only" : "", profile ? " profile" : "",
+                 cudaGetErrorString(e));
   if (e == cudaSuccess && profile) {
     const cudaError_t se = cudaStreamSynchronize(stream);
     if (se != cudaSuccess) return se;

@@ -1,6 +1,8 @@
-// One instantiation of the token-serial KDA kernel: K = V = 64, bf16 state pool, 1 state rows per lane. An experiment: compiled only with KDA_BUILD_EXPERIMENTS=1.
+// One instantiation of the token-serial KDA kernel: K = V = 64, bf16 state pool, 1 state rows per lane. An experiment:
+// compiled only with KDA_BUILD_EXPERIMENTS=1.
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
 #include "kda/decode/recurrent_kernel.cuh"
 
-template void kda::decode::run_recurrent_<64, __nv_bfloat16, 1>(const kda::RecurrentParams&, const kda::decode::RecurrentLaunch&, cudaStream_t);
+template void kda::decode::run_recurrent_<64, __nv_bfloat16, 1>(const kda::RecurrentParams&,
+                                                                const kda::decode::RecurrentLaunch&, cudaStream_t);
 #endif

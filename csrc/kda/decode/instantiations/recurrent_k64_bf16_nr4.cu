@@ -1,4 +1,5 @@
 // One instantiation of the token-serial KDA kernel: K = V = 64, bf16 state pool, 4 state rows per lane.
 #include "kda/decode/recurrent_kernel.cuh"
 
-template void kda::decode::run_recurrent_<64, __nv_bfloat16, 4>(const kda::RecurrentParams&, const kda::decode::RecurrentLaunch&, cudaStream_t);
+template void kda::decode::run_recurrent_<64, __nv_bfloat16, 4>(const kda::RecurrentParams&,
+                                                                const kda::decode::RecurrentLaunch&, cudaStream_t);

@@ -1,4 +1,5 @@
 // One instantiation of the token-serial KDA kernel: K = V = 64, f32 state pool, 8 state rows per lane.
 #include "kda/decode/recurrent_kernel.cuh"
 
-template void kda::decode::run_recurrent_<64, float, 8>(const kda::RecurrentParams&, const kda::decode::RecurrentLaunch&, cudaStream_t);
+template void kda::decode::run_recurrent_<64, float, 8>(const kda::RecurrentParams&,
+                                                        const kda::decode::RecurrentLaunch&, cudaStream_t);
