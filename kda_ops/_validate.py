@@ -1345,3 +1345,65 @@ def check_permutation(seq_order: torch.Tensor, N: int) -> None:
     s = torch.sort(seq_order.to(torch.int64)).values
     if not torch.equal(s, torch.arange(N, dtype=torch.int64)):
         raise ValueError(f"seq_order must be a permutation of 0..N-1 (N={N}), got {seq_order.tolist()}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# context parallelism (kda_ops/distributed.py)
+
+
+def check_context_parallel_local(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):  # type: ignore[no-untyped-def]
+    """The local checks of context_parallel_kda (before the first collective): a packed batch [1, T_local, ...] in
+    the training modes, initial_state [N, HV, V, K] of the state dtype. Returns (dims, A_log, dt_bias,
+    initial_state, scale, lower_bound, state dtype)."""
+    d = check_tokens(q, k, v, g, beta, None, kv_rule="training")
+    if d.B != 1:
+        raise ValueError(f"q must have B == 1 (a packed batch: [1, T_local, H, K]), got B={d.B}")
+    A, dtb, _, lb = check_training_params(A_log, dt_bias, None, lower_bound, d, state_required=False)
+    sc = check_scale(scale, d.K)
+    pdt = param_dtype(d)
+    h0 = _opt_tensor(initial_state, "initial_state")
+    if h0 is not None:
+        _device(h0, "initial_state", d.device)
+        _dtype(h0, "initial_state", (pdt,), f" (the state dtype for {d.dtype} tokens)")
+        _rank(h0, "initial_state", 4, "[N, HV, V, K]")
+        if tuple(h0.shape[1:]) != (d.HV, d.V, d.K):
+            raise ValueError(
+                f"initial_state must have shape [N, HV, V, K] = [N, {d.HV}, {d.V}, {d.K}], got {_shape(h0)}"
+            )
+    return d, A, dtb, h0, sc, lb, pdt
+
+
+def check_context_parallel_cu(cu_seqlens: Any, h0: torch.Tensor | None = None) -> list[int]:
+    """context_parallel_kda's global cu_seqlens as host ints (a tensor is read back: a sync on a GPU), checked;
+    and initial_state's rows against them."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        _rank(cu_seqlens, "cu_seqlens", 1, "[N+1]")
+        cu = [int(x) for x in cu_seqlens.cpu().tolist()]  # host values plan the split (a sync on a GPU)
+    elif isinstance(cu_seqlens, list | tuple) and all(isinstance(x, int) for x in cu_seqlens):
+        cu = list(cu_seqlens)
+    else:
+        raise TypeError(
+            f"cu_seqlens must be an int tensor or a list of ints [N+1] (global over all ranks), got "
+            f"{_type_name(cu_seqlens)}"
+        )
+    if len(cu) < 2:
+        raise ValueError(f"cu_seqlens must have at least 2 entries ([N+1], N >= 1), got {len(cu)}")
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+    for i in range(len(cu) - 1):
+        if cu[i + 1] < cu[i]:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={cu[i]} > cu_seqlens[{i + 1}]={cu[i + 1]}"
+            )
+    if h0 is not None and h0.shape[0] != len(cu) - 1:
+        raise ValueError(
+            f"initial_state must have N={len(cu) - 1} rows (one per global sequence of cu_seqlens), got {_shape(h0)}"
+        )
+    return cu
+
+
+def check_bool(x: Any, name: str) -> bool:
+    """A Python or numpy bool argument, as a bool (TypeError otherwise)."""
+    return _bool(x, name)

@@ -190,50 +190,6 @@ def _packed_backward(ctx, tok, do, dfinal, A, dtb):  # type: ignore[no-untyped-d
 # validation (local, before the first collective)
 
 
-def _check_local(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):  # type: ignore[no-untyped-def]
-    d = V.check_tokens(q, k, v, g, beta, None, kv_rule="training")
-    if d.B != 1:
-        raise ValueError(f"q must have B == 1 (a packed batch: [1, T_local, H, K]), got B={d.B}")
-    A, dtb, _, lb = V.check_training_params(A_log, dt_bias, None, lower_bound, d, state_required=False)
-    sc = V.check_scale(scale, d.K)
-    pdt = V.param_dtype(d)
-    h0 = V._opt_tensor(initial_state, "initial_state")
-    if h0 is not None:
-        V._device(h0, "initial_state", d.device)
-        V._dtype(h0, "initial_state", (pdt,), f" (the state dtype for {d.dtype} tokens)")
-        V._rank(h0, "initial_state", 4, "[N, HV, V, K]")
-        if tuple(h0.shape[1:]) != (d.HV, d.V, d.K):
-            raise ValueError(
-                f"initial_state must have shape [N, HV, V, K] = [N, {d.HV}, {d.V}, {d.K}], got {V._shape(h0)}"
-            )
-    return d, A, dtb, h0, sc, lb, pdt
-
-
-def _host_cu(cu_seqlens: Any) -> list[int]:
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-        V._rank(cu_seqlens, "cu_seqlens", 1, "[N+1]")
-        cu = [int(x) for x in cu_seqlens.cpu().tolist()]  # host values plan the split (a sync on a GPU)
-    elif isinstance(cu_seqlens, list | tuple) and all(isinstance(x, int) for x in cu_seqlens):
-        cu = list(cu_seqlens)
-    else:
-        raise TypeError(
-            f"cu_seqlens must be an int tensor or a list of ints [N+1] (global over all ranks), got "
-            f"{V._type_name(cu_seqlens)}"
-        )
-    if len(cu) < 2:
-        raise ValueError(f"cu_seqlens must have at least 2 entries ([N+1], N >= 1), got {len(cu)}")
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-    for i in range(len(cu) - 1):
-        if cu[i + 1] < cu[i]:
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={cu[i]} > cu_seqlens[{i + 1}]={cu[i + 1]}"
-            )
-    return cu
-
-
 # ---------------------------------------------------------------------------------------------------
 # autograd
 
@@ -453,14 +409,11 @@ def context_parallel_kda(
     comm = _comm_device(group)
     err: BaseException | None = None
     try:
-        d, A, dtb, h0, sc, lb, pdt = _check_local(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound)
-        ofs = V._bool(output_final_state, "output_final_state")
-        cu = _host_cu(cu_seqlens)
-        if h0 is not None and h0.shape[0] != len(cu) - 1:
-            raise ValueError(
-                f"initial_state must have N={len(cu) - 1} rows (one per global sequence of cu_seqlens), got "
-                f"{V._shape(h0)}"
-            )
+        d, A, dtb, h0, sc, lb, pdt = V.check_context_parallel_local(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound
+        )
+        ofs = V.check_bool(output_final_state, "output_final_state")
+        cu = V.check_context_parallel_cu(cu_seqlens, h0)
         if q.device.type != "cuda" and "nccl" in str(dist.get_backend(group)).lower():
             raise RuntimeError(f"q must be on a CUDA device with an NCCL process group, got {q.device}")
         T_r = int(q.shape[1])

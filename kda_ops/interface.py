@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-import kda_ops._C
-from kda_ops import _routing, _split
+from kda_ops import _decode_fast, _routing, _split
 from kda_ops import _validate as V
 from kda_ops.workspace import (
     RecurrentKDABackwardWorkspace,
@@ -51,9 +50,6 @@ GRAD_NAMES = V.GRAD_NAMES
 # The op handle, resolved once (torch.ops.kda.recurrent_kda.default is three attribute lookups, ~1 µs).
 # kda_ops/__init__.py loads the op library (_C) before importing this module.
 _recurrent_kda_op = torch.ops.kda.recurrent_kda.default
-# The decode-shaped subset with a 14-argument schema (registration.cpp): the cached eager path's op, since
-# converting each schema argument from Python costs ~0.4 us (29 arguments: ~12 us per call).
-_recurrent_kda_decode_op = torch.ops.kda.recurrent_kda_decode.default
 # What recurrent_kda writes and reads, in the order of the overlap checks (docs/contract.md "API", "Errors").
 _NO_TOKEN_NBYTES = (None,) * 5
 _WRITE_NAMES = ("output", "initial_state", "state_checkpoints")
@@ -78,43 +74,13 @@ _READ_NAMES = (
 # ---------------------------------------------------------------------------------------------------
 # recurrent_kda
 
-# Validation cache of decode-like calls. Every check of recurrent_kda is a function of the arguments' types,
-# shapes, strides, dtypes and devices and of the scalar arguments, except for a few reads of values: host
-# cu_seqlens, seq_order and checkpoint starts (such calls are never cached), and the addresses (overlap of
-# the writes with the reads, 16-byte alignment of the pool), which are re-checked on every call. So a call
-# whose key (those properties, the scalars and their Python types) was validated before skips the checks
-# and goes straight to the op. The tensor part of the key and the overlap re-check are one C++ call
-# (_C.tensor_call_key, csrc/api/python_module.cpp: ~10 µs of Python attribute reads per decode step
-# before; benchmarks/bench_api_overhead.py). A call that fails a re-check takes the full path, which raises.
+# The eager decode fast path's validation cache (kda_ops/_decode_fast.py), its names bound here once: the hot path
+# below reads them as module globals (no attribute lookup per call).
 _Tensor = torch.Tensor
-_tensor_call_key = kda_ops._C.tensor_call_key  # type: ignore[attr-defined]
-_FAST_CACHE: dict = {}
-_FAST_CACHE_SIZE = 64  # distinct shapes kept (a serving engine has a few batch sizes per layer type)
-
-
-class _FastEntry:
-    """What the full path decided for one key (read-only)."""
-
-    __slots__ = (
-        "d",
-        "gate_mode",
-        "lb",
-        "sc",
-        "l2",
-        "logit",
-        "S",
-        "backend_code",
-        "zero_uncovered",
-        "need_order",
-        "alloc_final",
-        "out_final",
-        "pool_align",
-        "decode_mode",
-    )
-
-    def __init__(self, **kw):
-        for n, v in kw.items():
-            setattr(self, n, v)
+_tensor_call_key = _decode_fast.tensor_call_key
+_FAST_CACHE = _decode_fast.CACHE
+_remember = _decode_fast.remember
+_recurrent_kda_cached = _decode_fast.run_cached
 
 
 def recurrent_kda(
@@ -519,100 +485,6 @@ def recurrent_kda(
     return out, final_ret
 
 
-def _remember(key, pool, **decided: Any) -> None:
-    """Store what the full path decided for `key` (a validated call of the decode-like family): the
-    `decided` fields of _FastEntry (d, gate_mode, lb, sc, l2, logit, S, backend_code, zero_uncovered,
-    need_order, alloc_final, out_final). Only calls of plain tensors (real memory: data_ptr) have a key:
-    tensor_call_key returns None for any other tensor type."""
-    d = decided["d"]
-    e = _FastEntry(
-        **decided,
-        pool_align=d.on_cuda and pool is not None and pool.numel() > 0,
-        # recurrent_kda_decode's packed mode (registration.cpp) when the call fits its subset, else None
-        decode_mode=_decode_mode(**decided),
-    )
-    if len(_FAST_CACHE) >= _FAST_CACHE_SIZE:
-        _FAST_CACHE.pop(next(iter(_FAST_CACHE)))  # oldest first
-    _FAST_CACHE[key] = e
-
-
-def _decode_mode(
-    *, gate_mode, l2, logit, backend_code, S, need_order, alloc_final, zero_uncovered, **_: Any
-) -> int | None:
-    """recurrent_kda_decode's packed mode (registration.cpp) when the call fits its subset, else None."""
-    if need_order or alloc_final or zero_uncovered:
-        return None
-    return int(gate_mode) | (4 if l2 else 0) | (8 if logit else 0) | (int(backend_code) << 8) | (int(S) << 16)
-
-
-def _recurrent_kda_cached(
-    e, q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, ssm_idx, n_acc, output, disable_state_update
-):
-    """recurrent_kda for a key validated before: re-check the addresses, allocate, run. None when a
-    re-check fails (the caller then takes the full path, which raises the error). The key's C++ call has
-    checked the overlap of the writes with every argument."""
-    d = e.d
-    if e.pool_align and pool.data_ptr() % 16 != 0:
-        return None
-    if e.decode_mode is not None and cu_seqlens is None:
-        out = q.new_empty((d.B, d.T, d.HV, d.V)) if output is None else output
-        _recurrent_kda_decode_op(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            A_log,
-            dt_bias,
-            pool,
-            ssm_idx,
-            n_acc,
-            out,
-            e.sc,
-            e.lb,
-            e.decode_mode | (16 if disable_state_update else 0),
-        )
-        return out, (pool if e.out_final else None)
-    order = None
-    if e.need_order:
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
-    out = q.new_empty((d.B, d.T, d.HV, d.V)) if output is None else output
-    final = torch.zeros((d.N, d.HV, d.V, d.K), dtype=torch.float32, device=d.device) if e.alloc_final else None
-    _recurrent_kda_op(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        pool,
-        None,
-        None,
-        cu_seqlens,
-        ssm_idx,
-        n_acc,
-        order,
-        out,
-        final,
-        None,
-        None,
-        None,
-        e.sc,
-        e.gate_mode,
-        e.lb,
-        e.l2,
-        e.logit,
-        e.S,
-        0,
-        e.backend_code,
-        e.zero_uncovered,
-        disable_state_update,
-    )
-    return out, ((pool if pool is not None else final) if e.out_final else None)
-
-
 # ---------------------------------------------------------------------------------------------------
 # training family
 
@@ -990,7 +862,7 @@ def kda(
         state_required=False,
     )
     sc = V.check_scale(scale, d.K)
-    ofs = V._bool(output_final_state, "output_final_state")
+    ofs = V.check_bool(output_final_state, "output_final_state")
     if h0 is None:  # zeros as a stride-0 view: autograd saves one element, not [N, HV, V, K]
         h0 = q.new_zeros((), dtype=V.param_dtype(d)).expand(d.N, d.HV, d.V, d.K)
     cu64, _ = V.check_training_cu(d, cu_seqlens, None, "none")
