@@ -143,8 +143,15 @@ def raw_decode_call(d: dict):
 def op_stubbed():
     """Replace the recurrent_kda ops (the full schema and the short decode one) by a no-op wherever the
     interface may look them up: the ``torch.ops.kda`` namespace entries and any module global of
-    kda_ops.interface bound to an op overload (a handle cached at import)."""
-    import kda_ops.interface as itf
+    kda_ops.interface or kda_ops._decode_fast bound to an op overload (a handle cached at import)."""
+    import importlib
+
+    mods = []
+    for name in ("kda_ops.interface", "kda_ops._decode_fast"):  # (an older copy may lack the second)
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:
+            pass
 
     def noop(*args, **kwargs):
         return None
@@ -153,18 +160,18 @@ def op_stubbed():
     names = [n for n in ("recurrent_kda", "recurrent_kda_decode") if hasattr(ns, n)]
     packets = {n: getattr(ns, n) for n in names}  # resolves (and caches) the packets
     overloads = [p.default for p in packets.values()]
-    cached = [(name, val) for name, val in vars(itf).items() if any(val is o for o in overloads)]
+    cached = [(m, name, val) for m in mods for name, val in vars(m).items() if any(val is o for o in overloads)]
     for n in names:
         setattr(ns, n, types.SimpleNamespace(default=noop))
-    for name, _ in cached:
-        setattr(itf, name, noop)
+    for m, name, _ in cached:
+        setattr(m, name, noop)
     try:
         yield
     finally:
         for n, p in packets.items():
             setattr(ns, n, p)
-        for name, val in cached:
-            setattr(itf, name, val)
+        for m, name, val in cached:
+            setattr(m, name, val)
 
 
 # Calls per timed run on CUDA: well below the launch queue's depth (~1000 pending kernels), so a launch never

@@ -90,3 +90,23 @@ def test_import_fails_on_an_invalid_switch():
     env = dict(os.environ, KDA_CHUNKED_KERNEL="sm9O")
     r = subprocess.run([sys.executable, "-c", "import kda_ops"], env=env, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and "KDA_CHUNKED_KERNEL must be" in r.stderr, r.stderr[-500:]
+
+
+def test_verbose_names_the_route_of_a_cpu_call(monkeypatch, capfd):  # type: ignore[no-untyped-def]
+    """KDA_VERBOSE=1: one route line per op call, on the CPU too (the token loop, whatever the backend)."""
+    import torch
+
+    import kda_ops
+    from kda_ops.reference import make_inputs
+
+    route_env(monkeypatch, KDA_VERBOSE="1")
+    x = make_inputs(B=1, T=20, H=1, HV=2, K=16, V=16, dtype=torch.float32, seed=1)
+    capfd.readouterr()
+    kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                          use_gate_in_kernel=True, lower_bound=-5.0, backend="chunked")  # fmt: skip
+    err = capfd.readouterr().err
+    assert err.count("kda route: forward kernel=cpu_token_loop | N=1 HV=2 T=20 B=1 K=16 cpu") == 1, err
+    route_env(monkeypatch, KDA_VERBOSE="0")
+    kda_ops.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                          use_gate_in_kernel=True, lower_bound=-5.0)  # fmt: skip
+    assert "kda route" not in capfd.readouterr().err

@@ -7,6 +7,7 @@
 #include "api/recurrent_params.h"
 #include "cpu/token_loop.h"
 #include "kda/common/token_coverage.h"
+#include "kda/route/route.h"
 
 namespace kda {
 namespace cpu {
@@ -80,6 +81,7 @@ void recurrent_kda_cpu(
                            num_spec_tokens,
                            checkpoint_every_n_tokens};
   RecurrentParams p = make_recurrent_params(args);
+  note_cpu_route("forward", p.N, p.HV, p.T, p.B, p.K);
   const at::Tensor scratch = output_scratch(p, v);  // a state-only call: the loop writes a scratch output
   KDA_CHECK_TYPE(p.token_dtype != DType::kFloat16, "q must be bfloat16, float32 or float64 on CPU, got ",
                  q.scalar_type());

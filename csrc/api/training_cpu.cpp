@@ -19,6 +19,7 @@
 #include "api/training_checks.h"
 #include "cpu/backward_head.h"
 #include "cpu/token_loop.h"
+#include "kda/route/route.h"
 #include "kda/tape_rows.h"
 
 namespace kda {
@@ -166,6 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> training_forward_cpu(
   const std::optional<at::Tensor> A_log = compact(A_log_in), dt_bias = compact(dt_bias_in);
   const TrainingProblem pb = check_training_inputs("recurrent_kda_training_forward", q, k, v, g, beta, A_log, dt_bias,
                                                    cu_seqlens, scale, lower_bound, m);
+  note_cpu_route("forward", pb.N, pb.HV, pb.T, pb.B, pb.K);
   check_state(initial_state, pb, "initial_state");
   const at::Tensor init = initial_state.contiguous();
   const auto tape_dtype = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -264,6 +266,7 @@ Grads training_backward_cpu(const at::Tensor& q, const at::Tensor& k, const at::
   const std::optional<at::Tensor> A_log = compact(A_log_in), dt_bias = compact(dt_bias_in);
   const TrainingProblem pb = check_training_inputs("recurrent_kda_training_backward", q, k, v, g, beta, A_log, dt_bias,
                                                    cu_seqlens, scale, lower_bound, m);
+  note_cpu_route("training_backward", pb.N, pb.HV, pb.T, pb.B, pb.K);
   KDA_CHECK(dout.sizes() == v.sizes(), "do must have the shape of v ", v.sizes(), ", got ", dout.sizes());
   KDA_CHECK(dout.is_floating_point(), "do must be a floating tensor, got ", dout.scalar_type());
   const at::Tensor do_c = dout.to(q.scalar_type()).contiguous();

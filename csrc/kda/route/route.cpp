@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 
 #include "kda/route/route.h"
 
@@ -65,6 +66,13 @@ int64_t ceil_div(int64_t a, int64_t b) {
 }
 
 }  // namespace
+
+void note_cpu_route(const char* family, int64_t N, int64_t HV, int64_t T, int64_t B, int64_t K) {
+  if (!launch_knobs().verbose) return;
+  std::fprintf(stderr, "kda route: %s kernel=cpu_token_loop | N=%lld HV=%lld T=%lld B=%lld K=%lld cpu\n", family,
+               static_cast<long long>(N), static_cast<long long>(HV), static_cast<long long>(T),
+               static_cast<long long>(B), static_cast<long long>(K));
+}
 
 int64_t plan_segments(const int64_t* lens, int64_t n, int HV, int sms, int64_t multiple) {
   int64_t longest = 0;

@@ -76,6 +76,11 @@ struct SplitQuery {
 int64_t route_split(const SplitQuery& q);
 // Its two rules, exposed for tests and benchmarks: the shortest segment length (a multiple of `multiple`) whose
 // chains Σ ceil(L / Ls) · HV fit the SMs; whether the split's passes beat the unsplit critical path.
+// ---- the CPU ops ----------------------------------------------------------------------------------------------
+// Every CPU op runs the token loop (csrc/cpu), whatever the backend argument; with KDA_VERBOSE=1 it says so in the
+// route line's format, so the route of any call, on any device, is one stderr line.
+void note_cpu_route(const char* family, int64_t N, int64_t HV, int64_t T, int64_t B, int64_t K);
+
 int64_t plan_segments(const int64_t* lens, int64_t n, int HV, int sms, int64_t multiple);
 bool split_pays(const int64_t* lens, int64_t n, int HV, int sms, int64_t Ls, double rows128_cost);
 

@@ -235,7 +235,7 @@ constexpr const char* kProfNames[kProfSegs] = {
 __device__ unsigned long long kda_sweep64_prof[kProfSegs + 1];
 // kOn: the kernel's profiling instantiation (KDA_EXPERIMENT=sweep64_profile=1); the other compiles the clocks out, so
 // that their registers (a flag and a 64-bit time held across every phase) do not add to the production kernel's spills
-// (ptxas -v of both: benchmarks/profile/sweep64_code_size.py)
+// (ptxas -v of both: benchmarks/profiling/sweep64_code_size.py)
 template <bool kOn>
 struct Prof {
   bool on = false;

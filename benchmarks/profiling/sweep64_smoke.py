@@ -1,7 +1,7 @@
 """Both CUDA backward sweeps (KDA_TRAINING_SWEEP=wgmma64: the Hopper 64-token sweep; sub16: the 16-token one) on a
 set of training cases, each of the eight gradients of recurrent_kda_backward as relative RMS against fp64 autograd
 through the token loop (kda_ops/reference.py), and whether the two sweeps' results are finite. A debugging aid on a
-Hopper GPU (the GPU tier holds the tolerances): `python3 benchmarks/profile/sweep64_smoke.py [--quick]`."""
+Hopper GPU (the GPU tier holds the tolerances): `python3 benchmarks/profiling/sweep64_smoke.py [--quick]`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 import kda_ops  # noqa: E402
-from benchmarks.profile.training_cases import (  # noqa: E402
+from benchmarks.profiling.training_cases import (  # noqa: E402
     EDGES,
     GRADS,
     PINNED_UNCOMPARED,

@@ -2,9 +2,9 @@
 decode<B>_<dtype> | prefill_<H>_<T> | train_<H>_<T>). Each case warms up first: skip those launches.
 
   ncu --kernel-name regex:kda_recurrent --launch-skip 3 --launch-count 1 --section SpeedOfLight \
-      --section MemoryWorkloadAnalysis --section Occupancy python3 benchmarks/profile/ncu_profile.py decode_bf16
+      --section MemoryWorkloadAnalysis --section Occupancy python3 benchmarks/profiling/ncu_profile.py decode_bf16
   ncu --kernel-name regex:kda_chunked --launch-skip 2 --launch-count 1 --set full --import-source yes \
-      -o /tmp/chunked python3 benchmarks/profile/ncu_profile.py prefill_96_8192
+      -o /tmp/chunked python3 benchmarks/profiling/ncu_profile.py prefill_96_8192
   ncu -i /tmp/chunked.ncu-rep --page source --csv --print-source cuda,sass > chunked_source.csv
   (training: --kernel-name regex:kda_training_backward_chunked --launch-skip 1 ... train_32_2048)
 """

@@ -7,7 +7,7 @@ difference of the last listed variant from the first) and whether the Hopper ker
 (profiler) for each case, then the profile instantiation's per-segment cycle table (KDA_SM90_PROFILE=1) of
 CTA 0 at H=96 T=8192 for each variant (on stderr).
 
-    python3 benchmarks/profile/sm90_bench.py
+    python3 benchmarks/profiling/sm90_bench.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One line per case: output rel RMS / max abs, final-state rel RMS, and whether results are finite: localises a
 kernel bug before the full GPU tier runs.
 
-  python3 benchmarks/profile/chunked_debug.py
+  python3 benchmarks/profiling/chunked_debug.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // Does compute-sanitizer racecheck model producer/consumer named barriers (bar.arrive / bar.sync)?
 // A correct hand-off: warp 0 writes shared memory then bar.arrive(1, 64); warp 1 bar.sync(1, 64) then
-// reads. Run: nvcc -arch=sm_90a -o /tmp/probe benchmarks/profile/racecheck_probe.cu &&
+// reads. Run: nvcc -arch=sm_90a -o /tmp/probe benchmarks/profiling/racecheck_probe.cu &&
 //             compute-sanitizer --tool racecheck /tmp/probe
 // The chunked prefill kernel hands tiles between warp roles this way (KREADY/FULL/EMPTY barriers).
 #include <cstdio>

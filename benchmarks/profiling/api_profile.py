@@ -4,7 +4,7 @@ For recurrent_kda(backend="chunked") at H=96 T=8192 (and packed 6) prints: the b
 events around one call, synchronised), the pipelined time per call (20 calls back to back), the host
 time per call, and the CUDA kernels and host syncs of one call from torch.profiler.
 
-  python3 benchmarks/profile/api_profile.py
+  python3 benchmarks/profiling/api_profile.py
 """
 
 import os

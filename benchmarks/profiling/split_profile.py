@@ -11,7 +11,7 @@ state-only calls on the Hopper kernel's state-only instantiation (the default), 
 instantiation with an output (KDA_SM90_STATE_ONLY=0), and passes with outputs
 (KDA_SEQUENCE_SPLIT_STATE_ONLY=0).
 
-  python3 benchmarks/profile/split_profile.py [8,4] [65536]
+  python3 benchmarks/profiling/split_profile.py [8,4] [65536]
 """
 
 import os

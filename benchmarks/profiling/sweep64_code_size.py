@@ -6,7 +6,7 @@ stores). The phases are those of the kernel's profiling instantiation (the one w
 stack frame and spills are printed for both instantiations, and the local-memory instructions (LDL / STL: register
 spills) of each phase's hot code for the profiling one. No GPU needed:
 
-    .venv/bin/python benchmarks/profile/sweep64_code_size.py [--source FILE]     (a Python with the CUTLASS headers)
+    .venv/bin/python benchmarks/profiling/sweep64_code_size.py [--source FILE]     (a Python with the CUTLASS headers)
 
 Why: most of the kernel's code runs once per task, and with all SMs busy its phases slowed by ~200-370 cycles per KB
 of that code (docs/performance.md), so this count is a cost to watch beside the clocks. The phase of an instruction is

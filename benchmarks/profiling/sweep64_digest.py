@@ -5,7 +5,7 @@ gradient's bytes, the relative RMS against the 16-token sweep, and which element
 gradients on this machine (saved under $TMPDIR, default /tmp). For an A/B of variants that should keep the arithmetic,
 run it after each variant's build: "bit-identical" after each.
 
-    python3 benchmarks/profile/sweep64_digest.py          (needs a Hopper GPU; ~10 s)
+    python3 benchmarks/profiling/sweep64_digest.py          (needs a Hopper GPU; ~10 s)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repository root
 import kda_ops  # noqa: E402
-from benchmarks.profile.training_cases import make_case, softplus_band  # noqa: E402
+from benchmarks.profiling.training_cases import make_case, softplus_band  # noqa: E402
 from kda_ops.reference import rel_rms  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")

@@ -4,7 +4,7 @@ For recurrent_kda_training_backward at the benchmark shapes (H=96 and H=32, T=81
 one call from torch.profiler (name, calls, total µs), so the backward chain, the chunk-parallel sweep and the finishing
 kernels can be told apart.
 
-  python3 benchmarks/profile/train_profile.py [96,32]     (comma-separated head counts)
+  python3 benchmarks/profiling/train_profile.py [96,32]     (comma-separated head counts)
 """
 
 import os

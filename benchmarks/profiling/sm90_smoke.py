@@ -1,10 +1,10 @@
 """Smoke check of the Hopper chunked prefill kernel (KDA_CHUNKED_KERNEL=sm90) against the mma.sync kernel and
 the fp64 reference, smallest cases first (needs a Hopper GPU).
 
-    timeout 90 python3 benchmarks/profile/sm90_smoke.py   # every case in order; a hang (a pipeline deadlock) stops
+    timeout 90 python3 benchmarks/profiling/sm90_smoke.py   # every case in order; a hang (a pipeline deadlock) stops
                                                           # it; it prints the case it is in before each call
-    python3 benchmarks/profile/sm90_smoke.py --only NAME  # one case, the Hopper kernel only (for compute-sanitizer)
-    python3 benchmarks/profile/sm90_smoke.py --list       # the case names
+    python3 benchmarks/profiling/sm90_smoke.py --only NAME  # one case, the Hopper kernel only (for compute-sanitizer)
+    python3 benchmarks/profiling/sm90_smoke.py --list       # the case names
 
 Per case one line: the Hopper and mma.sync errors against the reference (rel. RMS of output and state) and
 whether the profiler saw kda_chunked_sm90 run. For the first failing case a diagnosis follows: the first output

@@ -1,7 +1,7 @@
 """Which role bounds the chunked kernel? Times recurrent_kda(backend="chunked") with KDA_CHUNKED_DIAG
 switches that skip one role's math (1 chain, 2 W solve, 4 G prep; results are garbage on purpose).
 
-  python3 benchmarks/profile/chunked_diag.py            # H=96 and H=32, T=8192, lower-bound gate, bf16 state
+  python3 benchmarks/profiling/chunked_diag.py            # H=96 and H=32, T=8192, lower-bound gate, bf16 state
 
 The launcher reads KDA_CHUNKED_DIAG once per process, so every value runs in its own child process.
 """
