@@ -202,13 +202,47 @@ def _raise_under_tracing(name, real):  # type: ignore[no-untyped-def]
     return query
 
 
+def _count_split_forwards(monkeypatch) -> list:  # type: ignore[no-untyped-def]
+    """A list that grows by one per run of the training split's forward passes (kda_ops/_split.py)."""
+    from kda_ops import _split
+
+    runs: list = []
+    passes = _split._training_passes
+
+    def counting(*a, **kw):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        return passes(*a, **kw)
+
+    monkeypatch.setattr(_split, "_training_passes", counting)
+    return runs
+
+
+def _kda_grads_eager_and_compiled(ts, do, backend, between=None):  # type: ignore[no-untyped-def]
+    """The gradients of one kda() training step (loss: <o, do> + |final state|²) on copies of the leaves ``ts``,
+    eager then compiled with fullgraph=True (``between`` runs in between)."""
+
+    def loss_fn(q, k, v, g, beta, A_log, dt_bias, h0, do):  # type: ignore[no-untyped-def]
+        o, fs = kda_ops.kda(q, k, v, g, beta, A_log, dt_bias, h0, output_final_state=True)
+        return (o.float() * do.float()).sum() + fs.square().sum()
+
+    leaves_e = [t.detach().clone().requires_grad_() for t in ts]
+    leaves_c = [t.detach().clone().requires_grad_() for t in ts]
+    loss_fn(*leaves_e, do).backward()
+    if between is not None:
+        between()
+    _compile(loss_fn, backend)(*leaves_c, do).backward()
+    return [a.grad for a in leaves_e], [a.grad for a in leaves_c]
+
+
 @needs_cpu_op("recurrent_kda_training_forward", "recurrent_kda_training_backward")
 @pytest.mark.parametrize("split", ["auto", "forced"])
 def test_compile_training_step_asks_no_device_while_tracing(split, monkeypatch):
     """torch.compile(fullgraph=True) of a kda() training step where the split could run (forced on, 64-token
     segments, or auto): no CUDA capture or device query may come before the split's tracing guard. On CPU
     those queries short-circuit on the device type, so the calls are traced as if on CUDA (Dims.on_cuda set
-    while tracing) and every CUDA query raises when asked during tracing, as dynamo's would on a GPU."""
+    while tracing) and every CUDA query raises when asked during tracing, as dynamo's would on a GPU. The
+    compiled graph holds the one op of kda() (torch.ops.kda.kda_forward), which routes when it runs: forced,
+    the split runs in the eager step and again in the compiled one."""
     from kda_ops import _validate
 
     for name in ("is_current_stream_capturing", "current_stream", "get_device_properties", "get_device_capability"):
@@ -223,61 +257,40 @@ def test_compile_training_step_asks_no_device_while_tracing(split, monkeypatch):
     monkeypatch.setattr(_validate.Dims, "__init__", traced_as_cuda)
     if split == "forced":
         force_split(monkeypatch, 64)
-    ts, _, _ = _train_leaves()
+    runs = _count_split_forwards(monkeypatch)
+    h0 = torch.randn(1, 2, V, K, generator=torch.Generator().manual_seed(3)) * 0.1
     x = inputs(B=1, T=200, H=1, HV=2, K=K, V=V, dtype=torch.bfloat16)
-    ts = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], ts[7][:1]]
+    ts = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], h0]
     do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-
-    def loss_fn(q, k, v, g, beta, A_log, dt_bias, h0, do):  # type: ignore[no-untyped-def]
-        o, fs = kda_ops.kda(q, k, v, g, beta, A_log, dt_bias, h0, output_final_state=True)
-        return (o.float() * do.float()).sum() + fs.square().sum()
-
-    leaves_e = [t.detach().clone().requires_grad_() for t in ts]
-    leaves_c = [t.detach().clone().requires_grad_() for t in ts]
-    loss_fn(*leaves_e, do).backward()
-    _compile(loss_fn, "aot_eager")(*leaves_c, do).backward()
-    for a, b in zip(leaves_c, leaves_e, strict=True):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    eager, compiled = _kda_grads_eager_and_compiled(ts, do, "aot_eager")
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert len(runs) == (2 if split == "forced" else 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["default", "split-eligible"])
 def test_compile_training_step_cuda(shape, monkeypatch):
     """torch.compile(fullgraph=True) of a kda() training step on CUDA (inductor), gradients against eager:
-    a 128-token call at H=4, and a call the exact split takes in eager mode (one 4096-token sequence at
-    HV=2, split forced into 1024-token segments; the compiled graph runs the unsplit op). Tolerance: the
-    training tolerance of docs/contract.md (1e-2 relative RMS per gradient), since eager and compiled run
-    different (equally exact) routes on bf16 inputs."""
+    a 128-token call at H=4, and a call the exact split takes (one 4096-token sequence at HV=2, split forced
+    into 1024-token segments): the compiled graph holds kda()'s one op, which takes the split when it runs, as
+    the eager call does. Tolerance: the training tolerance of docs/contract.md (1e-2 relative RMS per
+    gradient)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     H, T = (4, 128) if shape == "default" else (2, 4096)
-    split_runs: list = []
     if shape == "split-eligible":
-        from kda_ops import _split
-
         force_split(monkeypatch, 1024)
-        passes = _split._training_passes
-
-        def counting(*a, **kw):  # type: ignore[no-untyped-def]
-            split_runs.append(1)
-            return passes(*a, **kw)
-
-        monkeypatch.setattr(_split, "_training_passes", counting)
+    runs = _count_split_forwards(monkeypatch)
     x = inputs(B=1, T=T, H=H, HV=H, K=128, V=128, dtype=torch.bfloat16, device="cuda")
     h0 = torch.randn(1, H, 128, 128, device="cuda") * 0.1
     ts = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], h0]
     do = torch.randn(x["v"].shape, device="cuda").to(torch.bfloat16)
-
-    def loss_fn(q, k, v, g, beta, A_log, dt_bias, h0, do):  # type: ignore[no-untyped-def]
-        o, fs = kda_ops.kda(q, k, v, g, beta, A_log, dt_bias, h0, output_final_state=True)
-        return (o.float() * do.float()).sum() + fs.square().sum()
-
-    leaves_e = [t.detach().clone().requires_grad_() for t in ts]
-    leaves_c = [t.detach().clone().requires_grad_() for t in ts]
-    loss_fn(*leaves_e, do).backward()
-    assert len(split_runs) == (1 if shape == "split-eligible" else 0), "eager must take the split where eligible"
-    _compile(loss_fn, "inductor")(*leaves_c, do).backward()
-    for i, (a, b) in enumerate(zip(leaves_c, leaves_e, strict=True)):
-        assert a.grad is not None and torch.isfinite(a.grad).all()
-        err = ((a.grad.double() - b.grad.double()).norm() / b.grad.double().norm().clamp_min(1e-30)).item()
+    eager_runs: list = []
+    eager, compiled = _kda_grads_eager_and_compiled(ts, do, "inductor", between=lambda: eager_runs.append(len(runs)))
+    want = 1 if shape == "split-eligible" else 0
+    assert eager_runs == [want] and len(runs) == 2 * want, "the split must run where eligible, eager and compiled"
+    for i, (a, b) in enumerate(zip(compiled, eager, strict=True)):
+        assert a is not None and torch.isfinite(a).all()
+        err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
         assert err <= 1e-2, f"gradient {i}: compiled vs eager relative RMS {err:.3e}"

@@ -63,43 +63,31 @@
 // State rows held per lane by the token-serial kernel: 4 or 8 (the tiles a route chooses); 1 and 2 too in an
 // experiments build (KDA_BUILD_EXPERIMENTS=1: they lost everywhere on the H200).
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
-#define KDA_ROWS_PER_LANE_SWITCH(nr, kName, ...) \
-  [&] {                                          \
-    switch (nr) {                                \
-      case 1: {                                  \
-        constexpr int kName = 1;                 \
-        return __VA_ARGS__();                    \
-      }                                          \
-      case 2: {                                  \
-        constexpr int kName = 2;                 \
-        return __VA_ARGS__();                    \
-      }                                          \
-      case 4: {                                  \
-        constexpr int kName = 4;                 \
-        return __VA_ARGS__();                    \
-      }                                          \
-      case 8: {                                  \
-        constexpr int kName = 8;                 \
-        return __VA_ARGS__();                    \
-      }                                          \
-      default:                                   \
-        KDA_SWITCH_FAIL("rows per lane", (nr));  \
-    }                                            \
-  }()
+#define KDA_EXPERIMENT_ROWS_PER_LANE_CASES(kName, ...) \
+  case 1: {                                            \
+    constexpr int kName = 1;                           \
+    return __VA_ARGS__();                              \
+  }                                                    \
+  case 2: {                                            \
+    constexpr int kName = 2;                           \
+    return __VA_ARGS__();                              \
+  }
 #else
-#define KDA_ROWS_PER_LANE_SWITCH(nr, kName, ...) \
-  [&] {                                          \
-    switch (nr) {                                \
-      case 4: {                                  \
-        constexpr int kName = 4;                 \
-        return __VA_ARGS__();                    \
-      }                                          \
-      case 8: {                                  \
-        constexpr int kName = 8;                 \
-        return __VA_ARGS__();                    \
-      }                                          \
-      default:                                   \
-        KDA_SWITCH_FAIL("rows per lane", (nr));  \
-    }                                            \
-  }()
+#define KDA_EXPERIMENT_ROWS_PER_LANE_CASES(kName, ...)
 #endif
+#define KDA_ROWS_PER_LANE_SWITCH(nr, kName, ...)             \
+  [&] {                                                      \
+    switch (nr) {                                            \
+      KDA_EXPERIMENT_ROWS_PER_LANE_CASES(kName, __VA_ARGS__) \
+      case 4: {                                              \
+        constexpr int kName = 4;                             \
+        return __VA_ARGS__();                                \
+      }                                                      \
+      case 8: {                                              \
+        constexpr int kName = 8;                             \
+        return __VA_ARGS__();                                \
+      }                                                      \
+      default:                                               \
+        KDA_SWITCH_FAIL("rows per lane", (nr));              \
+    }                                                        \
+  }()
