@@ -562,20 +562,29 @@ def try_training_forward(d, q, k, v, g, beta, A, dtb, h0, cu_seqlens, cu_host, s
     seg_len = [pl.cu[s + 1] - pl.cu[s] for s in range(si.nseg_total)]
     for L in seg_len:
         seg_rows.append(seg_rows[-1] + max(-(-L // C) - 1, 0))
-    n_seg_rows = seg_tapes.shape[0]
-    src = []  # per original tape row: a row of seg_tapes, or n_seg_rows + segment (its start state)
+    # Every unsplit tape row is a row of seg_tapes (in their order) or, at a segment start, that segment's start
+    # state: two index_copy_ into the result, no intermediate copy of the tapes (they are the large tensor here).
+    dst_seg, dst_start, start_seg = [], [], []
     starts = [0]
     for n, L in enumerate(pl.lens):
         for c in range(1, -(-L // C)):
             j, r = divmod(c, per)
-            seg = si.first[n] + j
-            src.append(n_seg_rows + seg if r == 0 else seg_rows[seg] + r - 1)
-        starts.append(len(src))
+            if r == 0:
+                dst_start.append(starts[-1] + c - 1)
+                start_seg.append(si.first[n] + j)
+            else:
+                dst_seg.append(starts[-1] + c - 1)
+        starts.append(starts[-1] + max(-(-L // C) - 1, 0))
+    assert len(dst_seg) == seg_rows[-1]  # (the segment call's rows, in order)
     rows = V.tape_rows(d.B, d.T, d.packed)
-    tapes = torch.zeros((rows, d.HV, d.V, d.K), dtype=h0.dtype, device=d.device)
-    if src:
-        pool = torch.cat([seg_tapes, S])
-        tapes[: len(src)] = pool.index_select(0, _device_tensor(src, torch.int64, d.device))
+    tapes = torch.empty((rows, d.HV, d.V, d.K), dtype=h0.dtype, device=d.device)
+    tapes[starts[-1] :].zero_()
+    idx = _device_tensor(dst_seg + dst_start + start_seg, torch.int64, d.device)
+    n_seg, n_start = len(dst_seg), len(dst_start)
+    if n_seg:
+        tapes.index_copy_(0, idx[:n_seg], seg_tapes[:n_seg].to(h0.dtype))
+    if n_start:
+        tapes.index_copy_(0, idx[n_seg : n_seg + n_start], S.index_select(0, idx[n_seg + n_start :]))
     tape_starts = _device_tensor(starts, torch.int64, d.device)
     # what the split backward needs beyond the tapes: the plan and the segments' transitions
     return o.view(v.shape), fs, tapes, tape_starts, (pl, Ps)
@@ -633,14 +642,27 @@ def backward_from_tapes(d, q, k, v, g, beta, A, dtb, tapes_in, h0, do, dfinal, s
             seg_starts.append(len(seg_src))
             start_src.append(-1 - n if j == 0 else orig[n] + j * per - 1)
     rows = V.tape_rows(1, d.B * d.T, True)
-    tapes = torch.zeros((rows, HV, Vd, K), dtype=tapes_in.dtype, device=dev)
-    if seg_src:
-        tapes[: len(seg_src)] = tapes_in.index_select(0, _device_tensor(seg_src, torch.int64, dev))
-    if h0 is None or h0.stride(0) == 0:
-        h0 = torch.zeros((N, HV, Vd, K), dtype=state_dtype if h0 is None else h0.dtype, device=dev)
-    src = torch.cat([tapes_in, h0.reshape(N, HV, Vd, K).to(tapes_in.dtype)])
-    idx = [x if x >= 0 else tapes_in.shape[0] + (-1 - x) for x in start_src]
-    S = src.index_select(0, _device_tensor(idx, torch.int64, dev)).to(h0.dtype)
+    n_used = len(seg_src)
+    tapes = torch.empty((rows, HV, Vd, K), dtype=tapes_in.dtype, device=dev)
+    tapes[n_used:].zero_()
+    if n_used:  # (gathered straight into the result: the tapes are the large tensor here)
+        torch.index_select(tapes_in, 0, _device_tensor(seg_src, torch.int64, dev), out=tapes[:n_used])
+    sdt = state_dtype if h0 is None else h0.dtype
+    # segment start states: each sequence's initial state (zeros without one) or the tape row before the segment
+    no_h0 = h0 is None or h0.stride(0) == 0  # (kda() passes zeros as a stride-0 view)
+    S = (torch.zeros if no_h0 else torch.empty)((len(start_src), HV, Vd, K), dtype=sdt, device=dev)
+    at_h0 = [(i, -1 - x) for i, x in enumerate(start_src) if x < 0]
+    at_tape = [(i, x) for i, x in enumerate(start_src) if x >= 0]
+    if not no_h0:
+        pos, seq = _device_tensor([i for i, _ in at_h0] + [n for _, n in at_h0], torch.int64, dev).split(len(at_h0))
+        S.index_copy_(0, pos, h0.reshape(N, HV, Vd, K).index_select(0, seq))
+    if at_tape:
+        pos, row = _device_tensor([i for i, _ in at_tape] + [r for _, r in at_tape], torch.int64, dev).split(
+            len(at_tape)
+        )
+        S.index_copy_(0, pos, tapes_in.index_select(0, row).to(sdt))
+    if no_h0:
+        h0 = S  # (only its dtype is read below)
     toks = tuple(_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta))
     cu = _device_tensor(pl.cu, torch.int64, dev)
     starts = _device_tensor(seg_starts, torch.int64, dev)
