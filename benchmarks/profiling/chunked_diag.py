@@ -1,9 +1,10 @@
-"""Which role bounds the chunked kernel? Times recurrent_kda(backend="chunked") with KDA_CHUNKED_DIAG
-switches that skip one role's math (1 chain, 2 W solve, 4 G prep; results are garbage on purpose).
+"""Which role bounds the mma.sync chunked kernel? Times recurrent_kda(backend="chunked") with
+KDA_EXPERIMENT=chunked_diag masks (an experiments build: KDA_BUILD_EXPERIMENTS=1) that skip one role's math
+(1 chain, 2 W solve, 4 G prep; results are garbage on purpose).
 
   python3 benchmarks/profiling/chunked_diag.py            # H=96 and H=32, T=8192, lower-bound gate, bf16 state
 
-The launcher reads KDA_CHUNKED_DIAG once per process, so every value runs in its own child process.
+The switches are read once per process, so every value runs in its own child process.
 """
 
 import functools
@@ -58,13 +59,13 @@ def run_one(H, T):
 
 
 def main():
-    if len(sys.argv) == 3:  # child: one (H, T) at the KDA_CHUNKED_DIAG of its environment
+    if len(sys.argv) == 3:  # child: one (H, T) at the chunked_diag of its environment
         print(f"{run_one(int(sys.argv[1]), int(sys.argv[2])):.3f}", flush=True)
         return
     for H, T in ((96, 8192), (32, 8192)):
         row = []
         for diag in ("0", "1", "2", "4", "3", "5", "6", "7"):
-            env = dict(os.environ, KDA_CHUNKED_DIAG=diag)
+            env = dict(os.environ, KDA_CHUNKED_KERNEL="mma", KDA_EXPERIMENT=f"chunked_diag={diag}")
             ms = (
                 subprocess.run(
                     [sys.executable, __file__, str(H), str(T)], env=env, capture_output=True, text=True, check=True

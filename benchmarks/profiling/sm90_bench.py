@@ -1,11 +1,12 @@
 """Hopper chunked kernel (KDA_CHUNKED_KERNEL=sm90) vs the mma.sync kernel: ms per prefill call on a Hopper GPU
 (K = V = 128, λ = -5 lower-bound gate, logit β, L2 norm, bf16 tokens and bf16 state pool, preallocated output;
 median of 20 calls after 3 warm-up calls, CUDA events). Prints a markdown table (the variants of the Hopper
-kernel, KDA_SM90_VARIANT=1|2|3 as SM90_BENCH_VARIANTS lists them, default 2,3, each optionally with a schedule,
-e.g. 3s0 = variant 3 with KDA_SM90_SCHEDULE=0; the largest output/state
+kernel, KDA_EXPERIMENT=sm90_variant=1|2|3 as SM90_BENCH_VARIANTS lists them, default 2,3, each optionally with a
+schedule, e.g. 3s0 = variant 3 with sm90_schedule=0; the largest output/state
 difference of the last listed variant from the first) and whether the Hopper kernel ran
-(profiler) for each case, then the profile instantiation's per-segment cycle table (KDA_SM90_PROFILE=1) of
-CTA 0 at H=96 T=8192 for each variant (on stderr).
+(profiler) for each case, then the profile instantiation's per-segment cycle table (sm90_profile=1) of
+CTA 0 at H=96 T=8192 for each variant (on stderr). Needs an experiments build (KDA_BUILD_EXPERIMENTS=1); the
+switches are re-read in-process (kda_ops._routing.reload).
 
     python3 benchmarks/profiling/sm90_bench.py
 """
@@ -66,16 +67,22 @@ def ran_sm90(kw):
     return any("kda_chunked_sm90" in e.name for e in prof.events())
 
 
-def set_kernel(kern):
-    """'mma', or 'sm90:V' / 'sm90:VsS' (the Hopper kernel's variant V, KDA_SM90_VARIANT, with schedule S,
-    KDA_SM90_SCHEDULE; without one, the default schedule)."""
+def set_kernel(kern, profile=False):
+    """'mma', or 'sm90:V' / 'sm90:VsS' (the Hopper kernel's variant V with schedule S; without one, the default
+    schedule), as KDA_CHUNKED_KERNEL and KDA_EXPERIMENT, re-read at once."""
+    from kda_ops import _routing
+
     os.environ["KDA_CHUNKED_KERNEL"] = kern.split(":")[0]
-    os.environ.pop("KDA_SM90_SCHEDULE", None)
+    exp = []
     if ":" in kern:
         v, _, sched = kern.split(":")[1].partition("s")
-        os.environ["KDA_SM90_VARIANT"] = v
+        exp.append(f"sm90_variant={v}")
         if sched:
-            os.environ["KDA_SM90_SCHEDULE"] = sched
+            exp.append(f"sm90_schedule={sched}")
+    if profile:
+        exp.append("sm90_profile=1")
+    os.environ["KDA_EXPERIMENT"] = ",".join(exp)
+    _routing.reload()
 
 
 def call(kw):
@@ -134,21 +141,19 @@ def main():
             diff = f"{(o1 - o0).abs().max().item():.1e}, {(s1 - s0).abs().max().item():.1e}"
         cols = " | ".join(f"{t:.3f}" for t in t90)
         print(f"| {name} | {cols} | {tm:.3f} | {diff} | {ran} |", flush=True)
-    # segment clocks of CTA 0 (KDA_SM90_PROFILE=1: the profile instantiation prints its table on stderr)
+    # segment clocks of CTA 0 (sm90_profile=1: the profile instantiation prints its table on stderr)
     kw = case(96, [8192])
     for v in variants:
         set_kernel(f"sm90:{v}")
         call(kw)  # warm
         torch.cuda.synchronize()
-        os.environ["KDA_SM90_PROFILE"] = "1"
+        set_kernel(f"sm90:{v}", profile=True)
         sys.stderr.flush()
         print(f"profile H=96 T=8192 variant {v}:", flush=True)
         call(kw)
         torch.cuda.synchronize()
-        os.environ.pop("KDA_SM90_PROFILE")
         sys.stderr.flush()
-    os.environ.pop("KDA_SM90_VARIANT", None)
-    os.environ.pop("KDA_SM90_SCHEDULE", None)
+    set_kernel("auto")
     return 0
 
 

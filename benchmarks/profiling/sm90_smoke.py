@@ -109,6 +109,7 @@ def build(case):
 
 def run_kernel(kern, x, kw, slots, pool_dtype, profile=True):
     os.environ["KDA_CHUNKED_KERNEL"] = kern
+    kda_ops._routing.reload()  # (the switches are read once: re-read after changing one)
     pool = None if pool_dtype is None else x["initial_state"].clone()
     extra = dict(initial_state=pool, backend="chunked")
     if pool is None:
@@ -209,10 +210,11 @@ def check(case, profile=True, mma=True, diag=True):
     res = {}
     for kern in ("sm90", "mma") if mma else ("sm90",):
         print(f"  {name}: calling {kern}", flush=True)
-        if kern == "sm90":
-            os.environ["KDA_SM90_VERBOSE"] = "1"
+        os.environ["KDA_VERBOSE"] = "1" if kern == "sm90" else "0"  # (the route line of each call)
+        kda_ops._routing.reload()
         o, fs, pool, ran, names = run_kernel(kern, x, kw, slots, pool_dtype, profile=profile)
-        os.environ.pop("KDA_SM90_VERBOSE", None)
+        os.environ.pop("KDA_VERBOSE", None)
+        kda_ops._routing.reload()
         res[kern] = (o, fs, pool, ran, names)
     # rows that must be compared: tokens of active sequences (inactive rows must be zero)
     lens_l = lens if isinstance(lens, list) else [lens]

@@ -6,10 +6,9 @@ time of an unprofiled call (host, to the end of its last kernel), the host time 
 synchronize inside it: the split's Python plan and its op calls), the GPU time of every kernel of a
 profiled one (the three chunked passes, the scan, copies) and the idle GPU time in between (host overhead
 between launches), and the median of 20 CUDA-graph replays of the call (benchmarks/bench_prefill.py's
-graph_time_ms; fixed layout: the split runs inside the graph). Three settings: the end-state passes as
-state-only calls on the Hopper kernel's state-only instantiation (the default), the same calls on its
-instantiation with an output (KDA_SM90_STATE_ONLY=0), and passes with outputs
-(KDA_SEQUENCE_SPLIT_STATE_ONLY=0).
+graph_time_ms; fixed layout: the split runs inside the graph). Two settings: the end-state passes on the Hopper
+kernel's state-only instantiation (the default), and (in an experiments build) on its instantiation with an
+output (KDA_EXPERIMENT=sm90_state_only=0).
 
   python3 benchmarks/profiling/split_profile.py [8,4] [65536]
 """
@@ -25,18 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import kda_ops  # noqa: E402
 from benchmarks.bench_prefill import graph_time_ms  # noqa: E402
 from benchmarks.bench_split import make, ours  # noqa: E402  (the benchmark's inputs and call)
-from kda_ops import _split  # noqa: E402
+from kda_ops import _routing  # noqa: E402
 
 
 def main() -> None:
     heads = [int(h) for h in (sys.argv[1] if len(sys.argv) > 1 else "8,4").split(",")]
     T = int(sys.argv[2]) if len(sys.argv) > 2 else 65536
-    _split.MODE = "1"
+    os.environ["KDA_SEQUENCE_SPLIT"] = "1"
+    _routing.reload()
+    settings = ("1", "0", "1", "0") if _routing.knobs()["experiments_built"] else ("1",)
     for H in heads:
         call = ours(kda_ops, make(H, [T], False), fixed=True)  # (one sequence without cu_seqlens: split in graphs too)
-        for so, inst in ((True, "1"), (True, "0"), (False, "1"), (True, "1"), (True, "0")):
-            _split.STATE_ONLY = so
-            os.environ["KDA_SM90_STATE_ONLY"] = inst
+        for inst in settings:
+            os.environ["KDA_EXPERIMENT"] = f"sm90_state_only={inst}" if _routing.knobs()["experiments_built"] else ""
+            _routing.reload()
             for _ in range(3):
                 call()
             torch.cuda.synchronize()
@@ -62,7 +63,7 @@ def main() -> None:
             busy = sum(e.time_range.elapsed_us() for e in ev)
             span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0
             print(
-                f"\n## H={H} T={T} state_only={so} KDA_SM90_STATE_ONLY={inst}: graph {graph_ms:.3f} ms, "
+                f"\n## H={H} T={T} sm90_state_only={inst}: graph {graph_ms:.3f} ms, "
                 f"wall {sorted(walls)[2]:.3f} ms (median of 5), "
                 f"host enqueue {sorted(enq)[2]:.3f} ms (median of 5), "
                 f"GPU span {span / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms, "
