@@ -1,6 +1,7 @@
 """Code size of the Hopper 64-token sweep per profile phase: compiles csrc/kda/backward/sm90/sweep64_sm90.cu to an
 sm_90a cubin (the build's nvcc flags), disassembles it with line information and sums the instruction bytes between
-the kernel's consecutive clock reads (the phases of KDA_EXPERIMENT=sweep64_profile=1, in code order), in all and without the paths
+the kernel's consecutive clock reads (the phases of KDA_EXPERIMENT=sweep64_profile=1, in code order), in all and
+without the paths
 the lower-bound, full-state, HV == H case never runs (the wide blocks, the checked state loads, the per-head GQA
 stores). The phases are those of the kernel's profiling instantiation (the one with the clocks); ptxas's registers,
 stack frame and spills are printed for both instantiations, and the local-memory instructions (LDL / STL: register
