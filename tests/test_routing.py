@@ -24,16 +24,21 @@ def _csrc_files():  # type: ignore[no-untyped-def]
 
 
 def test_switches_are_read_in_one_place_and_documented():
-    """Every getenv of the C++ layer is in csrc/kda/route/knobs.cpp, and every name it reads is in docs/env.md."""
-    names, places = set(), set()
+    """Every getenv of the C++ layer is in csrc/kda/route/knobs.cpp, and every KDA_* name read there (through
+    getenv or the pin reader) is documented in docs/env.md."""
+    places = set()
     for path in _csrc_files():
         with open(path, encoding="utf-8") as f:
-            src = f.read()
-        found = re.findall(r'getenv\("(KDA_[A-Z0-9_]+)', src)
-        if "getenv(" in src:
-            places.add(os.path.relpath(path, ROOT))
-        names.update(found)
-    assert places == {os.path.join("csrc", "kda", "route", "knobs.cpp")}, places
+            if "getenv(" in f.read():
+                places.add(os.path.relpath(path, ROOT))
+    knobs_cpp = os.path.join("csrc", "kda", "route", "knobs.cpp")
+    assert places == {knobs_cpp}, places
+    with open(os.path.join(ROOT, knobs_cpp), encoding="utf-8") as f:
+        src = f.read()
+    names = set(re.findall(r'getenv\("(KDA_[A-Z0-9_]+)"', src)) | set(
+        re.findall(r'read_pin\(k, "(KDA_[A-Z0-9_]+)"', src)
+    )
+    assert {"KDA_VERBOSE", "KDA_CHUNKED_KERNEL", "KDA_SEQUENCE_SPLIT"} <= names, names
     with open(os.path.join(ROOT, "docs", "env.md"), encoding="utf-8") as f:
         doc = f.read()
     undocumented = sorted(n for n in names if f"`{n}`" not in doc)
