@@ -9,9 +9,9 @@ path through ``fused_recurrent_kda_fwd``) runs on kda_ops. docs/fla.md has the t
 Routing:
 
 - ``chunk_kda`` with autograd (grad mode on and any tensor input requiring grad) runs
-  :func:`kda_ops.kda`, the training path with its backward. That path implements the training contract
-  only: L2 norm in kernel, the lower-bound gate in kernel, logit beta (``use_beta_sigmoid_in_kernel``).
-  Any other mode under autograd is a ``NotImplementedError`` naming the argument.
+  :func:`kda_ops.kda`, the training path with its backward, in every mode of fla's: the precomputed,
+  softplus and lower-bound gates (λ in [-5, 0)), logit or plain beta (``allow_neg_eigval``: β = 2·sigmoid in
+  torch), L2 norm on or off, GVA, packed, a differentiable initial state.
 - Everything else (no autograd, ``fused_recurrent_kda``, ``fused_recurrent_kda_fwd``) runs
   :func:`kda_ops.recurrent_kda`, which implements every gate mode, L2 on or off, beta or logits.
 
@@ -106,9 +106,10 @@ def _check_state_layout(
         )
 
 
-def _beta_for_inference(beta: torch.Tensor, use_sigmoid: bool, allow_neg_eigval: bool) -> tuple[torch.Tensor, bool]:
-    """(beta, beta_is_logit) for recurrent_kda. 2*sigmoid (allow_neg_eigval) is computed here in fp32
-    and rounded to beta's dtype: kda_ops has no in-kernel [0, 2) beta."""
+def _beta_args(beta: torch.Tensor, use_sigmoid: bool, allow_neg_eigval: bool) -> tuple[torch.Tensor, bool]:
+    """(beta, beta_is_logit) for recurrent_kda and kda. 2*sigmoid (allow_neg_eigval) is computed here in fp32
+    and rounded to beta's dtype (differentiable: under autograd its gradient flows through torch's sigmoid):
+    kda_ops has no in-kernel [0, 2) beta."""
     if allow_neg_eigval:
         if not use_sigmoid:
             raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
@@ -231,26 +232,12 @@ def _chunk_plan(
             raise ValueError("return_intermediate_states is only allowed in inference mode (it bypasses autograd)")
         if disable_recompute:
             raise ValueError("return_intermediate_states must be used with disable_recompute=False")
-    if grad:
-        # The training path (kda_ops.kda) implements one contract; name what is outside it.
-        for ok, name, want in (
-            (use_qk_l2norm_in_kernel, "use_qk_l2norm_in_kernel", "True"),
-            (use_gate_in_kernel, "use_gate_in_kernel", "True"),
-            (lower_bound is not None, "lower_bound", "a float in [-5, 0) (the lower-bound gate)"),
-            (use_beta_sigmoid_in_kernel, "use_beta_sigmoid_in_kernel", "True"),
-            (not allow_neg_eigval, "allow_neg_eigval", "False"),
-        ):
-            if not ok:
-                raise NotImplementedError(
-                    f"kda_ops.fla.chunk_kda with autograd implements the training contract (L2 norm, lower-bound "
-                    f"gate, logit beta): {name} must be {want}; run without gradients (torch.no_grad / "
-                    f"inference_mode) for the other modes"
-                )
-        assert lower_bound is not None
-        if not (_TRAINING_MIN_LOWER_BOUND <= lower_bound < 0):
-            raise NotImplementedError(
-                f"kda_ops.fla.chunk_kda with autograd needs lower_bound in [-5, 0), got {lower_bound}"
-            )
+    if grad and lower_bound is not None and not (_TRAINING_MIN_LOWER_BOUND <= lower_bound < 0):
+        # (the training path runs every mode of fla's; its lower-bound gate keeps e^{-Γ} in range for λ >= -5)
+        raise NotImplementedError(
+            f"kda_ops.fla.chunk_kda with autograd needs lower_bound in [-5, 0) (or None: the softplus gate), "
+            f"got {lower_bound}"
+        )
     # The training path takes one state per sequence; the inference path reads a pool of any size.
     n_seqs = (q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1) if grad else None
     _check_state_layout(initial_state, q, v, state_v_first, n_seqs)
@@ -291,8 +278,8 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """fla's ``chunk_kda`` (0.6) on kda_ops: the chunked KDA forward, differentiable on the training path.
 
-    Routing: with autograd (grad mode on and an input requiring grad) :func:`kda_ops.kda` (the training
-    contract only); otherwise :func:`kda_ops.recurrent_kda` (every mode). docs/fla.md maps every argument.
+    Routing: with autograd (grad mode on and an input requiring grad) :func:`kda_ops.kda`; otherwise
+    :func:`kda_ops.recurrent_kda`; both in every mode. docs/fla.md maps every argument.
 
     Args:
         q, k: [B, T, H, K] query and key; bf16 on CUDA, any float dtype on CPU.
@@ -307,7 +294,8 @@ def chunk_kda(
         use_gate_in_kernel: g is the raw gate; ``A_log`` fp32 [HV] and ``dt_bias`` fp32 [HV*K] (keywords)
             give the softplus gate, with ``lower_bound`` the lower-bound gate (``A_log`` None: A_log = 0).
         use_beta_sigmoid_in_kernel: beta holds logits (sigmoid applied in the kernel).
-        allow_neg_eigval: β = 2·sigmoid(beta) (needs ``use_beta_sigmoid_in_kernel``; inference only).
+        allow_neg_eigval: β = 2·sigmoid(beta) (needs ``use_beta_sigmoid_in_kernel``; under autograd its gradient
+            flows through torch's sigmoid).
         safe_gate: fla's lower_bound checks (required, in [-5, 0)); the result is unchanged.
         lower_bound: λ of the lower-bound gate, or None.
         disable_recompute: a memory hint of fla's, accepted and ignored.
@@ -328,8 +316,7 @@ def chunk_kda(
 
     Raises:
         NotImplementedError: ``cp_context``, ``use_graph``/``max_num_seqs``, an unknown keyword, or under
-            autograd any mode outside the training contract (L2 norm, lower-bound gate with λ in [-5, 0),
-            logit beta, no ``allow_neg_eigval``); the argument is named.
+            autograd a lower-bound gate with λ below -5; the argument is named.
         TypeError: ``initial_state`` not fp32 (fla's check).
         ValueError: fla's argument errors (``cu_seqlens`` with B != 1, the number of initial states,
             ``chunk_size``, ``safe_gate`` / ``lower_bound``, ``allow_neg_eigval`` without sigmoid, a missing
@@ -346,25 +333,27 @@ def chunk_kda(
     HV = v.shape[2]
     A_log, dt_bias, lb = _gate_args(use_gate_in_kernel, p["A_log"], p["dt_bias"], p["lower_bound"], HV, q.device)
 
+    beta_k, logit = _beta_args(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if p["grad"]:
-        assert A_log is not None and lb is not None
-        if dt_bias is None:
-            dt_bias = torch.zeros(HV * q.shape[-1], dtype=A_log.dtype, device=q.device)
+        # every mode of fla's chunk_kda on kda_ops.kda: the three gates, logit or plain (or 2·sigmoid) beta, L2 on
+        # or off, GVA, packed, a differentiable initial state in either layout
         h0 = None
         if initial_state is not None:
             h0 = initial_state if v_first else initial_state.transpose(-1, -2)
             h0 = h0.contiguous()
         # kda_ops.kda wants parameters and state in the training dtype (fp64 with fp64 tokens, CPU gradcheck)
         pdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        A_log, dt_bias = A_log.to(pdt), dt_bias.to(pdt)
+        A_log = None if A_log is None else A_log.to(pdt)
+        dt_bias = None if dt_bias is None else dt_bias.to(pdt)
         h0 = None if h0 is None else h0.to(pdt)
         o, fs = kda(
-            q, k, v, g, beta, A_log, dt_bias, h0,
+            q, k, v, g, beta_k, A_log, dt_bias, h0,
             cu_seqlens=cu_seqlens, scale=scale, lower_bound=lb, output_final_state=bool(output_final_state),
+            use_gate_in_kernel=use_gate_in_kernel, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            beta_is_logit=logit,
         )  # fmt: skip
         return o, _to_fla(fs, v_first)
 
-    beta_k, logit = _beta_for_inference(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     # fla never writes initial_state. Ours updates a pool in place, so: state_v_first (our layout) reads
     # the caller's tensor as a read-only source pool, no copy; fla's layout runs on a transposed copy,
     # which then is the final state.
@@ -533,7 +522,7 @@ def fused_recurrent_kda_fwd(
     )  # fmt: skip
     HV = v.shape[2]
     A, dtb, lb = _gate_args(use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, q.device)
-    beta_k, logit = _beta_for_inference(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    beta_k, logit = _beta_args(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     common: dict[str, Any] = dict(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel,
@@ -707,10 +696,13 @@ def _device_ok(q: torch.Tensor) -> str | None:
 
 def _chunk_kda_probe(a: dict[str, Any]) -> str | None:
     kw = {k: a[k] for k in a if k not in _CHUNK_POSITIONAL}
-    _chunk_plan(*(a[k] for k in _CHUNK_POSITIONAL), kw)  # type: ignore[arg-type, call-arg]
+    p = _chunk_plan(*(a[k] for k in _CHUNK_POSITIONAL), kw)  # type: ignore[arg-type, call-arg]
     q, v = a["q"], a["v"]
-    if q.device.type == "cuda" and (q.shape[-1] != 128 or v.shape[-1] != 128):
-        return f"kda_ops' CUDA chunked path takes K == V == 128, got K={q.shape[-1]}, V={v.shape[-1]}"
+    # (the training path takes K == V in {64, 128} on CUDA, the chunked prefill K == V == 128)
+    dims = (64, 128) if p["grad"] else (128,)
+    if q.device.type == "cuda" and (q.shape[-1] not in dims or v.shape[-1] != q.shape[-1]):
+        path = "training" if p["grad"] else "chunked"
+        return f"kda_ops' CUDA {path} path takes K == V in {dims}, got K={q.shape[-1]}, V={v.shape[-1]}"
     return _device_ok(q)
 
 

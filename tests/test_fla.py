@@ -296,23 +296,73 @@ def _small(grad: bool = False) -> dict:
     return x
 
 
-@pytest.mark.parametrize(
-    "kw,name",
-    [
-        (dict(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel"),
-        (dict(use_gate_in_kernel=False), "use_gate_in_kernel"),
-        (dict(lower_bound=None), "lower_bound"),
-        (dict(use_beta_sigmoid_in_kernel=False), "use_beta_sigmoid_in_kernel"),
-        (dict(allow_neg_eigval=True), "allow_neg_eigval"),
-    ],
-)
-def test_training_modes_outside_the_contract(kw, name) -> None:
+# every mode of fla's chunk_kda under autograd: gate, β (logit, plain, 2·sigmoid), L2, GVA, the state's layout
+MODE_CASES = [
+    # gate, lower_bound, beta_sigmoid, allow_neg_eigval, l2, H, HV, v_first, with dt_bias
+    ("pre", None, False, False, False, 1, 2, False, True),
+    ("pre", None, True, False, True, 2, 2, True, True),
+    ("softplus", None, True, False, True, 1, 2, False, True),
+    ("softplus", None, False, False, False, 1, 1, True, False),
+    ("lower_bound", -3.0, True, True, True, 1, 2, False, True),
+    ("lower_bound", -5.0, False, False, False, 2, 4, True, True),
+    ("lower_bound", -1.0, True, False, False, 1, 2, False, False),
+]
+
+
+@pytest.mark.parametrize("gate,lb,beta_sigmoid,neg,l2,H,HV,v_first,with_dtb", MODE_CASES)
+def test_chunk_kda_gradients_every_mode(gate, lb, beta_sigmoid, neg, l2, H, HV, v_first, with_dtb) -> None:
+    """chunk_kda under autograd in each mode fla's KDA layer can ask for, against autograd through fla's naive
+    functions: the output, the final state and the gradients of every input (q, k, v, g, beta, A_log, dt_bias,
+    initial_state in the caller's layout), packed with an empty sequence."""
+    cu = [0, 30, 30, 70]
+    N, D, T = len(cu) - 1, 64, cu[-1]
+    x = fla_inputs(1, T, H, HV, D, gate="lower_bound" if gate != "pre" else "pre", N=N, seed=17 + HV)
+    if gate == "pre" and beta_sigmoid:  # logits for the in-kernel sigmoid
+        x["beta"] = torch.randn(x["beta"].shape, generator=torch.Generator().manual_seed(3))
+    if not l2:  # unnormalised keys of norm ~1, so that the plain recurrence stays bounded
+        x["q"], x["k"] = x["q"] / D**0.5, x["k"] / D**0.5
+    names = ["q", "k", "v", "g", "beta", "h0"] + (
+        [] if gate == "pre" else ["A_log"] + (["dt_bias"] if with_dtb else [])
+    )
+    leaves_ref = {n: x[n].clone().requires_grad_() for n in names}
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    gen = torch.Generator().manual_seed(9)
+    do = torch.randn(x["v"].shape, generator=gen)
+    dht = torch.randn(N, HV, D, D, generator=gen)
+
+    ref_in = dict(leaves_ref)
+    if gate != "pre" and not with_dtb:
+        ref_in["dt_bias"] = torch.zeros_like(x["dt_bias"])
+    o_ref, h_ref = fla_reference(
+        *_qkvgb(ref_in), h0=ref_in["h0"], A_log=ref_in.get("A_log"), dt_bias=ref_in.get("dt_bias"), gate=gate,
+        lower_bound=lb, l2=l2, beta_sigmoid=beta_sigmoid, allow_neg_eigval=neg, cu_seqlens=cu,
+    )  # fmt: skip
+    ((o_ref * do).sum() + (h_ref * dht).sum()).backward()
+    cu_t = torch.tensor(cu, dtype=torch.long)
+    h0 = leaves["h0"].transpose(-1, -2) if v_first else leaves["h0"]
+    gate_kw = {} if gate == "pre" else dict(use_gate_in_kernel=True, A_log=leaves["A_log"], lower_bound=lb)
+    if gate != "pre" and with_dtb:
+        gate_kw["dt_bias"] = leaves["dt_bias"]
+    o, ht = kf.chunk_kda(
+        *_qkvgb(leaves), initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2,
+        use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg, state_v_first=v_first, cu_seqlens=cu_t,
+        cu_seqlens_cpu=cu_t, **gate_kw,
+    )  # fmt: skip
+    assert o.grad_fn is not None
+    ht = ht.transpose(-1, -2) if v_first else ht
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    close(o.detach(), o_ref.detach(), TOL, "o")
+    close(ht.detach(), h_ref.detach(), TOL, "final_state")
+    for n in names:
+        assert leaves[n].grad is not None, n
+        close(leaves[n].grad, leaves_ref[n].grad, GRAD_TOL, f"d{n}")
+
+
+def test_training_lower_bound_below_the_safe_range() -> None:
     x = _small(grad=True)
-    args = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"])  # fmt: skip
-    args.update(kw)
-    with pytest.raises(NotImplementedError, match=name):
-        kf.chunk_kda(*_qkvgb(x), **args)
+    with pytest.raises(NotImplementedError, match="lower_bound"):
+        kf.chunk_kda(*_qkvgb(x), use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-8.0,
+                     A_log=x["A_log"], dt_bias=x["dt_bias"])  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -457,8 +507,13 @@ def test_install_verifier_rejects_what_kda_ops_cannot_take(installed) -> None:
 
     backend = fb._function_registries[inspect.unwrap(fk.chunk_kda)]._backends["kda_ops"]
     x = _small(grad=True)
-    ok, why = backend.verify("chunk_kda", *_qkvgb(x))
-    assert not ok and "use_qk_l2norm_in_kernel" in why  # falls back to fla's kernels
+    gate = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"])
+    ok, why = backend.verify("chunk_kda", *_qkvgb(x), lower_bound=-8.0, **gate)
+    assert not ok and "lower_bound" in why  # falls back to fla's kernels
+    ok, why = backend.verify("chunk_kda", *_qkvgb(x), cp_context=object())
+    assert not ok and "cp_context" in why
+    ok, why = backend.verify("chunk_kda", *_qkvgb(x))  # fla's own default mode under autograd: taken
+    assert ok, why
     ok, why = backend.verify("chunk_kda", x["q"].detach(), x["k"], x["v"], x["g"], x["beta"])
     assert ok, why
 
