@@ -1351,14 +1351,21 @@ def check_permutation(seq_order: torch.Tensor, N: int) -> None:
 # context parallelism (kda_ops/distributed.py)
 
 
-def check_context_parallel_local(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound):  # type: ignore[no-untyped-def]
+def check_context_parallel_local(
+    q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound, use_gate_in_kernel=True,
+    use_qk_l2norm_in_kernel=True, beta_is_logit=True,
+):  # type: ignore[no-untyped-def]  # fmt: skip
     """The local checks of context_parallel_kda (before the first collective): a packed batch [1, T_local, ...] in
-    the training modes, initial_state [N, HV, V, K] of the state dtype. Returns (dims, A_log, dt_bias,
-    initial_state, scale, lower_bound, state dtype)."""
+    every training mode of :func:`kda_ops.kda` (check_training_modes), initial_state [N, HV, V, K] of the state
+    dtype (N: the global sequences, checked with cu_seqlens). Returns (dims, A_log or None, dt_bias or None,
+    initial_state, scale, the training keywords (scale, lower_bound and the modes), state dtype)."""
     d = check_tokens(q, k, v, g, beta, None, kv_rule="training")
     if d.B != 1:
         raise ValueError(f"q must have B == 1 (a packed batch: [1, T_local, H, K]), got B={d.B}")
-    A, dtb, _, lb = check_training_params(A_log, dt_bias, None, lower_bound, d, state_required=False)
+    gm, A, dtb, _, lb, l2, logit = check_training_modes(
+        use_gate_in_kernel, lower_bound, A_log, dt_bias, None, use_qk_l2norm_in_kernel, beta_is_logit, d,
+        state_required=False,
+    )  # fmt: skip
     sc = check_scale(scale, d.K)
     pdt = param_dtype(d)
     h0 = _opt_tensor(initial_state, "initial_state")
@@ -1370,7 +1377,11 @@ def check_context_parallel_local(q, k, v, g, beta, A_log, dt_bias, initial_state
             raise ValueError(
                 f"initial_state must have shape [N, HV, V, K] = [N, {d.HV}, {d.V}, {d.K}], got {_shape(h0)}"
             )
-    return d, A, dtb, h0, sc, lb, pdt
+    kw = dict(
+        scale=sc, lower_bound=lb if gm == GATE_LOWER_BOUND else None, use_gate_in_kernel=gm != GATE_PRECOMPUTED,
+        use_qk_l2norm_in_kernel=l2, beta_is_logit=logit,
+    )  # fmt: skip
+    return d, A, dtb, h0, sc, kw, pdt
 
 
 def check_context_parallel_cu(cu_seqlens: Any, h0: torch.Tensor | None = None) -> list[int]:

@@ -153,19 +153,20 @@ def _zero_grads(tok: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(x) for x in tok]
 
 
-def _segment_map(tok, A, dtb, sc, lb, pdt, HV, K, Vd):  # type: ignore[no-untyped-def]
-    """(P [HV, K, K], Q [HV, V, K]) of the whole token range (one run: kda_ops/_state_map.py)."""
+def _segment_map(tok, A, dtb, kw, pdt, HV, K, Vd):  # type: ignore[no-untyped-def]
+    """(P [HV, K, K], Q [HV, V, K]) of the whole token range (one run: kda_ops/_state_map.py); ``kw``: the training
+    keywords (scale, lower_bound, the modes)."""
     dev = tok[0].device
 
     def forward(q, k, v, g, beta, start):  # type: ignore[no-untyped-def]
-        return recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, start, scale=sc, lower_bound=lb)[1]
+        return recurrent_kda_training_forward(q, k, v, g, beta, A, dtb, start, **kw)[1]
 
     Q = SM.offsets(forward, *tok, torch.zeros((1, HV, Vd, K), dtype=pdt, device=dev))
     P = SM.transitions(forward, *tok, 1, pdt)
     return P[0], Q[0]
 
 
-def _packed_forward(tok, A, dtb, h0, cu_host, sc, lb):  # type: ignore[no-untyped-def]
+def _packed_forward(tok, A, dtb, h0, cu_host, kw):  # type: ignore[no-untyped-def]
     """Training forward of a packed local range (B == 1). Returns (o, final [n, HV, V, K], ctx or None)."""
     q = tok[0]
     if q.shape[1] == 0:  # nothing to run: zero-length sequences keep their start state
@@ -173,16 +174,15 @@ def _packed_forward(tok, A, dtb, h0, cu_host, sc, lb):  # type: ignore[no-untype
         return q.new_empty((1, 0, HV, Vd)), h0.clone(), None
     cu_cpu = torch.tensor(cu_host, dtype=torch.int64)
     cu_dev = cu_cpu.to(q.device)
-    o, fs, ctx = recurrent_kda_training_forward(
-        *tok, A, dtb, h0, cu_seqlens=cu_dev, scale=sc, lower_bound=lb, cu_seqlens_cpu=cu_cpu
-    )
+    o, fs, ctx = recurrent_kda_training_forward(*tok, A, dtb, h0, cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, **kw)
     return o, fs, ctx
 
 
 def _packed_backward(ctx, tok, do, dfinal, A, dtb):  # type: ignore[no-untyped-def]
     """Backward of a `_packed_forward` range: (5 token grads, dA_log, ddt_bias, dinitial_state)."""
     if ctx is None:
-        return [*_zero_grads(tok), torch.zeros_like(A), torch.zeros_like(dtb), dfinal.clone()]
+        zero = [None if t is None else torch.zeros_like(t) for t in (A, dtb)]
+        return [*_zero_grads(tok), *zero, dfinal.clone()]
     return list(recurrent_kda_training_backward(ctx, do.contiguous(), dfinal.contiguous()))
 
 
@@ -196,10 +196,10 @@ def _packed_backward(ctx, tok, do, dfinal, A, dtb):  # type: ignore[no-untyped-d
 
 class _ContextParallelKDA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A, dtb, h0, plan, group, comm, sc, lb):  # type: ignore[no-untyped-def]
+    def forward(ctx, q, k, v, g, beta, A, dtb, h0, plan, group, comm, kw, pdt):  # type: ignore[no-untyped-def]
         tok = (q, k, v, g, beta)
         HV, Vd, K = v.shape[2], v.shape[3], q.shape[3]
-        N, pdt, dev = plan.N, A.dtype, q.device
+        N, dev = plan.N, q.device
         r = plan.rank
         li = plan.len_in
 
@@ -211,12 +211,12 @@ class _ContextParallelKDA(torch.autograd.Function):
             h0_rest = torch.zeros((len(plan.rest_ids), HV, Vd, K), dtype=pdt, device=dev)
         o_rest = fs_rest = ctx_rest = None
         if plan.rest_ids:
-            o_rest, fs_rest, ctx_rest = _packed_forward(rest_tok, A, dtb, h0_rest, plan.rest_cu, sc, lb)
+            o_rest, fs_rest, ctx_rest = _packed_forward(rest_tok, A, dtb, h0_rest, plan.rest_cu, kw)
         P_r = torch.zeros((HV, K, K), dtype=pdt, device=dev)
         Q_r = torch.zeros((HV, Vd, K), dtype=pdt, device=dev)
         kind = plan.kinds_fwd[r]
         if kind == "inner":
-            P_r, Q_r = _segment_map(tok, A, dtb, sc, lb, pdt, HV, K, Vd)
+            P_r, Q_r = _segment_map(tok, A, dtb, kw, pdt, HV, K, Vd)
         elif kind == "restart":
             Q_r = fs_rest[-1]
 
@@ -242,7 +242,7 @@ class _ContextParallelKDA(torch.autograd.Function):
                     S = torch.zeros_like(S)
             S_in = S.unsqueeze(0).contiguous()
             if li > 0:
-                o_in, fs_in, ctx_in = _packed_forward(_slice(tok, 0, li), A, dtb, S_in, [0, li], sc, lb)
+                o_in, fs_in, ctx_in = _packed_forward(_slice(tok, 0, li), A, dtb, S_in, [0, li], kw)
 
         # assemble
         pieces = [x for x in (o_in, o_rest) if x is not None]
@@ -259,7 +259,6 @@ class _ContextParallelKDA(torch.autograd.Function):
         ctx.ctx_in, ctx.ctx_rest, ctx.S_in, ctx.Ps = ctx_in, ctx_rest, S_in, Ps
         ctx.shapes = (HV, Vd, K, pdt)
         ctx.save_for_backward(q, k, v, g, beta, A, dtb)
-        ctx.sc, ctx.lb = sc, lb
         return o, final
 
     @staticmethod
@@ -321,18 +320,18 @@ class _ContextParallelKDA(torch.autograd.Function):
                 grads.append(torch.zeros_like(x))
             else:
                 grads.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
-        dA = torch.zeros_like(A)
-        ddtb = torch.zeros_like(dtb)
+        dA = None if A is None else torch.zeros_like(A)
+        ddtb = None if dtb is None else torch.zeros_like(dtb)
         for gr in (g_in, g_rest):  # fixed order: deterministic
             if gr is not None:
-                dA = dA + gr[5]
-                ddtb = ddtb + gr[6].view_as(dtb)
+                dA = dA if gr[5] is None else dA + gr[5]
+                ddtb = ddtb if gr[6] is None else ddtb + gr[6].view_as(dtb)
         dh0 = None
         if ctx.has_h0:
             dh0 = torch.zeros((plan.N, HV, Vd, K), dtype=pdt, device=dev)
             if g_rest is not None:
                 dh0[plan.rest_ids] = g_rest[7]
-        return (*grads, dA, ddtb, dh0, None, None, None, None, None)
+        return (*grads, dA, ddtb, dh0, None, None, None, None, None)  # (plan, group, comm, kw, pdt)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -345,16 +344,19 @@ def context_parallel_kda(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None = None,
     *,
     cu_seqlens: torch.Tensor | Sequence[int],
     group: Any = None,
     scale: float | None = None,
-    lower_bound: float = -5.0,
+    lower_bound: float | None = -5.0,
     output_final_state: bool = False,
     token_offsets: Sequence[int] | None = None,
+    use_gate_in_kernel: bool = True,
+    use_qk_l2norm_in_kernel: bool = True,
+    beta_is_logit: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Differentiable KDA over a packed batch split into contiguous token ranges over the ranks of
     ``group`` (context parallelism). Equals :func:`kda_ops.kda` on the whole batch in one process,
@@ -365,10 +367,12 @@ def context_parallel_kda(
     ``initial_state``; rank r passes its own tokens ``[t_r, t_{r+1})``, in rank order.
 
     Args:
-        q, k: [1, T_r, H, K]; v: [1, T_r, HV, V]; g: [1, T_r, HV, K] raw gate; beta: [1, T_r, HV] logits.
+        q, k: [1, T_r, H, K]; v: [1, T_r, HV, V]; g: [1, T_r, HV, K] raw gate (the log-decay with
+            ``use_gate_in_kernel=False``); beta: [1, T_r, HV] logits (β itself with ``beta_is_logit=False``).
             T_r >= 0 (a rank may hold no token). Dtypes and head dims of the training path: bf16 with
             K == V in {64, 128} on CUDA; bf16/fp32/fp64, any K, V on CPU.
-        A_log: [HV]; dt_bias: [HV, K] or [HV*K]; fp32 (fp64 with fp64 tokens).
+        A_log: [HV] (None without the gate); dt_bias: [HV, K] or [HV*K], or None (0); fp32 (fp64 with fp64
+            tokens).
         initial_state: [N, HV, V, K] in that dtype, the start state of every global sequence, or None
             (zeros, no gradient).
         cu_seqlens: the GLOBAL boundaries [N+1] (int tensor on any device, or a list of ints): starts at
@@ -376,7 +380,9 @@ def context_parallel_kda(
             split (a device tensor is copied to the host: one sync).
         group: the process group (None: the default group). gloo (CPU tensors, or CUDA tensors staged
             through the host) or NCCL (CUDA tensors).
-        scale: finite > 0; None means 1/sqrt(K). lower_bound: λ in [-5, 0).
+        scale: finite > 0; None means 1/sqrt(K). lower_bound: λ in [-5, 0), None: the softplus gate.
+        use_gate_in_kernel, use_qk_l2norm_in_kernel, beta_is_logit: the modes of :func:`kda_ops.kda` (every
+            one is supported).
         output_final_state: also return the final states.
         token_offsets: optional host ints [R+1], ``t_0 = 0 ... t_R``; checked against this rank's T_r.
             None: the token counts are gathered (one small all_gather).
@@ -409,9 +415,10 @@ def context_parallel_kda(
     comm = _comm_device(group)
     err: BaseException | None = None
     try:
-        d, A, dtb, h0, sc, lb, pdt = V.check_context_parallel_local(
-            q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound
-        )
+        d, A, dtb, h0, sc, kw, pdt = V.check_context_parallel_local(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound, use_gate_in_kernel,
+            use_qk_l2norm_in_kernel, beta_is_logit,
+        )  # fmt: skip
         ofs = V.check_bool(output_final_state, "output_final_state")
         cu = V.check_context_parallel_cu(cu_seqlens, h0)
         if q.device.type != "cuda" and "nccl" in str(dist.get_backend(group)).lower():
@@ -450,5 +457,5 @@ def context_parallel_kda(
             f"{counts}), got {cu[-1]}"
         )
     plan = ContextParallelPlan(cu, offsets, rank)
-    o, final = _ContextParallelKDA.apply(q, k, v, g, beta, A, dtb, h0, plan, group, comm, sc, lb)
+    o, final = _ContextParallelKDA.apply(q, k, v, g, beta, A, dtb, h0, plan, group, comm, kw, pdt)
     return o, (final if ofs else None)

@@ -61,21 +61,49 @@ def _inputs(cu: list[int], dtype: torch.dtype, with_h0: bool, seed: int):  # typ
     return x
 
 
-def _grads(fn, x, cu, tokens: slice, lower_bound: float):  # type: ignore[no-untyped-def]
+# the other training modes of kda(): name, world size, cu_seqlens, offsets, the mode keywords (and "no_dt_bias")
+MODE_CASES = [
+    ("softplus2", 2, [0, 5, 30, 37], [0, 18, 37], dict(lower_bound=None)),
+    ("pre_plain_nol2_2", 2, [0, 5, 30, 37], [0, 18, 37],
+     dict(use_gate_in_kernel=False, beta_is_logit=False, use_qk_l2norm_in_kernel=False)),
+    ("lb_no_dt_bias4", 4, [0, 3, 40, 41, 50], [0, 10, 20, 31, 50], dict(lower_bound=-2.0, no_dt_bias=True)),
+]  # fmt: skip
+
+
+def _mode_inputs(cu: list[int], modes: dict, seed: int):  # type: ignore[no-untyped-def]
+    """_inputs in a mode's terms: a log-decay g <= 0 without the gate, β in (0, 1) for plain β, q and k of norm ~1
+    without the L2 norm (a bounded recurrence)."""
+    x = _inputs(cu, torch.float32, True, seed)
+    if modes.get("use_gate_in_kernel", True) is False:
+        x["g"] = -torch.nn.functional.softplus(x["g"]) * 0.5
+    if modes.get("beta_is_logit", True) is False:
+        x["beta"] = torch.sigmoid(x["beta"])
+    if modes.get("use_qk_l2norm_in_kernel", True) is False:
+        x["q"], x["k"] = x["q"] / K**0.5, x["k"] / K**0.5
+    return x
+
+
+def _grads(fn, x, cu, tokens: slice, lower_bound: float, modes: dict | None = None):  # type: ignore[no-untyped-def]
     """Outputs and gradients of `fn` (context_parallel_kda or kda) on the `tokens` of x, under the loss of x's
-    do / dfinal."""
+    do / dfinal; `modes`: kda()'s mode keywords (lower_bound among them), "no_dt_bias" for dt_bias None."""
+    modes = dict(modes or {})
+    no_dtb = modes.pop("no_dt_bias", False)
+    lower_bound = modes.pop("lower_bound", lower_bound)
+    gate = modes.get("use_gate_in_kernel", True)
     leaves = {n: x[n][:, tokens].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
-    A = x["A_log"].clone().requires_grad_(True)
-    dtb = x["dt_bias"].clone().requires_grad_(True)
+    A = x["A_log"].clone().requires_grad_(True) if gate else None
+    dtb = x["dt_bias"].clone().requires_grad_(True) if gate and not no_dtb else None
     h0 = None if x["h0"] is None else x["h0"].clone().requires_grad_(True)
     o, fs = fn(
-        *leaves.values(), A, dtb, h0, cu_seqlens=torch.tensor(cu), lower_bound=lower_bound, output_final_state=True
-    )
+        *leaves.values(), A, dtb, h0, cu_seqlens=torch.tensor(cu), lower_bound=lower_bound, output_final_state=True,
+        **modes,
+    )  # fmt: skip
     ((o * x["do"][:, tokens]).sum() + (fs * x["dfinal"]).sum()).backward()
     res = {"o": o.detach(), "final": fs.detach()}
     for n, t in leaves.items():
         res["d" + n] = t.grad
-    res["dA_log"], res["ddt_bias"] = A.grad, dtb.grad
+    res["dA_log"] = None if A is None else A.grad
+    res["ddt_bias"] = None if dtb is None else dtb.grad
     res["dh0"] = None if h0 is None else h0.grad
     return res
 
@@ -98,6 +126,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         results[name] = _run_local(x, cu, offsets, rank)
         if name in ("cross2", "span4"):  # rerun: bit-identical
             results[name + "_again"] = _run_local(x, cu, offsets, rank)
+    for i, (name, R, cu, offsets, modes) in enumerate(MODE_CASES):
+        if R == world:
+            x = _mode_inputs(cu, modes, seed=300 + i)
+            results[name] = _grads(
+                kda_ops.distributed.context_parallel_kda, x, cu, slice(offsets[rank], offsets[rank + 1]), -0.2, modes
+            )
 
     # bad input on one rank: that rank raises its own error, the others a RuntimeError naming it
     cu, offsets = [0, 5, 30, 37], [0, 18, 37] if world == 2 else [0, 9, 18, 30, 37]
@@ -166,6 +200,28 @@ def test_matches_one_process(world_results):  # type: ignore[no-untyped-def]
         assert bool((nonzero[lens > 0] == 1).all()), name
         n_checked += 1
     assert n_checked >= 4
+
+
+def test_every_mode_matches_one_process(world_results):  # type: ignore[no-untyped-def]
+    """context_parallel_kda in kda()'s other modes (softplus gate; precomputed gate with plain β and no L2 norm;
+    the lower-bound gate without dt_bias) equals kda() in one process, gradients included (absent parameters
+    get none)."""
+    world, per_rank = world_results
+    for i, (name, R, cu, _offsets, modes) in enumerate(MODE_CASES):
+        if R != world:
+            continue
+        x = _mode_inputs(cu, modes, seed=300 + i)
+        ref = _grads(kda_ops.kda, x, cu, slice(None), -0.2, modes)
+        parts = [p[name] for p in per_rank]
+        for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+            got = torch.cat([p[key] for p in parts], 1)
+            assert rel_rms(got, ref[key]) <= 2e-6, (name, key, rel_rms(got, ref[key]))
+        for key in ("final", "dA_log", "ddt_bias", "dh0"):
+            if ref[key] is None:
+                assert all(p[key] is None for p in parts), (name, key)
+                continue
+            got = sum(p[key] for p in parts[1:]) + parts[0][key]
+            assert rel_rms(got, ref[key]) <= 2e-6, (name, key, rel_rms(got, ref[key]))
 
 
 def test_deterministic(world_results):  # type: ignore[no-untyped-def]
