@@ -200,11 +200,16 @@ def _chunk_plan(
     _reject_unknown(kwargs, "chunk_kda")
     if cp_context is not None:
         raise NotImplementedError("kda_ops.fla.chunk_kda: cp_context (context parallelism) is not supported")
-    if use_graph:
-        raise NotImplementedError(
-            "kda_ops.fla.chunk_kda: use_graph is not supported; for CUDA-graph capture call kda_ops.recurrent_kda "
-            "with a RecurrentKDAPrefillWorkspace (docs/serving.md)"
-        )
+    if use_graph and cu_seqlens is not None:
+        # fla's graph mode: cu_seqlens padded with zero-length tail sequences to a static count. Our kernels take
+        # device cu_seqlens with no host sync or planning, so the padded call is the ordinary one (capturable; the
+        # tokens no sequence covers read as zeros).
+        n = cu_seqlens.shape[0] - 1
+        if max_num_seqs is not None and n != max_num_seqs:
+            raise ValueError(
+                f"cu_seqlens must be padded with zero-length tail sequences to exactly max_num_seqs + 1 entries, "
+                f"got {n} sequences with max_num_seqs={max_num_seqs}"
+            )
     _check_packed(q, initial_state, cu_seqlens)
     if initial_state is not None and initial_state.dtype != torch.float32:
         raise TypeError(f"initial_state must be in float32, got {initial_state.dtype}")
@@ -219,8 +224,6 @@ def _chunk_plan(
             raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
-    if max_num_seqs is not None:
-        raise NotImplementedError("kda_ops.fla.chunk_kda: max_num_seqs (use_graph mode) is not supported")
     if not use_gate_in_kernel:
         # fla ignores these without the in-kernel gate (g is the log-decay).
         A_log = dt_bias = None
@@ -304,7 +307,10 @@ def chunk_kda(
             ``transpose_state_layout``, with a DeprecationWarning).
         cu_seqlens: int32/int64 [N+1] packed sequence starts (then B must be 1).
         cu_seqlens_cpu: the host copy of ``cu_seqlens``; sizes ``h`` without a device sync.
-        cp_context, use_graph, max_num_seqs: not supported (must be left at their defaults).
+        cp_context: not supported (must be None).
+        use_graph, max_num_seqs: fla's graph mode (``cu_seqlens`` padded with zero-length tail sequences to
+            ``max_num_seqs + 1`` entries; None: its length): the padded call is the ordinary one, since the
+            kernels read device ``cu_seqlens`` without a host sync; tokens no sequence covers read as zeros.
         **kwargs: ``A_log``, ``dt_bias``, ``chunk_size`` (32 or 64: the chunk of ``h``).
 
     Returns:
@@ -315,7 +321,7 @@ def chunk_kda(
         [B, NT, HV, K, V] (fixed length) or [1, NT_total, HV, K, V] (packed), in q's dtype.
 
     Raises:
-        NotImplementedError: ``cp_context``, ``use_graph``/``max_num_seqs``, an unknown keyword, or under
+        NotImplementedError: ``cp_context``, an unknown keyword, or under
             autograd a lower-bound gate with λ below -5; the argument is named.
         TypeError: ``initial_state`` not fp32 (fla's check).
         ValueError: fla's argument errors (``cu_seqlens`` with B != 1, the number of initial states,

@@ -369,8 +369,6 @@ def test_training_lower_bound_below_the_safe_range() -> None:
     "kw,name",
     [
         (dict(cp_context=object()), "cp_context"),
-        (dict(use_graph=True), "use_graph"),
-        (dict(max_num_seqs=4), "max_num_seqs"),
         (dict(some_new_flag=1), "some_new_flag"),
     ],
 )
@@ -378,6 +376,28 @@ def test_chunk_kda_unsupported_arguments(kw, name) -> None:
     x = _small()
     with pytest.raises(NotImplementedError, match=name):
         kf.chunk_kda(*_qkvgb(x), **kw)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunk_kda_graph_mode_padded_cu_seqlens(grad) -> None:
+    """fla's graph mode (use_graph, max_num_seqs): cu_seqlens padded with zero-length tail sequences gives the
+    unpadded call's outputs and final states (the padded rows keep their start state), with and without
+    autograd; a count that does not match max_num_seqs is named."""
+    cu, pad = [0, 30, 30, 70], [70, 70]
+    x = fla_inputs(1, 70, 1, 2, 64, gate="lower_bound", N=len(cu) - 1 + len(pad), seed=5)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"], output_final_state=True)  # fmt: skip
+    toks = [t.clone().requires_grad_(grad) for t in _qkvgb(x)]
+    n = len(cu) - 1
+    o_ref, h_ref = kf.chunk_kda(*toks, initial_state=x["h0"][:n], cu_seqlens=torch.tensor(cu), **kw)
+    cu_pad = torch.tensor(cu + pad)
+    o, h = kf.chunk_kda(*toks, initial_state=x["h0"], cu_seqlens=cu_pad, use_graph=True, max_num_seqs=5, **kw)
+    assert torch.equal(o, o_ref) and torch.equal(h[:n], h_ref)
+    assert torch.equal(h[n:], x["h0"][n:])  # zero-length tail sequences: their start state
+    if grad:
+        o.sum().backward()
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        kf.chunk_kda(*toks, initial_state=x["h0"], cu_seqlens=cu_pad, use_graph=True, max_num_seqs=6, **kw)
 
 
 def test_recurrent_unsupported_arguments() -> None:

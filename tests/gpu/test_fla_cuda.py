@@ -197,3 +197,38 @@ def test_install_routes_fla_on_cuda() -> None:
     with torch.inference_mode():
         o32, _ = fla_kda.chunk_kda(*(xf[n] for n in TOKENS), **kw)
     assert o32.dtype == torch.float32 and torch.isfinite(o32).all()
+
+
+def test_chunk_kda_graph_mode_replays_new_cu_seqlens() -> None:
+    """fla's graph mode on kda_ops: chunk_kda(use_graph=True, max_num_seqs=M) captured once in a CUDA graph on
+    static buffers, then replayed after new cu_seqlens values (zero-length tail padding) and new tokens are
+    copied in: each replay equals an eager call on the same data."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs")
+    from conftest import capture_graph
+
+    M, T = 4, 256
+    x = _inputs(1, T, 1, 2, 128, "lower_bound", N=M, seed=41)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"], output_final_state=True,
+              use_graph=True, max_num_seqs=M)  # fmt: skip
+    static = {n: x[n].clone() for n in TOKENS}
+    h0 = x["h0"].clone()
+    cu = torch.tensor([0, 100, 256, 256, 256], dtype=torch.int64, device=DEV)
+    out: dict = {}
+
+    def step() -> None:
+        with torch.no_grad():
+            out["o"], out["h"] = kf.chunk_kda(*(static[n] for n in TOKENS), initial_state=h0, cu_seqlens=cu, **kw)
+
+    graph = capture_graph(step)
+    for seed, lens in ((42, [256, 0, 0, 0]), (43, [64, 64, 100, 28]), (44, [1, 200, 0, 55])):
+        y = _inputs(1, T, 1, 2, 128, "lower_bound", N=M, seed=seed)
+        for n in TOKENS:
+            static[n].copy_(y[n])
+        cu.copy_(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64))
+        graph.replay()
+        with torch.no_grad():
+            o_e, h_e = kf.chunk_kda(*(y[n] for n in TOKENS), initial_state=h0, cu_seqlens=cu.clone(), **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(out["o"], o_e) and torch.equal(out["h"], h_e), lens
