@@ -10,7 +10,6 @@ L2 norm, logit β), one sequence of T tokens, no initial state; prints the media
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
@@ -18,6 +17,10 @@ import torch
 
 def main() -> None:
     root, H, T = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    # this checkout's timing helper (benchmarks/common.py), then the measured checkout's kda_ops
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from benchmarks.common import cuda_time_ms
+
     sys.path.insert(0, root)
     import kda_ops
     from kda_ops.reference import make_inputs
@@ -34,23 +37,9 @@ def main() -> None:
     def step() -> None:
         fwd().backward(do)
 
-    def timed(fn, n: int = 10, warm: int = 3) -> float:  # type: ignore[no-untyped-def]
-        for _ in range(warm):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(n):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        return statistics.median(ts)
-
     with torch.no_grad():
-        f = timed(fwd)
-    s = timed(step)
+        f = cuda_time_ms(fwd)
+    s = cuda_time_ms(step)
     split = os.environ.get("KDA_SEQUENCE_SPLIT", "auto")
     print(f"{root} split={split} H={H} T={T}: fwd {f:.3f} ms, fwd+bwd {s:.3f} ms", flush=True)
 
