@@ -327,3 +327,17 @@ def _segment_state_scan_fake(S, Q, P, first):
     torch._check(Q.device == S.device and P.device == S.device, lambda: "S, Q and P must be on one device")
     torch._check(S.is_contiguous() and Q.is_contiguous() and P.is_contiguous(), lambda: "S, Q and P must be contiguous")
     torch._check(first >= 1, lambda: f"first must be >= 1, got {first}")
+
+
+@torch.library.register_fake("kda::segment_state_scan_packed")
+def _segment_state_scan_packed_fake(S, Q, P, seg_first, seg_count):
+    # mutates S in place: nothing to allocate; the shape rules of the real op
+    _segment_state_scan_fake(S, Q, P, 1)
+    torch._check(
+        seg_first.dim() == 1 and tuple(seg_count.shape) == tuple(seg_first.shape),
+        lambda: "seg_first and seg_count must be [N] of one length",
+    )
+    torch._check(
+        seg_first.dtype == torch.int64 and seg_count.dtype == torch.int64,
+        lambda: "seg_first and seg_count must be int64",
+    )

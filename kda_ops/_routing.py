@@ -50,6 +50,17 @@ def split_segment_tokens(lens: list[int], HV: int, device: torch.device, trainin
     return int(_C.route_split(lens, HV, on_cuda, index, training, multiple))
 
 
+def split_segment_tokens_device(
+    tokens: int, n: int, HV: int, device: torch.device, training: bool, multiple: int = 64
+) -> int:
+    """The split route of a packed call whose ``n`` lengths live on the device only (``tokens`` token rows): its
+    segment length, or 0 (the spine plans all the tokens as one sequence; auto only while ``n`` · HV chains fill at
+    most half of the SMs)."""
+    on_cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if on_cuda else 0
+    return int(_C.route_split_device_lengths(tokens, n, HV, on_cuda, index, training, multiple))
+
+
 def plan_segments(lens: list[int], HV: int, sms: int, multiple: int = 64) -> int:
     """The spine's segment plan: the shortest length (a multiple of ``multiple``) whose chains fit ``sms``."""
     return int(_C.plan_segments(lens, HV, sms, multiple))

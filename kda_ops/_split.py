@@ -11,42 +11,41 @@ so a sequence cut into segments 0..P_n-1 has exact segment start states from a s
     S_{j+1} = S_j · P_j + Q_j           (j >= 1; Q_j from a zero start, P_j from the identity with v = 0)
 
 Three calls of the same op on the same token tensors, segments as separate packed sequences (the
-tokens of a sequence's segments are contiguous, so only cu_seqlens changes; the pool rows the segments
-use are picked with ssm_state_indices, and segments a pass does not need are inactive there):
+tokens of a sequence's segments are contiguous, so only cu_seqlens changes; each segment has its own row in
+the passes' state tensors, picked with ssm_state_indices, and segments a pass does not need are inactive there):
   1. Q: segments 0..P_n-2 of every split sequence, segment 0 from the real start state, others from 0;
   2. P: segments 1..P_n-2, from the identity ([K, K] states) with v = 0 (head dim K);
   3. outputs and final states of every segment from the exact start states (the scan in between:
-     ``torch.ops.kda.segment_state_scan``, in fp32, over all split sequences and heads at once: one launch
-     on CUDA, one batched matmul per segment index on the CPU).
+     ``torch.ops.kda.segment_state_scan_packed``, in fp32, over all sequences and heads at once: one launch
+     on CUDA, one matmul per segment on the CPU).
 Passes 1 and 2 are state-only calls (``output`` a 1-D empty tensor: the chunked kernel skips the output
 product).
 Short sequences are single segments of pass 3. Work: about 3x the unsplit tokens, on N·HV·P_n chains
 instead of N·HV, so the split pays when N·HV is small against the SM count and the sequences are long.
 
-Host side: the plan and its index tensors on the device (two host-to-device copies from pinned memory)
-are kept in a small LRU cache (:func:`_cached_plan`, 16 plans, keyed on the lengths, the segment length,
-the checkpoint period, the device and the current CUDA stream); the cached tensors are only ever read
-(the op's cu_seqlens, ssm_state_indices and checkpoint_cu_starts are read-only) and hold no data of a
-call. With a pool read in order a call then launches 8 small kernels besides the three passes and
-the scan (12 kernels in all, 26 before).
+The plan (:class:`_SegmentPlan`: the passes' cu_seqlens, pool rows and the scan's layout) is a handful of index
+tensors made by torch ops of fixed shapes from a cu_seqlens tensor, so it can be made on either side:
+  - host-known lengths (fixed layout, ``cu_seqlens`` on the host or its host mirror ``cu_seqlens_cpu``) and not
+    captured: made on the host and copied in one pinned buffer, kept in a small LRU cache
+    (:func:`_cached_plan`, 16 plans, keyed on the lengths, the segment length, the checkpoint period, the device
+    and the current CUDA stream; only ever read, no data of a call);
+  - lengths only on the device (a packed call as engines make it), or any call under CUDA graph capture: made on
+    the device from ``cu_seqlens`` (about a dozen small kernels, no host sync), so a graph replayed with new
+    ``cu_seqlens`` values runs the plan of those values. The segment length then comes from the token count (the
+    spine plans all tokens as one sequence; auto takes such calls while N·HV fills at most half of the SMs), and
+    the plan has T // Ls + N rows, the unused ones zero-length segments at the end. A sequence shorter than a
+    segment runs whole in the output pass.
 
 Scope (everything else takes the unsplit path, results identical up to floating point):
   - prefill without speculative decode; checkpoints every n tokens when the
     segments can be a multiple of n (the output pass writes them, each segment at its own rows);
-  - host-known lengths: fixed layout (T from the shapes), or packed with ``cu_seqlens`` on the host (the
-    CPU path) or its host mirror ``cu_seqlens_cpu`` (never a device sync);
   - not under torch.compile tracing or FakeTensor/meta;
-  - under CUDA graph capture only with the fixed layout (the plan follows from the shapes, so every replay
-    is planned right; a packed graph is replayed with new cu_seqlens values, which a captured plan would not
-    follow) and only after an eager call of the same shapes (the usual warm-up): the captured passes read that
-    call's plan, whose device index tensors then stay alive for the process (:func:`_cached_plan`; at most
-    ``_CAPTURED_PLANS_MAX`` such plans, past that a captured call runs unsplit). Its scratch (the segment
-    states, Q and P) comes from the graph's memory pool, as every op's outputs do under capture;
   - fixed layout with B > 1 only when the token tensors view as one packed row.
 Supported: every gate mode, β logits or not, L2 norm or not, GQA, a pool (bf16/fp32, any slot stride)
 with or without ``ssm_state_indices`` (inactive slots: zero output, slot untouched), a read-only
 ``initial_state_source`` (read once, never written), ``output=``, the returned fp32 final state without a
-pool. The pool is read once (before any write) and written once.
+pool. The pool is read once (before any write) and written once. Under capture the scratch (the segment states,
+Q and P) comes from the graph's memory pool, as every op's outputs do.
 
 Training (``torch.ops.kda.kda_forward`` / ``kda_backward``, the one op under :func:`kda_ops.kda` and its
 autograd, kda_ops/_autograd.py; and :func:`kda_ops.recurrent_kda_training_forward`): the same three passes with the
@@ -91,125 +90,157 @@ def training_modes_covered(gate_mode: int, use_qk_l2norm: bool, beta_is_logit: b
 
 
 class _Plan:
-    """Host plan of one split call: segments in token order and their pool rows per pass. ``index``: the
-    same on the device (:class:`_DeviceIndex`, set by :func:`_cached_plan` for the prefill split)."""
+    """Host plan of one training split call: its segments in token order (``cu``: their cu_seqlens), the segment
+    count of each sequence and the split sequences (two or more segments: ``split_ids``, ``M`` of them, at most
+    ``maxP`` segments each)."""
 
-    def __init__(self, lens: list[int], Ls: int, n_ck: int = 0) -> None:
+    def __init__(self, lens: list[int], Ls: int) -> None:
         self.lens, self.Ls = lens, Ls
-        self.index: _DeviceIndex | None = None
         self.nseg = [max(1, -(-L // Ls)) for L in lens]  # zero-length: one empty segment
         self.split_ids = [n for n, p in enumerate(self.nseg) if p >= 2]
         self.M = len(self.split_ids)
         self.maxP = max((self.nseg[n] for n in self.split_ids), default=1)
-        M, mp = self.M, self.maxP
-        m_of = {n: i for i, n in enumerate(self.split_ids)}
         cu = [0]
-        q_rows, p_rows, o_rows, seq_of_seg = [], [], [], []
-        final_rows = []
-        for n, (L, P) in enumerate(zip(lens, self.nseg, strict=True)):
+        for L, P in zip(lens, self.nseg, strict=True):
             for j in range(P):
-                cu.append(cu[-1] + min(Ls, L - j * Ls) if P > 1 else cu[-1] + L)
-                seq_of_seg.append(n)
-                if P > 1:
-                    row = j * M + m_of[n]
-                    q_rows.append(row if j <= P - 2 else -1)
-                    p_rows.append(row if 1 <= j <= P - 2 else -1)
-                    o_rows.append(row)
-                else:
-                    q_rows.append(-1)
-                    p_rows.append(-1)
-                    o_rows.append(M * mp + n)
-            final_rows.append((P - 1) * M + m_of[n] if P > 1 else M * mp + n)
-        self.cu, self.q_rows, self.p_rows, self.o_rows = cu, q_rows, p_rows, o_rows
-        self.seq_of_seg, self.final_rows = seq_of_seg, final_rows
-        self.needs_p = any(r >= 0 for r in p_rows)
-        self.ck_starts: list[int] | None = None
-        if n_ck > 0:
-            # segment j of sequence n writes the rows of its checkpoints: the sequence's first row + j Ls / n
-            per = Ls // n_ck
-            seq_rows, starts = [0], []
-            for L in lens:
-                seq_rows.append(seq_rows[-1] + -(-L // n_ck))
-            for n, P in enumerate(self.nseg):
-                starts += [seq_rows[n] + j * per for j in range(P)]
-            self.ck_starts = starts + [seq_rows[-1]]
+                cu.append(cu[-1] + (min(Ls, L - j * Ls) if P > 1 else L))
+        self.cu = cu
 
 
-class _DeviceIndex:
-    """The index tensors of a prefill plan on its device: two host-to-device copies in all (one int64 and
-    one int32 buffer; the tensors are views of them). Kept in the plan cache, so they are only ever read:
-    the op's cu_seqlens, ssm_state_indices and checkpoint_cu_starts are read-only arguments, and the
-    others are read by index_select / where. ``eye(K, dtype)``: a [K, K] identity, the source the P
-    pass's start states are copied from. Nothing of a call's data is kept."""
+class _SegmentPlan:
+    """The prefill split's plan, as index tensors on the call's device (flat layout: one row per segment slot).
 
-    def __init__(self, pl: _Plan, device: torch.device) -> None:
-        self.device = device
-        parts64 = [pl.cu, pl.split_ids, pl.seq_of_seg, pl.final_rows, pl.ck_starts or []]
-        parts32 = [pl.q_rows, pl.p_rows, pl.o_rows]
-        b64 = _device_tensor([x for part in parts64 for x in part], torch.int64, device)
-        b32 = _device_tensor([x for part in parts32 for x in part], torch.int32, device)
-        v64, v32 = _slices(b64, parts64), _slices(b32, parts32)
-        self.cu, self.split_ids, self.seq_of_seg, self.final_rows, ck = v64
-        self.ck_starts = ck if pl.ck_starts is not None else None
-        self.q_rows, self.p_rows, self.o_rows = v32
-        self._eye: dict[torch.dtype, torch.Tensor] = {}
+    Segments in token order, ``Ls`` tokens each (a sequence's last one shorter; a zero-length sequence one empty
+    segment); ``slots`` rows, the first Σ nseg of them segments, the rest zero-length padding at the end of the
+    tokens (a plan made on the device from device ``cu_seqlens`` only knows the bound T // Ls + N). Tensors:
 
-    def eye(self, K: int, dtype: torch.dtype) -> torch.Tensor:
-        e = self._eye.get(dtype)
-        if e is None or e.shape[0] != K:
-            e = torch.eye(K, dtype=dtype, device=self.device)
-            # (under capture the identity is written only when the graph replays: not kept for other calls)
-            if not V.capturing(self.device):
-                self._eye[dtype] = e
-        return e
+      cu [slots + 1] int64        the segments' cu_seqlens (the passes' packed layout)
+      q_rows, p_rows, o_rows      int32 [slots]: each pass's pool row of a segment (the segment's own slot), -1
+                                  inactive: Q for segments 0 .. nseg-2, P for 1 .. nseg-2, outputs for all
+      seq_of_seg [slots] int64    the sequence of each slot (padding: the last sequence; its o_row is -1)
+      first, count [N] int64      each sequence's first segment and segment count (the packed scan's layout)
+      final_rows [N] int64        each sequence's last segment
+      ck_starts [slots + 1]       (checkpoints) each segment's first checkpoint row
+
+    Built by :func:`_build_plan` from a cu_seqlens tensor with torch ops of fixed shapes (no host sync, so a
+    captured graph replays the plan of its new cu_seqlens values), on the host (then copied, one buffer) when
+    the lengths are known there. Only ever read: the op's cu_seqlens, ssm_state_indices and
+    checkpoint_cu_starts are read-only arguments. Nothing of a call's data is kept."""
+
+    NAMES = ("cu", "q_rows", "p_rows", "o_rows", "seq_of_seg", "first", "count", "final_rows", "ck_starts")
+
+    def __init__(self, Ls: int, slots: int, lens: list[int] | None, tensors: dict[str, torch.Tensor | None]) -> None:
+        self.Ls, self.slots, self.lens = Ls, slots, lens
+        self.cu: torch.Tensor
+        self.q_rows: torch.Tensor
+        self.p_rows: torch.Tensor
+        self.o_rows: torch.Tensor
+        self.seq_of_seg: torch.Tensor
+        self.first: torch.Tensor
+        self.count: torch.Tensor
+        self.final_rows: torch.Tensor
+        self.ck_starts: torch.Tensor | None
+        for name in self.NAMES:
+            setattr(self, name, tensors[name])
+        # host lengths: whether any sequence has a middle segment (else no P pass and no scan step with P)
+        self.needs_p = lens is None or any(-(-L // Ls) >= 3 for L in lens)
+
+    @property
+    def nseg(self) -> list[int]:
+        """Each sequence's segment count (reads the device: for tests and diagnostics)."""
+        return [int(c) for c in self.count.tolist()]
+
+    @property
+    def maxP(self) -> int:
+        """The most segments of a sequence (reads the device: for tests and diagnostics)."""
+        return max(self.nseg, default=1)
 
 
-def _slices(buf: torch.Tensor, parts: list[list[int]]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for part in parts:
-        out.append(buf[at : at + len(part)])
-        at += len(part)
-    return out
+def _build_plan(cu: torch.Tensor, Ls: int, slots: int, n_ck: int) -> dict[str, torch.Tensor | None]:
+    """The index tensors of :class:`_SegmentPlan` from ``cu`` (int64 [N + 1], any device), by torch ops of fixed
+    shapes (capturable: no host sync, no data-dependent shape)."""
+    dev, N = cu.device, cu.shape[0] - 1
+    lens = cu[1:] - cu[:-1]
+    nseg = torch.clamp(torch.div(lens + (Ls - 1), Ls, rounding_mode="floor"), min=1)
+    ends = torch.cumsum(nseg, 0)
+    first = ends - nseg
+    s = torch.arange(slots, device=dev)
+    seq = torch.searchsorted(ends, s, right=True)  # the sequence of each slot; N: padding
+    real = seq < N
+    sc = seq.clamp(max=N - 1)
+    j = s - first.index_select(0, sc)  # the slot's segment index within its sequence
+    cnt = nseg.index_select(0, sc)
+    end = cu[N:]
+    starts = torch.where(real, cu.index_select(0, sc) + j * Ls, end)
+    s32 = s.to(torch.int32)
+    neg = torch.full_like(s32, -1)
+    t: dict[str, torch.Tensor | None] = {
+        "cu": torch.cat([starts, end]),
+        "q_rows": torch.where(real & (j <= cnt - 2), s32, neg),
+        "p_rows": torch.where(real & (j >= 1) & (j <= cnt - 2), s32, neg),
+        "o_rows": torch.where(real, s32, neg),
+        "seq_of_seg": sc,
+        "first": first,
+        "count": nseg,
+        "final_rows": ends - 1,
+        "ck_starts": None,
+    }
+    if n_ck > 0:
+        # segment j of sequence n writes the rows of its checkpoints: the sequence's first row + j Ls / n
+        rows = torch.div(lens + (n_ck - 1), n_ck, rounding_mode="floor")
+        seq_rows = torch.cat([torch.zeros(1, dtype=rows.dtype, device=dev), torch.cumsum(rows, 0)])
+        ck = torch.where(real, seq_rows.index_select(0, sc) + j * (Ls // n_ck), seq_rows[N:])
+        t["ck_starts"] = torch.cat([ck, seq_rows[N:]])
+    return t
 
 
-# Plans of recent prefill split calls with their device index tensors, least recently used first. Keyed
-# on the lengths, the segment length, the checkpoint period, the device and (CUDA) the current stream: an
-# entry's tensors are copied to the device on the stream of its first call and used only on that stream
-# (no cross-stream hazard when it is evicted and freed).
-#
-# A captured call reads the plan of an eager call of the same shapes (on any stream: torch.cuda.graph
-# synchronises the device before a capture, so that plan's copies are done) and moves it to
-# ``_captured_plans``, which is never evicted: a graph holds no reference to the tensors it reads, so they
-# must outlive every graph that may replay. Only the fixed layout is captured split, so its keys are few
-# (one per shape and segment length).
+def _host_plan(lens: list[int], Ls: int, n_ck: int, device: torch.device) -> _SegmentPlan:
+    """The plan of host-known lengths: built on the host, copied to the device in one buffer (pinned, queued on
+    the stream: no host wait)."""
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    slots = sum(max(1, -(-L // Ls)) for L in lens)
+    t = _build_plan(torch.tensor(cu, dtype=torch.int64), Ls, slots, n_ck)
+    if device.type == "cpu":
+        return _SegmentPlan(Ls, slots, lens, t)
+    names = [n for n in _SegmentPlan.NAMES if t[n] is not None]
+    parts = [t[n].to(torch.int64) for n in names]  # type: ignore[union-attr]
+    buf = torch.cat(parts).pin_memory().to(device, non_blocking=True)
+    at, dev_t = 0, dict.fromkeys(_SegmentPlan.NAMES)
+    for n, part in zip(names, parts, strict=True):
+        view = buf[at : at + part.numel()]
+        dev_t[n] = view.to(torch.int32) if t[n].dtype == torch.int32 else view  # type: ignore[union-attr]
+        at += part.numel()
+    return _SegmentPlan(Ls, slots, lens, dev_t)
+
+
+def _device_plan(cu: torch.Tensor, tokens: int, Ls: int, n_ck: int) -> _SegmentPlan:
+    """The plan of lengths that live on the device: built there (a dozen small kernels), with T // Ls + N slots."""
+    N = cu.shape[0] - 1
+    slots = tokens // Ls + N
+    return _SegmentPlan(Ls, slots, None, _build_plan(cu.to(torch.int64), Ls, slots, n_ck))
+
+
+# Plans of recent host-known split calls with their device index tensors, least recently used first. Keyed on the
+# lengths, the segment length, the checkpoint period, the device and (CUDA) the current stream: an entry's tensors
+# are copied to the device on the stream of its first call and used only on that stream (no cross-stream hazard
+# when it is evicted and freed). Captured calls build their plan inside the graph instead (:func:`_device_plan`).
 _PLAN_CACHE_SIZE = 16
-_CAPTURED_PLANS_MAX = 64
-_plan_cache: OrderedDict[tuple, _Plan] = OrderedDict()
-_captured_plans: dict[tuple, _Plan] = {}
+_plan_cache: OrderedDict[tuple, _SegmentPlan] = OrderedDict()
 _plan_cache_lock = threading.Lock()
 
 
-def _cached_plan(lens: list[int], Ls: int, n_ck: int, device: torch.device, capturing: bool = False) -> _Plan | None:
-    """The plan of a split call with its device index tensors, from the cache or new; under CUDA graph capture
-    only an existing one (None when there is none, or ``_CAPTURED_PLANS_MAX`` are held already)."""
-    shape_key = (tuple(lens), Ls, n_ck, device)
-    if capturing:
-        with _plan_cache_lock:
-            pl = _captured_plans.get(shape_key)
-            if pl is None and len(_captured_plans) < _CAPTURED_PLANS_MAX:
-                pl = next((p for k, p in reversed(_plan_cache.items()) if k[:4] == shape_key), None)
-                if pl is not None:
-                    _captured_plans[shape_key] = pl
-            return pl
+def _cached_plan(lens: list[int], Ls: int, n_ck: int, device: torch.device) -> _SegmentPlan:
+    """The plan of host-known lengths with its device index tensors, from the cache or new."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
-    key = (*shape_key, stream)
+    key = (tuple(lens), Ls, n_ck, device, stream)
     with _plan_cache_lock:
         pl = _plan_cache.get(key)
         if pl is not None:
             _plan_cache.move_to_end(key)
             return pl
-    pl = _Plan(lens, Ls, n_ck)
-    pl.index = _DeviceIndex(pl, device)
+    pl = _host_plan(lens, Ls, n_ck, device)
     with _plan_cache_lock:
         _plan_cache[key] = pl
         while len(_plan_cache) > _PLAN_CACHE_SIZE:
@@ -228,20 +259,12 @@ def _host_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Ten
     return [c[i + 1] - c[i] for i in range(len(c) - 1)]
 
 
-def _split_lengths(d: V.Dims, cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None) -> list[int] | None:
-    """The sequence lengths of a call the split may take, or None when it is out of scope: the switch off,
-    nothing to do, meta / FakeTensor tracing, a packed call under CUDA graph capture, lengths only on the
-    device, or no sequence longer than one segment. The tracing guard comes before any device query."""
+def _in_scope(d: V.Dims) -> bool:
+    """Whether the split may take a call at all: the switch on, work to do, not meta / FakeTensor tracing (the
+    tracing guard comes before any device query)."""
     if _routing.split_off() or d.N == 0 or d.B * d.T <= SEGMENT_MULTIPLE:
-        return None
-    if d.dev_type == "meta" or torch.compiler.is_compiling():
-        return None
-    if d.packed and V.capturing(d.device):
-        return None  # (a packed graph replays with new cu_seqlens values: no plan from this call's values)
-    lens = _host_lengths(d, cu_seqlens, cu_host)
-    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
-        return None
-    return lens
+        return False
+    return not (d.dev_type == "meta" or torch.compiler.is_compiling())
 
 
 def _device_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -287,25 +310,39 @@ def try_run(
 ) -> bool:
     """Runs a validated prefill call split into segments, writing ``out``, ``final`` (fp32 [N, HV, V, K]
     or None) and the pool exactly as the unsplit op would. Returns False (nothing done) when the call is
-    out of scope or the split would not pay; the caller then runs the unsplit op."""
-    if type(q) is not torch.Tensor:
-        return False
-    lens = _split_lengths(d, cu_seqlens, cu_host)
-    if lens is None:
+    out of scope or the split would not pay; the caller then runs the unsplit op.
+
+    The plan: from host lengths when the call has them (fixed layout, ``cu_seqlens`` on the host or its host
+    mirror) and is not being captured (cached, :func:`_cached_plan`); else made on the device from ``cu_seqlens``
+    (:func:`_device_plan`: a packed call as engines make it, eager or inside a CUDA graph that replays with new
+    lengths), its segment length routed from the token count and the sequence count."""
+    if type(q) is not torch.Tensor or not _in_scope(d):
         return False
     # checkpoints every n tokens: segments of a multiple of n tokens keep every checkpoint inside one
     # segment, at a row the segment's own checkpoint_cu_starts entry points to
     multiple = SEGMENT_MULTIPLE * n_ck // math.gcd(SEGMENT_MULTIPLE, n_ck) if n_ck > 0 else SEGMENT_MULTIPLE
-    Ls = _routing.split_segment_tokens(lens, d.HV, d.device, False, multiple)  # (the spine's split route)
-    if Ls == 0:
-        return False
+    capturing = V.capturing(d.device)
+    lens = _host_lengths(d, cu_seqlens, cu_host)
     views = [_packed_view(x, d.B, d.T) for x in (q, k, v, g, beta, out)]
     if any(x is None for x in views):
         return False
+    if lens is not None:
+        if max(lens) <= SEGMENT_MULTIPLE:
+            return False
+        Ls = _routing.split_segment_tokens(lens, d.HV, d.device, False, multiple)  # (the spine's split route)
+    else:
+        Ls = _routing.split_segment_tokens_device(d.B * d.T, d.N, d.HV, d.device, False, multiple)
+    if Ls == 0:
+        return False
+    if lens is not None and not capturing:
+        pl = _cached_plan(lens, Ls, n_ck, d.device)
+    else:
+        if cu_seqlens is None:  # fixed layout under capture: its cu_seqlens made inside the graph
+            cu = torch.arange(d.B + 1, dtype=torch.int64, device=d.device) * d.T
+        else:
+            cu = cu_seqlens
+        pl = _device_plan(cu, d.B * d.T, Ls, n_ck)
     q1, k1, v1, g1, b1, o1 = views
-    pl = _cached_plan(lens, Ls, n_ck, d.device, capturing=V.capturing(d.device))
-    if pl is None:
-        return False  # captured without an eager call of the same shapes first: unsplit
     _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code,
          n_ck, ck, source, src_idx)  # fmt: skip
     return True
@@ -316,11 +353,9 @@ def _run(
     n_ck=0, ck=None, source=None, src_idx=None,
 ):  # type: ignore[no-untyped-def]  # fmt: skip
     op = torch.ops.kda.recurrent_kda.default
-    dev, HV, K, Vd, N = d.device, d.HV, d.K, d.V, d.N
+    dev, HV, K, Vd, N, R = d.device, d.HV, d.K, d.V, d.N, pl.slots
     f64 = d.dtype == torch.float64 or any(t is not None and t.dtype == torch.float64 for t in (pool, source))
     sdt = torch.float64 if f64 else torch.float32  # (fp64 only on the CPU path)
-    M, mp = pl.M, pl.maxP
-    ix = pl.index  # the plan's device tensors (cached with it: only ever read)
     # passes 1 and 2 need only end states: a 1-D empty output makes them state-only calls (the chunked
     # kernel skips the output product; the CPU loop and the token-serial kernels write a scratch output)
     no_out = out.new_empty(0)
@@ -340,54 +375,39 @@ def _run(
         start0 = torch.where(ok.view(-1, 1, 1, 1), src_rows.to(sdt), 0.0)
         valid = ok if valid is None else valid & ok
     elif pool is not None and ssm_idx is None:
-        start0 = pool[:N]  # (copied into fp32 rows below, before any write)
+        start0 = pool[:N]
     elif pool is not None:
         start0 = torch.where(valid.view(-1, 1, 1, 1), pool.index_select(0, slot).to(sdt), 0.0)
 
-    # pass 3's pool: row j*M + m for segment j of split sequence m (segment-major, so that one segment
-    # index of all split sequences is one contiguous batch for the scan), then one row per sequence (read
-    # for the unsplit ones). Every row that is read gets written before: the grid rows by the start states
-    # (row 0) and the scan, the others from start0; all zero without start states.
-    states = (torch.zeros if start0 is None else torch.empty)((M * mp + N, HV, Vd, K), dtype=sdt, device=dev)
-    S = states[: M * mp].view(mp, M * HV, Vd, K)
+    # segment start states, one row per slot: each sequence's first segment from its start state (written here),
+    # the later ones by the scan; Q: the offsets (end states from zero, the first segment from the start state);
+    # P: the transitions (end states from the identity with v = 0)
+    states = (torch.zeros if start0 is None else torch.empty)((R, HV, Vd, K), dtype=sdt, device=dev)
+    Qs = torch.zeros((R, HV, Vd, K), dtype=sdt, device=dev)
     if start0 is not None:
-        if M < N:
-            states[M * mp :].copy_(start0)
-        if M > 0:  # (every sequence split: split_ids = 0 .. N-1)
-            states[:M].copy_(start0 if M == N else start0.index_select(0, ix.split_ids))
-    if M > 0:
-        # pass 1: Q_j (segment 0 from the real start state, the others from 0)
-        Qp = torch.zeros((M * mp, HV, Vd, K), dtype=sdt, device=dev)
-        Qv = Qp.view(mp, M * HV, Vd, K)
-        if start0 is not None:
-            Qp[:M].copy_(states[:M])
-        op(q, k, v, g, beta, A, dtb, Qp, None, None, ix.cu, ix.q_rows, None, None, no_out, None, None, None, None,
+        start = start0.to(sdt)
+        states.index_copy_(0, pl.first, start)
+        Qs.index_copy_(0, pl.first, start)
+    op(q, k, v, g, beta, A, dtb, Qs, None, None, pl.cu, pl.q_rows, None, None, no_out, None, None, None, None,
+       sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+    if pl.needs_p:
+        Ps = SM.identity_states(R, HV, K, sdt, dev)
+        v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
+        op(q, k, v0, g, beta, A, dtb, Ps, None, None, pl.cu, pl.p_rows, None, None, no_out, None, None, None, None,
            sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
-        Pv = None
-        if pl.needs_p:
-            # pass 2: P_j, the [K, K] state from the identity with v = 0
-            Pp = ix.eye(K, sdt).expand(M * mp, HV, K, K).contiguous()
-            v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
-            op(q, k, v0, g, beta, A, dtb, Pp, None, None, ix.cu, ix.p_rows, None, None, no_out, None, None, None, None,
-               sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
-            Pv = Pp.view(mp, M * HV, K, K)
-        # scan, in segment order, all split sequences and heads batched (rows past a sequence's last
-        # segment compute unused values from zeros)
-        S[1] = Qv[0]
-        if mp >= 3:
-            assert Pv is not None
-            # S[j] = S[j-1] P[j-1] + Q[j-1], j = 2 .. mp-1: one launch on CUDA (one batched matmul per j on
-            # the CPU); on the GPU the per-j matmuls were host-bound (~30 us a launch, ~1 ms at H=4 T=64K)
-            SM.scan(S, Qv, Pv, 2)
+    else:  # (host lengths, no middle segment: the scan reads no transition)
+        Ps = torch.empty((R, HV, K, K), dtype=sdt, device=dev)
+    # S[f + 1] = Q[f], S[f + j] = S[f + j - 1] P[f + j - 1] + Q[f + j - 1]: one launch on CUDA
+    torch.ops.kda.segment_state_scan_packed(states, Qs, Ps, pl.first, pl.count)
 
     # pass 3: outputs and final states from the exact start states
-    rows = ix.o_rows
+    rows = pl.o_rows
     if valid is not None:
-        rows = torch.where(valid.index_select(0, ix.seq_of_seg), rows, -1)
-    op(q, k, v, g, beta, A, dtb, states, None, None, ix.cu, rows, None, None, out, None, ck, ix.ck_starts,
+        rows = torch.where(valid.index_select(0, pl.seq_of_seg), rows, -1)
+    op(q, k, v, g, beta, A, dtb, states, None, None, pl.cu, rows, None, None, out, None, ck, pl.ck_starts,
        None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, False)  # fmt: skip
 
-    fin = states.index_select(0, ix.final_rows)
+    fin = states.index_select(0, pl.final_rows)
     if final is not None:  # (no pool) inactive sequences keep the zeros of the new final state
         final.copy_(fin if valid is None else torch.where(valid.view(-1, 1, 1, 1), fin, 0.0))
     if pool is not None:
@@ -538,9 +558,11 @@ def _backward_passes(toks, A, dtb, tapes, starts, S, cu, Ps, pl, si, d, do, dfs,
 
 
 def _plan_training(d, cu_seqlens, cu_host):  # type: ignore[no-untyped-def]
-    lens = _split_lengths(d, cu_seqlens, cu_host)  # (first: its tracing guard precedes every device query)
-    if lens is None or V.capturing(d.device):
+    if not _in_scope(d) or V.capturing(d.device):  # (first: its tracing guard precedes every device query)
         return None  # (the training passes copy fresh index tensors from host memory: not capturable)
+    lens = _host_lengths(d, cu_seqlens, cu_host)
+    if lens is None or max(lens) <= SEGMENT_MULTIPLE:
+        return None
     Ls = _routing.split_segment_tokens(lens, d.HV, d.device, True)  # (the spine's split route)
     return _Plan(lens, Ls) if Ls > 0 else None
 

@@ -357,6 +357,25 @@ def scan_case(J, Bt, Vd, Kd, device, seed=0):  # type: ignore[no-untyped-def]
     return S, Q, P
 
 
+def packed_scan_case(counts, HV, Vd, Kd, device, seed=0):  # type: ignore[no-untyped-def]
+    """Random S, Q [slots, HV, Vd, Kd], P [slots, HV, Kd, Kd] and the packed layout (seg_first, seg_count int64)
+    of sequences with ``counts`` segments, then two unused slots, for torch.ops.kda.segment_state_scan_packed."""
+    slots = sum(counts) + 2
+    S, Q, P = scan_case(slots, HV, Vd, Kd, "cpu", seed)
+    count = torch.tensor(counts, dtype=torch.int64)
+    first = torch.cumsum(count, 0) - count
+    return S.to(device), Q.to(device), P.to(device), first.to(device), count.to(device)
+
+
+def packed_scan_reference(S, Q, P, first, count):  # type: ignore[no-untyped-def]
+    """fp64 loop: per sequence S[f + 1] = Q[f], S[f + j] = S[f + j - 1] P[f + j - 1] + Q[f + j - 1]."""
+    R = S.double().clone()
+    for f, c in zip(first.tolist(), count.tolist(), strict=True):
+        for j in range(f + 1, f + c):
+            R[j] = Q[j - 1].double() if j == f + 1 else R[j - 1] @ P[j - 1].double() + Q[j - 1].double()
+    return R
+
+
 def scan_reference(S, Q, P, first):  # type: ignore[no-untyped-def]
     """fp64 loop: S[j] = S[j-1] P[j-1] + Q[j-1] for j >= first."""
     R = S.double().clone()

@@ -8,12 +8,15 @@ sequence among short ones, pools with inactive slots, GQA and V != K.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 from conftest import (
     force_split,
+    packed_scan_case,
+    packed_scan_reference,
     recurrent_call,
     recurrent_reference,
     route_env,
@@ -181,8 +184,9 @@ def test_split_plan_cache(split_on, monkeypatch, with_pool):  # type: ignore[no-
     o1 = run(lens, seed=22)
     assert len(split_on) == 1
     pl = split_on[0]
-    ix = pl.index
+    ix = pl
     saved = {n: t.clone() for n, t in vars(ix).items() if isinstance(t, torch.Tensor)}
+    assert len(saved) >= 8
     o2 = run(lens, seed=23)  # same plan, other data
     assert len(split_on) == 2 and split_on[1] is pl and len(_split._plan_cache) == 1
     assert not torch.equal(o1, o2)
@@ -232,6 +236,21 @@ def test_split_route_auto(monkeypatch):  # type: ignore[no-untyped-def]
     assert _route([8191], HV=2) == 0
 
 
+def test_split_route_device_lengths(monkeypatch):  # type: ignore[no-untyped-def]
+    """Lengths only on the device: planned as one sequence of all the tokens; auto only while the call's N·HV chains
+    fill at most half of the SMs (132 here), and not below the token floor."""
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="auto", KDA_SEQUENCE_SPLIT_TOKENS=None)
+    dev = kda_ops._C.route_split_device_lengths
+    assert dev(65536, 1, 8, True, 0, False, 64) == _route([65536], HV=8) == 4096
+    assert dev(16384, 8, 8, True, 0, False, 64) == 1024  # 8 x 2048 packed: 64 chains, two segments each
+    assert dev(16384, 9, 8, True, 0, False, 64) == 0  # 72 chains: more than half of the SMs
+    assert dev(4096, 1, 4, True, 0, False, 64) == 0  # below the token floor
+    assert dev(65536, 1, 8, False, 0, False, 64) == 0  # auto never splits host calls
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="1")
+    assert dev(16384, 9, 8, False, 0, False, 64) == 1024  # forced: any sequence count, any device
+    assert dev(300, 5, 2, False, 0, False, 320) == 0  # one segment holds every token
+
+
 def test_split_route_forced_and_off(monkeypatch):  # type: ignore[no-untyped-def]
     """1: whenever a sequence is longer than one segment, on any device; 0: never."""
     route_env(monkeypatch, KDA_SEQUENCE_SPLIT="1", KDA_SEQUENCE_SPLIT_TOKENS=64)
@@ -271,14 +290,51 @@ def test_plan_segments():
         assert Ls % 64 == 0
         chains = sum(math.ceil(L / Ls) for L in lens) * HV
         assert chains <= 132 or Ls >= max(lens)
-    pl = _split._Plan([130, 0, 64, 200], 64)
-    assert pl.nseg == [3, 1, 1, 4] and pl.split_ids == [0, 3] and pl.maxP == 4
-    assert pl.cu == [0, 64, 128, 130, 130, 194, 258, 322, 386, 394]
-    # rows are segment-major over the split sequences (j*M + m), then one row per sequence (M*maxP + n)
-    assert pl.o_rows == [0, 2, 4, 9, 10, 1, 3, 5, 7]
-    assert pl.q_rows == [0, 2, -1, -1, -1, 1, 3, 5, -1]
-    assert pl.p_rows == [-1, 2, -1, -1, -1, -1, 3, 5, -1]
-    assert pl.final_rows == [4, 9, 10, 7]
+    pl = _split._host_plan([130, 0, 64, 200], 64, 0, torch.device("cpu"))
+    assert pl.nseg == [3, 1, 1, 4] and pl.slots == 9
+    assert pl.cu.tolist() == [0, 64, 128, 130, 130, 194, 258, 322, 386, 394]
+    # one row per segment slot; Q for segments 0 .. nseg-2, P for 1 .. nseg-2, outputs for all
+    assert pl.o_rows.tolist() == list(range(9))
+    assert pl.q_rows.tolist() == [0, 1, -1, -1, -1, 5, 6, 7, -1]
+    assert pl.p_rows.tolist() == [-1, 1, -1, -1, -1, -1, 6, 7, -1]
+    assert pl.first.tolist() == [0, 3, 4, 5] and pl.final_rows.tolist() == [2, 3, 4, 8]
+    assert pl.seq_of_seg.tolist() == [0, 0, 0, 1, 2, 3, 3, 3, 3]
+    # the device form of the same lengths (T = 394 token rows): the same segments, then zero-length padding
+    dp = _split._device_plan(torch.tensor([0, 130, 130, 194, 394]), 394, 64, 0)
+    pad = dp.slots - 9
+    assert dp.slots == 394 // 64 + 4 and pad > 0
+    assert dp.cu.tolist() == pl.cu.tolist()[:-1] + [394] * (pad + 1)
+    assert dp.o_rows.tolist() == list(range(9)) + [-1] * pad
+    assert dp.q_rows.tolist() == pl.q_rows.tolist() + [-1] * pad
+    assert dp.p_rows.tolist() == pl.p_rows.tolist() + [-1] * pad
+    assert dp.first.tolist() == pl.first.tolist() and dp.count.tolist() == pl.count.tolist()
+    # checkpoints every 32 tokens: each segment's first checkpoint row
+    ck = _split._host_plan([130, 0, 64, 200], 64, 32, torch.device("cpu")).ck_starts
+    assert ck is not None and ck.tolist() == [0, 2, 4, 5, 5, 7, 9, 11, 13, 14]
+
+
+def test_device_plan_matches_host_plan(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """A plan made from the cu_seqlens tensor alone (as for lengths that live on the device: T // Ls + N rows,
+    zero-length padding) gives the host plan's bits, with a pool, inactive slots and checkpoints."""
+    lens = LONG_AMONG_SHORT
+    x, kw = _inputs(lens, gate="lower_bound", slow=True, seed=41)
+    N = len(lens)
+    base = torch.randn(N + 2, 2, V, K, generator=torch.Generator().manual_seed(42)) * 0.3
+    slots = torch.tensor([N + 1, -1] + list(range(N - 2)), dtype=torch.int32)
+    res = []
+    for device_plan in (False, True):
+        if device_plan:
+            host = _split._host_plan
+            monkeypatch.setattr(_split, "_cached_plan", lambda ls, Ls, n_ck, dev: _split._device_plan(
+                torch.tensor([0, *itertools.accumulate(ls)]), sum(ls), Ls, n_ck))  # fmt: skip
+            assert host is _split._host_plan
+        pool = base.clone()
+        o, _, ck = _call(x, kw, initial_state=pool, ssm_state_indices=slots, output_final_state=True,
+                         checkpoint_every_n_tokens=64)  # fmt: skip
+        res.append((o, pool, ck))
+    assert len(split_on) == 2 and split_on[1].slots > split_on[0].slots
+    for a, b in zip(res[0], res[1], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_cu_seqlens_cpu_checked():
@@ -547,3 +603,35 @@ def test_segment_state_scan_contiguity():
 def test_segment_state_scan_opcheck():
     S, Q, P = scan_case(5, 2, 4, 4, "cpu")
     torch.library.opcheck(torch.ops.kda.segment_state_scan.default, (S, Q, P, 2))
+
+
+@pytest.mark.parametrize(
+    "counts,HV,Vd,Kd", [([3, 1, 5, 2], 2, 5, 4), ([1, 1], 3, 3, 3), ([6], 1, 16, 16), ([0, 4], 2, 7, 11)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segment_state_scan_packed_cpu(counts, HV, Vd, Kd, dtype):  # type: ignore[no-untyped-def]
+    """The packed scan: per sequence, S of its second segment = Q of its first, then the recurrence; the first
+    segments' states and the unused slots untouched (NaN transitions of first segments are never read)."""
+    S, Q, P, first, count = packed_scan_case(counts, HV, Vd, Kd, "cpu")
+    S, Q, P = S.to(dtype), Q.to(dtype), P.to(dtype)
+    P.index_fill_(0, first, float("nan"))
+    want = packed_scan_reference(S, Q, P, first, count)
+    S0 = S.clone()
+    torch.ops.kda.segment_state_scan_packed(S, Q, P, first, count)
+    assert torch.equal(S[first], S0[first]) and torch.equal(S[-2:], S0[-2:])
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel_rms(S, want.to(dtype)) < tol
+
+
+def test_segment_state_scan_packed_errors_and_opcheck():
+    S, Q, P, first, count = packed_scan_case([2, 3], 2, 4, 4, "cpu")
+    for args, msg in [
+        ((S, Q, P, first.int(), count), "int64"),
+        ((S, Q, P, first, count[:1]), "one length"),
+        ((S, Q[:, :1], P, first, count), "Q must have the shape of S"),
+    ]:
+        before = S.clone()
+        with pytest.raises((ValueError, TypeError), match=msg):
+            torch.ops.kda.segment_state_scan_packed(*args)
+        assert torch.equal(S, before)
+    torch.library.opcheck(torch.ops.kda.segment_state_scan_packed.default, (S, Q, P, first, count))

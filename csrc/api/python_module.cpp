@@ -166,6 +166,24 @@ PyObject* route_split(PyObject* /*self*/, PyObject* args) {
   return PyLong_FromLongLong(kda::route_split(q));
 }
 
+// route_split_device_lengths(tokens, n, HV, on_cuda, device_index, training, multiple) -> segment length: the split
+// route of a packed call whose lengths live on the device only
+PyObject* route_split_device_lengths(PyObject* /*self*/, PyObject* args) {
+  long long tokens = 0, n = 0, multiple = 64;
+  int HV = 0, on_cuda = 0, device_index = 0, training = 0;
+  if (!PyArg_ParseTuple(args, "LLipipL", &tokens, &n, &HV, &on_cuda, &device_index, &training, &multiple))
+    return nullptr;
+  kda::SplitQuery q;
+  q.n = n;
+  q.tokens = tokens;
+  q.HV = HV;
+  q.on_cuda = on_cuda != 0;
+  q.device_index = device_index;
+  q.training = training != 0;
+  q.multiple = multiple;
+  return PyLong_FromLongLong(kda::route_split(q));
+}
+
 // plan_segments(lengths, HV, sms, multiple) -> the planned segment length
 PyObject* plan_segments(PyObject* /*self*/, PyObject* args) {
   PyObject* lens_obj = nullptr;
@@ -202,6 +220,9 @@ PyMethodDef kMethods[] = {
     {"route_split", route_split, METH_VARARGS,
      "route_split(lengths, HV, on_cuda, device_index, training, multiple) -> int: the split route's segment "
      "length (0: no split)."},
+    {"route_split_device_lengths", route_split_device_lengths, METH_VARARGS,
+     "route_split_device_lengths(tokens, n, HV, on_cuda, device_index, training, multiple) -> int: the split route "
+     "of a packed call whose lengths live on the device (planned as one sequence of all its tokens)."},
     {"plan_segments", plan_segments, METH_VARARGS,
      "plan_segments(lengths, HV, sms, multiple) -> int: the shortest segment length whose chains fit the SMs."},
     {"split_pays", split_pays, METH_VARARGS,

@@ -93,4 +93,8 @@ TORCH_LIBRARY(kda, m) {
   // [J, batch, K, K], one dtype (CUDA: fp32, K <= 128), contiguous; for j = first .. J-1 in order,
   // S[j] = S[j-1] P[j-1] + Q[j-1] (S[0 .. first) are inputs). One launch on CUDA.
   m.def("segment_state_scan(Tensor(a!) S, Tensor Q, Tensor P, int first) -> ()");
+  // The same over packed segments (a split planned on the device): S, Q [segments, HV, V, K], P [segments, HV,
+  // K, K]; sequence n owns segments seg_first[n] .. + seg_count[n] - 1 (int64 [N], on S's device); per sequence
+  // of two or more segments S[f + 1] = Q[f], then S[f + j] = S[f + j - 1] P[f + j - 1] + Q[f + j - 1].
+  m.def("segment_state_scan_packed(Tensor(a!) S, Tensor Q, Tensor P, Tensor seg_first, Tensor seg_count) -> ()");
 }

@@ -30,4 +30,20 @@ inline void check_segment_state_scan(const at::Tensor& S, const at::Tensor& Q, c
   KDA_CHECK(first >= 1, "first must be >= 1, got ", first);
 }
 
+// The packed layout: S, Q [segments, HV, V, K]; P [segments, HV, K, K]; seg_first, seg_count int64 [N] on S's
+// device (sequence n owns segments seg_first[n] .. + seg_count[n] - 1; the kernels trust these values, which the
+// split builds).
+inline void check_segment_state_scan_packed(const at::Tensor& S, const at::Tensor& Q, const at::Tensor& P,
+                                            const at::Tensor& seg_first, const at::Tensor& seg_count) {
+  check_segment_state_scan(S, Q, P, 1);
+  KDA_CHECK(seg_first.dim() == 1 && seg_count.sizes() == seg_first.sizes(),
+            "seg_first and seg_count must be [N] of one length, got ", seg_first.sizes(), " and ", seg_count.sizes());
+  KDA_CHECK_TYPE(seg_first.scalar_type() == at::kLong && seg_count.scalar_type() == at::kLong,
+                 "seg_first and seg_count must be int64, got ", seg_first.scalar_type(), " and ",
+                 seg_count.scalar_type());
+  KDA_CHECK_SAME_DEVICE(seg_first, S, "seg_first");
+  KDA_CHECK_SAME_DEVICE(seg_count, S, "seg_count");
+  KDA_CHECK(seg_first.is_contiguous() && seg_count.is_contiguous(), "seg_first and seg_count must be contiguous");
+}
+
 }  // namespace kda

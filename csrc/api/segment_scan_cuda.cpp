@@ -26,9 +26,26 @@ void segment_state_scan_cuda(const at::Tensor& S, const at::Tensor& Q, const at:
   TORCH_CHECK(err == cudaSuccess, "kda segment_state_scan kernel launch failed: ", cudaGetErrorString(err));
 }
 
+void segment_state_scan_packed_cuda(const at::Tensor& S, const at::Tensor& Q, const at::Tensor& P,
+                                    const at::Tensor& seg_first, const at::Tensor& seg_count) {
+  check_segment_state_scan_packed(S, Q, P, seg_first, seg_count);
+  KDA_CHECK_TYPE(S.scalar_type() == at::kFloat, "CUDA segment_state_scan_packed needs float32, got ", S.scalar_type());
+  KDA_CHECK(S.size(3) <= 128, "CUDA segment_state_scan_packed needs K <= 128, got K=", S.size(3));
+  KDA_CHECK(S.size(2) <= int64_t(65535) * 8 && seg_first.size(0) * S.size(1) <= INT32_MAX,
+            "CUDA segment_state_scan_packed needs V <= 524280 and N * HV < 2^31, got V=", S.size(2));
+  if (S.numel() == 0 || seg_first.numel() == 0) return;
+  c10::cuda::CUDAGuard guard(S.device());
+  const cudaError_t err = launch_segment_state_scan_packed(
+      S.data_ptr<float>(), Q.data_ptr<float>(), P.data_ptr<float>(), seg_first.data_ptr<int64_t>(),
+      seg_count.data_ptr<int64_t>(), seg_first.size(0), static_cast<int>(S.size(1)), static_cast<int>(S.size(2)),
+      static_cast<int>(S.size(3)), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "kda segment_state_scan_packed kernel launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 }  // namespace kda
 
 TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("segment_state_scan", &kda::segment_state_scan_cuda);
+  m.impl("segment_state_scan_packed", &kda::segment_state_scan_packed_cuda);
 }

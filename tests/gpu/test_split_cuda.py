@@ -23,6 +23,8 @@ from conftest import (
     assert_close_rms,
     force_split,
     lengths_to_cu,
+    packed_scan_case,
+    packed_scan_reference,
     recurrent_call,
     recurrent_reference,
     route_env,
@@ -188,20 +190,61 @@ def _capture(fn):  # type: ignore[no-untyped-def]
     return graph
 
 
+def _device_lengths(kw: dict) -> dict:
+    """The call as engines make it: cu_seqlens on the device only (no host mirror)."""
+    return {k: v for k, v in kw.items() if k != "cu_seqlens_cpu"}
+
+
 @cuda_only
-def test_packed_split_not_under_graph_capture(split_on):  # type: ignore[no-untyped-def]
-    """A packed call captured takes the unsplit path (its graph replays with new cu_seqlens values), and the
-    replay matches eager."""
-    x, kw = make([4096, 100], gate="lower_bound", seed=9)
-    out = torch.empty((1, 4196, 2, K), dtype=torch.bfloat16, device=DEV)
-    call(x, kw, output=out)  # eager warm-up (split)
+@pytest.mark.parametrize("auto", [False, True])
+def test_packed_split_with_device_lengths(split_on, monkeypatch, auto):  # type: ignore[no-untyped-def]
+    """cu_seqlens only on the device: the split plans on the device (T // Ls + N rows) and agrees with the unsplit
+    call and the reference; auto (the spine's plan for even lengths) splits a long sequence on two heads too."""
+    if auto:
+        route_env(monkeypatch, KDA_SEQUENCE_SPLIT="auto", KDA_SEQUENCE_SPLIT_TOKENS=None)
+    lens = [9000, 300, 0, 5000] if auto else LONG_AMONG_SHORT
+    x, kw = make(lens, gate="lower_bound", slow=True, seed=51)
+    kw = _device_lengths(kw)
+    N = len(lens)
+    h0 = (torch.randn(N, 2, K, K, generator=torch.Generator().manual_seed(52)) * 0.3).to(DEV)
+    pool_s = h0.clone()
+    o_s, _ = call(x, kw, initial_state=pool_s, output_final_state=True)
+    assert len(split_on) == 1 and split_on[0].lens is None
+    route_env(monkeypatch, KDA_SEQUENCE_SPLIT="0")
+    pool_u = h0.clone()
+    o_u, _ = call(x, kw, initial_state=pool_u, output_final_state=True)
+    assert_close_rms(o_s, o_u, TOL_OUT, "split vs unsplit output")
+    assert_close_rms(pool_s, pool_u, TOL_STATE_FP32, "split vs unsplit final state")
+    r = reference(x, kw, h0)
+    assert_close_rms(o_s, r.output, TOL_OUT, "split output vs reference")
+    assert_close_rms(pool_s, r.final_state, TOL_STATE_FP32, "split final state vs reference")
+
+
+@cuda_only
+def test_packed_split_under_graph_capture_new_lengths(split_on):  # type: ignore[no-untyped-def]
+    """A packed call captured (cold: no eager call first) splits inside the graph with its plan made on the
+    device; replays with new cu_seqlens values (other lengths, an empty sequence, a pool) follow them and agree
+    with the reference."""
+    T, N = 6000, 3
+    x, kw = make([4000, 1500, 500], gate="lower_bound", slow=True, seed=53)
+    kw = _device_lengths(kw)
+    cu = kw["cu_seqlens"]
+    out = torch.zeros((1, T, 2, K), dtype=torch.bfloat16, device=DEV)
+    pool = torch.zeros(N, 2, K, K, device=DEV)
+    graph = _capture(lambda: call(x, dict(kw, output=out, initial_state=pool)))
+    assert len(split_on) == 1 and split_on[0].lens is None
+    gen = torch.Generator().manual_seed(54)
+    for seed, lens in ((55, [100, 5000, 900]), (56, [6000, 0, 0]), (57, [2500, 0, 3500])):
+        _fill_(x, seed)
+        cu.copy_(lengths_to_cu(lens).to(DEV))
+        h0 = (torch.randn(N, 2, K, K, generator=gen) * 0.3).to(DEV)
+        pool.copy_(h0)
+        graph.replay()
+        torch.cuda.synchronize()
+        r = reference(x, dict(kw, cu_seqlens=lengths_to_cu(lens).to(DEV)), h0)
+        assert_close_rms(out, r.output, TOL_OUT, f"replayed split output vs reference, lengths {lens}")
+        assert_close_rms(pool, r.final_state, TOL_STATE_FP32, f"replayed split final state, lengths {lens}")
     assert len(split_on) == 1
-    eager = out.clone()
-    graph = _capture(lambda: call(x, kw, output=out))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert len(split_on) == 1
-    assert_close_rms(out, eager, TOL_OUT, "captured (unsplit) vs eager (split)")
 
 
 def _fill_(x: dict, seed: int) -> None:
@@ -255,17 +298,16 @@ def test_fixed_split_under_graph_capture(split_on, pool):  # type: ignore[no-unt
 
 
 @cuda_only
-def test_cold_capture_runs_unsplit(split_on, monkeypatch):  # type: ignore[no-untyped-def]
-    """Captured with no eager call of those shapes before (no plan to read): unsplit, and still right."""
+def test_cold_capture_splits(split_on, monkeypatch):  # type: ignore[no-untyped-def]
+    """Captured with no eager call of those shapes before: the plan is made inside the graph, and right."""
     monkeypatch.setattr(_split, "_plan_cache", type(_split._plan_cache)())
-    monkeypatch.setattr(_split, "_captured_plans", {})
     x, kw = make(None, B=1, T=2048, HV=2, gate="lower_bound", seed=23)
     out = torch.zeros((1, 2048, 2, K), dtype=torch.bfloat16, device=DEV)
     graph = _capture(lambda: call(x, kw, output=out))
-    assert len(split_on) == 0
+    assert len(split_on) == 1 and len(_split._plan_cache) == 0
     graph.replay()
     torch.cuda.synchronize()
-    assert_close_rms(out, reference(x, kw, None).output, TOL_OUT, "cold capture (unsplit) vs reference")
+    assert_close_rms(out, reference(x, kw, None).output, TOL_OUT, "cold capture (split) vs reference")
 
 
 @cuda_only
@@ -406,4 +448,23 @@ def test_segment_state_scan_cuda(J, Bt, Vd, Kd, first):  # type: ignore[no-untyp
     assert rel_rms(S.cpu(), want.float()) < 1e-5
     S2 = S0.clone()
     torch.ops.kda.segment_state_scan(S2, Q, P, first)
+    assert torch.equal(S, S2)
+
+
+@cuda_only
+@pytest.mark.parametrize("counts,HV,Vd,Kd", [([33, 1, 5, 0, 2], 4, 128, 128), ([1, 17], 8, 64, 64), ([4], 3, 20, 128)])
+def test_segment_state_scan_packed_cuda(counts, HV, Vd, Kd):  # type: ignore[no-untyped-def]
+    """The packed scan's kernel against the fp64 loop (1e-5), deterministic; first segments and unused slots
+    untouched, NaN transitions of first segments never read."""
+    from kda_ops.reference import rel_rms
+
+    S, Q, P, first, count = packed_scan_case(counts, HV, Vd, Kd, "cuda", seed=len(counts))
+    P.index_fill_(0, first, float("nan"))
+    want = packed_scan_reference(S.cpu(), Q.cpu(), P.cpu(), first.cpu(), count.cpu())
+    S0 = S.clone()
+    torch.ops.kda.segment_state_scan_packed(S, Q, P, first, count)
+    assert torch.equal(S[first], S0[first]) and torch.equal(S[-2:], S0[-2:])
+    assert rel_rms(S.cpu(), want.float()) < 1e-5
+    S2 = S0.clone()
+    torch.ops.kda.segment_state_scan_packed(S2, Q, P, first, count)
     assert torch.equal(S, S2)

@@ -108,9 +108,22 @@ bool split_pays(const int64_t* lens, int64_t n, int HV, int sms, int64_t Ls, dou
   return split * kMargin < unsplit;
 }
 
-int64_t route_split(const SplitQuery& q) {
+int64_t route_split(const SplitQuery& query) {
   const LaunchKnobs& k = launch_knobs();
-  if (k.split == SplitPin::kOff || q.n <= 0 || q.HV <= 0 || q.multiple <= 0) return 0;
+  if (k.split == SplitPin::kOff || query.n <= 0 || query.HV <= 0 || query.multiple <= 0) return 0;
+  // Lengths on the device only (a packed call as engines make it, eager or captured): planned as one sequence of
+  // all the tokens (the longest any sequence can be), so a long one is cut into chains that fit the SMs, and one
+  // shorter than a segment stays whole (it runs in the output pass alone, beside two passes with nothing to do
+  // for it). Auto takes it only while the call's own chains fill at most half of the SMs: otherwise split
+  // sequences would add waves to a grid that is already full.
+  SplitQuery q = query;
+  const int64_t all_tokens[1] = {std::max<int64_t>(q.tokens, 0)};
+  const bool device_lengths = q.lens == nullptr;
+  if (device_lengths) {
+    if (k.split == SplitPin::kAuto && q.n * q.HV * 2 > split_facts(q.on_cuda, q.device_index).sms) return 0;
+    q.lens = all_tokens;
+    q.n = 1;
+  }
   int64_t longest = 0;
   for (int64_t i = 0; i < q.n; ++i) longest = std::max(longest, q.lens[i]);
   const bool automatic = k.split == SplitPin::kAuto;

@@ -63,8 +63,9 @@ SweepKernel route_training_sweep(int gate_mode);
 
 // ---- the exact sequence split ---------------------------------------------------------------------------------
 struct SplitQuery {
-  const int64_t* lens = nullptr;  // host lengths of the call's sequences
+  const int64_t* lens = nullptr;  // host lengths of the call's sequences; null: lengths only on the device
   int64_t n = 0;
+  int64_t tokens = 0;  // (lens null) the call's token rows: planned as one sequence of them (route.cpp)
   int HV = 0;
   bool on_cuda = false;   // false: CPU (planned as for a 132-SM Hopper GPU; auto never splits there)
   int device_index = 0;   // CUDA device of the call
