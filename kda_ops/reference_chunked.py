@@ -99,6 +99,26 @@ wgmma kernel with an fp32 register state does. `gemm_dtypes` overrides the opera
 by name (GEMM_NAMES): "L" (the L and Mqk blocks, step 3), "X" (step 5, K⁺ S_0ᵀ), "R" (INV Y),
 "O_inter" (Q⁺ S_0ᵀ), "O_intra" (Mqk R), "S" (Rᵀ Kr); values are a dtype, "tf32", or None (exact).
 
+Folded WY operands (`folded_wy=True`)
+------------------------------------
+The same chunk with the inverse folded into the chain's operands (a forward kernel's prep makes them after
+the inverse, so the chain never reads INV, V or Y):
+  INVb   [c, c]  INV diag(β)
+  W'     [c, K]  INVb K⁺          ⊗ (prep; stored as the chain's operand, as −W')
+  V'     [c, V]  INVb V           ⊗ (prep; stored as the seed of the chain's accumulator)
+  R      [c, V]  V' − W' S_0ᵀ     ⊗ (chain: Rᵀ = V'ᵀ + bf16(S_0) (−W')ᵀ, seeded accumulator)
+  O, S_C as above (Mqk R, Rᵀ Kr).
+R = INV diag(β) (V − K⁺ S_0ᵀ) either way: in exact arithmetic the two orders agree; only the rounding
+points move (W' is rounded after the INV product instead of K⁺ and INV separately, and V' is stored).
+The GEMM names are then FOLDED_GEMM_NAMES: "L", "O_inter", "O_intra", "S" as above; "INVb" (the INVb
+operand of the two fold products), "KV" (their K⁺ and V operands), "W" (the stored W', left operand of the
+chain product W' S_0ᵀ), "X" (its S_0 operand), "Vp" (the stored V'; an fp16 store saturates to ±65504
+instead of overflowing). The planned kernel: operand_dtype=bf16 with fp16 for "Vp", "O_intra", "S" and
+"INVb" fp16 or bf16 (an mma takes one operand type, so fp16 INVb needs fp16 K⁺/V operands, "KV"); W' as a
+bf16 hi + lo pair is close to "W": None.
+Precision measured against the fp64 token loop: docs/design.md "Folded WY operands: precision"
+(benchmarks/profiling/folded_precision.py).
+
 Measured budget (tests/test_reference_chunked.py; K = V = 128, T = 300, bf16 inputs ~N(0,1), vs the fp64
 token loop; output rounded to bf16 as stored; worst over the three gate modes):
 * all bf16: output rel RMS 3.3-4.3e-3 (limit 5e-3), fp32 state 2.6-2.9e-3 — ABOVE the 1e-3 limit. The
@@ -147,14 +167,19 @@ class ChunkTrace:
     L: torch.Tensor  # strictly lower L [HV, c, c] (β not applied)
     Mqk: torch.Tensor  # lower incl. diagonal [HV, c, c]
     INV: torch.Tensor  # (I + diag(β) L)^{-1} [HV, c, c]
-    X: torch.Tensor  # K⁺ S_0ᵀ [HV, c, V]
+    X: torch.Tensor  # K⁺ S_0ᵀ [HV, c, V] (folded_wy: W' S_0ᵀ)
     R: torch.Tensor  # deltas [HV, c, V]
     out: torch.Tensor  # outputs O [HV, c, V]
     S0: torch.Tensor  # state entering the chunk [HV, V, K]
     S_next: torch.Tensor  # state leaving the chunk [HV, V, K]
+    W: torch.Tensor | None = None  # folded_wy only: W' = INV diag(β) K⁺ [HV, c, K] as stored
+    Vp: torch.Tensor | None = None  # folded_wy only: V' = INV diag(β) V [HV, c, V] as stored
 
 
 GEMM_NAMES = ("L", "X", "R", "O_inter", "O_intra", "S")  # the ⊗ products of a chunk (module docstring)
+# folded_wy=True (module docstring, "Folded WY operands"): the fold products' INVb and K⁺/V operands, the stored
+# W' and the S_0 operand of the chain's W' S_0ᵀ, the stored V'
+FOLDED_GEMM_NAMES = ("L", "INVb", "KV", "W", "X", "Vp", "O_inter", "O_intra", "S")
 OperandPrecision = torch.dtype | str | None  # a dtype (bf16, fp16), "tf32", or None / fp32 / fp64 (no rounding)
 
 
@@ -169,8 +194,9 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     return i.view(torch.float32).to(x.dtype)
 
 
-def _make_round(prec: OperandPrecision) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Rounds a GEMM operand to `prec` and back (the values become exactly representable in it)."""
+def _make_round(prec: OperandPrecision, saturate: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rounds a GEMM operand to `prec` and back (the values become exactly representable in it). saturate:
+    values beyond the dtype's finite range become its largest finite value (a saturating store) instead of ±inf."""
     if prec is None or prec in (torch.float32, torch.float64):
         return _identity
     if prec == "tf32":
@@ -178,6 +204,9 @@ def _make_round(prec: OperandPrecision) -> Callable[[torch.Tensor], torch.Tensor
     if not isinstance(prec, torch.dtype):
         raise ValueError(f"operand precision must be a torch dtype, 'tf32' or None, got {prec!r}")
     dt = prec
+    if saturate:
+        big = torch.finfo(dt).max
+        return lambda x: x.clamp(-big, big).to(dt).to(x.dtype)
     return lambda x: x.to(dt).to(x.dtype)
 
 
@@ -291,11 +320,15 @@ def chunk_forward(
     diag_mode: str = "pairwise",
     operand_dtype: OperandPrecision = None,
     gemm_dtypes: dict[str, OperandPrecision] | None = None,
+    folded_wy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """One chunk, all value heads. S0 [HV, V, K]; q, k, a [HV, c, K] (q scaled and normalised, k normalised);
     v [HV, c, V]; beta [HV, c] (already sigmoid-ed if logits). Returns (O [HV, c, V], S_C [HV, V, K], parts).
-    Operand rounding per GEMM as `resolve_gemm_precisions(operand_dtype, gemm_dtypes)`.
+    Operand rounding per GEMM as `resolve_gemm_precisions(operand_dtype, gemm_dtypes)`. folded_wy: the
+    folded order (module docstring, "Folded WY operands"; names FOLDED_GEMM_NAMES; parts gain W and Vp).
     """
+    if folded_wy:
+        return _chunk_forward_folded(S0, q, k, v, a, beta, sub, diag_mode, operand_dtype, gemm_dtypes)
     prec = resolve_gemm_precisions(operand_dtype, gemm_dtypes)
     rL, rX, rR, rO1, rO2, rS = (_make_round(prec[name]) for name in GEMM_NAMES)
     gamma = torch.cumsum(a, dim=1)  # 1. Γ [HV, c, K]
@@ -313,6 +346,44 @@ def chunk_forward(
     Oc = rO1(Qp) @ rO1(S0t) + rO2(Mqk) @ rO2(R)  # 6. ⊗ O [HV, c, V]
     S_next = S0 * torch.exp(g_last) + rS(R).transpose(1, 2) @ rS(Kr)  # 7. ⊗ [V, c] x [c, K]
     return Oc, S_next, dict(gamma=gamma, L=L, Mqk=Mqk, INV=INV, X=X, R=R)
+
+
+def _chunk_forward_folded(
+    S0: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    beta: torch.Tensor,
+    sub: int,
+    diag_mode: str,
+    operand_dtype: OperandPrecision,
+    gemm_dtypes: dict[str, OperandPrecision] | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`chunk_forward` in the folded order (module docstring, "Folded WY operands"): W' = INVb K⁺ and
+    V' = INVb V made after the inverse, then R = V' − W' S_0ᵀ; steps 1-4 and 6-7 as in `chunk_forward`."""
+    prec = resolve_gemm_precisions(operand_dtype, gemm_dtypes, FOLDED_GEMM_NAMES)
+    rL, rI, rKV, rW, rX, rO1, rO2, rS = (
+        _make_round(prec[name]) for name in ("L", "INVb", "KV", "W", "X", "O_inter", "O_intra", "S")
+    )
+    rVp = _make_round(prec["Vp"], saturate=True)
+    gamma = torch.cumsum(a, dim=1)  # 1. Γ [HV, c, K]
+    g_last = gamma[:, -1:]  # [HV, 1, K]
+    Kp = k * torch.exp(gamma)  # 2. K⁺ [HV, c, K]
+    Qp = q * torch.exp(gamma)  #    Q⁺ [HV, c, K]
+    Kr = k * torch.exp(g_last - gamma)  # Kr [HV, c, K]
+    L = decayed_pair_matrix(k, k, gamma, sub, False, diag_mode, rL)  # 3. [HV, c, c]
+    Mqk = decayed_pair_matrix(q, k, gamma, sub, True, diag_mode, rL)  # [HV, c, c]
+    INV = _unit_lower_inverse(beta[:, :, None] * L, sub)  # 4. [HV, c, c]
+    INVb = rI(INV * beta[:, None, :])  # INV diag(β), the fold products' left operand
+    W = rW(INVb @ rKV(Kp))  # 4'. ⊗ W' [c, c] x [c, K], stored as the chain's operand
+    Vp = rVp(INVb @ rKV(v))  #     ⊗ V' [c, c] x [c, V], stored (saturating) as the chain's seed
+    S0t = S0.transpose(1, 2)  # [HV, K, V]
+    X = W @ rX(S0t)  # 5. ⊗ W' S_0ᵀ [HV, c, V]
+    R = Vp - X  # the seeded accumulator: Rᵀ = V'ᵀ + bf16(S_0) (−W')ᵀ
+    Oc = rO1(Qp) @ rO1(S0t) + rO2(Mqk) @ rO2(R)  # 6. ⊗ O [HV, c, V]
+    S_next = S0 * torch.exp(g_last) + rS(R).transpose(1, 2) @ rS(Kr)  # 7. ⊗ [V, c] x [c, K]
+    return Oc, S_next, dict(gamma=gamma, L=L, Mqk=Mqk, INV=INV, X=X, R=R, W=W, Vp=Vp)
 
 
 def chunk_starts(length: int, chunk_size: int, checkpoint_every_n_tokens: int) -> list[int]:
@@ -346,6 +417,7 @@ def chunked_kda_reference(
     *,
     diag_mode: DiagMode = "auto",
     gemm_dtypes: dict[str, OperandPrecision] | None = None,
+    folded_wy: bool = False,
     trace: list[ChunkTrace] | None = None,
 ) -> ReferenceResult:
     """Chunked KDA (docs/contract.md "Chunked form"), same arguments and result as `recurrent_kda_reference`.
@@ -358,14 +430,16 @@ def chunked_kda_reference(
     chunk_size C and sub_chunk s: any positive s <= C (s = 16 in kernels). dtype: compute dtype
     (fp64 for the exact comparison; fp32 is what a kernel does). operand_dtype: tensor-core emulation
     (module docstring; forces fp32 compute); gemm_dtypes: per-GEMM override of it. diag_mode: "auto" |
-    "mid" | "first" | "pairwise" for the diagonal blocks of L and Mqk. trace: if a list, one ChunkTrace
+    "mid" | "first" | "pairwise" for the diagonal blocks of L and Mqk. folded_wy: the folded order (W' = INV
+    diag(β) K⁺ and V' = INV diag(β) V, then R = V' − W' S_0ᵀ; gemm_dtypes then takes FOLDED_GEMM_NAMES; module
+    docstring, "Folded WY operands"). trace: if a list, one ChunkTrace
     per chunk is appended to it. See the module docstring for the formulas, exponent ranges and the order of operations.
     """
     if chunk_size <= 0 or sub_chunk <= 0 or sub_chunk > chunk_size:
         raise ValueError(f"need 0 < sub_chunk <= chunk_size, got {sub_chunk}, {chunk_size}")
     if checkpoint_every_n_tokens < 0:
         raise ValueError(f"checkpoint_every_n_tokens must be >= 0, got {checkpoint_every_n_tokens}")
-    precisions = resolve_gemm_precisions(operand_dtype, gemm_dtypes)
+    precisions = resolve_gemm_precisions(operand_dtype, gemm_dtypes, FOLDED_GEMM_NAMES if folded_wy else GEMM_NAMES)
     if any(_make_round(p) is not _identity for p in precisions.values()):
         dtype = torch.float32  # GEMMs accumulate in fp32, the rest of the kernel is fp32 too
     B, T, H, K = q.shape
@@ -422,6 +496,7 @@ def chunked_kda_reference(
                 diag_mode=mode,
                 operand_dtype=operand_dtype,
                 gemm_dtypes=gemm_dtypes,
+                folded_wy=folded_wy,
             )
             out[b, sl] = Oc.transpose(0, 1)
             if trace is not None:
