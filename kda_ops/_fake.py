@@ -330,7 +330,7 @@ def _segment_state_scan_fake(S, Q, P, first):
 
 
 @torch.library.register_fake("kda::segment_state_scan_packed")
-def _segment_state_scan_packed_fake(S, Q, P, seg_first, seg_count):
+def _segment_state_scan_packed_fake(S, Q, P, seg_first, seg_count, final=None):
     # mutates S in place: nothing to allocate; the shape rules of the real op
     _segment_state_scan_fake(S, Q, P, 1)
     torch._check(
@@ -341,3 +341,12 @@ def _segment_state_scan_packed_fake(S, Q, P, seg_first, seg_count):
         seg_first.dtype == torch.int64 and seg_count.dtype == torch.int64,
         lambda: "seg_first and seg_count must be int64",
     )
+
+
+@torch.library.register_fake("kda::segment_output_fixup")
+def _segment_output_fixup_fake(out, A, S, seg_cu, rows, max_segment_tokens):
+    # mutates out in place: nothing to allocate
+    torch._check(
+        S.dim() == 4 and out.dim() == 3 and A.dim() == 3, lambda: "S [slots, HV, V, K], out [T, HV, V], A [T, HV, K]"
+    )
+    torch._check(A.dtype == out.dtype, lambda: "A must have out's dtype")

@@ -24,7 +24,10 @@ _split_off = False
 def reload() -> dict[str, Any]:
     """Re-reads the ``KDA_*`` switches; returns them as read (:func:`knobs`). ValueError on an invalid value."""
     global _split_off
+    from kda_ops import _decode_fast
+
     err = _C.reload_launch_knobs()
+    _decode_fast.CACHE.clear()  # (its calls were routed under the old switches)
     k = knobs()
     _split_off = k["split"] == "0"
     if err:

@@ -117,6 +117,7 @@ class _SegmentPlan:
       cu [slots + 1] int64        the segments' cu_seqlens (the passes' packed layout)
       q_rows, p_rows, o_rows      int32 [slots]: each pass's pool row of a segment (the segment's own slot), -1
                                   inactive: Q for segments 0 .. nseg-2, P for 1 .. nseg-2, outputs for all
+      later_rows                  int32 [slots]: segments 1 .. nseg-1 (the one-pass route's P pass and fix-up)
       seq_of_seg [slots] int64    the sequence of each slot (padding: the last sequence; its o_row is -1)
       first, count [N] int64      each sequence's first segment and segment count (the packed scan's layout)
       final_rows [N] int64        each sequence's last segment
@@ -127,13 +128,25 @@ class _SegmentPlan:
     the lengths are known there. Only ever read: the op's cu_seqlens, ssm_state_indices and
     checkpoint_cu_starts are read-only arguments. Nothing of a call's data is kept."""
 
-    NAMES = ("cu", "q_rows", "p_rows", "o_rows", "seq_of_seg", "first", "count", "final_rows", "ck_starts")
+    NAMES = (
+        "cu",
+        "q_rows",
+        "p_rows",
+        "later_rows",
+        "o_rows",
+        "seq_of_seg",
+        "first",
+        "count",
+        "final_rows",
+        "ck_starts",
+    )
 
     def __init__(self, Ls: int, slots: int, lens: list[int] | None, tensors: dict[str, torch.Tensor | None]) -> None:
         self.Ls, self.slots, self.lens = Ls, slots, lens
         self.cu: torch.Tensor
         self.q_rows: torch.Tensor
         self.p_rows: torch.Tensor
+        self.later_rows: torch.Tensor
         self.o_rows: torch.Tensor
         self.seq_of_seg: torch.Tensor
         self.first: torch.Tensor
@@ -178,6 +191,7 @@ def _build_plan(cu: torch.Tensor, Ls: int, slots: int, n_ck: int) -> dict[str, t
         "cu": torch.cat([starts, end]),
         "q_rows": torch.where(real & (j <= cnt - 2), s32, neg),
         "p_rows": torch.where(real & (j >= 1) & (j <= cnt - 2), s32, neg),
+        "later_rows": torch.where(real & (j >= 1), s32, neg),
         "o_rows": torch.where(real, s32, neg),
         "seq_of_seg": sc,
         "first": first,
@@ -348,16 +362,44 @@ def try_run(
     return True
 
 
+# The one-pass route (below) where it applies; False: always the three passes (benchmarks' A/B).
+ONE_PASS = True
+
+
+def _one_pass_applies(d: V.Dims, out: torch.Tensor, n_ck: int) -> bool:
+    """The one-pass route's scope: no checkpoints (they would need S_start P_c + Q_c inside segments), a contiguous
+    output; on CUDA bf16 tokens with K and V multiples of 16 up to 128 (the fix-up kernel)."""
+    if not ONE_PASS or n_ck > 0 or not out.is_contiguous():
+        return False
+    if d.dev_type != "cuda":
+        return True
+    return d.dtype == torch.bfloat16 and d.K % 16 == 0 and d.V % 16 == 0 and d.K <= 128 and d.V <= 128
+
+
 def _run(
     pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend,
     n_ck=0, ck=None, source=None, src_idx=None,
 ):  # type: ignore[no-untyped-def]  # fmt: skip
+    """Runs the plan: the one-pass route where it applies (:func:`_one_pass_applies`), else the three passes.
+
+    One pass (the "A-route"): segment j >= 1's outputs are O = O_local + A S_startᵀ, with O_local its outputs from
+    a zero start and A its effective queries, the outputs of the transition pass (identity start, v = 0): the
+    output of token t of that pass is P_t q_t-like, exactly what multiplies the start state. So
+      1. Q pass with outputs: every segment from zero (segment 0 from the real start state: exact outputs), its
+         outputs into ``out`` and its end state Q;
+      2. P pass with outputs: segments 1 .. nseg-1 from the identity with v = 0, outputs A, end states P;
+      3. the scan (start states, and each sequence's end state S_last P_last + Q_last);
+      4. the fix-up, out += A S_startᵀ per later segment (``torch.ops.kda.segment_output_fixup``: tensor cores,
+         the start state rounded to bf16 as the chunked kernels round theirs; out rounded twice).
+    Two chunked passes instead of three."""
     op = torch.ops.kda.recurrent_kda.default
     dev, HV, K, Vd, N, R = d.device, d.HV, d.K, d.V, d.N, pl.slots
     f64 = d.dtype == torch.float64 or any(t is not None and t.dtype == torch.float64 for t in (pool, source))
     sdt = torch.float64 if f64 else torch.float32  # (fp64 only on the CPU path)
-    # passes 1 and 2 need only end states: a 1-D empty output makes them state-only calls (the chunked
-    # kernel skips the output product; the CPU loop and the token-serial kernels write a scratch output)
+    one_pass = _one_pass_applies(d, out, n_ck)
+    # passes 1 and 2 of the three-pass route need only end states: a 1-D empty output makes them state-only calls
+    # (the chunked kernel skips the output product; the CPU loop and the token-serial kernels write a scratch
+    # output)
     no_out = out.new_empty(0)
 
     # start states, read before anything is written (inactive sequences: zeros, never written back)
@@ -379,35 +421,48 @@ def _run(
     elif pool is not None:
         start0 = torch.where(valid.view(-1, 1, 1, 1), pool.index_select(0, slot).to(sdt), 0.0)
 
-    # segment start states, one row per slot: each sequence's first segment from its start state (written here),
-    # the later ones by the scan; Q: the offsets (end states from zero, the first segment from the start state);
-    # P: the transitions (end states from the identity with v = 0)
-    states = (torch.zeros if start0 is None else torch.empty)((R, HV, Vd, K), dtype=sdt, device=dev)
+    def active(rows: torch.Tensor) -> torch.Tensor:  # a pass's rows with inactive sequences' segments off
+        return rows if valid is None else torch.where(valid.index_select(0, pl.seq_of_seg), rows, -1)
+
+    # segment start states, one row per slot (the first segment's from the sequence's start state, the later ones
+    # by the scan); Q: the offsets (end states from zero; the first segment from the start state); P: the
+    # transitions (end states from the identity with v = 0)
+    three = not one_pass
+    states = (torch.zeros if start0 is None and three else torch.empty)((R, HV, Vd, K), dtype=sdt, device=dev)
     Qs = torch.zeros((R, HV, Vd, K), dtype=sdt, device=dev)
     if start0 is not None:
         start = start0.to(sdt)
-        states.index_copy_(0, pl.first, start)
+        if three:
+            states.index_copy_(0, pl.first, start)
         Qs.index_copy_(0, pl.first, start)
-    op(q, k, v, g, beta, A, dtb, Qs, None, None, pl.cu, pl.q_rows, None, None, no_out, None, None, None, None,
-       sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
-    if pl.needs_p:
+    q_rows, q_out = (active(pl.o_rows), out) if one_pass else (pl.q_rows, no_out)
+    op(q, k, v, g, beta, A, dtb, Qs, None, None, pl.cu, q_rows, None, None, q_out, None, None, None, None, sc,
+       gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+    Aq = None
+    if one_pass or pl.needs_p:
         Ps = SM.identity_states(R, HV, K, sdt, dev)
         v0 = torch.zeros((1, v.shape[1], HV, K), dtype=v.dtype, device=dev)
-        op(q, k, v0, g, beta, A, dtb, Ps, None, None, pl.cu, pl.p_rows, None, None, no_out, None, None, None, None,
-           sc, gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+        if one_pass:
+            Aq = torch.empty((1, v.shape[1], HV, K), dtype=out.dtype, device=dev)
+        op(q, k, v0, g, beta, A, dtb, Ps, None, None, pl.cu, active(pl.later_rows) if one_pass else pl.p_rows, None,
+           None, Aq if one_pass else no_out, None, None, None, None, sc, gate_mode, lb, l2, logit, 0, 0, backend,
+           False)  # fmt: skip
     else:  # (host lengths, no middle segment: the scan reads no transition)
         Ps = torch.empty((R, HV, K, K), dtype=sdt, device=dev)
-    # S[f + 1] = Q[f], S[f + j] = S[f + j - 1] P[f + j - 1] + Q[f + j - 1]: one launch on CUDA
-    torch.ops.kda.segment_state_scan_packed(states, Qs, Ps, pl.first, pl.count)
+    # S[f + 1] = Q[f], S[f + j] = S[f + j - 1] P[f + j - 1] + Q[f + j - 1] (and the end states): one launch on CUDA
+    if one_pass:
+        fin = torch.empty((N, HV, Vd, K), dtype=sdt, device=dev)
+        torch.ops.kda.segment_state_scan_packed(states, Qs, Ps, pl.first, pl.count, fin)
+        T = out.shape[1]
+        torch.ops.kda.segment_output_fixup(out.view(T, HV, Vd), Aq.view(T, HV, K), states, pl.cu,  # type: ignore[union-attr]
+                                           active(pl.later_rows), pl.Ls)  # fmt: skip
+    else:
+        torch.ops.kda.segment_state_scan_packed(states, Qs, Ps, pl.first, pl.count)
+        # pass 3: outputs and final states from the exact start states
+        op(q, k, v, g, beta, A, dtb, states, None, None, pl.cu, active(pl.o_rows), None, None, out, None, ck,
+           pl.ck_starts, None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, False)  # fmt: skip
+        fin = states.index_select(0, pl.final_rows)
 
-    # pass 3: outputs and final states from the exact start states
-    rows = pl.o_rows
-    if valid is not None:
-        rows = torch.where(valid.index_select(0, pl.seq_of_seg), rows, -1)
-    op(q, k, v, g, beta, A, dtb, states, None, None, pl.cu, rows, None, None, out, None, ck, pl.ck_starts,
-       None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, False)  # fmt: skip
-
-    fin = states.index_select(0, pl.final_rows)
     if final is not None:  # (no pool) inactive sequences keep the zeros of the new final state
         final.copy_(fin if valid is None else torch.where(valid.view(-1, 1, 1, 1), fin, 0.0))
     if pool is not None:

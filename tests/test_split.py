@@ -34,9 +34,11 @@ from kda_ops.reference import rel_rms
 K, V = 16, 16
 
 
-@pytest.fixture
-def split_on(monkeypatch):  # type: ignore[no-untyped-def]
-    """Forces the split with 64-token segments and counts the split runs."""
+@pytest.fixture(params=["one_pass", "three_pass"])
+def split_on(monkeypatch, request):  # type: ignore[no-untyped-def]
+    """Forces the split with 64-token segments, on either route (the one-pass route where it applies, or the
+    three passes), and counts the split runs."""
+    monkeypatch.setattr(_split, "ONE_PASS", request.param == "one_pass")
     return force_split(monkeypatch, 64)
 
 

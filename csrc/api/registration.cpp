@@ -95,6 +95,15 @@ TORCH_LIBRARY(kda, m) {
   m.def("segment_state_scan(Tensor(a!) S, Tensor Q, Tensor P, int first) -> ()");
   // The same over packed segments (a split planned on the device): S, Q [segments, HV, V, K], P [segments, HV,
   // K, K]; sequence n owns segments seg_first[n] .. + seg_count[n] - 1 (int64 [N], on S's device); per sequence
-  // of two or more segments S[f + 1] = Q[f], then S[f + j] = S[f + j - 1] P[f + j - 1] + Q[f + j - 1].
-  m.def("segment_state_scan_packed(Tensor(a!) S, Tensor Q, Tensor P, Tensor seg_first, Tensor seg_count) -> ()");
+  // of two or more segments S[f + 1] = Q[f], then S[f + j] = S[f + j - 1] P[f + j - 1] + Q[f + j - 1]; `final`
+  // [N, HV, V, K] (optional): each sequence's end state, the same step once more (Q[f] for one segment).
+  m.def(
+      "segment_state_scan_packed(Tensor(a!) S, Tensor Q, Tensor P, Tensor seg_first, Tensor seg_count, "
+      "Tensor(b!)? final=None) -> ()");
+  // The one-pass split's output fix-up: for each segment s with rows[s] >= 0, its tokens t (seg_cu[s] ..
+  // seg_cu[s + 1], at most max_segment_tokens) get out[t, h] += A[t, h] S[rows[s], h]ᵀ (out [T, HV, V], A [T, HV, K]
+  // one dtype (CUDA: bf16, K and V multiples of 16 up to 128), S [slots', HV, V, K] (CUDA: fp32)).
+  m.def(
+      "segment_output_fixup(Tensor(a!) out, Tensor A, Tensor S, Tensor seg_cu, Tensor rows, int max_segment_tokens) "
+      "-> ()");
 }

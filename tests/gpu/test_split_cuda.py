@@ -43,9 +43,11 @@ cuda_only = pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available(), r
 K = 128
 
 
-@pytest.fixture
-def split_on(monkeypatch):  # type: ignore[no-untyped-def]
-    """Forces the split with 512-token segments and counts the split runs."""
+@pytest.fixture(params=["one_pass", "three_pass"])
+def split_on(monkeypatch, request):  # type: ignore[no-untyped-def]
+    """Forces the split with 512-token segments, on either route (the one-pass route where it applies, or the
+    three passes), and counts the split runs."""
+    monkeypatch.setattr(_split, "ONE_PASS", request.param == "one_pass")
     return force_split(monkeypatch, 512)
 
 

@@ -21,10 +21,11 @@ constexpr int kRows = 8;        // state rows per block
 
 // Rows r0 .. r0 + kRows of one batch entry's states, for j = first .. J-1: S[j] = S[j-1] P[j-1] + Q[j-1], with the
 // state, offset and map of step j at entry `base + j * stride` of S, Q and P. zero_start: S[first - 1] is taken as
-// zero (not read, and P[first - 1] not read either: S[first] = Q[first - 1]).
+// zero (not read, and P[first - 1] not read either: S[first] = Q[first - 1]). last: where step J - 1 writes
+// instead of S (null: S).
 __device__ __forceinline__ void scan_rows(float* __restrict__ S, const float* __restrict__ Q,
                                           const float* __restrict__ P, int64_t base, int64_t stride, int64_t first,
-                                          int64_t J, int V, int K, bool zero_start) {
+                                          int64_t J, int V, int K, bool zero_start, float* __restrict__ last) {
   __shared__ float rows[kRows][kScanCols];
   __shared__ float partial[kParts - 1][kRows][kScanCols];
   const int c = threadIdx.x % kScanCols, part = threadIdx.x / kScanCols;
@@ -57,7 +58,7 @@ __device__ __forceinline__ void scan_rows(float* __restrict__ S, const float* __
     }
     __syncthreads();  // every thread has read the previous rows; the parts' sums are in `partial`
     if (part == 0) {
-      float* sj = S + (base + j * stride) * state + int64_t(r0) * K;
+      float* sj = (last != nullptr && j == J - 1 ? last : S + (base + j * stride) * state) + int64_t(r0) * K;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         float x = acc[r];
@@ -74,20 +75,23 @@ __device__ __forceinline__ void scan_rows(float* __restrict__ S, const float* __
 __global__ void __launch_bounds__(kScanCols* kParts)
     kda_segment_state_scan_kernel(float* __restrict__ S, const float* __restrict__ Q, const float* __restrict__ P,
                                   int64_t J, int64_t batch, int V, int K, int64_t first) {
-  scan_rows(S, Q, P, int64_t(blockIdx.x), batch, first, J, V, K, false);
+  scan_rows(S, Q, P, int64_t(blockIdx.x), batch, first, J, V, K, false, nullptr);
 }
 
 // The packed layout: entry s * HV + h is head h of segment s; sequence n owns segments seg_first[n] ..
 // seg_first[n] + seg_count[n] - 1 (blockIdx.x = n * HV + h). Its segment 1 starts at its segment 0's offset
-// (segment 0 ran from the sequence's start state), later ones from the scan.
+// (segment 0 ran from the sequence's start state), later ones from the scan; with `fin`, one step more writes the
+// sequence's end state to fin[n] (Q of its only segment when it has one).
 __global__ void __launch_bounds__(kScanCols* kParts)
     kda_segment_state_scan_packed_kernel(float* __restrict__ S, const float* __restrict__ Q,
                                          const float* __restrict__ P, const int64_t* __restrict__ seg_first,
-                                         const int64_t* __restrict__ seg_count, int HV, int V, int K) {
+                                         const int64_t* __restrict__ seg_count, float* __restrict__ fin, int HV, int V,
+                                         int K) {
   const int64_t n = blockIdx.x / HV, h = blockIdx.x % HV;
   const int64_t count = seg_count[n];
-  if (count < 2) return;
-  scan_rows(S, Q, P, seg_first[n] * HV + h, HV, 1, count, V, K, true);
+  if (count < (fin != nullptr ? 1 : 2)) return;
+  float* last = fin != nullptr ? fin + (n * HV + h) * int64_t(V) * K : nullptr;
+  scan_rows(S, Q, P, seg_first[n] * HV + h, HV, 1, count + (fin != nullptr ? 1 : 0), V, K, true, last);
 }
 
 }  // namespace
@@ -103,13 +107,13 @@ cudaError_t launch_segment_state_scan(float* S, const float* Q, const float* P, 
 }
 
 cudaError_t launch_segment_state_scan_packed(float* S, const float* Q, const float* P, const int64_t* seg_first,
-                                             const int64_t* seg_count, int64_t N, int HV, int V, int K,
+                                             const int64_t* seg_count, float* fin, int64_t N, int HV, int V, int K,
                                              cudaStream_t stream) {
   if (N <= 0 || HV <= 0 || V <= 0 || K <= 0) return cudaSuccess;
   if (K > kScanCols || N * HV > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(N * HV), static_cast<unsigned>((V + kRows - 1) / kRows));
-  kda_segment_state_scan_packed_kernel<<<grid, kScanCols * kParts, 0, stream>>>(S, Q, P, seg_first, seg_count, HV, V,
-                                                                                K);
+  kda_segment_state_scan_packed_kernel<<<grid, kScanCols * kParts, 0, stream>>>(S, Q, P, seg_first, seg_count, fin, HV,
+                                                                                V, K);
   return cudaGetLastError();
 }
 

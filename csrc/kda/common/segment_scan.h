@@ -18,9 +18,10 @@ cudaError_t launch_segment_state_scan(float* S, const float* Q, const float* P, 
 // The packed layout (a split planned on the device): S, Q [segments, HV, V, K], P [segments, HV, K, K] fp32;
 // seg_first, seg_count [N] int64 on the device: sequence n owns segments seg_first[n] .. + seg_count[n] - 1. Per
 // sequence with two or more segments: S[f + 1] = Q[f], then S[f + j] = S[f + j - 1] P[f + j - 1] + Q[f + j - 1]
-// (f = seg_first[n]; the other entries are not touched). K <= 128.
+// (f = seg_first[n]; the other entries are not touched). fin (null: none) [N, HV, V, K]: each sequence's end
+// state, S[f + c - 1] P[f + c - 1] + Q[f + c - 1] (c = seg_count[n] >= 2), Q[f] (c == 1). K <= 128.
 cudaError_t launch_segment_state_scan_packed(float* S, const float* Q, const float* P, const int64_t* seg_first,
-                                             const int64_t* seg_count, int64_t N, int HV, int V, int K,
+                                             const int64_t* seg_count, float* fin, int64_t N, int HV, int V, int K,
                                              cudaStream_t stream);
 
 }  // namespace kda

@@ -1,0 +1,107 @@
+// kda_segment_output_fixup_kernel: the one-pass split's output fix-up (segment_fixup.h), O += A · S_startᵀ per
+// segment and value head, on tensor cores (mma.sync m16n8k16, bf16 operands, fp32 accumulators).
+//
+// One CTA of 4 warps per (64-token tile of a segment, value head). Shared: the segment's start state S [V][K] as
+// bf16 (rounded from fp32 once per CTA, rows padded by 8 elements so the B-fragment reads of the 8 row groups hit
+// distinct banks), 34 KiB. Each warp owns 16 tokens: A fragments straight from global memory (4-byte pairs of
+// adjacent channels, rows past the segment end read as zero), B fragments from shared memory, V / 8 accumulator
+// tiles; then each output pair is read, added in fp32 and written back as bf16. One barrier (after the state is
+// staged); a warp whose tokens all lie past the segment end skips its work but not that barrier.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kda/common/ptx.cuh"
+#include "kda/common/segment_fixup.h"
+
+namespace kda {
+namespace {
+
+constexpr int kTile = 64;    // tokens per CTA
+constexpr int kMaxDim = 128;  // K, V <= 128
+constexpr int kPad = 8;      // bf16 elements of padding per staged state row
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+__global__ void __launch_bounds__(128)
+    kda_segment_output_fixup_kernel(__nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ A,
+                                    const float* __restrict__ S, const int64_t* __restrict__ seg_cu,
+                                    const int* __restrict__ rows, int64_t tiles_per_segment, int HV, int V, int K) {
+  __shared__ __align__(16) __nv_bfloat16 st[kMaxDim][kMaxDim + kPad];
+  const int64_t seg = blockIdx.x / tiles_per_segment;
+  const int64_t t0 = seg_cu[seg] + (blockIdx.x % tiles_per_segment) * kTile, t1 = seg_cu[seg + 1];
+  const int row = rows[seg];
+  if (row < 0 || t0 >= t1) return;  // (uniform over the CTA)
+  const int h = blockIdx.y;
+  // stage S[row, h] as bf16: thread i converts float4 groups i, i + 128, ...
+  const float* s = S + ((int64_t(row) * HV + h) * V) * K;
+  for (int i = threadIdx.x; i < V * K / 4; i += blockDim.x) {
+    const float4 x = reinterpret_cast<const float4*>(s)[i];
+    const int v = (i * 4) / K, k = (i * 4) % K;
+    *reinterpret_cast<uint2*>(&st[v][k]) = make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t r0 = t0 + warp * 16 + g, r1 = r0 + 8;  // the thread's two token rows
+  if (t0 + warp * 16 >= t1) return;
+  const bool ok0 = r0 < t1, ok1 = r1 < t1;
+  const int64_t tok = int64_t(HV) * K;  // elements between tokens in A
+  const uint32_t* a0p = reinterpret_cast<const uint32_t*>(A + r0 * tok + int64_t(h) * K);
+  const uint32_t* a1p = reinterpret_cast<const uint32_t*>(A + r1 * tok + int64_t(h) * K);
+  float acc[kMaxDim / 8][4];
+#pragma unroll
+  for (int n = 0; n < kMaxDim / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    uint32_t a[4];
+    a[0] = ok0 ? a0p[(k0 + 2 * t) / 2] : 0u;
+    a[1] = ok1 ? a1p[(k0 + 2 * t) / 2] : 0u;
+    a[2] = ok0 ? a0p[(k0 + 8 + 2 * t) / 2] : 0u;
+    a[3] = ok1 ? a1p[(k0 + 8 + 2 * t) / 2] : 0u;
+#pragma unroll
+    for (int n = 0; n < kMaxDim / 8; ++n) {
+      if (n * 8 < V) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&st[n * 8 + g][k0 + 2 * t]);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&st[n * 8 + g][k0 + 8 + 2 * t]);
+        ptx::mma_bf16(acc[n], a, b0, b1);
+      }
+    }
+  }
+  const int64_t otok = int64_t(HV) * V;
+#pragma unroll
+  for (int n = 0; n < kMaxDim / 8; ++n) {
+    if (n * 8 >= V) continue;
+    const int c = n * 8 + 2 * t;
+    if (ok0) {
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + r0 * otok + int64_t(h) * V + c);
+      const float2 x = __bfloat1622float2(*o);
+      *o = __floats2bfloat162_rn(x.x + acc[n][0], x.y + acc[n][1]);
+    }
+    if (ok1) {
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + r1 * otok + int64_t(h) * V + c);
+      const float2 x = __bfloat1622float2(*o);
+      *o = __floats2bfloat162_rn(x.x + acc[n][2], x.y + acc[n][3]);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_segment_output_fixup(void* out, const void* A, const float* S, const int64_t* seg_cu,
+                                        const int* rows, int64_t slots, int64_t max_segment_tokens, int HV, int V,
+                                        int K, cudaStream_t stream) {
+  if (slots <= 0 || max_segment_tokens <= 0 || HV <= 0) return cudaSuccess;
+  if (K % 16 != 0 || V % 16 != 0 || K > kMaxDim || V > kMaxDim || HV > 65535) return cudaErrorInvalidValue;
+  const int64_t tiles = (max_segment_tokens + kTile - 1) / kTile;
+  if (slots * tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(slots * tiles), static_cast<unsigned>(HV));
+  kda_segment_output_fixup_kernel<<<grid, 128, 0, stream>>>(static_cast<__nv_bfloat16*>(out),
+                                                           static_cast<const __nv_bfloat16*>(A), S, seg_cu, rows,
+                                                           tiles, HV, V, K);
+  return cudaGetLastError();
+}
+
+}  // namespace kda
