@@ -5,6 +5,7 @@ long sequence, packed batches and a ragged mix; lower-bound gate λ = -5, logit 
 state pool, preallocated output (benchmarks/bench_prefill.py's data). Columns, ms per call (median graph replay):
 - "ours": ``kda_ops.recurrent_kda`` with device ``cu_seqlens`` and no host mirror, ``KDA_SEQUENCE_SPLIT=auto``
   (the split planned on the device where the route takes it);
+- "ours 3-pass": the same on the split's three-pass route (``kda_ops._split.ONE_PASS = False``);
 - "ours unsplit": the same with ``KDA_SEQUENCE_SPLIT=0``;
 - "cudnn fp32": cuDNN Frontend's KDA with its native fp32 g / beta / state, the same device ``cu_seqlens``;
 - "slow" rows set channel 0 of every head to a near-zero decay (dt_bias = -30): cuDNN's approximate split then
@@ -67,17 +68,20 @@ def ours_device_call(kda_ops: Any, d: dict[str, Any]) -> Any:
     return run
 
 
-def with_split(mode: str, fn: Any) -> Any:
-    """fn with KDA_SEQUENCE_SPLIT=mode while it runs (re-read around the call, so a graph captures that route)."""
-    from kda_ops import _routing
+def with_split(mode: str, fn: Any, one_pass: bool = True) -> Any:
+    """fn with KDA_SEQUENCE_SPLIT=mode while it runs (re-read around the call, so a graph captures that route), on the
+    split's one-pass route or its three passes."""
+    from kda_ops import _routing, _split
 
     def run() -> Any:
         old = os.environ.get("KDA_SEQUENCE_SPLIT")
         os.environ["KDA_SEQUENCE_SPLIT"] = mode
         _routing.reload()
+        _split.ONE_PASS = one_pass
         try:
             return fn()
         finally:
+            _split.ONE_PASS = True
             if old is None:
                 os.environ.pop("KDA_SEQUENCE_SPLIT", None)
             else:
@@ -100,21 +104,21 @@ def main() -> None:
             d["dt_bias"][:, 0] = -30.0
         rec: dict[str, Any] = {"case": name, "H": H, "lens": lens}
         ours = ours_device_call(kda_ops, d)
-        for key, mode in (("ours", "auto"), ("ours unsplit", "0")):
-            fn = with_split(mode, ours)
+        for key, mode, one in (("ours", "auto", True), ("ours 3-pass", "auto", False), ("ours unsplit", "0", True)):
+            fn = with_split(mode, ours, one)
             rec[key], rec[key + " error"] = try_call(lambda: graph_time_ms(fn, rep=rep))  # noqa: B023
         if cudnn_kda is not None:
             cud = cudnn_call(cudnn_kda, d, native=True)
             rec["cudnn fp32"], rec["cudnn error"] = try_call(lambda: graph_time_ms(cud, rep=rep))
         results.append(rec)
         rows.append([
-            name, fmt(rec["ours"]), fmt(rec["ours unsplit"]), fmt(rec.get("cudnn fp32")),
+            name, fmt(rec["ours"]), fmt(rec["ours 3-pass"]), fmt(rec["ours unsplit"]), fmt(rec.get("cudnn fp32")),
             ratio(rec.get("cudnn fp32"), rec["ours"]),
         ])  # fmt: skip
         print(" | ".join(str(c) for c in rows[-1]), flush=True)
         del d
         torch.cuda.empty_cache()
-    header = ["case", "ours ms", "ours unsplit ms", "cudnn fp32 ms", "cudnn / ours"]
+    header = ["case", "ours ms", "ours 3-pass ms", "ours unsplit ms", "cudnn fp32 ms", "cudnn / ours"]
     os.makedirs(args.out, exist_ok=True)
     write_results(args.out, "bench_engine", header, rows, results, [f"device: {torch.cuda.get_device_name()}"])
 
