@@ -58,7 +58,7 @@ def split_segment_tokens_device(
 ) -> int:
     """The split route of a packed call whose ``n`` lengths live on the device only (``tokens`` token rows): its
     segment length, or 0 (the spine plans all the tokens as one sequence; auto only while ``n`` · HV chains fill at
-    most half of the SMs)."""
+    most a quarter of the SMs)."""
     on_cuda = device.type == "cuda"
     index = (device.index if device.index is not None else torch.cuda.current_device()) if on_cuda else 0
     return int(_C.route_split_device_lengths(tokens, n, HV, on_cuda, index, training, multiple))

@@ -32,7 +32,7 @@ tensors made by torch ops of fixed shapes from a cu_seqlens tensor, so it can be
   - lengths only on the device (a packed call as engines make it), or any call under CUDA graph capture: made on
     the device from ``cu_seqlens`` (about a dozen small kernels, no host sync), so a graph replayed with new
     ``cu_seqlens`` values runs the plan of those values. The segment length then comes from the token count (the
-    spine plans all tokens as one sequence; auto takes such calls while N·HV fills at most half of the SMs), and
+    spine plans all tokens as one sequence; auto takes such calls while N·HV fills at most a quarter of the SMs), and
     the plan has T // Ls + N rows, the unused ones zero-length segments at the end. A sequence shorter than a
     segment runs whole in the output pass.
 

@@ -240,12 +240,12 @@ def test_split_route_auto(monkeypatch):  # type: ignore[no-untyped-def]
 
 def test_split_route_device_lengths(monkeypatch):  # type: ignore[no-untyped-def]
     """Lengths only on the device: planned as one sequence of all the tokens; auto only while the call's N·HV chains
-    fill at most half of the SMs (132 here), and not below the token floor."""
+    fill at most a quarter of the SMs (132 here), and not below the token floor."""
     route_env(monkeypatch, KDA_SEQUENCE_SPLIT="auto", KDA_SEQUENCE_SPLIT_TOKENS=None)
     dev = kda_ops._C.route_split_device_lengths
     assert dev(65536, 1, 8, True, 0, False, 64) == _route([65536], HV=8) == 4096
-    assert dev(16384, 8, 8, True, 0, False, 64) == 1024  # 8 x 2048 packed: 64 chains, two segments each
-    assert dev(16384, 9, 8, True, 0, False, 64) == 0  # 72 chains: more than half of the SMs
+    assert dev(16384, 4, 8, True, 0, False, 64) == 1024  # 4 x 4096 packed: 32 chains, four segments each
+    assert dev(16384, 5, 8, True, 0, False, 64) == 0  # 40 chains: more than a quarter of the SMs
     assert dev(4096, 1, 4, True, 0, False, 64) == 0  # below the token floor
     assert dev(65536, 1, 8, False, 0, False, 64) == 0  # auto never splits host calls
     route_env(monkeypatch, KDA_SEQUENCE_SPLIT="1")

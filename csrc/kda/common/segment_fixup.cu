@@ -18,9 +18,9 @@
 namespace kda {
 namespace {
 
-constexpr int kTile = 64;    // tokens per CTA
+constexpr int kTile = 64;     // tokens per CTA
 constexpr int kMaxDim = 128;  // K, V <= 128
-constexpr int kPad = 8;      // bf16 elements of padding per staged state row
+constexpr int kPad = 8;       // bf16 elements of padding per staged state row
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
@@ -98,9 +98,8 @@ cudaError_t launch_segment_output_fixup(void* out, const void* A, const float* S
   const int64_t tiles = (max_segment_tokens + kTile - 1) / kTile;
   if (slots * tiles > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(slots * tiles), static_cast<unsigned>(HV));
-  kda_segment_output_fixup_kernel<<<grid, 128, 0, stream>>>(static_cast<__nv_bfloat16*>(out),
-                                                           static_cast<const __nv_bfloat16*>(A), S, seg_cu, rows,
-                                                           tiles, HV, V, K);
+  kda_segment_output_fixup_kernel<<<grid, 128, 0, stream>>>(
+      static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(A), S, seg_cu, rows, tiles, HV, V, K);
   return cudaGetLastError();
 }
 

@@ -26,7 +26,9 @@ constexpr int64_t kAutoMinTokensTraining = 16384;
 // chain (128 rows per CTA; as fast as the mma.sync kernel's 64-row CTAs on the H200): 1.0 there.
 constexpr double kRows128Cost = 1.5;
 constexpr double kMargin = 1.25;  // the split must win by this factor in the model (launches, scan, pool traffic)
-constexpr int kNominalSms = 132;  // CPU calls (tests) plan as for an H100 / H200
+constexpr int kNominalSms = 132;
+constexpr int64_t kDeviceLengthsChainsPerSm =
+    4;  // device-only lengths: auto needs SMs >= 4 N·HV  // CPU calls (tests) plan as for an H100 / H200
 
 struct SplitFacts {
   int sms = kNominalSms;
@@ -114,13 +116,16 @@ int64_t route_split(const SplitQuery& query) {
   // Lengths on the device only (a packed call as engines make it, eager or captured): planned as one sequence of
   // all the tokens (the longest any sequence can be), so a long one is cut into chains that fit the SMs, and one
   // shorter than a segment stays whole (it runs in the output pass alone, beside two passes with nothing to do
-  // for it). Auto takes it only while the call's own chains fill at most half of the SMs: otherwise split
-  // sequences would add waves to a grid that is already full.
+  // for it). Auto takes it only while the call's own chains fill at most a quarter of the SMs: the split does two to
+  // three times the work, so it gains only where it can multiply the busy SMs by more than that (at half of the
+  // SMs, 8 sequences of 2048 tokens on 8 heads, it breaks even at best).
   SplitQuery q = query;
   const int64_t all_tokens[1] = {std::max<int64_t>(q.tokens, 0)};
   const bool device_lengths = q.lens == nullptr;
   if (device_lengths) {
-    if (k.split == SplitPin::kAuto && q.n * q.HV * 2 > split_facts(q.on_cuda, q.device_index).sms) return 0;
+    if (k.split == SplitPin::kAuto &&
+        q.n * q.HV * kDeviceLengthsChainsPerSm > split_facts(q.on_cuda, q.device_index).sms)
+      return 0;
     q.lens = all_tokens;
     q.n = 1;
   }
