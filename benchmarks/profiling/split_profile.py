@@ -6,9 +6,9 @@ time of an unprofiled call (host, to the end of its last kernel), the host time 
 synchronize inside it: the split's Python plan and its op calls), the GPU time of every kernel of a
 profiled one (the three chunked passes, the scan, copies) and the idle GPU time in between (host overhead
 between launches), and the median of 20 CUDA-graph replays of the call (benchmarks/bench_prefill.py's
-graph_time_ms; fixed layout: the split runs inside the graph). Two settings: the end-state passes on the Hopper
-kernel's state-only instantiation (the default), and (in an experiments build) on its instantiation with an
-output (KDA_EXPERIMENT=sm90_state_only=0).
+graph_time_ms; fixed layout: the split runs inside the graph). Two settings: the one-pass route and the three
+passes (kda_ops._split.ONE_PASS), and in an experiments build each again with the three-pass route's end-state
+passes on the Hopper kernel's instantiation with an output (KDA_EXPERIMENT=sm90_state_only=0).
 
   python3 benchmarks/profiling/split_profile.py [8,4] [65536]
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import kda_ops  # noqa: E402
 from benchmarks.bench_prefill import graph_time_ms  # noqa: E402
 from benchmarks.bench_split import make, ours  # noqa: E402  (the benchmark's inputs and call)
-from kda_ops import _routing  # noqa: E402
+from kda_ops import _routing, _split  # noqa: E402
 
 
 def main() -> None:
@@ -32,12 +32,13 @@ def main() -> None:
     T = int(sys.argv[2]) if len(sys.argv) > 2 else 65536
     os.environ["KDA_SEQUENCE_SPLIT"] = "1"
     _routing.reload()
-    settings = ("1", "0", "1", "0") if _routing.knobs()["experiments_built"] else ("1",)
+    insts = ("1", "0") if _routing.knobs()["experiments_built"] else ("1",)
     for H in heads:
         call = ours(kda_ops, make(H, [T], False), fixed=True)  # (one sequence without cu_seqlens: split in graphs too)
-        for inst in settings:
+        for inst, one_pass in [(i, o) for o in (True, False) for i in insts]:
             os.environ["KDA_EXPERIMENT"] = f"sm90_state_only={inst}" if _routing.knobs()["experiments_built"] else ""
             _routing.reload()
+            _split.ONE_PASS = one_pass
             for _ in range(3):
                 call()
             torch.cuda.synchronize()
@@ -63,7 +64,8 @@ def main() -> None:
             busy = sum(e.time_range.elapsed_us() for e in ev)
             span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0
             print(
-                f"\n## H={H} T={T} sm90_state_only={inst}: graph {graph_ms:.3f} ms, "
+                f"\n## H={H} T={T} {'one pass' if one_pass else 'three passes'} sm90_state_only={inst}: "
+                f"graph {graph_ms:.3f} ms, "
                 f"wall {sorted(walls)[2]:.3f} ms (median of 5), "
                 f"host enqueue {sorted(enq)[2]:.3f} ms (median of 5), "
                 f"GPU span {span / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms, "
@@ -76,11 +78,10 @@ def main() -> None:
                 a[1] += e.time_range.elapsed_us()
             for name, (n, us) in sorted(agg.items(), key=lambda x: -x[1][1])[:10]:
                 print(f"  {us / 1e3:8.3f} ms  {n:4d}x  {name}")
-            big = [e for e in ev if e.time_range.elapsed_us() > 50]
-            for e in big:
+            for e in ev:
                 print(
                     f"  at {(e.time_range.start - ev[0].time_range.start) / 1e3:7.3f} ms: "
-                    f"{e.time_range.elapsed_us() / 1e3:.3f} ms {e.name[:50]}"
+                    f"{e.time_range.elapsed_us() / 1e3:.4f} ms {e.name[:60]}"
                 )
 
 
