@@ -6,6 +6,7 @@ Public API (docs/contract.md "API"):
 - :func:`recurrent_kda_backward`: backward from the raw inputs.
 - :func:`kda`: the differentiable layer core (autograd, torch.compile).
 - :func:`validate_cu_seqlens`, :func:`validate_state_indices`: explicit (host-syncing) value checks.
+- :func:`set_batch_invariant`, :func:`batch_invariant`: results per sequence independent of the batch.
 - :class:`RecurrentKDAPrefillWorkspace`, :class:`RecurrentKDABackwardWorkspace`,
   :class:`RecurrentKDATrainingContext`.
 """
@@ -18,6 +19,7 @@ from kda_ops import _routing  # noqa: F401  (the KDA_* switches, read once and c
 
 # isort: on
 from kda_ops import fla  # noqa: F401  (fla-shaped entry points; fla itself is imported only by fla.install())
+from kda_ops._routing import batch_invariant, set_batch_invariant
 from kda_ops._validate import validate_cu_seqlens, validate_state_indices
 from kda_ops.interface import (
     kda,
@@ -42,6 +44,8 @@ __all__ = [
     "kda",
     "validate_cu_seqlens",
     "validate_state_indices",
+    "set_batch_invariant",
+    "batch_invariant",
     "RecurrentKDAPrefillWorkspace",
     "RecurrentKDABackwardWorkspace",
     "RecurrentKDATrainingContext",

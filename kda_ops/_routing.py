@@ -11,6 +11,7 @@ is replaced by one whose invalid fields keep their defaults.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -29,21 +30,43 @@ def reload() -> dict[str, Any]:
     err = _C.reload_launch_knobs()
     _decode_fast.CACHE.clear()  # (its calls were routed under the old switches)
     k = knobs()
-    _split_off = k["split"] == "0"
+    _split_off = k["split"] == "0" or k["batch_invariant"]
     if err:
         raise ValueError(err)
     return k
 
 
 def knobs() -> dict[str, Any]:
-    """The switches as read: verbose, decode, chunked, sweep, split (the pins' values as spelt in docs/env.md),
-    split_tokens, experiments_built (a ``KDA_BUILD_EXPERIMENTS=1`` build), error."""
+    """The switches as read: verbose, batch_invariant, decode, chunked, sweep, split (the pins' values as spelt in
+    docs/env.md), split_tokens, experiments_built (a ``KDA_BUILD_EXPERIMENTS=1`` build), error."""
     return dict(_C.launch_knobs())
 
 
 def split_off() -> bool:
-    """``KDA_SEQUENCE_SPLIT=0``: the split never runs (checked before any planning)."""
+    """``KDA_SEQUENCE_SPLIT=0`` or batch-invariant mode: the split never runs (checked before any planning)."""
     return _split_off
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Turns batch-invariant mode on or off for this process (``KDA_BATCH_INVARIANT``, docs/env.md).
+
+    On: every op routes a call without looking at the batch (sequence count, lengths, grid size) and the exact
+    sequence split is off, so a sequence's outputs, state and gradients are bit-identical whatever else the call
+    holds, in whatever order or pool slot (within one calling convention: fixed-layout decode, speculative decode,
+    prefill or packed calls, training). The cost: prefill of long sequences on few heads runs unsplit, a packed
+    call of short sequences runs the chunked kernel where the token-serial one would be faster, the mma.sync
+    kernel and the backward chain keep their large-grid choices on small grids. (The token-serial kernels give
+    the same bits for every tile and kernel, so decode keeps its fast routes.) Takes effect for the calls after it
+    (not inside a captured graph, which keeps the routes it captured)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_batch_invariant: enabled must be a bool, got {type(enabled).__name__}")
+    os.environ["KDA_BATCH_INVARIANT"] = "1" if enabled else "0"
+    reload()
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on (:func:`set_batch_invariant`, ``KDA_BATCH_INVARIANT``)."""
+    return bool(knobs()["batch_invariant"])
 
 
 def split_segment_tokens(lens: list[int], HV: int, device: torch.device, training: bool, multiple: int = 64) -> int:

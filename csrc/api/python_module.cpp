@@ -141,9 +141,10 @@ PyObject* reload_launch_knobs(PyObject* /*self*/, PyObject* /*args*/) {
 
 PyObject* launch_knobs(PyObject* /*self*/, PyObject* /*args*/) {
   const kda::LaunchKnobs& k = kda::launch_knobs();
-  return Py_BuildValue("{s:O,s:s,s:s,s:s,s:s,s:L,s:O,s:s}", "verbose", k.verbose ? Py_True : Py_False, "decode",
-                       kda::pin_name(k.decode), "chunked", kda::pin_name(k.chunked), "sweep", kda::pin_name(k.sweep),
-                       "split", kda::pin_name(k.split), "split_tokens", static_cast<long long>(k.split_tokens),
+  return Py_BuildValue("{s:O,s:O,s:s,s:s,s:s,s:s,s:L,s:O,s:s}", "verbose", k.verbose ? Py_True : Py_False,
+                       "batch_invariant", k.batch_invariant ? Py_True : Py_False, "decode", kda::pin_name(k.decode),
+                       "chunked", kda::pin_name(k.chunked), "sweep", kda::pin_name(k.sweep), "split",
+                       kda::pin_name(k.split), "split_tokens", static_cast<long long>(k.split_tokens),
                        "experiments_built", kda::kExperimentsBuilt ? Py_True : Py_False, "error", k.error.c_str());
 }
 

@@ -134,6 +134,11 @@ LaunchKnobs read_environment() {
     const std::string v = lower(e);
     if (!v.empty() && !parse_bool(v, &k.verbose)) fail(k, std::string("KDA_VERBOSE must be 0 or 1, got '") + e + "'");
   }
+  if (const char* e = std::getenv("KDA_BATCH_INVARIANT")) {
+    const std::string v(e);
+    if (!v.empty() && !parse_bool(v, &k.batch_invariant))
+      fail(k, std::string("KDA_BATCH_INVARIANT must be 0 or 1, got '") + e + "'");
+  }
   read_pin(k, "KDA_DECODE_KERNEL", &k.decode, kDecodeNames, "auto, ring or serial");
   read_pin(k, "KDA_CHUNKED_KERNEL", &k.chunked, kChunkedNames, "auto, sm90, mma, mma64, mma128 or mma_small");
   read_pin(k, "KDA_TRAINING_SWEEP", &k.sweep, kSweepNames, "auto, wgmma64, sub16, small or host");

@@ -56,6 +56,10 @@ struct ExperimentKnobs {
 
 struct LaunchKnobs {
   bool verbose = false;  // KDA_VERBOSE=1: one stderr line per call naming its route
+  // KDA_BATCH_INVARIANT=1: every route is chosen without looking at the batch (sequence count, lengths, grid
+  // size), and the sequence split is off, so a sequence's results do not depend on what else is in the call
+  // (route_cuda.cu, route.cpp; docs/env.md)
+  bool batch_invariant = false;
   DecodePin decode = DecodePin::kAuto;
   ChunkedPin chunked = ChunkedPin::kAuto;
   SweepPin sweep = SweepPin::kAuto;

@@ -112,7 +112,7 @@ bool split_pays(const int64_t* lens, int64_t n, int HV, int sms, int64_t Ls, dou
 
 int64_t route_split(const SplitQuery& query) {
   const LaunchKnobs& k = launch_knobs();
-  if (k.split == SplitPin::kOff || query.n <= 0 || query.HV <= 0 || query.multiple <= 0) return 0;
+  if (k.split == SplitPin::kOff || k.batch_invariant || query.n <= 0 || query.HV <= 0 || query.multiple <= 0) return 0;
   // Lengths on the device only (a packed call as engines make it, eager or captured): planned as one sequence of
   // all the tokens (the longest any sequence can be), so a long one is cut into chains that fit the SMs, and one
   // shorter than a segment stays whole (it runs in the output pass alone, beside two passes with nothing to do

@@ -109,7 +109,8 @@ ForwardRoute route_token_serial(const RecurrentParams& p, const DeviceFacts& f, 
 // the prep), the shallow pipeline where a block gets less shared memory (sm_120).
 ForwardRoute route_chunked(const RecurrentParams& p, const DeviceFacts& f, const LaunchKnobs& k, bool bwd) {
   ForwardRoute r;
-  const bool small_grid = p.N * p.HV * 2 <= int64_t(f.sms);
+  // (batch-invariant: the large-grid choices on every grid)
+  const bool small_grid = !k.batch_invariant && p.N * p.HV * 2 <= int64_t(f.sms);
   bool hopper = false;
   if (k.exp.chunked_diag != 0 && !bwd)
     hopper = false;  // (an experiment's diagnostic mask exists in the mma.sync kernel only)
@@ -178,8 +179,13 @@ ForwardRoute route_forward(const RecurrentParams& p, Backend backend, bool disab
     }
     chunked = true;
   } else if (backend == Backend::kAuto) {
-    // a verify pass writes no pool slot: only the token-serial kernels have that mode
-    chunked = !disable_state_update && chunked_preferred(p);
+    // a verify pass writes no pool slot: only the token-serial kernels have that mode. Batch-invariant: chunked for
+    // every packed call and every fixed-layout call of more than one token per sequence (the usual rule looks at
+    // the mean length, which other sequences of the batch change)
+    if (k.batch_invariant)
+      chunked = !disable_state_update && (p.cu_seqlens != nullptr || p.T > 1) && chunked_supported(p, nullptr);
+    else
+      chunked = !disable_state_update && chunked_preferred(p);
   }
   const ForwardRoute r = chunked ? route_chunked(p, f, k, false) : route_token_serial(p, f, k);
   if (k.verbose) print_forward("forward", p, r, f);
