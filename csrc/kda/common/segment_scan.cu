@@ -23,10 +23,17 @@
 //   RT = 4 (16 rows): 2048 FFMA + 256 LDS + ~250 -> ~2550 clk ~ 1.3 us;  RT = 8: 4096 + 384 + 250 -> ~2.4 us.
 //   Latency: a chunk is 16 x 8 FFMA per thread (~190 clk at RT = 2); kStages - 1 = 4 chunks ahead (~760 clk)
 //     cover an L2 round trip (~600-800 clk); at RT = 4, 8 three and two chunks ahead (~1000 clk).
-//   P: K^2 x 4 B = 64 KB per block and step from L2: ~80 GB/s per block at RT = 2, and the L2 feeds the SMs ~6
-//     TB/s, so about 75 blocks streaming at once saturate it: a grid of 500 blocks of 8 rows would be L2-bound
-//     at ~5 us a step. 16 and 32 rows per block (RT = 4, 8) read each P once for 2x, 4x the rows. The launchers
-//     take the RT of least modeled time per step, max(waves x issue slots, bytes of P / 3 KB per clock).
+//   P: K^2 x 4 B = 64 KB per block and step from L2: ~80 GB/s per block at RT = 2 against ~6 TB/s of L2, so
+//     about 75 such blocks at once saturate it; 16 and 32 rows per block (RT = 4, 8) read each P once for 2x,
+//     4x the rows. With w blocks per SM the SMSPs' issue is shared: ~w x the above.
+// Measured (H100, K = V = 128, 32 steps, best of 10 runs on the same data; us per step; the kParts path above
+// in brackets):
+//   batch 4: RT 2 3.2, RT 4 4.1, RT 8 5.7 [4.6];  8: 3.3, 4.2, 5.8 [7.5];  16: 4.4, 4.2, 5.8 [7.9];
+//   32: 7.1, 5.9, 5.8 [18.2];  64: 14.8, 9.5, 8.7 [27.7].  K = V = 64, batch 16: RT 2 1.7 [2.8].
+//   One block per SM runs ~4x slower than its issue model (3.2 vs 0.8 us at RT = 2): the single block's four
+//   warps stall ~600 clk per chunk, most likely on its chunks' copies (32 KB in flight per block); with two or
+//   more blocks per SM the issue model holds (RT = 8: 8.7 us for 2 x 2.4). Past ~500 blocks of 8 rows the L2
+//   caps the rate at ~4.5 TB/s of P. Hence the launchers' choice of RT (streamed_rt).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -309,32 +316,24 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   scan_rows_streamed<RT>(S, Q, P, seg_first[n] * HV + h, HV, 1, count + (fin != nullptr ? 1 : 0), V, K, true, last);
 }
 
-// The streamed path applies: K % 4 == 0 and every tensor 16-byte aligned (cp.async, float4).
+// The streamed path applies: K % 4 == 0 and every tensor 16-byte aligned (bulk copies, float4).
 bool streamed_ok(int K, const void* a, const void* b, const void* c, const void* d) {
   const uintptr_t bits = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
                          reinterpret_cast<uintptr_t>(c) | reinterpret_cast<uintptr_t>(d);
   return K % 4 == 0 && K <= kScanCols && bits % 16 == 0;
 }
 
-// Rows per thread (4 RT rows per block) of least modeled time per step (the model at the top of the file): the
-// blocks' issue, max over the SMs (waves of blocks, 4 warps each on 4 SMSPs), against their traffic of P through
-// the L2 (~3 KB per clock).
-int streamed_rt(int64_t entries, int V, int K) {
+// Rows per thread (4 RT rows per block): the fewest that keep the grid within one block per SM (its latency per
+// step is the shortest: measured on an H100 at K = 128, 3.2 / 4.1 / 5.8 us at RT = 2 / 4 / 8), else RT = 8, whose
+// 4x fewer blocks stream P 4x less often and issue 16 RT FFMA per 4 + RT shared loads (the most per SM and step).
+int streamed_rt(int64_t entries, int V) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0)
     sms = 132;
-  int best = 2;
-  double best_cost = 0.;
-  for (int rt = 2; rt <= 8; rt *= 2) {
-    const double blocks = double(entries) * double((V + 4 * rt - 1) / (4 * rt));
-    const double waves = static_cast<double>(static_cast<int64_t>((blocks + sms - 1) / sms));  // blocks per SM
-    // per SMSP and step: 4 RT K FFMA, (RT + 4) K / 4 LDS, ~20 per chunk of 16 k and ~50 at the step's end
-    const double issue = waves * (K * (4. * rt + (rt + 9) / 4.) + 50.), l2 = blocks * K * K * 4. / 3072.;
-    const double cost = issue > l2 ? issue : l2;
-    if (rt == 2 || cost < best_cost) best = rt, best_cost = cost;
-  }
-  return best;
+  for (int rt = 2; rt < 8; rt *= 2)
+    if (entries * ((V + 4 * rt - 1) / (4 * rt)) <= sms) return rt;
+  return 8;
 }
 
 }  // namespace
@@ -345,7 +344,7 @@ cudaError_t launch_segment_state_scan(float* S, const float* Q, const float* P, 
   if (J <= first || batch <= 0 || V <= 0 || K <= 0) return cudaSuccess;
   if (K > kScanCols || batch > 0x7fffffff) return cudaErrorInvalidValue;
   if (streamed_ok(K, S, Q, P, nullptr)) {
-    const int rt = streamed_rt(batch, V, K);
+    const int rt = streamed_rt(batch, V);
     const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>((V + 4 * rt - 1) / (4 * rt)));
     if (rt == 8)
       kda_segment_state_scan_streamed_kernel<8><<<grid, kStreamThreads, 0, stream>>>(S, Q, P, J, batch, V, K, first);
@@ -366,7 +365,7 @@ cudaError_t launch_segment_state_scan_packed(float* S, const float* Q, const flo
   if (N <= 0 || HV <= 0 || V <= 0 || K <= 0) return cudaSuccess;
   if (K > kScanCols || N * HV > 0x7fffffff) return cudaErrorInvalidValue;
   if (streamed_ok(K, S, Q, P, fin)) {
-    const int rt = streamed_rt(N * HV, V, K);
+    const int rt = streamed_rt(N * HV, V);
     const dim3 grid(static_cast<unsigned>(N * HV), static_cast<unsigned>((V + 4 * rt - 1) / (4 * rt)));
     if (rt == 8)
       kda_segment_state_scan_packed_streamed_kernel<8>
