@@ -362,25 +362,30 @@ def try_run(
     return True
 
 
-# The one-pass route (below) where it applies; False: always the three passes (benchmarks' A/B).
-ONE_PASS = True
+# The one-pass route (below), an experiment: off by default (it lost to the three passes in its first measurement,
+# docs/performance.md); True runs it where it applies (tests run both routes on the CPU; on CUDA its fix-up kernel
+# exists only in a KDA_BUILD_EXPERIMENTS=1 build).
+ONE_PASS = False
 
 
 def _one_pass_applies(d: V.Dims, out: torch.Tensor, n_ck: int) -> bool:
     """The one-pass route's scope: no checkpoints (they would need S_start P_c + Q_c inside segments), a contiguous
-    output; on CUDA bf16 tokens with K and V multiples of 16 up to 128 (the fix-up kernel)."""
+    output; on CUDA an experiments build and bf16 tokens with K and V multiples of 16 up to 128 (the fix-up
+    kernel)."""
     if not ONE_PASS or n_ck > 0 or not out.is_contiguous():
         return False
     if d.dev_type != "cuda":
         return True
-    return d.dtype == torch.bfloat16 and d.K % 16 == 0 and d.V % 16 == 0 and d.K <= 128 and d.V <= 128
+    shapes = d.dtype == torch.bfloat16 and d.K % 16 == 0 and d.V % 16 == 0 and d.K <= 128 and d.V <= 128
+    return shapes and bool(_routing.knobs()["experiments_built"])
 
 
 def _run(
     pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend,
     n_ck=0, ck=None, source=None, src_idx=None,
 ):  # type: ignore[no-untyped-def]  # fmt: skip
-    """Runs the plan: the one-pass route where it applies (:func:`_one_pass_applies`), else the three passes.
+    """Runs the plan: the three passes (module docstring), or the one-pass route where it is asked for and applies
+    (:data:`ONE_PASS`, :func:`_one_pass_applies`).
 
     One pass (the "A-route"): segment j >= 1's outputs are O = O_local + A S_startᵀ, with O_local its outputs from
     a zero start and A its effective queries, the outputs of the transition pass (identity start, v = 0): the

@@ -7,7 +7,8 @@ synchronize inside it: the split's Python plan and its op calls), the GPU time o
 profiled one (the three chunked passes, the scan, copies) and the idle GPU time in between (host overhead
 between launches), and the median of 20 CUDA-graph replays of the call (benchmarks/bench_prefill.py's
 graph_time_ms; fixed layout: the split runs inside the graph). Two settings: the one-pass route and the three
-passes (kda_ops._split.ONE_PASS), and in an experiments build each again with the three-pass route's end-state
+passes (kda_ops._split.ONE_PASS; on CUDA the one-pass route runs only in a KDA_BUILD_EXPERIMENTS=1 build, elsewhere
+both settings time the three passes), and in an experiments build each again with the three-pass route's end-state
 passes on the Hopper kernel's instantiation with an output (KDA_EXPERIMENT=sm90_state_only=0).
 
   python3 benchmarks/profiling/split_profile.py [8,4] [65536]

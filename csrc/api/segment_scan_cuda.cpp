@@ -45,6 +45,7 @@ void segment_state_scan_packed_cuda(const at::Tensor& S, const at::Tensor& Q, co
   TORCH_CHECK(err == cudaSuccess, "kda segment_state_scan_packed kernel launch failed: ", cudaGetErrorString(err));
 }
 
+#if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
 // max_segment_tokens: the grid's tiles per segment (the caller's segment length; a longer segment is an error the
 // kernel cannot see, so the caller passes the plan's length).
 void segment_output_fixup_cuda(const at::Tensor& out, const at::Tensor& A, const at::Tensor& S,
@@ -63,6 +64,7 @@ void segment_output_fixup_cuda(const at::Tensor& out, const at::Tensor& A, const
       c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "kda segment_output_fixup kernel launch failed: ", cudaGetErrorString(err));
 }
+#endif  // KDA_EXPERIMENTS (the one-pass split's fix-up: an experiment)
 
 }  // namespace
 }  // namespace kda
@@ -70,5 +72,7 @@ void segment_output_fixup_cuda(const at::Tensor& out, const at::Tensor& A, const
 TORCH_LIBRARY_IMPL(kda, CUDA, m) {
   m.impl("segment_state_scan", &kda::segment_state_scan_cuda);
   m.impl("segment_state_scan_packed", &kda::segment_state_scan_packed_cuda);
+#if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
   m.impl("segment_output_fixup", &kda::segment_output_fixup_cuda);
+#endif
 }

@@ -12,6 +12,10 @@
 // Model (K = V = 128, per 64-token tile and head): 4 warps x 8 k-steps x 16 n-tiles = 512 mma.sync (1M FMA, ~1k
 // SM-cycles at the dense rate), 48 KiB of HBM traffic (A read, O read and written). At H=4 T=16384 (1M token-head
 // rows): 0.10 GB, ~25 us at 4 TB/s; the state staging ~16k cycles per CTA is amortised over kSpan / 64 tiles.
+//
+// An experiment: compiled only in a KDA_BUILD_EXPERIMENTS=1 build (the one-pass split lost to the three passes in
+// its first measurement; docs/performance.md "Exact sequence split").
+#if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -118,3 +122,4 @@ cudaError_t launch_segment_output_fixup(void* out, const void* A, const float* S
 }
 
 }  // namespace kda
+#endif  // KDA_EXPERIMENTS
