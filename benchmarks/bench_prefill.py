@@ -5,7 +5,7 @@ preallocated output. Every call is timed eagerly and as a CUDA-graph replay (cap
 Ours gets the host copy of cu_seqlens (`cu_seqlens_cpu`, as a serving engine has it) for packed cases, and
 a one-sequence case as the fixed layout (no cu_seqlens, as a user calls it), so its calls take the exact
 sequence split where `KDA_SEQUENCE_SPLIT=auto` splits (long sequences on few heads): eager calls of either
-layout, graph replays of the fixed layout (a packed capture never splits).
+layout and graph replays of either (the split plans on the device under capture).
 
 Peers, when importable (neither peer's code is part of this repository):
 - cuDNN Frontend (`cudnn.linear_attention.kimi_delta_attention`, packed [T, H, K] tensors, `cu_seqlens`,

@@ -5,8 +5,8 @@ Prefill: K = V = 128, lower-bound gate λ = -5, logit beta, L2 norm, bf16 tokens
 preallocated output (the data of benchmarks/bench_prefill.py). Columns:
 - "unsplit": ``KDA_SEQUENCE_SPLIT=0``, eager and as a CUDA-graph replay;
 - "split auto-plan": the split forced on (``1``) with the segment length from the shapes, eager;
-- "split graph": the same as a CUDA-graph replay, for one-sequence cases called in the fixed layout (a
-  packed call under capture never splits);
+- "split graph": the same as a CUDA-graph replay, for one-sequence cases called in the fixed layout (packed
+  captures split too, planned on the device: benchmarks/bench_engine.py);
 - "split best Ls": the fastest of a sweep of segment lengths (the length is printed);
 - "one pass": the unsplit op on the plan's segments as independent sequences (zero starts): the cost
   of one of the split's three passes, for the profile of the split;
