@@ -321,10 +321,12 @@ def try_run(
     ck: torch.Tensor | None = None,
     source: torch.Tensor | None = None,
     src_idx: torch.Tensor | None = None,
+    zero_uncovered: bool = False,
 ) -> bool:
     """Runs a validated prefill call split into segments, writing ``out``, ``final`` (fp32 [N, HV, V, K]
-    or None) and the pool exactly as the unsplit op would. Returns False (nothing done) when the call is
-    out of scope or the split would not pay; the caller then runs the unsplit op.
+    or None) and the pool exactly as the unsplit op would (``zero_uncovered``, an ``out`` the caller did not give:
+    the tokens past ``cu_seqlens[-1]`` zeroed, as the unsplit op zeroes them). Returns False (nothing done) when
+    the call is out of scope or the split would not pay; the caller then runs the unsplit op.
 
     The plan: from host lengths when the call has them (fixed layout, ``cu_seqlens`` on the host or its host
     mirror) and is not being captured (cached, :func:`_cached_plan`); else made on the device from ``cu_seqlens``
@@ -358,7 +360,7 @@ def try_run(
         pl = _device_plan(cu, d.B * d.T, Ls, n_ck)
     q1, k1, v1, g1, b1, o1 = views
     _run(pl, d, q1, k1, v1, g1, b1, A_hv, dtb_hv, pool, ssm_idx, o1, final, sc, gate_mode, lb, l2, logit, backend_code,
-         n_ck, ck, source, src_idx)  # fmt: skip
+         n_ck, ck, source, src_idx, zero_uncovered)  # fmt: skip
     return True
 
 
@@ -382,7 +384,7 @@ def _one_pass_applies(d: V.Dims, out: torch.Tensor, n_ck: int) -> bool:
 
 def _run(
     pl, d, q, k, v, g, beta, A, dtb, pool, ssm_idx, out, final, sc, gate_mode, lb, l2, logit, backend,
-    n_ck=0, ck=None, source=None, src_idx=None,
+    n_ck=0, ck=None, source=None, src_idx=None, zero_uncovered=False,
 ):  # type: ignore[no-untyped-def]  # fmt: skip
     """Runs the plan: the three passes (module docstring), or the one-pass route where it is asked for and applies
     (:data:`ONE_PASS`, :func:`_one_pass_applies`).
@@ -442,7 +444,7 @@ def _run(
         Qs.index_copy_(0, pl.first, start)
     q_rows, q_out = (active(pl.o_rows), out) if one_pass else (pl.q_rows, no_out)
     op(q, k, v, g, beta, A, dtb, Qs, None, None, pl.cu, q_rows, None, None, q_out, None, None, None, None, sc,
-       gate_mode, lb, l2, logit, 0, 0, backend, False)  # fmt: skip
+       gate_mode, lb, l2, logit, 0, 0, backend, one_pass and zero_uncovered)  # fmt: skip
     Aq = None
     if one_pass or pl.needs_p:
         Ps = SM.identity_states(R, HV, K, sdt, dev)
@@ -465,7 +467,7 @@ def _run(
         torch.ops.kda.segment_state_scan_packed(states, Qs, Ps, pl.first, pl.count)
         # pass 3: outputs and final states from the exact start states
         op(q, k, v, g, beta, A, dtb, states, None, None, pl.cu, active(pl.o_rows), None, None, out, None, ck,
-           pl.ck_starts, None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, False)  # fmt: skip
+           pl.ck_starts, None, sc, gate_mode, lb, l2, logit, 0, n_ck, backend, zero_uncovered)  # fmt: skip
         fin = states.index_select(0, pl.final_rows)
 
     if final is not None:  # (no pool) inactive sequences keep the zeros of the new final state

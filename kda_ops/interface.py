@@ -409,6 +409,7 @@ def recurrent_kda(
             ck,
             source,
             src_idx,
+            zero_uncovered,
         )  # fmt: skip
     )
     if not split:

@@ -28,7 +28,7 @@ from conftest import (
 )
 
 import kda_ops
-from kda_ops import _routing, _split
+from kda_ops import _routing, _split, _validate
 from kda_ops.reference import rel_rms
 
 K, V = 16, 16
@@ -337,6 +337,34 @@ def test_device_plan_matches_host_plan(split_on, monkeypatch):  # type: ignore[n
     assert len(split_on) == 2 and split_on[1].slots > split_on[0].slots
     for a, b in zip(res[0], res[1], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("caller_output", [False, True])
+def test_split_device_lengths_uncovered_tail(split_on, monkeypatch, caller_output):  # type: ignore[no-untyped-def]
+    """Lengths only on the device (the device plan) and token rows past cu_seqlens[-1] (a broken contract): the
+    split leaves those rows as the unsplit call does, zeros in an output it allocates, a caller's values in
+    ``output``."""
+    lens, tail = [5, 300, 17, 0, 130], 70
+    x, kw = _inputs(lens, gate="lower_bound", seed=43)
+    x = {n: torch.cat([t, torch.randn(1, tail, *t.shape[2:], generator=torch.Generator().manual_seed(44))], 1)
+         for n, t in x.items()}  # fmt: skip
+    cu, host = kw["cu_seqlens"], _validate.host_values_available
+    monkeypatch.setattr(_validate, "host_values_available", lambda t: t is not cu and host(t))
+    T = sum(lens) + tail
+    if not caller_output:  # the output the op allocates, as uninitialised as torch.empty may leave it
+        run = _split._run
+        monkeypatch.setattr(_split, "_run", lambda pl, *a, **kw: (a[10].fill_(math.nan), run(pl, *a, **kw))[1])
+    res = []
+    for mode in ("1", "0"):
+        route_env(monkeypatch, KDA_SEQUENCE_SPLIT=mode)
+        extra = {"output": torch.full((1, T, 2, V), 7.0)} if caller_output else {}
+        o, fs = _call(x, kw, initial_state=torch.ones(len(lens), 2, V, K) * 0.1, output_final_state=True, **extra)
+        res.append((o, fs))
+    assert len(split_on) == 1 and split_on[0].lens is None
+    (o_s, f_s), (o_u, f_u) = res
+    assert torch.equal(o_s[0, sum(lens) :], torch.full_like(o_s[0, sum(lens) :], 7.0 if caller_output else 0.0))
+    assert torch.equal(o_s[0, sum(lens) :], o_u[0, sum(lens) :])
+    assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
 
 
 def test_cu_seqlens_cpu_checked():
