@@ -230,10 +230,14 @@ def _host_plan(lens: list[int], Ls: int, n_ck: int, device: torch.device) -> _Se
 
 
 def _device_plan(cu: torch.Tensor, tokens: int, Ls: int, n_ck: int) -> _SegmentPlan:
-    """The plan of lengths that live on the device: built there (a dozen small kernels), with T // Ls + N slots."""
+    """The plan of lengths that live on the device: built there (a dozen small kernels), with T // Ls + N slots.
+
+    Unchecked values (a broken contract: docs/contract.md, Errors) are first made offsets in [0, T], non-decreasing
+    (a running maximum), so the segments fit the slots and every index stays in range."""
     N = cu.shape[0] - 1
     slots = tokens // Ls + N
-    return _SegmentPlan(Ls, slots, None, _build_plan(cu.to(torch.int64), Ls, slots, n_ck))
+    cu = torch.cummax(cu.to(torch.int64).clamp(0, tokens), 0).values
+    return _SegmentPlan(Ls, slots, None, _build_plan(cu, Ls, slots, n_ck))
 
 
 # Plans of recent host-known split calls with their device index tensors, least recently used first. Keyed on the

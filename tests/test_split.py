@@ -367,6 +367,27 @@ def test_split_device_lengths_uncovered_tail(split_on, monkeypatch, caller_outpu
     assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
 
 
+@pytest.mark.parametrize("cu_values", [[0, 100, 5000], [0, 64, 1000, 2000], [0, 200, 100, 300]])
+def test_split_device_lengths_broken_cu_seqlens(split_on, monkeypatch, cu_values):  # type: ignore[no-untyped-def]
+    """Lengths only on the device that break the contract (past T, decreasing): the device plan stays within its
+    slots (offsets clamped to [0, T], a running maximum), never indexes out of range; offsets past T give the
+    unsplit call's results (its clamp rule)."""
+    x, kw = _inputs([300], gate="lower_bound", seed=45)
+    cu = kw["cu_seqlens"] = torch.tensor(cu_values)
+    host = _validate.host_values_available
+    monkeypatch.setattr(_validate, "host_values_available", lambda t: t is not cu and host(t))
+    N = len(cu_values) - 1
+    res = []
+    for mode in ("1", "0"):
+        route_env(monkeypatch, KDA_SEQUENCE_SPLIT=mode)
+        res.append(_call(x, kw, initial_state=torch.ones(N, 2, V, K) * 0.1, output_final_state=True))
+    assert len(split_on) == 1 and split_on[0].lens is None
+    (o_s, f_s), (o_u, f_u) = res
+    assert torch.isfinite(o_s).all() and torch.isfinite(f_s).all()
+    if cu_values == sorted(cu_values):
+        assert rel_rms(o_s, o_u) <= 1e-5 and rel_rms(f_s, f_u) <= 1e-5
+
+
 def test_cu_seqlens_cpu_checked():
     x, kw = _inputs([100, 30], gate="lower_bound", seed=9)
     with pytest.raises(ValueError, match="cu_seqlens_cpu must equal cu_seqlens"):
