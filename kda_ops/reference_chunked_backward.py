@@ -63,6 +63,18 @@ emulated: L and Mqk's diagonal blocks, the inverse and the pair terms (fp32 here
 0 there, so that case compares the other gradients only. These cases do not bound every input: on the GPU tier's
 T=1 case (`test_dbeta_at_one_token_needs_kr_dsT_near_fp32`) dβ = dY · (V - X) cancels, and bf16 operands for
 dR_S = Kr dS_Cᵀ alone give 2.2e-2, tf32 ones 7.8e-3.
+
+Single fp16 products (`operand_mode` / `scale_granularity` / `product_modes` of `chunked_training_grads`; the
+default None keeps the emulation above, bit for bit): each named product in one operand mode, "exact", "bf16" (one
+bf16 rounding), "bf16x3" (bf16 hi + lo operands, three products hi·hi + hi·lo + lo·hi: the 64-token sweep's today) or
+"fp16": operands bounded by 1 by construction (K⁺, Q⁺, Kr, the factor rows of L / Mqk / the pair terms, Mqk;
+BWD_BOUNDED) rounded to fp16 directly, the others (S_0, dS_C, dO, Y, R, dR, dY, dX, INV, dA, dMqk) as
+(x 2^-e).to(fp16) 2^e with a power-of-two e per group that puts the group's largest magnitude in [2^14, 2^15): one
+group per operand and head ("tensor"), per 64 x 64 tile ("tile"), or per row of an A / column of a B operand
+("row"). A power-of-two scale commutes with the rounding in fp16's normal range, so the groups differ only for entries
+more than 2^28 below their group's largest. Measured (benchmarks/profiling/backward_fp16_precision.py, docs/design.md
+"Backward: fp16 scaled single products (precision)"): fp16 everywhere worst 4.1e-3 on every case but a cancelling
+one-token dβ (5.5e-2, any granularity); bf16 hi + lo for dR_S and dY only brings that to 7.4e-4.
 """
 
 from __future__ import annotations
@@ -97,6 +109,120 @@ class _Gemms:
 
 
 _EXACT = _Gemms()
+
+# Operand modes of `operand_mode` / `product_modes` (module docstring, "Single fp16 products"): "exact" (fp32),
+# "bf16" (one bf16 rounding), "bf16x3" (bf16 hi + lo, three products), "fp16" (one fp16 rounding, power-of-two
+# scales on the unbounded operands).
+OperandMode = str
+OPERAND_MODES = ("exact", "bf16", "bf16x3", "fp16")
+SCALE_GRANULARITIES = ("tensor", "tile", "row")
+SCALE_TILE = 64
+FP16_TARGET_EXP = 14  # an unbounded operand's scale maps its largest magnitude into [2^14, 2^15)
+# Per product: whether its (A, B) operands are bounded by 1 in magnitude by construction (|q|, |k| <= 1 after the L2
+# norm and every decay factor <= 1): K⁺, Q⁺, Kr, the L / Mqk / pair-term factor rows and Mqk itself. The others (S_0,
+# dS_C, dO, Y, R, dR, dY, dX, INV, dA, dMqk) get a power-of-two scale in "fp16".
+BWD_BOUNDED = {
+    "L": (True, True),
+    "X": (True, False),
+    "R": (False, False),
+    "S": (False, True),
+    "dR_mqk": (True, False),
+    "dR_S": (True, False),
+    "dY": (False, False),
+    "dA": (False, False),
+    "dM": (False, False),
+    "dKr": (False, False),
+    "dKp": (False, False),
+    "dQp": (False, False),
+    "dS0": (False, True),
+    "P": (False, True),
+}
+
+
+def _split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = hi + lo + O(2^-16 |x|) with hi, lo bf16 values (in x.dtype)."""
+    hi = x.to(torch.bfloat16).to(x.dtype)
+    return hi, (x - hi).to(torch.bfloat16).to(x.dtype)
+
+
+def _scale_exponents(x: torch.Tensor, granularity: str, side: str) -> torch.Tensor:
+    """The power-of-two exponent e (x ≈ m 2^e, max |m| in [2^14, 2^15)) of each entry's scale group of a GEMM operand
+    x [HV, m, n]: one per head ("tensor"), per 64 x 64 tile ("tile"), or per row of an A operand / column of a B
+    operand (side "A" / "B": the index not contracted, "row"). An all-zero group gets e = 0."""
+    ax = x.abs()
+    if granularity == "tensor":
+        amax = ax.amax((1, 2), keepdim=True)
+    elif granularity == "row":
+        amax = ax.amax(2 if side == "A" else 1, keepdim=True)
+    elif granularity == "tile":
+        amax = torch.empty_like(ax)
+        for i0 in range(0, x.shape[1], SCALE_TILE):
+            for j0 in range(0, x.shape[2], SCALE_TILE):
+                t = ax[:, i0 : i0 + SCALE_TILE, j0 : j0 + SCALE_TILE]
+                amax[:, i0 : i0 + SCALE_TILE, j0 : j0 + SCALE_TILE] = t.amax((1, 2), keepdim=True)
+    else:
+        raise ValueError(f"scale_granularity must be one of {SCALE_GRANULARITIES}, got {granularity!r}")
+    _, ex = torch.frexp(amax)  # amax = f 2^ex, f in [0.5, 1): floor(log2 amax) = ex - 1
+    return torch.where(amax > 0, ex - 1 - FP16_TARGET_EXP, torch.zeros_like(ex))
+
+
+def round_fp16_scaled(x: torch.Tensor, granularity: str = "tile", side: str = "A") -> torch.Tensor:
+    """x rounded to fp16 under a power-of-two scale per group (`_scale_exponents`) and scaled back:
+    (x 2^-e).to(fp16) 2^e, in x.dtype."""
+    e = _scale_exponents(x, granularity, side)
+    return torch.ldexp(torch.ldexp(x, -e).to(torch.float16).to(x.dtype), e)
+
+
+class _ModeGemms(_Gemms):
+    """`_Gemms` by operand mode per product (OPERAND_MODES): "fp16" rounds the bounded operands (BWD_BOUNDED) to fp16
+    directly and the others under a power-of-two scale of `granularity` (`round_fp16_scaled`)."""
+
+    def __init__(self, operand_mode: OperandMode, granularity: str, product_modes: dict[str, OperandMode] | None):
+        modes = {name: operand_mode for name in BWD_GEMM_NAMES}
+        for name, mode in (product_modes or {}).items():
+            if name not in modes:
+                raise ValueError(f"product_modes: unknown product {name!r}, expected one of {BWD_GEMM_NAMES}")
+            modes[name] = mode
+        for mode in modes.values():
+            if mode not in OPERAND_MODES:
+                raise ValueError(f"operand mode must be one of {OPERAND_MODES}, got {mode!r}")
+        if granularity not in SCALE_GRANULARITIES:
+            raise ValueError(f"scale_granularity must be one of {SCALE_GRANULARITIES}, got {granularity!r}")
+        self.modes, self.granularity = modes, granularity
+        # the recompute's L / Mqk off-diagonal blocks take one rounding for both (bounded) operands; bf16x3 there is
+        # hi + lo as one ~16-bit value (its dropped lo·lo term is below that rounding)
+        one = {
+            "exact": _identity_round,
+            "bf16": lambda t: t.to(torch.bfloat16).to(t.dtype),
+            "bf16x3": _hilo_value,
+            "fp16": lambda t: t.to(torch.float16).to(t.dtype),
+        }
+        self.round = {"L": one[modes["L"]]}
+
+    def _fp16(self, name: str, x: torch.Tensor, side: str) -> torch.Tensor:
+        if BWD_BOUNDED[name][0 if side == "A" else 1]:
+            return x.to(torch.float16).to(x.dtype)
+        return round_fp16_scaled(x, self.granularity, side)
+
+    def __call__(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        mode = self.modes[name]
+        if mode == "exact":
+            return a @ b
+        if mode == "bf16":
+            return a.to(torch.bfloat16).to(a.dtype) @ b.to(torch.bfloat16).to(b.dtype)
+        if mode == "bf16x3":
+            (ah, al), (bh, bl) = _split_bf16(a), _split_bf16(b)
+            return ah @ bh + (ah @ bl + al @ bh)
+        return self._fp16(name, a, "A") @ self._fp16(name, b, "B")
+
+
+def _identity_round(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _hilo_value(x: torch.Tensor) -> torch.Tensor:
+    hi, lo = _split_bf16(x)
+    return hi + lo
 
 
 def _pair_factors(gamma: torch.Tensor, inclusive: bool) -> torch.Tensor:
@@ -290,18 +416,30 @@ def chunked_training_grads(
     operand_dtype: OperandPrecision = None,
     gemm_dtypes: dict[str, OperandPrecision] | None = None,
     blocked: bool = False,
+    operand_mode: OperandMode | None = None,
+    scale_granularity: str = "tile",
+    product_modes: dict[str, OperandMode] | None = None,
 ):
     """The eight training gradients (in the order of docs/contract.md "API") by the chunk-parallel schedule of the
     module docstring.
 
-    Same arguments and gradient order as `reference_training_grads` (L2 norm on, lower-bound gate, logit β).
+    Same arguments and gradient order as `reference_training_grads` (L2 norm on, logit β, the lower-bound gate;
+    lower_bound=None: the softplus gate a = -exp(A_log) softplus(g + dt_bias)).
     operand_dtype / gemm_dtypes: tensor-core emulation of the named products (module docstring; fp32 compute).
+    operand_mode ("exact" | "bf16" | "bf16x3" | "fp16"), scale_granularity ("tensor" | "tile" | "row") and
+    product_modes (per-name overrides of operand_mode): the operand modes of the module docstring's "Single fp16
+    products" instead of operand_dtype / gemm_dtypes (fp32 compute; None: those).
     blocked: the per-chunk gradients by `chunk_backward_blocked` (the factorised form of a 64-token sweep kernel)
     instead of `chunk_backward`.
     Returns [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state] in `dtype`.
     """
     mm = _Gemms(operand_dtype, gemm_dtypes)
     if operand_dtype is not None or any(p is not None for p in (gemm_dtypes or {}).values()):
+        dtype = torch.float32
+    if operand_mode is not None:
+        if operand_dtype is not None or gemm_dtypes:
+            raise ValueError("operand_mode excludes operand_dtype / gemm_dtypes")
+        mm = _ModeGemms(operand_mode, scale_granularity, product_modes)
         dtype = torch.float32
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -313,9 +451,14 @@ def chunked_training_grads(
     qs = qn * scale
     vf, dof = v.to(dtype), do.to(dtype)
     A = torch.exp(A_log.to(dtype))
-    z = A[:, None] * (g.to(dtype) + dt_bias.to(dtype).reshape(HV, K))  # [B, T, HV, K]
-    sz = torch.sigmoid(z)
-    af = lower_bound * sz
+    xg = g.to(dtype) + dt_bias.to(dtype).reshape(HV, K)  # [B, T, HV, K]
+    if lower_bound is None:  # softplus gate (softplus(x) = x for x > 20)
+        sp = torch.where(xg > 20, xg, torch.nn.functional.softplus(xg))
+        af = -A[:, None] * sp
+    else:
+        z = A[:, None] * xg
+        sz = torch.sigmoid(z)
+        af = lower_bound * sz
     bl = torch.sigmoid(beta.to(dtype))
 
     dqs, dkn, dv, da, dbeta = (torch.zeros_like(x) for x in (qs, kn, vf, af, bl))
@@ -367,10 +510,14 @@ def chunked_training_grads(
             dqs[b, sl], dkn[b, sl], dv[b, sl] = (r[x].transpose(0, 1) for x in ("dq", "dk", "dv"))
             da[b, sl], dbeta[b, sl] = r["da"].transpose(0, 1), r["dbeta"].transpose(0, 1)
     # 4. per token: gate, β, L2 norm, GQA
-    dz = da * lower_bound * sz * (1 - sz)
-    dg = A[:, None] * dz
+    if lower_bound is None:
+        dg = -A[:, None] * da * torch.where(xg > 20, torch.ones_like(xg), torch.sigmoid(xg))
+        dA_log = (da * af).sum((0, 1, 3))
+    else:
+        dz = da * lower_bound * sz * (1 - sz)
+        dg = A[:, None] * dz
+        dA_log = (dz * z).sum((0, 1, 3))
     ddt = dg.sum((0, 1))
-    dA_log = (dz * z).sum((0, 1, 3))
     dbeta_logit = dbeta * bl * (1 - bl)
 
     def l2_back(x, dxn):  # x raw (GQA-expanded), dxn = dL/d(normalised x)
