@@ -26,14 +26,8 @@
 //   P: K^2 x 4 B = 64 KB per block and step from L2: ~80 GB/s per block at RT = 2 against ~6 TB/s of L2, so
 //     about 75 such blocks at once saturate it; 16 and 32 rows per block (RT = 4, 8) read each P once for 2x,
 //     4x the rows. With w blocks per SM the SMSPs' issue is shared: ~w x the above.
-// Measured (H100, K = V = 128, 32 steps, best of 10 runs on the same data; us per step; the kParts path above
-// in brackets):
-//   batch 4: RT 2 3.2, RT 4 4.1, RT 8 5.7 [4.6];  8: 3.3, 4.2, 5.8 [7.5];  16: 4.4, 4.2, 5.8 [7.9];
-//   32: 7.1, 5.9, 5.8 [18.2];  64: 14.8, 9.5, 8.7 [27.7].  K = V = 64, batch 16: RT 2 1.7 [2.8].
-//   One block per SM runs ~4x slower than its issue model (3.2 vs 0.8 us at RT = 2): the single block's four
-//   warps stall ~600 clk per chunk, most likely on its chunks' copies (32 KB in flight per block); with two or
-//   more blocks per SM the issue model holds (RT = 8: 8.7 us for 2 x 2.4). Past ~500 blocks of 8 rows the L2
-//   caps the rate at ~4.5 TB/s of P. Hence the launchers' choice of RT (streamed_rt).
+// The measured step times, and where they depart from this model (one block per SM runs ~4x slower than its
+// issue count), are in docs/performance.md, "Exact sequence split"; the launchers' choice of RT follows them.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -323,9 +317,9 @@ bool streamed_ok(int K, const void* a, const void* b, const void* c, const void*
   return K % 4 == 0 && K <= kScanCols && bits % 16 == 0;
 }
 
-// Rows per thread (4 RT rows per block): the fewest that keep the grid within one block per SM (its latency per
-// step is the shortest: measured on an H100 at K = 128, 3.2 / 4.1 / 5.8 us at RT = 2 / 4 / 8), else RT = 8, whose
-// 4x fewer blocks stream P 4x less often and issue 16 RT FFMA per 4 + RT shared loads (the most per SM and step).
+// Rows per thread (4 RT rows per block): the fewest that keep the grid within one block per SM (the shortest step
+// then; docs/performance.md), else RT = 8: a quarter of RT = 2's blocks, each reading P once for 32 rows, and the
+// most FFMA per shared load.
 int streamed_rt(int64_t entries, int V) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) != cudaSuccess ||
