@@ -309,6 +309,27 @@ def _unit_lower_inverse(N: torch.Tensor, sub: int) -> torch.Tensor:
     return INV
 
 
+def _chunk_prep(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    beta: torch.Tensor,
+    sub: int,
+    diag_mode: str,
+    rL: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """Steps 1-4 of a chunk (the token-parallel stage, both orders): Γ, e^{Γ_C} exponent, K⁺, Q⁺, Kr, L, Mqk, INV."""
+    gamma = torch.cumsum(a, dim=1)  # 1. Γ [HV, c, K]
+    g_last = gamma[:, -1:]  # [HV, 1, K]
+    Kp = k * torch.exp(gamma)  # 2. K⁺ [HV, c, K]
+    Qp = q * torch.exp(gamma)  #    Q⁺ [HV, c, K]
+    Kr = k * torch.exp(g_last - gamma)  # Kr [HV, c, K]
+    L = decayed_pair_matrix(k, k, gamma, sub, False, diag_mode, rL)  # 3. [HV, c, c]
+    Mqk = decayed_pair_matrix(q, k, gamma, sub, True, diag_mode, rL)  # [HV, c, c]
+    INV = _unit_lower_inverse(beta[:, :, None] * L, sub)  # 4. [HV, c, c]
+    return gamma, g_last, Kp, Qp, Kr, L, Mqk, INV
+
+
 def chunk_forward(
     S0: torch.Tensor,
     q: torch.Tensor,
@@ -331,14 +352,7 @@ def chunk_forward(
         return _chunk_forward_folded(S0, q, k, v, a, beta, sub, diag_mode, operand_dtype, gemm_dtypes)
     prec = resolve_gemm_precisions(operand_dtype, gemm_dtypes)
     rL, rX, rR, rO1, rO2, rS = (_make_round(prec[name]) for name in GEMM_NAMES)
-    gamma = torch.cumsum(a, dim=1)  # 1. Γ [HV, c, K]
-    g_last = gamma[:, -1:]  # [HV, 1, K]
-    Kp = k * torch.exp(gamma)  # 2. K⁺ [HV, c, K]
-    Qp = q * torch.exp(gamma)  #    Q⁺ [HV, c, K]
-    Kr = k * torch.exp(g_last - gamma)  # Kr [HV, c, K]
-    L = decayed_pair_matrix(k, k, gamma, sub, False, diag_mode, rL)  # 3. [HV, c, c]
-    Mqk = decayed_pair_matrix(q, k, gamma, sub, True, diag_mode, rL)  # [HV, c, c]
-    INV = _unit_lower_inverse(beta[:, :, None] * L, sub)  # 4. [HV, c, c]
+    gamma, g_last, Kp, Qp, Kr, L, Mqk, INV = _chunk_prep(q, k, a, beta, sub, diag_mode, rL)  # steps 1-4
     S0t = S0.transpose(1, 2)  # [HV, K, V]
     X = rX(Kp) @ rX(S0t)  # 5. ⊗ [c, K] x [K, V] -> [HV, c, V]
     Y = beta[:, :, None] * (v - X)  # [HV, c, V]
@@ -367,14 +381,7 @@ def _chunk_forward_folded(
         _make_round(prec[name]) for name in ("L", "INVb", "KV", "W", "X", "O_inter", "O_intra", "S")
     )
     rVp = _make_round(prec["Vp"], saturate=True)
-    gamma = torch.cumsum(a, dim=1)  # 1. Γ [HV, c, K]
-    g_last = gamma[:, -1:]  # [HV, 1, K]
-    Kp = k * torch.exp(gamma)  # 2. K⁺ [HV, c, K]
-    Qp = q * torch.exp(gamma)  #    Q⁺ [HV, c, K]
-    Kr = k * torch.exp(g_last - gamma)  # Kr [HV, c, K]
-    L = decayed_pair_matrix(k, k, gamma, sub, False, diag_mode, rL)  # 3. [HV, c, c]
-    Mqk = decayed_pair_matrix(q, k, gamma, sub, True, diag_mode, rL)  # [HV, c, c]
-    INV = _unit_lower_inverse(beta[:, :, None] * L, sub)  # 4. [HV, c, c]
+    gamma, g_last, Kp, Qp, Kr, L, Mqk, INV = _chunk_prep(q, k, a, beta, sub, diag_mode, rL)  # steps 1-4
     INVb = rI(INV * beta[:, None, :])  # INV diag(β), the fold products' left operand
     W = rW(INVb @ rKV(Kp))  # 4'. ⊗ W' [c, c] x [c, K], stored as the chain's operand
     Vp = rVp(INVb @ rKV(v))  #     ⊗ V' [c, c] x [c, V], stored (saturating) as the chain's seed
