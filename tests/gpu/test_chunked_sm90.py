@@ -419,3 +419,65 @@ def test_hopper_schedules_same_bits(monkeypatch):
     for key, res in results.items():
         for i, (a, b) in enumerate(zip(first, res, strict=True)):
             assert torch.equal(a, b), f"variant {key[0]} schedule {key[1]}: result {i} differs from v2 schedule 0"
+
+
+@pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
+@pytest.mark.parametrize("c", _cases())
+def test_folded_variant_vs_reference(c, monkeypatch, capfd):
+    """Design 4 (the WY inverse folded into the chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep)
+    against the fp64 reference and beside design 3, on the lengths, packed mixes, gate / β / L2 modes and pools of
+    the Hopper-vs-mma cases: output and pool within the tolerances, the launch line naming variant 4."""
+    if "lengths" in c:
+        n = len(c["lengths"])
+        x = base.make(H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, lengths=c["lengths"], seed=79)
+        slots = list(range(n))
+        slots[-2] = n + 1  # inactive (outside the pool)
+    else:
+        n = c["B"]
+        x = base.make(B=n, T=c["T"], H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, seed=80)
+        slots = list(range(1, n + 1))
+    t, g, m = base.tok(x, c["gate"], c["logit"], c["l2"]), base.gkw(x, c["gate"]), base.mode(c["logit"], c["l2"])
+    cu = x.get("cu_seqlens")
+    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    before = x["initial_state"].clone()
+    res = {}
+    # designs 3 and 4, each also with L and Mqk split-K over the prep warps (schedule bit 64)
+    for variant, schedule in (("3", 11), ("4", 11), ("4", 75), ("3", 75)):
+        route_env(
+            monkeypatch,
+            KDA_CHUNKED_KERNEL="sm90",
+            KDA_VERBOSE="1",
+            KDA_EXPERIMENT=f"sm90_variant={variant},sm90_schedule={schedule}",
+        )
+        pool = before.clone()
+        capfd.readouterr()
+        o = base.call(t, g, **m, initial_state=pool, ssm_state_indices=idx, cu_seqlens=cu)[0]
+        torch.cuda.synchronize()
+        assert f"variant={variant}" in capfd.readouterr().err
+        res[f"{variant}s{schedule}"] = (o, pool)
+    n_pool = before.shape[0]
+    active = [0 <= s < n_pool for s in slots]
+    start = before[idx.long().clamp(0, n_pool - 1)]
+    r = base.ref(t, g, start, cu_seqlens=cu, **m)
+    lengths = base.seq_lengths(x)
+    written = {s: r.final_state[k] for k, s in enumerate(slots) if active[k] and lengths[k] > 0}
+    mask = base.token_mask(x, active)
+    for variant, (o, pool) in res.items():
+        base.check_rows(o, r.output, mask)
+        check_pool(pool, before, written, what=f"variant {variant} pool")
+    for key in ("4s11", "4s75", "3s75"):
+        assert_output(res[key][0].cpu()[mask], res["3s11"][0].cpu()[mask], f"{key} vs 3s11 output")
+        assert_close_rms(res[key][1], res["3s11"][1], state_tol(c["sd"]), f"{key} vs 3s11 pool")
+
+
+@pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
+def test_folded_variant_long_and_checkpoints(monkeypatch):
+    """Design 4 over long sequences (the rings' phases wrap many times) against the fp64 reference."""
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_EXPERIMENT="sm90_variant=4,sm90_schedule=75")
+    x = base.make(H=2, HV=4, state_dtype=F32, lengths=[2000, 77, 4096], seed=82)
+    t, g = base.tok(x), base.gkw(x)
+    pool = x["initial_state"].clone()
+    o, _ = base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
+    r = base.ref(t, g, x["initial_state"], cu_seqlens=x["cu_seqlens"])
+    assert_output(o, r.output)
+    assert_close_rms(pool, r.final_state, TOL_STATE_FP32, "variant 4 pool")

@@ -82,9 +82,9 @@ void read_experiments(LaunchKnobs& k, const std::string& spec) {
       x.ring_flags = b ? (x.ring_flags | mask) : (x.ring_flags & ~mask);
     };
     if (key == "sm90_variant")
-      count(&x.sm90_variant, 1, 3);
+      count(&x.sm90_variant, 1, 4);
     else if (key == "sm90_schedule")
-      count(&x.sm90_schedule, 0, 15);
+      count(&x.sm90_schedule, 0, 127);
     else if (key == "sm90_profile")
       flag(&x.sm90_profile);
     else if (key == "sm90_state_only")

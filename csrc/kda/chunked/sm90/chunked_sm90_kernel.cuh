@@ -60,6 +60,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -96,43 +97,62 @@ constexpr int kD = 128;  // K = V
 //   3: three prep warpgroups (chunk c on warpgroup c mod 3, a raw ring of one stage each), 640 threads; prep
 //      is latency-bound (a warpgroup issues a small part of the cycles it takes per chunk), so a third one
 //      in flight raises its throughput; registers: prep 64, chain 144 (the pool of 640 threads x 96).
-template <int kVariant>
-struct Cfg;
-template <>
-struct Cfg<1> {
-  static constexpr int kPrepWGs = 1, kRawStages = 4;  // one raw ring of 4 stages
-  static constexpr int kPrepRegs = 128, kChainRegs = 168, kProducerRegs = 40;
-  static constexpr int kThreads = 512;  // producer, prep, 2 chain warpgroups
-  static constexpr int kChainWG0 = 2;   // the first chain warpgroup
-};
-template <>
-struct Cfg<2> {
-  static constexpr int kPrepWGs = 2, kRawStages = 2;  // a raw ring of 2 stages per prep warpgroup
-  static constexpr int kPrepRegs = 112, kChainRegs = 144, kProducerRegs = 0;
-  static constexpr int kThreads = 512;  // 2 prep, 2 chain warpgroups
-  static constexpr int kChainWG0 = 2;
-};
-template <>
-struct Cfg<3> {
-  static constexpr int kPrepWGs = 3, kRawStages = 1;  // a raw ring of 1 stage per prep warpgroup
-  static constexpr int kPrepRegs = 64, kChainRegs = 144, kProducerRegs = 0;
-  static constexpr int kThreads = 640;  // 3 prep, 2 chain warpgroups
-  static constexpr int kChainWG0 = 3;
-};
 // The operand ring's depth (a build-time knob for timing it, -DKDA_SM90_OP_STAGES=N): 5, the deepest that fits the
 // 227 KB with variant 3 (6 does not); 4 measured 2-5% slower on every prefill case (the prep warpgroups and the
 // chain waited on each other more). The v ring follows it (the static_asserts below).
 #ifndef KDA_SM90_OP_STAGES
 #define KDA_SM90_OP_STAGES 5
 #endif
-constexpr int kOpStages = KDA_SM90_OP_STAGES;                    // operand ring (prep -> chain)
-constexpr int kVStages = kOpStages + 4 > 8 ? kOpStages + 4 : 8;  // raw v ring (TMA -> chain)
+constexpr int kOpStagesDefault = KDA_SM90_OP_STAGES;                                  // operand ring (prep -> chain)
+constexpr int kVStagesDefault = kOpStagesDefault + 4 > 8 ? kOpStagesDefault + 4 : 8;  // raw v ring (TMA -> chain)
+template <int kVariant>
+struct Cfg;
+struct CfgRings {  // variants 1-3: the default ring depths, the chain reads v
+  static constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;
+  static constexpr bool kFold = false;
+};
+template <>
+struct Cfg<1> : CfgRings {
+  static constexpr int kPrepWGs = 1, kRawStages = 4;  // one raw ring of 4 stages
+  static constexpr int kPrepRegs = 128, kChainRegs = 168, kProducerRegs = 40;
+  static constexpr int kThreads = 512;  // producer, prep, 2 chain warpgroups
+  static constexpr int kChainWG0 = 2;   // the first chain warpgroup
+};
+template <>
+struct Cfg<2> : CfgRings {
+  static constexpr int kPrepWGs = 2, kRawStages = 2;  // a raw ring of 2 stages per prep warpgroup
+  static constexpr int kPrepRegs = 112, kChainRegs = 144, kProducerRegs = 0;
+  static constexpr int kThreads = 512;  // 2 prep, 2 chain warpgroups
+  static constexpr int kChainWG0 = 2;
+};
+template <>
+struct Cfg<3> : CfgRings {
+  static constexpr int kPrepWGs = 3, kRawStages = 1;  // a raw ring of 1 stage per prep warpgroup
+  static constexpr int kPrepRegs = 64, kChainRegs = 144, kProducerRegs = 0;
+  static constexpr int kThreads = 640;  // 3 prep, 2 chain warpgroups
+  static constexpr int kChainWG0 = 3;
+};
+// 4: variant 3 with the WY inverse folded into the chain's operands (docs/design.md "Folded WY operands"): prep
+//    consumes the v tiles and makes −W' = −INVb K⁺ (bf16, in the K⁺ half of the stacked tile) and V'ᵀ = (INVb V)ᵀ
+//    (fp16, the chain's seed tile) on all four warps after the inverse (fold_wy below); the chain runs two dependent
+//    wgmma batches per chunk instead of three and reads no v. Four operand stages (the V' tiles take the fifth's
+//    room); a v ring of 6 (prep warpgroup w's leader refills it for chunk c + 3 once chunk c - 3, its own, released
+//    it: no wait on another warpgroup).
+template <>
+struct Cfg<4> : Cfg<3> {
+  static constexpr int kOpStages = 4, kVStages = 6;
+  static constexpr bool kFold = true;
+};
+constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;  // (variants 1-3)
 // Variants 2 and 3: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads
 // of chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
 // kVStages, which must be a chunk the chain already finished (it did, when operand stage c was free, for every
-// chunk up to c - kOpStages), else the leader and the chain wait on each other.
+// chunk up to c - kOpStages), else the leader and the chain wait on each other. Variant 4: prep releases v, and the
+// chunk c + 3 - kVStages is one of the leader's own warpgroup, prepped before chunk c.
 static_assert(kVStages >= Cfg<2>::kPrepWGs * Cfg<2>::kRawStages + kOpStages, "variant 2: the v acquire must not wait");
 static_assert(kVStages >= Cfg<3>::kPrepWGs * Cfg<3>::kRawStages + kOpStages, "variant 3: the v acquire must not wait");
+static_assert(Cfg<4>::kVStages % Cfg<4>::kPrepWGs == 0 && Cfg<4>::kVStages >= 2 * Cfg<4>::kPrepWGs,
+              "variant 4: the v acquire waits only on the leader's own warpgroup");
 // registers: setmaxnreg moves registers within the CTA's pool, the registers it was launched with (65536 /
 // threads per thread, rounded down to a multiple of 8): the warpgroups' counts together must fit in it, else
 // the chain's increase waits forever
@@ -146,7 +166,8 @@ template <int V>
 constexpr bool regs_fit() {
   return setmaxnreg_sum<V>() <= (Cfg<V>::kThreads / 128) * ((65536 / Cfg<V>::kThreads) / 8 * 8);
 }
-static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>(), "setmaxnreg counts exceed the CTA's register pool");
+static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>() && regs_fit<4>(),
+              "setmaxnreg counts exceed the CTA's register pool");
 constexpr int kBarPrep = 1;   // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;    // named barrier of chain warpgroup w (output staging): kBarOut + w
 constexpr int kOStride = 72;  // output staging row (64 value rows + 8: 16-byte rows, no 2-way bank conflicts)
@@ -159,25 +180,44 @@ constexpr int kWStride = 24, kWStage = kC * kWStride;
 using LayoutRaw = Layout<Shape<_16, _128>, Stride<_128, _1>>;
 template <int kStages>
 using LayoutRawRing = Layout<Shape<_16, _128, Int<kStages>>, Stride<_128, _1, _2048>>;
-using LayoutVRing = Layout<Shape<_16, _128, Int<kVStages>>, Stride<_128, _1, _2048>>;
+template <int kStages>
+using LayoutVRingS = Layout<Shape<_16, _128, Int<kStages>>, Stride<_128, _1, _2048>>;
 // wgmma B tiles. K⁺, Q⁺: (N = 16 tokens, K = 128 channels), K-major, 128-byte swizzle.
-using LayoutKd = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_16, _128, Int<kOpStages>>{}));
-// The forward's stacked [K⁺; Q⁺] tile: (N = 32: K⁺ tokens 0-15, then Q⁺ tokens 0-15, K = 128 channels), K-major,
-// 128-byte swizzle, so Xᵀ and O_interᵀ are one N = 32 product. The backward chain uses its two halves as separate
-// tiles (LayoutKd and LayoutKr), SharedStorage::kd / qd.
-using LayoutKQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_32, _128, Int<kOpStages>>{}));
-static_assert(cosize_v<LayoutKQ> == 2 * cosize_v<LayoutKd>, "the stacked tile holds the K⁺ and Q⁺ tiles");
+template <int kStages>
+using LayoutKdS = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_16, _128, Int<kStages>>{}));
+// The forward's stacked [K⁺; Q⁺] tile (variant 4: [−W'; Q⁺]): (N = 32: K⁺ tokens 0-15, then Q⁺ tokens 0-15, K = 128
+// channels), K-major, 128-byte swizzle, so Xᵀ and O_interᵀ are one N = 32 product. The backward chain uses its two
+// halves as separate tiles (LayoutKd and LayoutKr), SharedStorage::kd / qd.
+template <int kStages>
+using LayoutKQS = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16_t>{}, Shape<_32, _128, Int<kStages>>{}));
 // Kr: (N = 128 channels, K = 16 tokens), MN-major (channels contiguous), 128-byte swizzle.
-using LayoutKr = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<f16_t>{}, Shape<_128, _16, Int<kOpStages>>{}));
+template <int kStages>
+using LayoutKrS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<f16_t>{}, Shape<_128, _16, Int<kStages>>{}));
 // INVb, Mqk: (N = 16 output tokens, K = 16 tokens), K-major, 32-byte swizzle.
-using LayoutT16 = decltype(tile_to_shape(GMMA::Layout_K_SW32_Atom<f16_t>{}, Shape<_16, _16, Int<kOpStages>>{}));
+template <int kStages>
+using LayoutT16S = decltype(tile_to_shape(GMMA::Layout_K_SW32_Atom<f16_t>{}, Shape<_16, _16, Int<kStages>>{}));
+// (the default depths: variants 1-3; the kernel takes its variant's from Cfg)
+using LayoutVRing = LayoutVRingS<kVStages>;
+using LayoutKd = LayoutKdS<kOpStages>;
+using LayoutKQ = LayoutKQS<kOpStages>;
+using LayoutKr = LayoutKrS<kOpStages>;
+using LayoutT16 = LayoutT16S<kOpStages>;
+static_assert(cosize_v<LayoutKQ> == 2 * cosize_v<LayoutKd>, "the stacked tile holds the K⁺ and Q⁺ tiles");
+// Variant 4's V'ᵀ seed tile: [128 value rows][16 tokens] fp16 per stage, the pair of tokens (2 p, 2 p + 1) of row m
+// at pair slot p ^ (4 ((m >> 2) & 1)): the accumulator's reads (and prep's writes), 8 rows x 4 pairs per
+// instruction, then fall on 32 distinct banks.
+__device__ __forceinline__ int vp_offset(int m, int t) {
+  return m * kC + 2 * ((t >> 1) ^ (4 * ((m >> 2) & 1))) + (t & 1);
+}
 
 // Element offsets in the swizzled layouts above: swz_offset (kda/common/gmma_swizzle.cuh).
 
 template <int kVariant>
 using PipeRaw = cutlass::PipelineTmaAsync<Cfg<kVariant>::kRawStages>;
-using PipeV = cutlass::PipelineTmaAsync<kVStages>;
-using PipeOp = cutlass::PipelineAsync<kOpStages>;
+template <int kVariant>
+using PipeVOf = cutlass::PipelineTmaAsync<Cfg<kVariant>::kVStages>;
+template <int kVariant>
+using PipeOpOf = cutlass::PipelineAsync<Cfg<kVariant>::kOpStages>;
 
 // prep-only scratch of one prep warpgroup (one chunk at a time; that warpgroup's named barrier orders it)
 struct PrepScratch {
@@ -188,37 +228,43 @@ struct PrepScratch {
   alignas(16) float ap[kC * kC];  // A' = diag(β) strict_tril(L)
   alignas(16) float i2s[8 * 8];
 };
+struct PrepScratchFold : PrepScratch {  // variant 4: INVb in fp32 (the inverse's output, the fold products' input)
+  alignas(16) float inv[kC * kC];
+};
 
 template <int kVariant>
 struct SharedStorage {
-  static constexpr int kRawSlots = Cfg<kVariant>::kPrepWGs * Cfg<kVariant>::kRawStages;  // raw q/k/g tile slots
-  static constexpr int kPrepWGs = Cfg<kVariant>::kPrepWGs;
+  using Cf = Cfg<kVariant>;
+  static constexpr int kRawSlots = Cf::kPrepWGs * Cf::kRawStages;  // raw q/k/g tile slots
+  static constexpr int kPrepWGs = Cf::kPrepWGs, kOp = Cf::kOpStages;
+  static constexpr bool kFold = Cf::kFold;
   // prep -> chain operands (ring of kOpStages)
-  alignas(1024) bf16_t kq[cosize_v<LayoutKQ>];  // forward: LayoutKQ; backward chain: the kd and qd halves below
-  alignas(1024) f16_t kr[cosize_v<LayoutKr>];
-  alignas(1024) f16_t invb[cosize_v<LayoutT16>];
-  alignas(1024) f16_t mqk[cosize_v<LayoutT16>];
-  alignas(16) float gamma[kOpStages][kD];  // e^{Γ_C} per channel
+  alignas(1024) bf16_t kq[cosize_v<LayoutKQS<kOp>>];  // forward: LayoutKQ; backward chain: the kd and qd halves below
+  alignas(1024) f16_t kr[cosize_v<LayoutKrS<kOp>>];
+  alignas(1024) f16_t invb[kFold ? 8 : cosize_v<LayoutT16S<kOp>>];  // (variant 4: none, INVb is folded)
+  alignas(1024) f16_t mqk[cosize_v<LayoutT16S<kOp>>];
+  alignas(16) f16_t vp[kFold ? kOp * kD * kC : 8];  // variant 4: V'ᵀ per stage (vp_offset)
+  alignas(16) float gamma[kOp][kD];                 // e^{Γ_C} per channel
   // TMA destinations: raw q/k/g slots (variant 1: one ring of all of them; 2: a ring of half of them per
   // prep warpgroup), the v ring
   alignas(128) bf16_t q[kRawSlots * kC * kD];
   alignas(128) bf16_t k[kRawSlots * kC * kD];
   alignas(128) bf16_t g[kRawSlots * kC * kD];
-  alignas(128) bf16_t v[cosize_v<LayoutVRing>];
-  PrepScratch prep[kPrepWGs];
+  alignas(128) bf16_t v[cosize_v<LayoutVRingS<Cf::kVStages>>];
+  std::conditional_t<kFold, PrepScratchFold, PrepScratch> prep[kPrepWGs];
   // output staging of the chain WGs: O[token][value row] of a chunk's 64 value rows, double-buffered
   alignas(16) __nv_bfloat16 ostage[2][2][kC * kOStride];
   alignas(16) typename PipeRaw<kVariant>::SharedStorage pipe_raw[kPrepWGs];  // one raw ring per prep warpgroup
-  alignas(16) typename PipeV::SharedStorage pipe_v;
-  alignas(16) typename PipeOp::SharedStorage pipe_op;
+  alignas(16) typename PipeVOf<kVariant>::SharedStorage pipe_v;
+  alignas(16) typename PipeOpOf<kVariant>::SharedStorage pipe_op;
   // the backward chain's two tiles in kq (each half 1024-byte aligned: cosize_v<LayoutKd> * 2 bytes is a multiple)
   __device__ bf16_t* kd() { return kq; }
-  __device__ bf16_t* qd() { return kq + cosize_v<LayoutKd>; }
+  __device__ bf16_t* qd() { return kq + cosize_v<LayoutKdS<kOp>>; }
 };
 static_assert(cosize_v<LayoutKd> * 2 % 1024 == 0, "the qd half of kq is 1024-byte aligned");
 static_assert(2 * 4 * kWStage <= 2 * 2 * kC * kOStride, "the per-warp output buffers live in ostage");
 static_assert(sizeof(SharedStorage<1>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<2>) + 1024 <= 227 * 1024 &&
-                  sizeof(SharedStorage<3>) + 1024 <= 227 * 1024,
+                  sizeof(SharedStorage<3>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<4>) + 1024 <= 227 * 1024,
               "shared memory per block (227 KB on sm_90)");
 
 // ---- TMA of one token tensor [B, T, heads, 128] (bf16): gmem modes (T, 128, heads, B), box (16, 128).
@@ -241,6 +287,19 @@ using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8
 // loads), the inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the
 // rows each, instead of lanes 0-15.
 constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8;
+// Diagnostic schedule bits of the forward (an experiments build only; the results are then meaningless):
+// kDiagChainOnly, prep makes the operands of the first kOpStages chunks only and the chain reuses them for every later
+// chunk (no operand or v wait after those): the chain's own cycles per chunk; kDiagPrepOnly, the chain waits for each
+// stage and releases it at once (no products, no output): prep's throughput alone.
+constexpr int kDiagChainOnly = 16, kDiagPrepOnly = 32;
+// kSplitLMqk (an experiments build): prep's L and Mqk split-K over the four warps of its warpgroup (l_mqk_split_k),
+// instead of one warp each for all eight k-steps (other sums: other bits).
+constexpr int kSplitLMqk = 64;
+#if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
+constexpr bool kDiagBuilt = true;
+#else
+constexpr bool kDiagBuilt = false;
+#endif
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
@@ -284,6 +343,123 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 }
 __device__ __forceinline__ uint4 pack8_f16(const float (&x)[8]) {
   return make_uint4(pack_f16x2(x[0], x[1]), pack_f16x2(x[2], x[3]), pack_f16x2(x[4], x[5]), pack_f16x2(x[6], x[7]));
+}
+
+// ---- variant 4's fold (prep, all four warps of the chunk's warpgroup, after the inverse; waits for INVb in `inv`
+// and the chunk's v tile, releases nothing: the caller releases v and commits the operand stage). Warp w makes
+// channels / value rows [32 w, 32 w + 32):
+//   −W' = −INVb K⁺   over the K⁺ half of the stacked tile, in place (fp16 K⁺ from the operand phase; the warp reads
+//                   and writes only its own 32 channels, every read done before its first write), bf16;
+//   V'ᵀ = Vᵀ INVbᵀ   into the stage's seed tile (vp_offset), fp16 saturated; v's tokens past the chunk's end are
+//                   zeroed in the fragment (INVb's columns there are 0, but the tile holds another sequence's rows).
+// mma.sync m16n8k16 with fp16 operands and fp32 accumulators; INVb rounded to fp16 once, the A operand of W' and
+// the B operand of V'ᵀ (reference_chunked.py folded_wy: "INVb" and "KV" fp16, "W" bf16, "Vp" fp16).
+// Per warp: 4 fp32 pair loads, 4 ldmatrix.x4, 8 mma, 16 4-byte stores.
+template <class LayoutKQ>
+__device__ __forceinline__ void fold_wy(const float* inv, bf16_t* kq, int os, const __nv_bfloat16* vt, int cl,
+                                        f16_t* vp, int warp, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+  auto pair16 = [&](int r, int col) {
+    const float2 x = *reinterpret_cast<const float2*>(inv + r * kC + col);
+    return pack_f16x2(sat_f16(x.x), sat_f16(x.y));
+  };
+  // INVb as the A fragment: (row g, cols 2c, 2c + 1), (g + 8, ..), (g, 2c + 8, ..), (g + 8, 2c + 8, ..)
+  const uint32_t ai[4] = {pair16(g, 2 * c), pair16(g + 8, 2 * c), pair16(g, 2 * c + 8), pair16(g + 8, 2 * c + 8)};
+  // ldmatrix.x4.trans row addresses: lanes 0-7 tokens 0-7 / column block 0, 8-15 tokens 8-15 / 0, 16-23 tokens
+  // 0-7 / block 1, 24-31 tokens 8-15 / block 1 (registers: b0, b1 of the block-0 n-tile, then of block 1)
+  const int lrow = (lane & 7) + 8 * ((lane >> 3) & 1), lblk = lane >> 4;
+  {
+    uint32_t b[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      ptx::ldsm_x4_t(kq + swz_offset(LayoutKQ{}, lrow, 32 * warp + 16 * h + 8 * lblk, os), b[h]);
+    float acc[4][4] = {};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) ptx::mma_f16(acc[nt], ai, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
+    __syncwarp();  // (every lane's K⁺ reads precede the writes below)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int n = 32 * warp + 8 * nt + 2 * c;
+      *reinterpret_cast<uint32_t*>(kq + swz_offset(LayoutKQ{}, g, n, os)) = pack_bf16x2(-acc[nt][0], -acc[nt][1]);
+      *reinterpret_cast<uint32_t*>(kq + swz_offset(LayoutKQ{}, g + 8, n, os)) = pack_bf16x2(-acc[nt][2], -acc[nt][3]);
+    }
+  }
+  // V'ᵀ: A = Vᵀ (value rows, tokens) by ldmatrix.trans of the row-major [token][value] tile (row token, column
+  // value block: lanes as above with the blocks swapped: 8-15 value block 1, 16-23 tokens 8-15)
+  const int vrow = (lane & 7) + 8 * (lane >> 4), vblk = (lane >> 3) & 1;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int m0 = 32 * warp + 16 * mt;
+    uint32_t a[4];
+    ptx::ldsm_x4_t(vt + vrow * kD + m0 + 8 * vblk, a);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // bf16 -> fp16, tokens 2c + 8 (r >> 1) (+1) past the end zeroed
+      const int t = 2 * c + 8 * (r >> 1);
+      a[r] = pack_f16x2(t < cl ? sat_f16(bf16_lo(a[r])) : 0.f, t + 1 < cl ? sat_f16(bf16_hi(a[r])) : 0.f);
+    }
+    float acc[2][4] = {};
+    ptx::mma_f16(acc[0], a, ai[0], ai[2]);  // tokens 0-7: B = INVbᵀ, (k = j, n = i) = INVb[i][j]
+    ptx::mma_f16(acc[1], a, ai[1], ai[3]);  // tokens 8-15
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int t = 8 * nt + 2 * c;
+      *reinterpret_cast<uint32_t*>(vp + vp_offset(m0 + g, t)) = pack_f16x2(sat_f16(acc[nt][0]), sat_f16(acc[nt][1]));
+      *reinterpret_cast<uint32_t*>(vp + vp_offset(m0 + g + 8, t)) =
+          pack_f16x2(sat_f16(acc[nt][2]), sat_f16(acc[nt][3]));
+    }
+  }
+}
+
+// ---- L and Mqk, split-K over the four warps of a prep warpgroup (waits for the Km, Qm, Kn tiles;
+// the caller's named barrier separates the two halves). l_mqk_split_k: warp w runs k-steps 2w, 2w + 1 of
+// L = Km Knᵀ and (kQ) Mqk = Qm Knᵀ (mma.sync m16n8k16, bf16) and stores its two 16x16 partials, lane-major (lane l's
+// 8 accumulator values at l * 8), into part[(2 w + product) * 256 ..]. l_mqk_sum: one warp sums product `prod`'s four
+// partials in warp order (deterministic) and hands each element (i, j) to put.
+template <bool kQ>
+__device__ __forceinline__ void l_mqk_split_k(const __nv_bfloat16* km, const __nv_bfloat16* qm, const __nv_bfloat16* kn,
+                                              float* part, int warp, int lane) {
+  const TileOffsets toff_a(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);
+  const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);
+  float al[2][4] = {}, aq[2][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const int ks = 2 * warp + kk;
+    uint32_t fa[4], fn[4];
+    ldsm_x4(km + toff_a.at(ks), fa);
+    ldsm_x4(kn + toff_b.at(ks), fn);
+    ptx::mma_bf16(al[0], fa, fn[0], fn[1]);
+    ptx::mma_bf16(al[1], fa, fn[2], fn[3]);
+    if constexpr (kQ) {
+      uint32_t fq[4];
+      ldsm_x4(qm + toff_a.at(ks), fq);
+      ptx::mma_bf16(aq[0], fq, fn[0], fn[1]);
+      ptx::mma_bf16(aq[1], fq, fn[2], fn[3]);
+    }
+  }
+  float* pl = part + (2 * warp) * kC * kC + lane * 8;
+  *reinterpret_cast<float4*>(pl) = make_float4(al[0][0], al[0][1], al[0][2], al[0][3]);
+  *reinterpret_cast<float4*>(pl + 4) = make_float4(al[1][0], al[1][1], al[1][2], al[1][3]);
+  if constexpr (kQ) {
+    *reinterpret_cast<float4*>(pl + kC * kC) = make_float4(aq[0][0], aq[0][1], aq[0][2], aq[0][3]);
+    *reinterpret_cast<float4*>(pl + kC * kC + 4) = make_float4(aq[1][0], aq[1][1], aq[1][2], aq[1][3]);
+  }
+}
+template <class Put>
+__device__ __forceinline__ void l_mqk_sum(const float* part, int prod, int lane, Put&& put) {
+  float x[8];
+  load8f(part + prod * kC * kC + lane * 8, x);
+#pragma unroll
+  for (int w = 1; w < 4; ++w) {
+    float y[8];
+    load8f(part + (2 * w + prod) * kC * kC + lane * 8, y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] += y[e];
+  }
+  const int gq = lane >> 2, cq = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) put(gq + 8 * (e >> 1), 8 * nt + 2 * cq + (e & 1), x[4 * nt + e]);
 }
 
 // ---- profile instantiation: per role (producer, prep, chain WG2, chain WG3) and per segment of the chunk loop,
@@ -348,6 +524,16 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   constexpr int kPrepWGs = Cf::kPrepWGs, kRawStages = Cf::kRawStages, kThreads = Cf::kThreads;
   constexpr bool kMultiPrep = kPrepWGs >= 2;  // variants 2, 3: prep warpgroups that load their own chunks
   using PipeR = PipeRaw<kVariant>;
+  using PipeV = PipeVOf<kVariant>;
+  using PipeOp = PipeOpOf<kVariant>;
+  // this variant's ring depths (the namespace's layouts are those of the default depths)
+  using LayoutVRing = LayoutVRingS<Cf::kVStages>;
+  using LayoutKd = LayoutKdS<Cf::kOpStages>;
+  using LayoutKQ = LayoutKQS<Cf::kOpStages>;
+  using LayoutKr = LayoutKrS<Cf::kOpStages>;
+  using LayoutT16 = LayoutT16S<Cf::kOpStages>;
+  constexpr bool kFold = Cf::kFold;  // variant 4: the folded WY operands (prep consumes v)
+  static_assert(!(kFold && (kBwd || kStateOnly)), "variant 4 serves the forward with an output");
   static_assert(!(kStateOnly && kBwd), "state-only is a forward mode");
   constexpr bool kQ = !kStateOnly;  // q and everything made from it (Q⁺, Mqk, the output)
   const RecurrentParams& p = args.p;
@@ -395,6 +581,11 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   // of prep). The role warps are warps 0-3, or, with kRotateRoles, shifted by the warpgroup index w (role r on warp
   // (r + w) mod 4), so the serial parts of the prep warpgroups issue from different SM sub-partitions.
   const int role_shift = kMultiPrep && (args.schedule & kRotateRoles) ? pw : 0;
+  const bool diag_chain = kDiagBuilt && !kBwd && (args.schedule & kDiagChainOnly);
+  const bool diag_prep = kDiagBuilt && !kBwd && (args.schedule & kDiagPrepOnly);
+  const bool split_lmqk = kDiagBuilt && !kBwd && (args.schedule & kSplitLMqk);
+  // the chunks prep makes (diagnostic chain-only: those of the first operand stages)
+  const int64_t prep_chunks = diag_chain && n_chunks > Cf::kOpStages ? Cf::kOpStages : n_chunks;
   const int leader_ptid = 32 * ((3 + role_shift) & 3);
   const bool raw_leader = kMultiPrep ? (is_prep && (tid & 127) == leader_ptid) : tid == 0;
 
@@ -414,10 +605,14 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   PipeR pipe_raw(ss.pipe_raw[pw], prp, Shape<_1, _1, _1>{});
   typename PipeV::Params pvp;
   pvp.transaction_bytes = kC * kD * sizeof(bf16_t);
-  pvp.role = raw_leader ? PipeV::ThreadCategory::Producer
-                        : (is_chain ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
+  if constexpr (kFold)  // the v of a chunk is read by the prep warpgroup of that chunk
+    pvp.role = raw_leader ? PipeV::ThreadCategory::ProducerConsumer
+                          : (is_prep ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
+  else
+    pvp.role = raw_leader ? PipeV::ThreadCategory::Producer
+                          : (is_chain ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
   pvp.is_leader = raw_leader;
-  pvp.num_consumers = 256;
+  pvp.num_consumers = kFold ? 128 : 256;
   PipeV pipe_v(ss.pipe_v, pvp, Shape<_1, _1, _1>{});
   typename PipeOp::Params pop;
   pop.role = is_prep ? PipeOp::ThreadCategory::Producer
@@ -490,7 +685,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   if (is_prep) {
     // ================================ prep ================================
     if constexpr (kMultiPrep) cutlass::arch::warpgroup_reg_dealloc<Cf::kPrepRegs>();
-    PrepScratch& sc = ss.prep[pw];
+    auto& sc = ss.prep[pw];
     const int bar = kBarPrep + pw;
     const int ptid = tid & 127, d = ptid, pwarp = ptid >> 5;
     const int role = (pwarp - role_shift) & 3;  // 0: L and the inverse, 1: Mqk, 3: the TMA leader (lane 0)
@@ -553,16 +748,18 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     if constexpr (kMultiPrep) {
       if (raw_leader) {
         prefetch_maps();
-        for (int i = 0; i < kRawStages && c_issue < n_chunks; ++i) issue();
+        for (int i = 0; i < kRawStages && c_issue < prep_chunks; ++i) issue();
       }
     }
     typename PipeR::PipelineState st_raw;  // consumer: stage 0, phase 0
+    typename PipeV::PipelineState st_vc;   // variant 4: v of this warpgroup's chunks (stage c mod kVStages)
+    st_vc.advance(pw);
     auto st_op = cutlass::make_producer_start_state<PipeOp>();
     st_op.advance(pw);  // chunk c fills operand stage c mod kOpStages
     __nv_bfloat16 beta_next = load_beta(pw);
     Prof<kProfile> prof;
     prof.start(role == 0 && (ptid & 31) == 0);  // (the serial warp's lane 0)
-    for (int64_t c = pw; c < n_chunks; c += kPrepWGs) {
+    for (int64_t c = pw; c < prep_chunks; c += kPrepWGs) {
       const int cl = chunk_len(phys(c));
       const __nv_bfloat16 beta_raw = beta_next;
       beta_next = load_beta(c + kPrepWGs);
@@ -666,7 +863,13 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         } else {
 #pragma unroll
           for (int e = 0; e < 8; ++e) kr[e] = sat_f16(kr[e]);
-          *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, i, d0, os)) = pack8_bf16(kp);
+          if constexpr (kFold) {  // fp16 K⁺, the fold product's operand (fold_wy overwrites it with −W')
+#pragma unroll
+            for (int e = 0; e < 8; ++e) kp[e] = sat_f16(kp[e]);
+            *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, i, d0, os)) = pack8_f16(kp);
+          } else {
+            *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, i, d0, os)) = pack8_bf16(kp);
+          }
           if constexpr (kQ) *reinterpret_cast<uint4*>(ss.kq + swz_offset(LayoutKQ{}, kC + i, d0, os)) = pack8_bf16(qp);
           *reinterpret_cast<uint4*>(ss.kr + swz_offset(LayoutKr{}, d0, i, os)) = pack8_f16(kr);
         }
@@ -696,11 +899,27 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       prof.mark(2);
       if constexpr (kMultiPrep) {
         // every thread of this warpgroup released the raw stage: its leader refills it with its next chunk
-        if (raw_leader && c_issue < n_chunks) issue();
+        if (raw_leader && c_issue < prep_chunks) issue();
         prof.mark(2);
       }
 
-      if ((role == 0 || (kQ && role == 1)) && !pairwise) {
+      if (split_lmqk) {
+        // L and Mqk split-K over the four warps (warp w: k-steps 2w, 2w + 1 of both; its partials into
+        // the dead Γ' scratch), one named barrier, then role 0 sums L (-> A') and role 1 Mqk in warp order 0-3
+        if (!pairwise) {
+          l_mqk_split_k<kQ>(sc.km, sc.qm, sc.kn, sc.gp, pwarp, lane);
+          named_sync(bar, 128);
+          if (role == 0 || (kQ && role == 1)) {
+            l_mqk_sum(sc.gp, role, lane, [&](int i, int jj, float x) {
+              if (role == 0)
+                sc.ap[i * kC + jj] = jj < i ? sc.beta[i] * x : 0.f;
+              else
+                put_mqk(i, jj, os, jj <= i ? x : 0.f);
+            });
+            __syncwarp();
+          }
+        }
+      } else if ((role == 0 || (kQ && role == 1)) && !pairwise) {
         // role 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); role 1 at the same time: Mqk = tril(Qm Knᵀ).
         // (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
         const __nv_bfloat16* asrc = role == 0 ? sc.km : sc.qm;
@@ -733,13 +952,27 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       prof.mark(5);
       if (role == 0) {
         // INVb = (I + A')^{-1} diag(β), blockwise in fp32 (chunk_math.cuh)
-        auto put = [&](int r, int c, float x) { put_inv(r, c, os, x); };
+        auto put = [&](int r, int c, float x) {
+          if constexpr (kFold)
+            sc.inv[r * kC + c] = x;  // fp32, for fold_wy
+          else
+            put_inv(r, c, os, x);
+        };
         if (args.schedule & kSplitInverseRows)
           unit_lower_inverse16<true, true>(sc.ap, sc.i2s, sc.beta, lane, put);
         else if (args.schedule & kVectorInverse)
           unit_lower_inverse16<true>(sc.ap, sc.i2s, sc.beta, lane, put);
         else
           unit_lower_inverse16<false>(sc.ap, sc.i2s, sc.beta, lane, put);
+      }
+      if constexpr (kFold) {
+        // −W' and V'ᵀ on all four warps (fold_wy), once INVb is complete and the chunk's v has landed
+        pipe_v.consumer_wait(st_vc);
+        named_sync(bar, 128);
+        fold_wy<LayoutKQ>(sc.inv, ss.kq, os, reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_vc.index() * kC * kD, cl,
+                          ss.vp + os * kD * kC, pwarp, lane);
+        pipe_v.consumer_release(st_vc);
+        st_vc.advance(kPrepWGs);
       }
       // generic-proxy writes of the operand tiles -> visible to wgmma (async proxy), then publish
       prof.mark(6);
@@ -964,69 +1197,117 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         ++ck_j;
       }
       prof.mark(7);
-      pipe_op.consumer_wait(st_op);
+      const bool fresh = !diag_chain || c < Cf::kOpStages;  // (diagnostic chain-only: stages reused, no waits)
+      if (fresh) pipe_op.consumer_wait(st_op);
       prof.mark(0);
-      const int os = st_op.index();
+      const int os = fresh ? st_op.index() : static_cast<int>(c % Cf::kOpStages);
+      if (diag_prep) {  // (diagnostic prep-only: the stage back at once)
+        if constexpr (!kFold) {
+          pipe_v.consumer_wait(st_v);
+          pipe_v.consumer_release(st_v);
+          ++st_v;
+        }
+        pipe_op.consumer_release(st_op);
+        ++st_op;
+        continue;
+      }
 
-      // ---- Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ
+      if constexpr (kFold) {
+        // ---- [Uᵀ | O_interᵀ] = [V'ᵀ | 0] + bf16(S) [−W'; Q⁺]ᵀ: one N = 32 batch onto the seeded accumulator
+        // (tokens past the end: V' and W' rows are 0, so U is 0 there), S ⊙ γ_C while it runs
 #pragma unroll
-      for (int i = 0; i < size(aS); ++i) aS(i) = bf16_t(accS(i));
-      clear(accXO);
-      warpgroup_fence_operand(aS);
-      warpgroup_fence_operand(accXO);
-      const float* gam = ss.gamma[os];
-      float vv[size(accX)];
-      // this chunk's v values (tokens past the end: 0) into registers, then the stage back to the producer
-      auto take_v = [&] {
-        const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + st_v.index() * kC * kD;
+        for (int i = 0; i < size(aS); ++i) aS(i) = bf16_t(accS(i));
+        {
+          const f16_t* vps = ss.vp + os * kD * kC;
+#pragma unroll
+          for (int i = 0; i < size(accX); i += 2) {  // (elements i, i + 1: adjacent tokens of one value row)
+            const float2 f =
+                __half22float2(*reinterpret_cast<const __half2*>(vps + vp_offset(v0 + get<0>(cX(i)), get<1>(cX(i)))));
+            accX(i) = f.x, accX(i + 1) = f.y;
+          }
+#pragma unroll
+          for (int i = 0; i < size(accO); ++i) accO(i) = 0.f;
+        }
+        const float* gam = ss.gamma[os];
+        warpgroup_fence_operand(aS);
+        warpgroup_fence_operand(accXO);
+        warpgroup_arrive();
+        gemm(mma_xo, aS, bKQ(_, _, _, os), accXO);
+        warpgroup_commit_batch();
+        prof.mark(2);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accXO);
+        warpgroup_fence_operand(accS);
+#pragma unroll
+        for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
+        warpgroup_fence_operand(accS);
+#pragma unroll
+        for (int i = 0; i < size(accU); ++i) aU(i) = f16_t(sat_f16(accX(i)));
+        prof.mark(4);
+      } else {
+        // ---- Xᵀ = S K⁺ᵀ, O_interᵀ = S Q⁺ᵀ
+#pragma unroll
+        for (int i = 0; i < size(aS); ++i) aS(i) = bf16_t(accS(i));
+        clear(accXO);
+        warpgroup_fence_operand(aS);
+        warpgroup_fence_operand(accXO);
+        const float* gam = ss.gamma[os];
+        float vv[size(accX)];
+        // this chunk's v values (tokens past the end: 0) into registers, then the stage back to the producer
+        auto take_v = [&] {
+          const int vs = fresh ? st_v.index() : static_cast<int>(c % Cf::kOpStages);
+          const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(ss.v) + vs * kC * kD;
+#pragma unroll
+          for (int i = 0; i < size(accX); ++i) {
+            const int m = get<0>(cX(i)), t = get<1>(cX(i));
+            vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
+          }
+          if (fresh) {
+            pipe_v.consumer_release(st_v);
+            ++st_v;
+          }
+        };
+        // one N = 32 product over the stacked tile: X and O_inter in one batch (two N = 16 batches measured slower)
+        warpgroup_arrive();
+        gemm(mma_xo, aS, bKQ(_, _, _, os), accXO);
+        warpgroup_commit_batch();
+        prof.mark(2);
+        if (fresh) pipe_v.consumer_wait(st_v);  // (the v tile, long loaded by now)
+        prof.mark(1);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accXO);
+        prof.mark(2);
+        take_v();  // after X: its registers are not live while X and O_inter run (the peak of the chain)
+        prof.mark(3);
+
+        // ---- Yᵀ = Vᵀ - Xᵀ (tokens past the end: 0)
 #pragma unroll
         for (int i = 0; i < size(accX); ++i) {
-          const int m = get<0>(cX(i)), t = get<1>(cX(i));
-          vv[i] = t < cl ? bfv(vt[t * kD + v0 + m]) : 0.f;
+          const int t = get<1>(cX(i));
+          aY(i) = f16_t(sat_f16(t < cl ? vv[i] - accX(i) : 0.f));
         }
-        pipe_v.consumer_release(st_v);
-        ++st_v;
-      };
-      // one N = 32 product over the stacked tile: X and O_inter in one batch (two N = 16 batches measured slower)
-      warpgroup_arrive();
-      gemm(mma_xo, aS, bKQ(_, _, _, os), accXO);
-      warpgroup_commit_batch();
-      prof.mark(2);
-      pipe_v.consumer_wait(st_v);  // (the v tile, long loaded by now)
-      prof.mark(1);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accXO);
-      prof.mark(2);
-      take_v();  // after X: its registers are not live while X and O_inter run (the peak of the chain)
-      prof.mark(3);
+        prof.mark(3);
 
-      // ---- Yᵀ = Vᵀ - Xᵀ (tokens past the end: 0)
+        // ---- Uᵀ = Yᵀ INVbᵀ
+        clear(accU);
+        warpgroup_fence_operand(aY);
+        warpgroup_fence_operand(accU);
+        warpgroup_arrive();
+        gemm(mma_u, aY, bInv(_, _, _, os), accU);
+        warpgroup_commit_batch();
+        // while U runs: S ⊙ γ_C (accS is no operand of the products in flight; scaling it while X and O_inter
+        // ran made ptxas insert a wait for them, C7517)
+        warpgroup_fence_operand(accS);
 #pragma unroll
-      for (int i = 0; i < size(accX); ++i) {
-        const int t = get<1>(cX(i));
-        aY(i) = f16_t(sat_f16(t < cl ? vv[i] - accX(i) : 0.f));
+        for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
+        warpgroup_fence_operand(accS);
+        warpgroup_wait<0>();  // (also O_inter, long done by now)
+        warpgroup_fence_operand(accU);
+        warpgroup_fence_operand(accO);
+#pragma unroll
+        for (int i = 0; i < size(accU); ++i) aU(i) = f16_t(sat_f16(accU(i)));
+        prof.mark(4);
       }
-      prof.mark(3);
-
-      // ---- Uᵀ = Yᵀ INVbᵀ
-      clear(accU);
-      warpgroup_fence_operand(aY);
-      warpgroup_fence_operand(accU);
-      warpgroup_arrive();
-      gemm(mma_u, aY, bInv(_, _, _, os), accU);
-      warpgroup_commit_batch();
-      // while U runs: S ⊙ γ_C (accS is no operand of the products in flight; scaling it while X and O_inter
-      // ran made ptxas insert a wait for them, C7517)
-      warpgroup_fence_operand(accS);
-#pragma unroll
-      for (int i = 0; i < size(accS); ++i) accS(i) *= gam[get<1>(cS(i))];
-      warpgroup_fence_operand(accS);
-      warpgroup_wait<0>();  // (also O_inter, long done by now)
-      warpgroup_fence_operand(accU);
-      warpgroup_fence_operand(accO);
-#pragma unroll
-      for (int i = 0; i < size(accU); ++i) aU(i) = f16_t(sat_f16(accU(i)));
-      prof.mark(4);
 
       // ---- S = S ⊙ γ_C + Uᵀ Kr;  Oᵀ = O_interᵀ + Uᵀ Mqkᵀ
       warpgroup_fence_operand(aU);
@@ -1039,8 +1320,10 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       warpgroup_wait<0>();
       warpgroup_fence_operand(accS);
       warpgroup_fence_operand(accO);
-      pipe_op.consumer_release(st_op);
-      ++st_op;
+      if (fresh) {
+        pipe_op.consumer_release(st_op);
+        ++st_op;
+      }
       prof.mark(5);
 
       // ---- output rows of this chunk (none in a state-only call, p.out null). Oᵀ is transposed to O[t][v] through

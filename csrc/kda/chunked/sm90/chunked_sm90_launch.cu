@@ -2,8 +2,9 @@
 // launch of the route the spine chose (kda/route/route.h). Built for every CUDA arch of the extension; the kernel
 // body exists only in the sm_90a image, and the spine routes to it only on a compute capability 9.0 device.
 // The default build instantiates what a route can choose: design 3 (with and without outputs) for the forward,
-// design 2 for the backward chain. Designs 1 and 2 of the forward, design 1 of the chain and the profile
-// instantiations (per-role cycle tables) are experiments (KDA_BUILD_EXPERIMENTS=1, KDA_EXPERIMENT=sm90_*).
+// design 2 for the backward chain. Designs 1, 2 and 4 (the folded WY operands) of the forward, design 1 of the chain
+// and the profile instantiations (per-role cycle tables) are experiments (KDA_BUILD_EXPERIMENTS=1,
+// KDA_EXPERIMENT=sm90_*).
 #include <atomic>
 #include <cuda.h>
 
@@ -99,6 +100,7 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
   if (variant == 3 && state_only)
     return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
+  if (variant == 4) return profile ? design_of<true, 4, false>() : design_of<false, 4, false>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
   return profile ? design_of<true, 2, false>() : design_of<false, 2, false>();
@@ -161,10 +163,12 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   if (dz.fn == nullptr) return cudaErrorInvalidDeviceFunction;
   const KernelFn fn = dz.fn;
   const int smem = dz.smem, threads = dz.threads;
-  const int which = state_only ? 9 + (profile ? 1 : 0) : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
+  const int which = state_only     ? 9 + (profile ? 1 : 0)
+                    : variant == 4 ? 11 + (profile ? 1 : 0)
+                                   : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][11] = {};
+  static std::atomic<bool> attr_set[64][13] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
