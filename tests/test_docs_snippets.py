@@ -1,7 +1,8 @@
 """The ```python blocks of docs/serving.md, docs/training.md and docs/fla.md run as written.
 
 Each page's blocks run in order in one namespace (later blocks use earlier names), exactly as a reader
-would paste them. A block whose first line is ``# requires: cuda`` runs only where CUDA is available;
+would paste them. A block whose first line is ``# requires: cuda`` runs only where CUDA is available (``# requires: cuda,
+fla.models``: and where the listed modules import);
 every other block runs on CPU at the CPU sizes the page picks (``device = "cuda" if ... else "cpu"``).
 docs/fla.md needs fla-core (its block installs kda_ops into fla's dispatcher; undone afterwards).
 
@@ -20,7 +21,27 @@ import pytest
 import torch
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
-CUDA_MARK = "# requires: cuda"
+
+
+def _requirements_met(code: str) -> bool:
+    """A block's first line ``# requires: cuda, fla.models`` lists what it needs: "cuda" (a CUDA device) and
+    importable modules; the block runs only where all are present."""
+    first = code.lstrip().split("\n", 1)[0]
+    if not first.startswith("# requires:"):
+        return True
+    import importlib.util
+
+    for need in (x.strip() for x in first[len("# requires:") :].split(",")):
+        if need == "cuda":
+            if not torch.cuda.is_available():
+                return False
+        elif need:
+            try:
+                if importlib.util.find_spec(need) is None:
+                    return False
+            except ModuleNotFoundError:
+                return False
+    return True
 
 
 def python_blocks(page: str) -> list[str]:
@@ -46,7 +67,7 @@ def test_doc_snippets_run(page: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ran = 0
     try:
         for i, code in enumerate(blocks):
-            if code.lstrip().startswith(CUDA_MARK) and not torch.cuda.is_available():
+            if not _requirements_met(code):
                 continue
             exec(compile(code, f"docs/{page} (python block {i + 1})", "exec"), ns)
             ran += 1
