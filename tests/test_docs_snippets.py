@@ -1,8 +1,8 @@
 """The ```python blocks of docs/serving.md, docs/training.md and docs/fla.md run as written.
 
 Each page's blocks run in order in one namespace (later blocks use earlier names), exactly as a reader
-would paste them. A block whose first line is ``# requires: cuda`` runs only where CUDA is available (``# requires: cuda,
-fla.models``: and where the listed modules import);
+would paste them. A block whose first line is ``# requires: cuda`` runs only where CUDA is available
+(``# requires: cuda, fla.models``: and where the listed modules import);
 every other block runs on CPU at the CPU sizes the page picks (``device = "cuda" if ... else "cpu"``).
 docs/fla.md needs fla-core (its block installs kda_ops into fla's dispatcher; undone afterwards).
 
