@@ -549,3 +549,29 @@ def test_uninstall_removes_backend() -> None:
     assert "kda_ops" not in reg._backends
     assert "kda_ops" not in fb._operation_registries["kda"]._backends
     assert kda_ops.fla is kf
+
+
+def test_verifier_binds_calls_as_signature_bind() -> None:
+    """The dispatcher verifier's argument binding (kda_ops.fla._bind, the signature read once) gives what
+    inspect.Signature.bind + apply_defaults gives, for positional, keyword and extra-keyword calls of the three
+    functions, and raises the same TypeError for a broken call."""
+    x = fla_inputs(1, 32, 2, 2, 64, gate="softplus", dtype=torch.float32, device="cpu", seed=5)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    gate = dict(use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"], use_beta_sigmoid_in_kernel=True)
+    calls = [
+        (kf.chunk_kda, (q, k, v, g, beta), dict(gate)),
+        (kf.chunk_kda, (q, k, v), dict(g=g, beta=beta, chunk_size=64, **gate)),
+        (kf.chunk_kda, (q, k, v, g, beta, None, None, True), {}),
+        (kf.fused_recurrent_kda_fwd, (q, k, v, g, beta), dict(gate)),
+        (kf.fused_recurrent_kda, (q, k, v, g, beta), dict(scale=0.5)),
+    ]
+    for fn, args, kw in calls:
+        b = inspect.signature(fn).bind(*args, **kw)
+        b.apply_defaults()
+        want = dict(b.arguments)
+        want.update(want.pop("kwargs", {}))
+        got = kf._bind(fn, args, kw)
+        assert got.keys() == want.keys() and all(got[n] is want[n] for n in want), (fn.__name__, set(got) ^ set(want))
+    for args, kw in (((q, k, v, g, beta), dict(q=q)), ((q, k), {})):
+        with pytest.raises(TypeError):
+            kf._bind(kf.chunk_kda, args, kw)
