@@ -423,7 +423,7 @@ def test_hopper_schedules_same_bits(monkeypatch):
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
 @pytest.mark.parametrize("c", _cases())
-def test_folded_variant_vs_reference(c, monkeypatch, capfd):
+def test_folded_variant_vs_reference(c, monkeypatch):
     """Design 4 (the WY inverse folded into the chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep)
     against the fp64 reference and beside design 3, on the lengths, packed mixes, gate / β / L2 modes and pools of
     the Hopper-vs-mma cases: output and pool within the tolerances, the launch line naming variant 4."""
@@ -441,8 +441,7 @@ def test_folded_variant_vs_reference(c, monkeypatch, capfd):
     idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
     before = x["initial_state"].clone()
     res = {}
-    # designs 3 and 4, each also with L and Mqk split-K over the prep warps (schedule bit 64)
-    for variant, schedule in (("3", 11), ("4", 11), ("4", 75), ("3", 75)):
+    for variant, schedule in (("3", 11), ("4", 11)):
         route_env(
             monkeypatch,
             KDA_CHUNKED_KERNEL="sm90",
@@ -450,10 +449,8 @@ def test_folded_variant_vs_reference(c, monkeypatch, capfd):
             KDA_EXPERIMENT=f"sm90_variant={variant},sm90_schedule={schedule}",
         )
         pool = before.clone()
-        capfd.readouterr()
+        # (the module's fixture checks each covered call's launch line)
         o = base.call(t, g, **m, initial_state=pool, ssm_state_indices=idx, cu_seqlens=cu)[0]
-        torch.cuda.synchronize()
-        assert f"variant={variant}" in capfd.readouterr().err
         res[f"{variant}s{schedule}"] = (o, pool)
     n_pool = before.shape[0]
     active = [0 <= s < n_pool for s in slots]
@@ -465,7 +462,7 @@ def test_folded_variant_vs_reference(c, monkeypatch, capfd):
     for variant, (o, pool) in res.items():
         base.check_rows(o, r.output, mask)
         check_pool(pool, before, written, what=f"variant {variant} pool")
-    for key in ("4s11", "4s75", "3s75"):
+    for key in ("4s11",):
         assert_output(res[key][0].cpu()[mask], res["3s11"][0].cpu()[mask], f"{key} vs 3s11 output")
         assert_close_rms(res[key][1], res["3s11"][1], state_tol(c["sd"]), f"{key} vs 3s11 pool")
 
@@ -473,7 +470,7 @@ def test_folded_variant_vs_reference(c, monkeypatch, capfd):
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
 def test_folded_variant_long_and_checkpoints(monkeypatch):
     """Design 4 over long sequences (the rings' phases wrap many times) against the fp64 reference."""
-    route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_EXPERIMENT="sm90_variant=4,sm90_schedule=75")
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_EXPERIMENT="sm90_variant=4")
     x = base.make(H=2, HV=4, state_dtype=F32, lengths=[2000, 77, 4096], seed=82)
     t, g = base.tok(x), base.gkw(x)
     pool = x["initial_state"].clone()

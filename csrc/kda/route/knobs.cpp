@@ -84,7 +84,7 @@ void read_experiments(LaunchKnobs& k, const std::string& spec) {
     if (key == "sm90_variant")
       count(&x.sm90_variant, 1, 4);
     else if (key == "sm90_schedule")
-      count(&x.sm90_schedule, 0, 127);
+      count(&x.sm90_schedule, 0, 63);
     else if (key == "sm90_profile")
       flag(&x.sm90_profile);
     else if (key == "sm90_state_only")

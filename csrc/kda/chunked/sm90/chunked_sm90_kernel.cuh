@@ -292,9 +292,6 @@ constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInver
 // chunk (no operand or v wait after those): the chain's own cycles per chunk; kDiagPrepOnly, the chain waits for each
 // stage and releases it at once (no products, no output): prep's throughput alone.
 constexpr int kDiagChainOnly = 16, kDiagPrepOnly = 32;
-// kSplitLMqk (an experiments build): prep's L and Mqk split-K over the four warps of its warpgroup (l_mqk_split_k),
-// instead of one warp each for all eight k-steps (other sums: other bits).
-constexpr int kSplitLMqk = 64;
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
 constexpr bool kDiagBuilt = true;
 #else
@@ -408,58 +405,6 @@ __device__ __forceinline__ void fold_wy(const float* inv, bf16_t* kq, int os, co
           pack_f16x2(sat_f16(acc[nt][2]), sat_f16(acc[nt][3]));
     }
   }
-}
-
-// ---- L and Mqk, split-K over the four warps of a prep warpgroup (waits for the Km, Qm, Kn tiles;
-// the caller's named barrier separates the two halves). l_mqk_split_k: warp w runs k-steps 2w, 2w + 1 of
-// L = Km Knᵀ and (kQ) Mqk = Qm Knᵀ (mma.sync m16n8k16, bf16) and stores its two 16x16 partials, lane-major (lane l's
-// 8 accumulator values at l * 8), into part[(2 w + product) * 256 ..]. l_mqk_sum: one warp sums product `prod`'s four
-// partials in warp order (deterministic) and hands each element (i, j) to put.
-template <bool kQ>
-__device__ __forceinline__ void l_mqk_split_k(const __nv_bfloat16* km, const __nv_bfloat16* qm, const __nv_bfloat16* kn,
-                                              float* part, int warp, int lane) {
-  const TileOffsets toff_a(((lane >> 3) & 1) * 8 + (lane & 7), (lane >> 4) & 1);
-  const TileOffsets toff_b(((lane >> 4) & 1) * 8 + (lane & 7), (lane >> 3) & 1);
-  float al[2][4] = {}, aq[2][4] = {};
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const int ks = 2 * warp + kk;
-    uint32_t fa[4], fn[4];
-    ldsm_x4(km + toff_a.at(ks), fa);
-    ldsm_x4(kn + toff_b.at(ks), fn);
-    ptx::mma_bf16(al[0], fa, fn[0], fn[1]);
-    ptx::mma_bf16(al[1], fa, fn[2], fn[3]);
-    if constexpr (kQ) {
-      uint32_t fq[4];
-      ldsm_x4(qm + toff_a.at(ks), fq);
-      ptx::mma_bf16(aq[0], fq, fn[0], fn[1]);
-      ptx::mma_bf16(aq[1], fq, fn[2], fn[3]);
-    }
-  }
-  float* pl = part + (2 * warp) * kC * kC + lane * 8;
-  *reinterpret_cast<float4*>(pl) = make_float4(al[0][0], al[0][1], al[0][2], al[0][3]);
-  *reinterpret_cast<float4*>(pl + 4) = make_float4(al[1][0], al[1][1], al[1][2], al[1][3]);
-  if constexpr (kQ) {
-    *reinterpret_cast<float4*>(pl + kC * kC) = make_float4(aq[0][0], aq[0][1], aq[0][2], aq[0][3]);
-    *reinterpret_cast<float4*>(pl + kC * kC + 4) = make_float4(aq[1][0], aq[1][1], aq[1][2], aq[1][3]);
-  }
-}
-template <class Put>
-__device__ __forceinline__ void l_mqk_sum(const float* part, int prod, int lane, Put&& put) {
-  float x[8];
-  load8f(part + prod * kC * kC + lane * 8, x);
-#pragma unroll
-  for (int w = 1; w < 4; ++w) {
-    float y[8];
-    load8f(part + (2 * w + prod) * kC * kC + lane * 8, y);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] += y[e];
-  }
-  const int gq = lane >> 2, cq = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) put(gq + 8 * (e >> 1), 8 * nt + 2 * cq + (e & 1), x[4 * nt + e]);
 }
 
 // ---- profile instantiation: per role (producer, prep, chain WG2, chain WG3) and per segment of the chunk loop,
@@ -583,7 +528,6 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   const int role_shift = kMultiPrep && (args.schedule & kRotateRoles) ? pw : 0;
   const bool diag_chain = kDiagBuilt && !kBwd && (args.schedule & kDiagChainOnly);
   const bool diag_prep = kDiagBuilt && !kBwd && (args.schedule & kDiagPrepOnly);
-  const bool split_lmqk = kDiagBuilt && !kBwd && (args.schedule & kSplitLMqk);
   // the chunks prep makes (diagnostic chain-only: those of the first operand stages)
   const int64_t prep_chunks = diag_chain && n_chunks > Cf::kOpStages ? Cf::kOpStages : n_chunks;
   const int leader_ptid = 32 * ((3 + role_shift) & 3);
@@ -903,23 +847,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         prof.mark(2);
       }
 
-      if (split_lmqk) {
-        // L and Mqk split-K over the four warps (warp w: k-steps 2w, 2w + 1 of both; its partials into
-        // the dead Γ' scratch), one named barrier, then role 0 sums L (-> A') and role 1 Mqk in warp order 0-3
-        if (!pairwise) {
-          l_mqk_split_k<kQ>(sc.km, sc.qm, sc.kn, sc.gp, pwarp, lane);
-          named_sync(bar, 128);
-          if (role == 0 || (kQ && role == 1)) {
-            l_mqk_sum(sc.gp, role, lane, [&](int i, int jj, float x) {
-              if (role == 0)
-                sc.ap[i * kC + jj] = jj < i ? sc.beta[i] * x : 0.f;
-              else
-                put_mqk(i, jj, os, jj <= i ? x : 0.f);
-            });
-            __syncwarp();
-          }
-        }
-      } else if ((role == 0 || (kQ && role == 1)) && !pairwise) {
+      if ((role == 0 || (kQ && role == 1)) && !pairwise) {
         // role 0: L = Km Knᵀ -> A' = diag(β) strict_tril(L); role 1 at the same time: Mqk = tril(Qm Knᵀ).
         // (mma.sync m16n8k16, even / odd k-steps into separate accumulators)
         const __nv_bfloat16* asrc = role == 0 ? sc.km : sc.qm;
