@@ -1,15 +1,17 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
-// chunk, K = V = 128, with the Hopper machinery. Three designs (template kVariant, Cfg below;
-// KDA_EXPERIMENT=sm90_variant per call, default 3, the fastest measured: docs/performance.md; the backward chain runs
+// chunk, K = V = 128, with the Hopper machinery. Four designs (template kVariant, Cfg below;
+// KDA_EXPERIMENT=sm90_variant per call, default 4 (design 3 with the folded WY operands), the fastest measured:
+// docs/performance.md; calls without an output run design 3's state-only instantiation; the backward chain runs
 // 2):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
-//     WGs. Packed input uses per-sequence coordinates into the packed tensor (domain_offset); rows past a
-//     sequence's end are real tokens of the next sequence (or TMA's zero fill at the tensor's end) and are
-//     masked by the consumers. Variant 1: one thread of a producer WG issues every load. Variants 2, 3: no
-//     producer WG; in each prep WG one thread (lane 0 of its leader warp: warp 3, or (w + 3) mod 4 in prep WG w
-//     under the role rotation, kRotateRoles) issues the loads of that WG's chunks.
+//     WGs (variant 4: by the prep WG of the chunk, which folds v into V'; the chain's loop below describes the
+//     unfolded products, Cfg<4> and fold_wy the folded ones). Packed input uses per-sequence coordinates into the
+//     packed tensor (domain_offset); rows past a sequence's end are real tokens of the next sequence (or TMA's zero
+//     fill at the tensor's end) and are masked by the consumers. Variant 1: one thread of a producer WG issues every
+//     load. Variants 2, 3: no producer WG; in each prep WG one thread (lane 0 of its leader warp: warp 3, or (w + 3)
+//     mod 4 in prep WG w under the role rotation, kRotateRoles) issues the loads of that WG's chunks.
 //   * Prep (variant 1: WG1 for every chunk; variant 2: WG0 for the even chunks, WG1 for the odd ones; variant 3: WG w
 //     for the chunks c = w mod 3; each with its own raw ring, scratch and named barrier; a chunk's prep depends on
 //     nothing before it): gate + in-chunk prefix (fp32), L2 norms, β, the decayed operands written as swizzled wgmma B
@@ -88,7 +90,7 @@ using f16_t = cutlass::half_t;
 
 constexpr int kC = 16;   // tokens per chunk
 constexpr int kD = 128;  // K = V
-// The designs (template kVariant, KDA_EXPERIMENT=sm90_variant, default 3; the backward chain: 1 or 2, default 2):
+// The designs (template kVariant, KDA_EXPERIMENT=sm90_variant, default 4; the backward chain: 1 or 2, default 2):
 //   1: a producer warpgroup (one thread issues every TMA load) and one prep warpgroup for all chunks;
 //   2: two prep warpgroups, each for every other chunk (prep of a chunk depends on nothing before it), each
 //      issuing the TMA loads of its own chunks (raw q/k/g into its own ring, v into the shared v ring); no
