@@ -249,16 +249,31 @@ def test_hopper_state_only_call():
 
 
 @pytest.mark.parametrize(
+    "variant",
+    [
+        "3",
+        pytest.param(
+            "4",
+            marks=pytest.mark.skipif(
+                not _routing.knobs()["experiments_built"], reason="design 4: a KDA_BUILD_EXPERIMENTS=1 build"
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize(
     "gate_mode,span,beta_is_logit,l2,HV",
     [(2, "narrow", True, True, 2), (1, "narrow", False, True, 4), (0, "narrow", True, False, 2),
      (0, "wide", True, True, 2), (0, "wide", False, False, 4), (2, "narrow", True, True, 1)],
 )  # fmt: skip
-def test_hopper_state_only_instantiation(gate_mode, span, beta_is_logit, l2, HV, capfd):
-    """The state-only instantiation (no q, Q⁺, Mqk or output product) in every gate and β mode, L2 on/off,
-    GQA, and with in-chunk decay spans wide enough for the pairwise path: pool and final states equal, bit for
-    bit, those of the same call with an output (which the other tests check against the fp64 reference), and
-    the launch line names the state-only instantiation."""
+def test_hopper_state_only_instantiation(gate_mode, span, beta_is_logit, l2, HV, variant, capfd, monkeypatch):
+    """The state-only instantiation (no q, Q⁺, Mqk or output product) of designs 3 and 4 in every gate and β mode,
+    L2 on/off, GQA, and with in-chunk decay spans wide enough for the pairwise path: pool and final states equal,
+    bit for bit, those of the same call with an output of the same design (which the other tests check against the
+    fp64 reference), and the launch line names the state-only instantiation."""
     from _raw_ops import raw_recurrent
+
+    if variant != "3":
+        route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_VERBOSE="1", KDA_EXPERIMENT=f"sm90_variant={variant}")
 
     gen = torch.Generator().manual_seed(11 + gate_mode)
     lens = (70, 0, 33, 129, 16, 1)
@@ -290,7 +305,7 @@ def test_hopper_state_only_instantiation(gate_mode, span, beta_is_logit, l2, HV,
     raw_recurrent(q, k, v, g, beta, state=pb, ssm_state_indices=slots, output=v.new_empty(0), **kw)
     torch.cuda.synchronize()
     err = capfd.readouterr().err
-    assert "kernel=chunked_sm90 variant=3 state_only" in err, err[-400:]
+    assert f"kernel=chunked_sm90 variant={variant} state_only" in err, err[-400:]
     assert torch.equal(bits(pa), bits(pb))
     assert all(torch.equal(pb[i], pool[i]) for i in (2, 6, 7))  # slots no sequence writes
     fa = torch.zeros(N, HV, K, K, device="cuda")

@@ -30,7 +30,7 @@ enum class SplitPin : int8_t { kAuto, kOff, kOn };
 struct ExperimentKnobs {
   // Hopper chunked prefill: design 1..3 (Cfg in chunked_sm90_kernel.cuh), schedule bits (-1: the default),
   // the profile instantiation, state-only instantiation on/off.
-  int sm90_variant = 4;
+  int sm90_variant = 3;
   int sm90_schedule = -1;
   bool sm90_profile = false;
   bool sm90_state_only = true;

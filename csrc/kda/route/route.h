@@ -40,7 +40,7 @@ struct ForwardRoute {
   int value_rows = 128;         // chunked mma.sync: value rows per CTA (64: two CTAs per head)
   bool small_pipeline = false;  // chunked mma.sync: the shallow pipeline of ~99 KiB GPUs (sm_120)
   bool state_only = false;      // chunked: a state-only call (1-D empty output), no output product
-  int sm90_variant = 4;         // chunked Hopper: the design (3 forward, 2 backward chain; others in experiments)
+  int sm90_variant = 3;         // chunked Hopper: the design (3 forward, 2 backward chain; others in experiments)
   const char* error = nullptr;  // a pinned backend that cannot run the call: the caller raises this
 };
 const char* kernel_name(ForwardKernel k);

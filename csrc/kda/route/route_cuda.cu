@@ -122,10 +122,9 @@ ForwardRoute route_chunked(const RecurrentParams& p, const DeviceFacts& f, const
     r.kernel = ForwardKernel::kChunkedSm90;
     const int v = k.exp.sm90_variant;
     r.sm90_variant = bwd ? (v == 1 ? 1 : 2) : v;  // (the backward chain has designs 1 and 2)
-    // state-only calls (no output) of designs 3 and 4: design 3's state-only instantiation (design 4 folds what
-    // only the output needs; its state path has no instantiation of its own)
+    // state-only calls (no output) of designs 3 and 4: that design's state-only instantiation (the same state
+    // bits as its call with an output)
     r.state_only = !bwd && p.out == nullptr && (v == 3 || v == 4) && k.exp.sm90_state_only;
-    if (r.state_only) r.sm90_variant = 3;
     return r;
   }
   r.kernel = ForwardKernel::kChunkedMma;

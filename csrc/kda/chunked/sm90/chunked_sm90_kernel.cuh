@@ -1,8 +1,8 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
 // chunk, K = V = 128, with the Hopper machinery. Four designs (template kVariant, Cfg below;
-// KDA_EXPERIMENT=sm90_variant per call, default 4 (design 3 with the folded WY operands), the fastest measured:
-// docs/performance.md; calls without an output run design 3's state-only instantiation; the backward chain runs
+// KDA_EXPERIMENT=sm90_variant per call, default 3; 4, design 3 with the folded WY operands, measured 7-12% faster
+// (docs/performance.md), is an experiment until its state-only instantiation has run; the backward chain runs
 // 2):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
@@ -90,7 +90,7 @@ using f16_t = cutlass::half_t;
 
 constexpr int kC = 16;   // tokens per chunk
 constexpr int kD = 128;  // K = V
-// The designs (template kVariant, KDA_EXPERIMENT=sm90_variant, default 4; the backward chain: 1 or 2, default 2):
+// The designs (template kVariant, KDA_EXPERIMENT=sm90_variant, default 3; the backward chain: 1 or 2, default 2):
 //   1: a producer warpgroup (one thread issues every TMA load) and one prep warpgroup for all chunks;
 //   2: two prep warpgroups, each for every other chunk (prep of a chunk depends on nothing before it), each
 //      issuing the TMA loads of its own chunks (raw q/k/g into its own ring, v into the shared v ring); no
@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   using LayoutKr = LayoutKrS<Cf::kOpStages>;
   using LayoutT16 = LayoutT16S<Cf::kOpStages>;
   constexpr bool kFold = Cf::kFold;  // variant 4: the folded WY operands (prep consumes v)
-  static_assert(!(kFold && (kBwd || kStateOnly)), "variant 4 serves the forward with an output");
+  static_assert(!(kFold && kBwd), "variant 4 serves the forward");
   static_assert(!(kStateOnly && kBwd), "state-only is a forward mode");
   constexpr bool kQ = !kStateOnly;  // q and everything made from it (Q⁺, Mqk, the output)
   const RecurrentParams& p = args.p;

@@ -1,10 +1,10 @@
 // The Hopper chunked prefill kernel (csrc/kda/chunked/sm90/chunked_sm90_kernel.cuh): its instantiations and the
 // launch of the route the spine chose (kda/route/route.h). Built for every CUDA arch of the extension; the kernel
 // body exists only in the sm_90a image, and the spine routes to it only on a compute capability 9.0 device.
-// The default build instantiates what a route can choose: design 4 (the folded WY operands) for the forward with an
-// output, design 3's state-only instantiation for calls without one, design 2 for the backward chain. Designs 1-3 of
-// the forward with an output, design 1 of the chain and the profile instantiations (per-role cycle tables) are
-// experiments (KDA_BUILD_EXPERIMENTS=1, KDA_EXPERIMENT=sm90_*).
+// The default build instantiates what a route can choose: design 3 (with and without outputs) for the forward,
+// design 2 for the backward chain. Designs 1, 2 and 4 (the folded WY operands, with and without outputs) of the
+// forward, design 1 of the chain and the profile instantiations (per-role cycle tables) are experiments
+// (KDA_BUILD_EXPERIMENTS=1, KDA_EXPERIMENT=sm90_*).
 #include <atomic>
 #include <cuda.h>
 
@@ -90,17 +90,18 @@ Design design_of() {
           static_cast<int>(sizeof(SharedStorage<V>)) + 1024, setmaxnreg_sum<V>()};
 }
 // The instantiation of a route (the backward chain has designs 1 and 2 and no profile instantiation; state-only
-// calls have their own instantiations of design 3, the other designs run them as calls with an output whose store
-// is skipped). Null: not built (an experiment in a build without them).
+// calls have their own instantiations of designs 3 and 4, the other designs run them as calls with an output whose
+// store is skipped). Null: not built (an experiment in a build without them).
 Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (!profile && bwd && variant == 2) return design_of<false, 2, true>();
-  if (!profile && !bwd && state_only && variant == 3) return design_of<false, 3, false, true>();
-  if (!profile && !bwd && !state_only && variant == 4) return design_of<false, 4, false>();
+  if (!profile && !bwd && variant == 3)
+    return state_only ? design_of<false, 3, false, true>() : design_of<false, 3, false>();
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
   if (variant == 3 && state_only)
     return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
-  if (variant == 4) return design_of<true, 4, false>();  // (profile)
+  if (variant == 4 && state_only) return design_of<false, 4, false, true>();
+  if (variant == 4) return profile ? design_of<true, 4, false>() : design_of<false, 4, false>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
   return profile ? design_of<true, 2, false>() : design_of<false, 2, false>();
@@ -163,12 +164,12 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   if (dz.fn == nullptr) return cudaErrorInvalidDeviceFunction;
   const KernelFn fn = dz.fn;
   const int smem = dz.smem, threads = dz.threads;
-  const int which = state_only     ? 9 + (profile ? 1 : 0)
+  const int which = state_only     ? (variant == 4 ? 13 : 9 + (profile ? 1 : 0))
                     : variant == 4 ? 11 + (profile ? 1 : 0)
                                    : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][13] = {};
+  static std::atomic<bool> attr_set[64][14] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
