@@ -347,20 +347,43 @@ def _cases():
     return cases
 
 
-@pytest.mark.parametrize("c", _cases())
-def test_hopper_vs_mma_vs_reference(c, monkeypatch):
+def _case_call(c, seed):
+    """The inputs of a _cases() case: (tokens, gate kwargs, mode kwargs, cu_seqlens, slot indices, the pool)."""
     if "lengths" in c:
         n = len(c["lengths"])
-        x = base.make(H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, lengths=c["lengths"], seed=77)
+        x = base.make(H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, lengths=c["lengths"], seed=seed)
         slots = list(range(n))
         slots[-2] = n + 1  # inactive (outside the pool)
     else:
         n = c["B"]
-        x = base.make(B=n, T=c["T"], H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, seed=78)
+        x = base.make(B=n, T=c["T"], H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, seed=seed + 1)
         slots = list(range(1, n + 1))
     t, g, m = base.tok(x, c["gate"], c["logit"], c["l2"]), base.gkw(x, c["gate"]), base.mode(c["logit"], c["l2"])
-    cu = x.get("cu_seqlens")
     idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    return x, t, g, m, x.get("cu_seqlens"), slots, idx
+
+
+def _check_against_reference(c, x, t, g, m, cu, slots, idx, before, res, pair):
+    """Every result of res ({name: (output, pool)}) against the fp64 reference, then res[pair[0]] beside
+    res[pair[1]]; returns nothing, asserts."""
+    n_pool = before.shape[0]
+    active = [0 <= s < n_pool for s in slots]
+    start = before[idx.long().clamp(0, n_pool - 1)]
+    r = base.ref(t, g, start, cu_seqlens=cu, **m)
+    lengths = base.seq_lengths(x)
+    written = {s: r.final_state[k] for k, s in enumerate(slots) if active[k] and lengths[k] > 0}
+    mask = base.token_mask(x, active)
+    for name, (o, pool) in res.items():
+        base.check_rows(o, r.output, mask)
+        check_pool(pool, before, written, what=f"{name} pool")
+    (oa, pa), (ob, pb) = res[pair[0]], res[pair[1]]
+    assert_output(oa.cpu()[mask], ob.cpu()[mask], f"{pair[0]} vs {pair[1]} output")
+    assert_close_rms(pa, pb, state_tol(c["sd"]), f"{pair[0]} vs {pair[1]} pool")
+
+
+@pytest.mark.parametrize("c", _cases())
+def test_hopper_vs_mma_vs_reference(c, monkeypatch):
+    x, t, g, m, cu, slots, idx = _case_call(c, seed=77)
     before = x["initial_state"].clone()
     res = {}
     for kernel in ("sm90", "mma"):
@@ -374,20 +397,7 @@ def test_hopper_vs_mma_vs_reference(c, monkeypatch):
         res[kernel] = (out[0], pool)
         ran = any("kda_chunked_sm90" in nm for nm in names)
         assert ran == (kernel == "sm90"), (kernel, sorted(set(names)))
-    n_pool = before.shape[0]
-    active = [0 <= s < n_pool for s in slots]
-    start = before[idx.long().clamp(0, n_pool - 1)]
-    r = base.ref(t, g, start, cu_seqlens=cu, **m)
-    lengths = base.seq_lengths(x)
-    written = {s: r.final_state[k] for k, s in enumerate(slots) if active[k] and lengths[k] > 0}
-    mask = base.token_mask(x, active)
-    for kernel, (o, pool) in res.items():
-        base.check_rows(o, r.output, mask)
-        check_pool(pool, before, written, what=f"{kernel} pool")
-    o90, p90 = res["sm90"]
-    omma, pmma = res["mma"]
-    assert_output(o90.cpu()[mask], omma.cpu()[mask], "sm90 vs mma output")
-    assert_close_rms(p90, pmma, state_tol(c["sd"]), "sm90 vs mma pool")
+    _check_against_reference(c, x, t, g, m, cu, slots, idx, before, res, ("sm90", "mma"))
 
 
 def test_hopper_final_state_fp32_no_pool(monkeypatch):
@@ -442,44 +452,16 @@ def test_folded_variant_vs_reference(c, monkeypatch):
     """Design 4 (the WY inverse folded into the chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep)
     against the fp64 reference and beside design 3, on the lengths, packed mixes, gate / β / L2 modes and pools of
     the Hopper-vs-mma cases: output and pool within the tolerances, the launch line naming variant 4."""
-    if "lengths" in c:
-        n = len(c["lengths"])
-        x = base.make(H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, lengths=c["lengths"], seed=79)
-        slots = list(range(n))
-        slots[-2] = n + 1  # inactive (outside the pool)
-    else:
-        n = c["B"]
-        x = base.make(B=n, T=c["T"], H=c["H"], HV=c["HV"], state_dtype=c["sd"], N_pool=n + 1, seed=80)
-        slots = list(range(1, n + 1))
-    t, g, m = base.tok(x, c["gate"], c["logit"], c["l2"]), base.gkw(x, c["gate"]), base.mode(c["logit"], c["l2"])
-    cu = x.get("cu_seqlens")
-    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    x, t, g, m, cu, slots, idx = _case_call(c, seed=79)
     before = x["initial_state"].clone()
     res = {}
-    for variant, schedule in (("3", 11), ("4", 11)):
-        route_env(
-            monkeypatch,
-            KDA_CHUNKED_KERNEL="sm90",
-            KDA_VERBOSE="1",
-            KDA_EXPERIMENT=f"sm90_variant={variant},sm90_schedule={schedule}",
-        )
+    for variant in ("3", "4"):
+        route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_VERBOSE="1", KDA_EXPERIMENT=f"sm90_variant={variant}")
         pool = before.clone()
         # (the module's fixture checks each covered call's launch line)
         o = base.call(t, g, **m, initial_state=pool, ssm_state_indices=idx, cu_seqlens=cu)[0]
-        res[f"{variant}s{schedule}"] = (o, pool)
-    n_pool = before.shape[0]
-    active = [0 <= s < n_pool for s in slots]
-    start = before[idx.long().clamp(0, n_pool - 1)]
-    r = base.ref(t, g, start, cu_seqlens=cu, **m)
-    lengths = base.seq_lengths(x)
-    written = {s: r.final_state[k] for k, s in enumerate(slots) if active[k] and lengths[k] > 0}
-    mask = base.token_mask(x, active)
-    for variant, (o, pool) in res.items():
-        base.check_rows(o, r.output, mask)
-        check_pool(pool, before, written, what=f"variant {variant} pool")
-    for key in ("4s11",):
-        assert_output(res[key][0].cpu()[mask], res["3s11"][0].cpu()[mask], f"{key} vs 3s11 output")
-        assert_close_rms(res[key][1], res["3s11"][1], state_tol(c["sd"]), f"{key} vs 3s11 pool")
+        res[f"variant {variant}"] = (o, pool)
+    _check_against_reference(c, x, t, g, m, cu, slots, idx, before, res, ("variant 4", "variant 3"))
 
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
