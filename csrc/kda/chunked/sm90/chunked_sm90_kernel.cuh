@@ -1,8 +1,8 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
 // chunk, K = V = 128, with the Hopper machinery. Four designs (template kVariant, Cfg below;
-// KDA_EXPERIMENT=sm90_variant per call, default 3; 4, design 3 with the folded WY operands, measured 7-12% faster
-// (docs/performance.md), is an experiment until its state-only instantiation has run; the backward chain runs
+// KDA_EXPERIMENT=sm90_variant per call, default 3; 4, design 3 with the folded WY operands, an experiment: a lighter
+// chain but a slower prep, not yet shown faster than 3 (docs/performance.md); the backward chain runs
 // 2):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
@@ -289,7 +289,8 @@ using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8
 // loads), the inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the
 // rows each, instead of lanes 0-15.
 constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8;
-// Diagnostic schedule bits of the forward (an experiments build only; the results are then meaningless):
+// Diagnostic schedule bits of the forward (the profile instantiation of an experiments build only, so that the timed
+// instantiations carry none of their code; the results are then meaningless):
 // kDiagChainOnly, prep makes the operands of the first kOpStages chunks only and the chain reuses them for every later
 // chunk (no operand or v wait after those): the chain's own cycles per chunk; kDiagPrepOnly, the chain waits for each
 // stage and releases it at once (no products, no output): prep's throughput alone.
@@ -528,8 +529,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   // of prep). The role warps are warps 0-3, or, with kRotateRoles, shifted by the warpgroup index w (role r on warp
   // (r + w) mod 4), so the serial parts of the prep warpgroups issue from different SM sub-partitions.
   const int role_shift = kMultiPrep && (args.schedule & kRotateRoles) ? pw : 0;
-  const bool diag_chain = kDiagBuilt && !kBwd && (args.schedule & kDiagChainOnly);
-  const bool diag_prep = kDiagBuilt && !kBwd && (args.schedule & kDiagPrepOnly);
+  const bool diag_chain = kProfile && kDiagBuilt && !kBwd && (args.schedule & kDiagChainOnly);
+  const bool diag_prep = kProfile && kDiagBuilt && !kBwd && (args.schedule & kDiagPrepOnly);
   // the chunks prep makes (diagnostic chain-only: those of the first operand stages)
   const int64_t prep_chunks = diag_chain && n_chunks > Cf::kOpStages ? Cf::kOpStages : n_chunks;
   const int leader_ptid = 32 * ((3 + role_shift) & 3);
