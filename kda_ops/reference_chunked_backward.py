@@ -59,7 +59,7 @@ most 3.8e-3 (T = 1: 1.1e-3). The factorised form of a 64-token sweep (`chunk_bac
 every product bf16 but its off-diagonal pair-term blocks ("P") worst 4.3e-3; "P" in bf16 too puts ddt_bias at
 1.3e-2 (T = 65), over the limit, so those blocks stay fp32. The contract's gradient tolerance is 1e-2. Not
 emulated: L and Mqk's diagonal blocks, the inverse and the pair terms (fp32 here; the CUDA sweep runs them in
-3xTF32), and bf16-stored tapes. With the gate at the bound the true dg is ~1e-18, below fp32: fp32 itself returns
+3xTF32). With the gate at the bound the true dg is ~1e-18, below fp32: fp32 itself returns
 0 there, so that case compares the other gradients only. These cases do not bound every input: on the GPU tier's
 T=1 case (`test_dbeta_at_one_token_needs_kr_dsT_near_fp32`) dβ = dY · (V - X) cancels, and bf16 operands for
 dR_S = Kr dS_Cᵀ alone give 2.2e-2, tf32 ones 7.8e-3.
@@ -171,6 +171,29 @@ def round_fp16_scaled(x: torch.Tensor, granularity: str = "tile", side: str = "A
     (x 2^-e).to(fp16) 2^e, in x.dtype."""
     e = _scale_exponents(x, granularity, side)
     return torch.ldexp(torch.ldexp(x, -e).to(torch.float16).to(x.dtype), e)
+
+
+# How the tapes (S_0 of every 64-token chunk) and the chain's dS_C rows are stored between the kernels
+# (`tape_storage` / `ds_storage` of `chunked_training_grads`): "fp32" (today), "bf16", "fp16_head" (fp16 under one
+# power-of-two scale per head's [V, K] state) or "fp16_rows16" (one per block of 16 value rows: a scale per 4 KB).
+TAPE_STORAGES = ("fp32", "bf16", "fp16_head", "fp16_rows16")
+
+
+def round_state_storage(x: torch.Tensor, storage: str) -> torch.Tensor:
+    """A state [HV, V, K] as a tape row / dS_C row of `storage` (TAPE_STORAGES) would hold it, back in x.dtype. The
+    fp16 forms scale each group's largest magnitude into [2^14, 2^15) by a power of two (as `round_fp16_scaled`)."""
+    if storage == "fp32":
+        return x
+    if storage == "bf16":
+        return x.to(torch.bfloat16).to(x.dtype)
+    if storage not in TAPE_STORAGES:
+        raise ValueError(f"tape_storage must be one of {TAPE_STORAGES}, got {storage!r}")
+    HV, V, K = x.shape
+    rows = 16 if storage == "fp16_rows16" and V % 16 == 0 else V
+    xg = x.reshape(HV, V // rows, rows * K)
+    _, ex = torch.frexp(xg.abs().amax(-1, keepdim=True))
+    e = torch.where(ex != 0, ex - 1 - FP16_TARGET_EXP, torch.zeros_like(ex))
+    return torch.ldexp(torch.ldexp(xg, -e).to(torch.float16).to(x.dtype), e).reshape(x.shape)
 
 
 class _ModeGemms(_Gemms):
@@ -419,6 +442,8 @@ def chunked_training_grads(
     operand_mode: OperandMode | None = None,
     scale_granularity: str = "tile",
     product_modes: dict[str, OperandMode] | None = None,
+    tape_storage: str = "fp32",
+    ds_storage: str = "fp32",
 ):
     """The eight training gradients (in the order of docs/contract.md "API") by the chunk-parallel schedule of the
     module docstring.
@@ -431,6 +456,9 @@ def chunked_training_grads(
     products" instead of operand_dtype / gemm_dtypes (fp32 compute; None: those).
     blocked: the per-chunk gradients by `chunk_backward_blocked` (the factorised form of a 64-token sweep kernel)
     instead of `chunk_backward`.
+    tape_storage / ds_storage: how the tapes (read by the chain and the sweep) / the chain's dS_C rows (read by the
+    sweep) are stored between the kernels (TAPE_STORAGES, `round_state_storage`); the forward and the chain carry
+    their own states in full precision either way.
     Returns [dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state] in `dtype`.
     """
     mm = _Gemms(operand_dtype, gemm_dtypes)
@@ -474,7 +502,7 @@ def chunked_training_grads(
         tapes = []
         for s0 in starts:
             s1 = min(s0 + chunk_size, length)
-            tapes.append(S)
+            tapes.append(round_state_storage(S, tape_storage))
             f = chunk_recompute(
                 S, part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1), part(bl, s0, s1), sub, mm
             )
@@ -484,7 +512,7 @@ def chunked_training_grads(
         dS_end: list[torch.Tensor | None] = [None] * len(starts)
         for ci in range(len(starts) - 1, -1, -1):
             s0, s1 = starts[ci], min(starts[ci] + chunk_size, length)
-            dS_end[ci] = dS
+            dS_end[ci] = round_state_storage(dS, ds_storage)
             f = chunk_recompute(
                 tapes[ci], part(qs, s0, s1), part(kn, s0, s1), part(vf, s0, s1), part(af, s0, s1), part(bl, s0, s1),
                 sub, mm,

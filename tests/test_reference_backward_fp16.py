@@ -9,9 +9,9 @@ import pytest
 import torch
 from _training_cases import PINNED_UNCOMPARED  # noqa: F401  (puts the repository root on sys.path)
 
-from benchmarks.profiling.backward_fp16_precision import CASES, RECOMMENDED, case_errors
+from benchmarks.profiling.backward_fp16_precision import CASES, RECOMMENDED, RECOMMENDED_TAPES, case_errors
 from kda_ops.reference import make_inputs, reference_training_grads, rel_rms
-from kda_ops.reference_chunked_backward import chunked_training_grads, round_fp16_scaled
+from kda_ops.reference_chunked_backward import chunked_training_grads, round_fp16_scaled, round_state_storage
 
 
 def _small_args(T=70, K=32):
@@ -84,3 +84,30 @@ def test_single_fp16_fails_the_cancelling_one_token_case():
     errs = case_errors("dβ T=1 seed 101", {"fp16": dict(operand_mode="fp16", scale_granularity="row")})["fp16"]
     assert errs["dbeta"] > 2e-2, errs
     assert "dβ T=1 seed 101" in CASES
+
+
+@pytest.mark.parametrize("case", ["T=65", "dβ T=1 seed 101"])
+def test_fp16_tapes_cost_nothing(case):
+    """Tapes stored as fp16 under one power-of-two scale per head (half the bytes of fp32) on top of the recommended
+    products: every gradient <= 1e-2, within 10% of the same scheme with fp32 tapes; storing the chain's dS_C rows
+    in fp16 as well breaks the cancelling one-token dβ (it reaches dR_S = Kr dS_Cᵀ in full): why dS_C stays fp32."""
+    errs = case_errors(case, {"fp32": RECOMMENDED, "tapes": RECOMMENDED_TAPES})
+    assert max(errs["tapes"].values()) <= 1e-2, errs["tapes"]
+    assert max(errs["tapes"].values()) <= 1.1 * max(errs["fp32"].values()), errs
+    if case == "dβ T=1 seed 101":
+        both = dict(RECOMMENDED_TAPES, ds_storage="fp16_rows16")
+        assert case_errors(case, {"both": both})["both"]["dbeta"] > 2e-2
+
+
+def test_round_state_storage():
+    """The stored forms: fp32 as is; bf16 and fp16 within their unit roundoff; an fp16 group's scale makes the result
+    independent of the state's magnitude; a bad name raises."""
+    x = torch.randn(2, 32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(round_state_storage(x, "fp32"), x)
+    assert ((round_state_storage(x, "bf16") - x).abs() <= x.abs() * 2.0**-8).all()
+    for s in ("fp16_head", "fp16_rows16"):
+        r = round_state_storage(x, s)
+        assert ((r - x).abs() <= x.abs() * 2.0**-11 + 2.0**-24 * x.abs().max()).all()
+        assert torch.equal(round_state_storage(x * 2.0**50, s), r * 2.0**50)
+    with pytest.raises(ValueError, match="tape_storage"):
+        round_state_storage(x, "fp8")

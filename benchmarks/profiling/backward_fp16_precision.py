@@ -3,7 +3,8 @@ unbounded ones) against today's bf16 hi + lo products and single bf16 ones: the 
 (kda_ops/reference_chunked_backward.py, its 64-token factorised form, `operand_mode`) against fp64 autograd through
 the token loop, each of the eight gradients as relative RMS (docs/contract.md: <= 1e-2). CPU only:
 `python3 benchmarks/profiling/backward_fp16_precision.py [--cases a,b] [--schemes a,b] [--all-grads]`.
-Prints one row per case: the worst gradient of each scheme and its name."""
+Prints one row per case: the worst gradient of each scheme and its name. The "tapes" schemes also store the tapes and
+the chain's dS_C rows compactly between the kernels (`tape_storage`, `ds_storage`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")  # PINNED
 # dR_S = Kr dS_Cᵀ and dY = INVᵀ dR (with either alone dβ of "dβ T=1 seed 101" is 5.5e-3 / 1.7e-2, with both 7e-4)
 HILO_PRODUCTS = ("dR_S", "dY")
 RECOMMENDED = dict(operand_mode="fp16", scale_granularity="tensor", product_modes={n: "bf16x3" for n in HILO_PRODUCTS})
+# and the tapes stored as fp16 under one power-of-two scale per head (half the bytes of fp32); the dS_C rows stay fp32:
+# the same cancelling dβ takes their rounding in full through dR_S (fp16 dS_C: 3.3e-2 there, with any products)
+RECOMMENDED_TAPES = dict(RECOMMENDED, tape_storage="fp16_head")
 
 SCHEMES: dict[str, dict] = {
     "bf16x3": dict(operand_mode="bf16x3"),
@@ -39,6 +43,17 @@ SCHEMES: dict[str, dict] = {
     "fp16 tile": dict(operand_mode="fp16", scale_granularity="tile"),
     "fp16 row": dict(operand_mode="fp16", scale_granularity="row"),
     "fp16 tensor + dR_S, dY x3": RECOMMENDED,
+    # the recommended products with the tapes (tape_storage) and the chain's dS_C rows (ds_storage) stored compactly
+    # between the kernels
+    "recommended, tapes bf16": dict(RECOMMENDED, tape_storage="bf16"),
+    "recommended, tapes fp16 per head": RECOMMENDED_TAPES,
+    "recommended, tapes fp16 per 16 rows": dict(RECOMMENDED, tape_storage="fp16_rows16"),
+    "recommended, tapes and dS fp16 per 16 rows": dict(
+        RECOMMENDED, tape_storage="fp16_rows16", ds_storage="fp16_rows16"
+    ),
+    "bf16x3, tapes and dS fp16 per 16 rows": dict(
+        operand_mode="bf16x3", tape_storage="fp16_rows16", ds_storage="fp16_rows16"
+    ),
 }
 
 
