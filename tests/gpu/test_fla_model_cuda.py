@@ -9,7 +9,8 @@ For the layer's default configuration (the softplus gate) and ``safe_gate=True, 
     many terms);
   * the installed step runs kda_ops' training ops (``kda::`` in the profiler) and none of fla's KDA Triton kernels;
   * greedy ``generate()`` with the recurrent cache (prefill, then one-token decode steps) runs through kda_ops
-    and picks the tokens fla's kernels pick (a near-tie may flip one late token: at least 7 of 8, the first equal).
+    and picks the tokens fla's kernels pick (a near-tie may flip one late token: at least 7 of 8, the first equal);
+  * a layer call kda_ops declines (lower_bound = -10 under autograd) runs as fast installed as not.
 Skipped without CUDA, fla-core or flash-linear-attention (``fla.models``) and transformers.
 Run: python -m pytest -q -m gpu tests/gpu/test_fla_model_cuda.py
 (fla's Triton kernels compile and autotune on first use: minutes in a fresh process; TRITON_CACHE_DIR keeps them.)
@@ -138,3 +139,40 @@ def test_model_generate_installed_vs_fla(cfg) -> None:
     assert any(n.startswith("kda::recurrent_kda") for n in cpu), sorted({n for n in cpu if "kda" in n})
     fla_ran = sorted({n for n in cuda if FLA_KDA_KERNEL.match(n)})
     assert not fla_ran, f"fla's KDA kernels ran under install(): {fla_ran}"
+
+
+def test_declined_layer_costs_nothing_installed() -> None:
+    """A call install() declines (fla's layer with lower_bound = -10 under autograd: kda_ops' training path takes
+    λ in [-5, 0)) runs fla's kernels at fla's speed: the layer's forward + backward, timed interleaved with and without
+    the backend (medians of 15), differ by less than 10% + 0.2 ms (the verifier binds and checks in microseconds)."""
+    import statistics
+
+    from fla.layers import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    attn = KimiDeltaAttention(hidden_size=512, num_heads=4, head_dim=128, lower_bound=-10.0).to("cuda", torch.bfloat16)
+    x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step() -> float:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        o = attn(x)[0]
+        o.float().sum().backward()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    for _ in range(3):  # fla's autotune and warm-up, both ways
+        step()
+        kf.install()
+        step()
+        kf.uninstall()
+    plain, installed = [], []
+    for _ in range(15):
+        plain.append(step())
+        kf.install()
+        installed.append(step())
+        kf.uninstall()
+    p, i = statistics.median(plain), statistics.median(installed)
+    assert i <= 1.1 * p + 0.2, f"installed {i:.3f} ms vs {p:.3f} ms without the backend"
