@@ -1241,16 +1241,31 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       }
 
       // ---- S = S ⊙ γ_C + Uᵀ Kr;  Oᵀ = O_interᵀ + Uᵀ Mqkᵀ
+      // (variant 4: Uᵀ Mqkᵀ into an accumulator of its own, added to O_interᵀ after the batch: accumulating into
+      // accO, a view of the upper half of the N = 32 accumulator, is what makes ptxas serialise the function's wgmmas,
+      // C7511; variants 1-3 keep their bits)
+      Tensor accOi = partition_fragment_C(mma_u, Shape<_64, _16>{});
+      auto& accOd = [&]() -> auto& {
+        if constexpr (kFold)
+          return accOi;
+        else
+          return accO;
+      }();
+      if constexpr (kFold) clear(accOi);
       warpgroup_fence_operand(aU);
       warpgroup_fence_operand(accS);
-      warpgroup_fence_operand(accO);
+      warpgroup_fence_operand(accOd);
       warpgroup_arrive();
       gemm(mma_s, aU, bKr(_, _, _, os), accS);
-      if constexpr (kQ) gemm(mma_u, aU, bMqk(_, _, _, os), accO);
+      if constexpr (kQ) gemm(mma_u, aU, bMqk(_, _, _, os), accOd);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accS);
-      warpgroup_fence_operand(accO);
+      warpgroup_fence_operand(accOd);
+      if constexpr (kFold) {
+#pragma unroll
+        for (int i = 0; i < size(accO); ++i) accO(i) += accOi(i);
+      }
       if (fresh) {
         pipe_op.consumer_release(st_op);
         ++st_op;
