@@ -181,7 +181,7 @@ TAPE_STORAGES = ("fp32", "bf16", "fp16_head", "fp16_rows16")
 
 def round_state_storage(x: torch.Tensor, storage: str) -> torch.Tensor:
     """A state [HV, V, K] as a tape row / dS_C row of `storage` (TAPE_STORAGES) would hold it, back in x.dtype. The
-    fp16 forms scale each group's largest magnitude into [2^14, 2^15) by a power of two (as `round_fp16_scaled`)."""
+    fp16 forms scale each group's largest magnitude into [2^14, 2^15) by a power of two (`round_fp16_scaled`)."""
     if storage == "fp32":
         return x
     if storage == "bf16":
@@ -190,10 +190,8 @@ def round_state_storage(x: torch.Tensor, storage: str) -> torch.Tensor:
         raise ValueError(f"tape_storage must be one of {TAPE_STORAGES}, got {storage!r}")
     HV, V, K = x.shape
     rows = 16 if storage == "fp16_rows16" and V % 16 == 0 else V
-    xg = x.reshape(HV, V // rows, rows * K)
-    _, ex = torch.frexp(xg.abs().amax(-1, keepdim=True))
-    e = torch.where(ex != 0, ex - 1 - FP16_TARGET_EXP, torch.zeros_like(ex))
-    return torch.ldexp(torch.ldexp(xg, -e).to(torch.float16).to(x.dtype), e).reshape(x.shape)
+    # one scale group per [rows, K] block: the rows of an A operand of shape [HV, V / rows, rows K]
+    return round_fp16_scaled(x.reshape(HV, V // rows, rows * K), "row", "A").reshape(x.shape)
 
 
 class _ModeGemms(_Gemms):

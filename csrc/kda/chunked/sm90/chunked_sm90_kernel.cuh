@@ -289,17 +289,12 @@ using TmaToken = decltype(make_token_tma(nullptr, 1, 1, 1, int64_t(8), int64_t(8
 // loads), the inverse's last phase (the off-diagonal block's products and every store) runs on all 32 lanes, half the
 // rows each, instead of lanes 0-15.
 constexpr int kRotateRoles = 1, kVectorInverse = 2, kWarpOutput = 4, kSplitInverseRows = 8;
-// Diagnostic schedule bits of the forward (the profile instantiation of an experiments build only, so that the timed
+// Diagnostic schedule bits of the forward (the profile instantiation only, itself an experiment, so that the timed
 // instantiations carry none of their code; the results are then meaningless):
 // kDiagChainOnly, prep makes the operands of the first kOpStages chunks only and the chain reuses them for every later
 // chunk (no operand or v wait after those): the chain's own cycles per chunk; kDiagPrepOnly, the chain waits for each
 // stage and releases it at once (no products, no output): prep's throughput alone.
 constexpr int kDiagChainOnly = 16, kDiagPrepOnly = 32;
-#if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
-constexpr bool kDiagBuilt = true;
-#else
-constexpr bool kDiagBuilt = false;
-#endif
 struct KernelArgs {
   RecurrentParams p;
   TmaToken tma_q, tma_k, tma_g, tma_v;
@@ -529,8 +524,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   // of prep). The role warps are warps 0-3, or, with kRotateRoles, shifted by the warpgroup index w (role r on warp
   // (r + w) mod 4), so the serial parts of the prep warpgroups issue from different SM sub-partitions.
   const int role_shift = kMultiPrep && (args.schedule & kRotateRoles) ? pw : 0;
-  const bool diag_chain = kProfile && kDiagBuilt && !kBwd && (args.schedule & kDiagChainOnly);
-  const bool diag_prep = kProfile && kDiagBuilt && !kBwd && (args.schedule & kDiagPrepOnly);
+  const bool diag_chain = kProfile && !kBwd && (args.schedule & kDiagChainOnly);
+  const bool diag_prep = kProfile && !kBwd && (args.schedule & kDiagPrepOnly);
   // the chunks prep makes (diagnostic chain-only: those of the first operand stages)
   const int64_t prep_chunks = diag_chain && n_chunks > Cf::kOpStages ? Cf::kOpStages : n_chunks;
   const int leader_ptid = 32 * ((3 + role_shift) & 3);
@@ -1145,7 +1140,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
 
       if constexpr (kFold) {
         // ---- [Uᵀ | O_interᵀ] = [V'ᵀ | 0] + bf16(S) [−W'; Q⁺]ᵀ: one N = 32 batch onto the seeded accumulator
-        // (tokens past the end: V' and W' rows are 0, so U is 0 there), S ⊙ γ_C while it runs
+        // (tokens past the end: V' and W' rows are 0, so U is 0 there), then S ⊙ γ_C (in the batch's shadow ptxas
+        // injects a wait for it anyway, C7517)
 #pragma unroll
         for (int i = 0; i < size(aS); ++i) aS(i) = bf16_t(accS(i));
         {
