@@ -426,20 +426,20 @@ def test_hopper_deterministic():
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
 def test_hopper_schedules_same_bits(monkeypatch):
     """The schedule bits (the prep warpgroups' role rotation, the inverse's vector loads, the chain's per-warp
-    output staging) and designs 2 vs 3 change the schedule only: the prefill's output and pool, and the backward
+    output staging) and designs 2, 3 and 5 change the schedule only: the prefill's output and pool, and the backward
     chain's gradients, are the same bits in every setting (experiments: KDA_EXPERIMENT=sm90_variant,sm90_schedule)."""
     x = base.make(H=2, HV=4, state_dtype=BF16, lengths=[300, 3, 1, 130, 0, 64, 1030], seed=53)
     t, g = base.tok(x), base.gkw(x)
     args, fwd_rest, rest = _training_case(seed=13)
     results = {}
-    for variant in ("2", "3"):
-        for schedule in ("0", "1", "2", "3", "4", "7", "8", "11", "15"):
-            route_env(monkeypatch, KDA_EXPERIMENT=f"sm90_variant={variant},sm90_schedule={schedule}")
-            pool = x["initial_state"].clone()
-            o, _ = base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
-            fwd = torch.ops.kda.recurrent_kda_training_forward(*args, *fwd_rest)
-            grads = torch.ops.kda.recurrent_kda_training_backward(*args, fwd[2], fwd[3], *rest)
-            results[(variant, schedule)] = [bits(o), bits(pool), bits(fwd[2])] + [bits(gr) for gr in grads]
+    runs = [(v, sc) for v in ("2", "3") for sc in ("0", "1", "2", "3", "4", "7", "8", "11", "15")]
+    for variant, schedule in runs + [("5", "0"), ("5", "11")]:  # (design 5: the CTA pair, the same prep and rows)
+        route_env(monkeypatch, KDA_EXPERIMENT=f"sm90_variant={variant},sm90_schedule={schedule}")
+        pool = x["initial_state"].clone()
+        o, _ = base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
+        fwd = torch.ops.kda.recurrent_kda_training_forward(*args, *fwd_rest)
+        grads = torch.ops.kda.recurrent_kda_training_backward(*args, fwd[2], fwd[3], *rest)
+        results[(variant, schedule)] = [bits(o), bits(pool), bits(fwd[2])] + [bits(gr) for gr in grads]
     first = results[("2", "0")]
     for key, res in results.items():
         for i, (a, b) in enumerate(zip(first, res, strict=True)):
@@ -447,31 +447,38 @@ def test_hopper_schedules_same_bits(monkeypatch):
 
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
+@pytest.mark.parametrize("variant", ["4", "5"])
 @pytest.mark.parametrize("c", _cases())
-def test_folded_variant_vs_reference(c, monkeypatch):
-    """Design 4 (the WY inverse folded into the chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep)
-    against the fp64 reference and beside design 3, on the lengths, packed mixes, gate / β / L2 modes and pools of
-    the Hopper-vs-mma cases: output and pool within the tolerances, the launch line naming variant 4."""
+def test_experimental_variant_vs_reference(c, variant, monkeypatch):
+    """Design 4 (the WY inverse folded into the chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep) and
+    design 5 (a cluster of two CTAs per head sharing prep, each with half the value rows) against the fp64 reference
+    and beside design 3, on the lengths, packed mixes, gate / β / L2 modes and pools of the Hopper-vs-mma cases:
+    output and pool within the tolerances, the launch line naming the design. Design 5 does design 3's operations
+    per chunk and value row: the same bits."""
     x, t, g, m, cu, slots, idx = _case_call(c, seed=79)
     before = x["initial_state"].clone()
     res = {}
-    for variant in ("3", "4"):
-        route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_VERBOSE="1", KDA_EXPERIMENT=f"sm90_variant={variant}")
+    for v in ("3", variant):
+        route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_VERBOSE="1", KDA_EXPERIMENT=f"sm90_variant={v}")
         pool = before.clone()
         # (the module's fixture checks each covered call's launch line)
         o = base.call(t, g, **m, initial_state=pool, ssm_state_indices=idx, cu_seqlens=cu)[0]
-        res[f"variant {variant}"] = (o, pool)
-    _check_against_reference(c, x, t, g, m, cu, slots, idx, before, res, ("variant 4", "variant 3"))
+        res[f"variant {v}"] = (o, pool)
+    _check_against_reference(c, x, t, g, m, cu, slots, idx, before, res, (f"variant {variant}", "variant 3"))
+    if variant == "5":
+        for a, b in zip(res["variant 5"], res["variant 3"], strict=True):
+            assert torch.equal(bits(a), bits(b)), "design 5 differs from design 3"
 
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
-def test_folded_variant_long_and_checkpoints(monkeypatch):
-    """Design 4 over long sequences (the rings' phases wrap many times) against the fp64 reference."""
-    route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_EXPERIMENT="sm90_variant=4")
+@pytest.mark.parametrize("variant", ["4", "5"])
+def test_experimental_variant_long_and_checkpoints(variant, monkeypatch):
+    """Designs 4 and 5 over long sequences (the rings' phases wrap many times) against the fp64 reference."""
+    route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_EXPERIMENT=f"sm90_variant={variant}")
     x = base.make(H=2, HV=4, state_dtype=F32, lengths=[2000, 77, 4096], seed=82)
     t, g = base.tok(x), base.gkw(x)
     pool = x["initial_state"].clone()
     o, _ = base.call(t, g, initial_state=pool, cu_seqlens=x["cu_seqlens"])
     r = base.ref(t, g, x["initial_state"], cu_seqlens=x["cu_seqlens"])
     assert_output(o, r.output)
-    assert_close_rms(pool, r.final_state, TOL_STATE_FP32, "variant 4 pool")
+    assert_close_rms(pool, r.final_state, TOL_STATE_FP32, f"variant {variant} pool")

@@ -112,6 +112,7 @@ struct Cfg;
 struct CfgRings {  // variants 1-3: the default ring depths, the chain reads v
   static constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;
   static constexpr bool kFold = false;
+  static constexpr int kCluster = 1, kChainWGs = 2;  // one CTA per (sequence, head), both chain WGs in it
 };
 template <>
 struct Cfg<1> : CfgRings {
@@ -145,6 +146,25 @@ struct Cfg<4> : Cfg<3> {
   static constexpr int kOpStages = 4, kVStages = 6;
   static constexpr bool kFold = true;
 };
+// 5: prep shared by a cluster of two CTAs that split a head's value rows (docs/design.md "Prep shared by a CTA
+//    pair"). CTA r of the pair runs the chain of value rows 64 r .. 64 r + 63 (one chain warpgroup) and preps the
+//    chunks c with c mod 2 = r (prep warpgroup (c / 2) mod 2 of it): each chunk is prepped once for both chains,
+//    so a CTA's two prep warpgroups make every fourth chunk. The producing warpgroup writes the chunk's operand
+//    stage in its own CTA and one of its threads copies the stage into the peer's (cp.async.bulk shared::cluster,
+//    completing on the peer's full barrier); a stage is free when the chain warps of both CTAs released it (their
+//    arrivals on the producing CTA's empty barrier; stage s is always made by CTA s mod 2, kOpStages even). The
+//    chain's thread 0 loads the v tiles itself. Registers: 384 threads, prep 160, chain 184 (no spills).
+template <>
+struct Cfg<5> {
+  static constexpr int kPrepWGs = 2, kRawStages = 2;
+  static constexpr int kOpStages = 6, kVStages = 8;
+  static constexpr bool kFold = false;
+  static constexpr int kCluster = 2, kChainWGs = 1;
+  static constexpr int kPrepRegs = 160, kChainRegs = 184, kProducerRegs = 0;
+  static constexpr int kThreads = 384;
+  static constexpr int kChainWG0 = 2;
+};
+static_assert(Cfg<5>::kOpStages % Cfg<5>::kCluster == 0, "variant 5: stage s is made by CTA s mod kCluster");
 constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;  // (variants 1-3)
 // Variants 2 and 3: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads
 // of chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
@@ -162,13 +182,13 @@ static_assert(Cfg<4>::kVStages % Cfg<4>::kPrepWGs == 0 && Cfg<4>::kVStages >= 2 
 template <int V>
 constexpr int setmaxnreg_sum() {  // per thread of each warpgroup, summed over the warpgroups
   using C = Cfg<V>;
-  return C::kProducerRegs + C::kPrepWGs * C::kPrepRegs + 2 * C::kChainRegs;
+  return C::kProducerRegs + C::kPrepWGs * C::kPrepRegs + C::kChainWGs * C::kChainRegs;
 }
 template <int V>
 constexpr bool regs_fit() {
   return setmaxnreg_sum<V>() <= (Cfg<V>::kThreads / 128) * ((65536 / Cfg<V>::kThreads) / 8 * 8);
 }
-static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>() && regs_fit<4>(),
+static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>() && regs_fit<4>() && regs_fit<5>(),
               "setmaxnreg counts exceed the CTA's register pool");
 constexpr int kBarPrep = 1;   // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;    // named barrier of chain warpgroup w (output staging): kBarOut + w
@@ -205,6 +225,11 @@ using LayoutKQ = LayoutKQS<kOpStages>;
 using LayoutKr = LayoutKrS<kOpStages>;
 using LayoutT16 = LayoutT16S<kOpStages>;
 static_assert(cosize_v<LayoutKQ> == 2 * cosize_v<LayoutKd>, "the stacked tile holds the K⁺ and Q⁺ tiles");
+// (variant 5 copies stage s of each operand tile as one block: the stage is the outermost mode)
+static_assert(cosize_v<LayoutKQS<6>> == 6 * cosize_v<LayoutKQS<1>> &&
+                  cosize_v<LayoutKrS<6>> == 6 * cosize_v<LayoutKrS<1>> &&
+                  cosize_v<LayoutT16S<6>> == 6 * cosize_v<LayoutT16S<1>>,
+              "operand stages are contiguous blocks");
 // Variant 4's V'ᵀ seed tile: [128 value rows][16 tokens] fp16 per stage, the pair of tokens (2 p, 2 p + 1) of row m
 // at pair slot p ^ (4 ((m >> 2) & 1)): the accumulator's reads (and prep's writes), 8 rows x 4 pairs per
 // instruction, then fall on 32 distinct banks.
@@ -214,12 +239,132 @@ __device__ __forceinline__ int vp_offset(int m, int t) {
 
 // Element offsets in the swizzled layouts above: swz_offset (kda/common/gmma_swizzle.cuh).
 
+// ---- the rings of the cluster design (variant 5). cutlass's PipelineTmaAsync built for a cluster of one sends every
+// consumer release to the CTA of rank 0, which inside a real cluster is the wrong CTA for rank 1: the TMA rings
+// local to a CTA use LocalTmaPipe (PipelineTmaAsync's interface and protocol on this CTA's own barriers).
+template <int S>
+class LocalTmaPipe {
+ public:
+  static constexpr uint32_t Stages = S;
+  using PipelineState = cutlass::PipelineState<S>;
+  using ThreadCategory = typename cutlass::PipelineTmaAsync<S>::ThreadCategory;
+  using Params = typename cutlass::PipelineTmaAsync<S>::Params;
+  struct SharedStorage {
+    alignas(8) uint64_t full[S];
+    alignas(8) uint64_t empty[S];
+  };
+  template <class ClusterShape>
+  __device__ LocalTmaPipe(SharedStorage& st, Params params, ClusterShape)
+      : full_(st.full), empty_(st.empty), p_(params) {
+    if (cutlass::canonical_warp_idx_sync() == params.initializing_warp && cute::elect_one_sync()) {
+      for (int s = 0; s < S; ++s) {
+        cutlass::arch::ClusterBarrier::init(&full_[s], params.num_producers);
+        cutlass::arch::ClusterBarrier::init(&empty_[s], params.num_consumers);
+      }
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __device__ void producer_acquire(PipelineState st) {  // (the leader thread)
+    cutlass::arch::ClusterBarrier::wait(&empty_[st.index()], st.phase());
+    if (p_.is_leader)
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_[st.index()], p_.transaction_bytes);
+  }
+  __device__ uint64_t* producer_get_barrier(PipelineState st) { return &full_[st.index()]; }
+  __device__ void consumer_wait(PipelineState st) {
+    cutlass::arch::ClusterBarrier::wait(&full_[st.index()], st.phase());
+  }
+  __device__ void consumer_release(PipelineState st) { cutlass::arch::ClusterBarrier::arrive(&empty_[st.index()]); }
+
+ private:
+  uint64_t* full_;
+  uint64_t* empty_;
+  Params p_;
+};
+
+// The operand ring of the cluster design: PipelineAsync's interface, stage s made by CTA s mod kCS. Its full barrier
+// takes the producing warpgroup's 128 arrivals in that CTA (producer_commit) and, in the peers, one arrival with the
+// stage's bytes (send: one thread of the producing warpgroup, once the warpgroup's writes are complete and fenced);
+// its empty barrier in the producing CTA takes one arrival per chain warp of every CTA (consumer_release).
+template <int S, int kCS>
+class ClusterOpPipe {
+ public:
+  static constexpr uint32_t Stages = S;
+  using PipelineState = cutlass::PipelineState<S>;
+  using ThreadCategory = typename cutlass::PipelineAsync<S>::ThreadCategory;
+  using Params = typename cutlass::PipelineAsync<S>::Params;
+  struct SharedStorage {
+    alignas(8) uint64_t full[S];
+    alignas(8) uint64_t empty[S];
+  };
+  __device__ ClusterOpPipe(SharedStorage& st, Params params)
+      : full_(st.full), empty_(st.empty), rank_(static_cast<int>(cute::block_rank_in_cluster())) {
+    if (cutlass::canonical_warp_idx_sync() == params.initializing_warp && cute::elect_one_sync()) {
+      for (int s = 0; s < S; ++s) {
+        cutlass::arch::ClusterBarrier::init(&full_[s], owner(s) == rank_ ? params.producer_arv_count : 1u);
+        cutlass::arch::ClusterBarrier::init(&empty_[s], params.consumer_arv_count);
+      }
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  static __device__ int owner(int s) { return s % kCS; }
+  __device__ void producer_acquire(PipelineState st) {
+    cutlass::arch::ClusterBarrier::wait(&empty_[st.index()], st.phase());
+  }
+  __device__ void producer_commit(PipelineState st) { cutlass::arch::ClusterBarrier::arrive(&full_[st.index()]); }
+  __device__ void consumer_wait(PipelineState st) {
+    cutlass::arch::ClusterBarrier::wait(&full_[st.index()], st.phase());
+  }
+  // one arrival per warp (after its wgmmas reading the stage completed) on the producing CTA's empty barrier
+  __device__ void consumer_release(PipelineState st) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) cutlass::arch::ClusterBarrier::arrive(&empty_[st.index()], owner(st.index()), 1u);
+  }
+  // the stage's n pieces (this CTA's shared addresses, 16-byte aligned, multiples of 16 bytes) into every peer's same
+  // addresses, completing on the peer's full barrier of the stage (one thread)
+  template <int N>
+  __device__ void send(PipelineState st, const void* const (&src)[N], const uint32_t (&bytes)[N]) {
+    uint32_t total = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) total += bytes[i];
+    const uint32_t bar = cute::cast_smem_ptr_to_uint(&full_[st.index()]);
+#pragma unroll
+    for (int d = 1; d < kCS; ++d) {
+      const uint32_t peer = static_cast<uint32_t>((rank_ + d) % kCS);
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_[st.index()], total, peer, 1u);
+      const uint32_t rbar = map_to(bar, peer);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const uint32_t a = cute::cast_smem_ptr_to_uint(src[i]);
+        asm volatile(
+            "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                map_to(a, peer)),
+            "r"(a), "r"(bytes[i]), "r"(rbar)
+            : "memory");
+      }
+    }
+  }
+
+ private:
+  static __device__ uint32_t map_to(uint32_t a, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+  }
+  uint64_t* full_;
+  uint64_t* empty_;
+  int rank_;
+};
+
 template <int kVariant>
-using PipeRaw = cutlass::PipelineTmaAsync<Cfg<kVariant>::kRawStages>;
+using PipeRaw = std::conditional_t<(Cfg<kVariant>::kCluster > 1), LocalTmaPipe<Cfg<kVariant>::kRawStages>,
+                                   cutlass::PipelineTmaAsync<Cfg<kVariant>::kRawStages>>;
 template <int kVariant>
-using PipeVOf = cutlass::PipelineTmaAsync<Cfg<kVariant>::kVStages>;
+using PipeVOf = std::conditional_t<(Cfg<kVariant>::kCluster > 1), LocalTmaPipe<Cfg<kVariant>::kVStages>,
+                                   cutlass::PipelineTmaAsync<Cfg<kVariant>::kVStages>>;
 template <int kVariant>
-using PipeOpOf = cutlass::PipelineAsync<Cfg<kVariant>::kOpStages>;
+using PipeOpOf =
+    std::conditional_t<(Cfg<kVariant>::kCluster > 1), ClusterOpPipe<Cfg<kVariant>::kOpStages, Cfg<kVariant>::kCluster>,
+                       cutlass::PipelineAsync<Cfg<kVariant>::kOpStages>>;
 
 // prep-only scratch of one prep warpgroup (one chunk at a time; that warpgroup's named barrier orders it)
 struct PrepScratch {
@@ -266,7 +411,8 @@ struct SharedStorage {
 static_assert(cosize_v<LayoutKd> * 2 % 1024 == 0, "the qd half of kq is 1024-byte aligned");
 static_assert(2 * 4 * kWStage <= 2 * 2 * kC * kOStride, "the per-warp output buffers live in ostage");
 static_assert(sizeof(SharedStorage<1>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<2>) + 1024 <= 227 * 1024 &&
-                  sizeof(SharedStorage<3>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<4>) + 1024 <= 227 * 1024,
+                  sizeof(SharedStorage<3>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<4>) + 1024 <= 227 * 1024 &&
+                  sizeof(SharedStorage<5>) + 1024 <= 227 * 1024,
               "shared memory per block (227 KB on sm_90)");
 
 // ---- TMA of one token tensor [B, T, heads, 128] (bf16): gmem modes (T, 128, heads, B), box (16, 128).
@@ -476,7 +622,10 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   using LayoutKr = LayoutKrS<Cf::kOpStages>;
   using LayoutT16 = LayoutT16S<Cf::kOpStages>;
   constexpr bool kFold = Cf::kFold;  // variant 4: the folded WY operands (prep consumes v)
+  constexpr int kCS = Cf::kCluster;  // variant 5: CTAs per cluster, prep shared, value rows split
+  constexpr bool kCluster = kCS > 1;
   static_assert(!(kFold && kBwd), "variant 4 serves the forward");
+  static_assert(!(kCluster && (kBwd || kStateOnly || kProfile)), "variant 5 serves the forward with an output");
   static_assert(!(kStateOnly && kBwd), "state-only is a forward mode");
   constexpr bool kQ = !kStateOnly;  // q and everything made from it (Q⁺, Mqk, the output)
   const RecurrentParams& p = args.p;
@@ -489,8 +638,11 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   SharedStorage<kVariant>& ss = *reinterpret_cast<SharedStorage<kVariant>*>(smem_base);
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
-  const int hv = static_cast<int>(blockIdx.x % p.HV);
-  int64_t n = blockIdx.x / p.HV;
+  // variant 5: the cluster (consecutive blocks) is the task, its CTA rank the half of the value rows
+  const int rank = kCluster ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
+  const int64_t task = kCluster ? int64_t(blockIdx.x) / kCS : int64_t(blockIdx.x);
+  const int hv = static_cast<int>(task % p.HV);
+  int64_t n = task / p.HV;
   if (p.seq_order != nullptr) {  // scheduling hint: task -> sequence (longest first); CTA-uniform
     n = p.seq_order[n];
     if (n < 0 || n >= p.N) return;  // a broken permutation never reads out of bounds
@@ -509,7 +661,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
 
   if (st.kind < 0) {  // inactive slot: zero output (none in a state-only call), the pool untouched
     if (p.out != nullptr)
-      for (int64_t e = tid; e < sr.len * kD; e += kThreads) out_ptr(sr.bos + e / kD)[e % kD] = __float2bfloat16_rn(0.f);
+      for (int64_t e = tid + rank * kThreads; e < sr.len * kD; e += kThreads * kCS)
+        out_ptr(sr.bos + e / kD)[e % kD] = __float2bfloat16_rn(0.f);
     return;
   }
   if (sr.len == 0 && p.final_state == nullptr) return;  // a zero-length sequence leaves its slot untouched
@@ -547,22 +700,29 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   PipeR pipe_raw(ss.pipe_raw[pw], prp, Shape<_1, _1, _1>{});
   typename PipeV::Params pvp;
   pvp.transaction_bytes = kC * kD * sizeof(bf16_t);
-  if constexpr (kFold)  // the v of a chunk is read by the prep warpgroup of that chunk
+  const bool v_leader = kCluster && is_chain && (tid & 127) == 0;  // variant 5: the chain's thread 0 loads v
+  if constexpr (kCluster)
+    pvp.role = v_leader ? PipeV::ThreadCategory::ProducerConsumer
+                        : (is_chain ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
+  else if constexpr (kFold)  // the v of a chunk is read by the prep warpgroup of that chunk
     pvp.role = raw_leader ? PipeV::ThreadCategory::ProducerConsumer
                           : (is_prep ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
   else
     pvp.role = raw_leader ? PipeV::ThreadCategory::Producer
                           : (is_chain ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
-  pvp.is_leader = raw_leader;
-  pvp.num_consumers = kFold ? 128 : 256;
+  pvp.is_leader = kCluster ? v_leader : raw_leader;
+  pvp.num_consumers = 128 * (kFold ? 1 : Cf::kChainWGs);
   PipeV pipe_v(ss.pipe_v, pvp, Shape<_1, _1, _1>{});
   typename PipeOp::Params pop;
   pop.role = is_prep ? PipeOp::ThreadCategory::Producer
                      : (is_chain ? PipeOp::ThreadCategory::Consumer : PipeOp::ThreadCategory::NonParticipant);
-  pop.producer_arv_count = 128;  // one prep warpgroup fills a stage
-  pop.consumer_arv_count = 256;
+  pop.producer_arv_count = 128;                       // one prep warpgroup fills a stage
+  pop.consumer_arv_count = kCluster ? 4 * kCS : 256;  // (variant 5: one arrival per chain warp of each CTA)
   PipeOp pipe_op(ss.pipe_op, pop);
   __syncthreads();
+  // variant 5: every barrier of both CTAs initialised before any remote arrival or copy; each CTA stays until its
+  // peer is done with it (cluster_sync at the end of every role)
+  if constexpr (kCluster) cute::cluster_sync();
 
   // ---- TMA issue (variant 1: the producer's loop; variant 2: each prep warpgroup's leader, for its chunks)
   // This sequence's [16, 128] tiles of q, k (head h), g, v (head hv) and the ring slots of raw ring `w`.
@@ -657,10 +817,12 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     auto put_inv = [&](int i, int j, int s, float x) { put16(ss.invb, i, j, s, x); };
     // variant 2: this warpgroup's leader loads its chunks c = pw, pw + 2, ... (raw ring kRawStages deep, v into
     // the shared ring at stage c mod kVStages); the partitions are rebuilt per issue (no registers held)
+    // this warpgroup's chunks: c0, c0 + prep_step, ... (variant 5: chunk c on CTA c mod 2, warpgroup (c / 2) mod 2)
+    const int c0 = kCluster ? kCS * pw + rank : pw, prep_step = kPrepWGs * kCS;
     auto st_raw_p = cutlass::make_producer_start_state<PipeR>();
     auto st_v_p = cutlass::make_producer_start_state<PipeV>();
     st_v_p.advance(pw);
-    int64_t c_issue = pw;
+    int64_t c_issue = c0;
     auto issue = [&] {
       pipe_raw.producer_acquire(st_raw_p);
       auto* rbar = pipe_raw.producer_get_barrier(st_raw_p);
@@ -678,14 +840,14 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         copy(args.tma_g.with(*rbar), get<0>(t)(_, phys(c_issue)), get<1>(t)(_, s));
       }
       ++st_raw_p;
-      pipe_v.producer_acquire(st_v_p);
-      {
+      if constexpr (!kCluster) {
+        pipe_v.producer_acquire(st_v_p);
         auto t = v_part();
         copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v_p)), get<0>(t)(_, phys(c_issue)),
              get<1>(t)(_, st_v_p.index()));
+        st_v_p.advance(kPrepWGs);
       }
-      st_v_p.advance(kPrepWGs);
-      c_issue += kPrepWGs;
+      c_issue += prep_step;
     };
     if constexpr (kMultiPrep) {
       if (raw_leader) {
@@ -697,14 +859,14 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     typename PipeV::PipelineState st_vc;   // variant 4: v of this warpgroup's chunks (stage c mod kVStages)
     st_vc.advance(pw);
     auto st_op = cutlass::make_producer_start_state<PipeOp>();
-    st_op.advance(pw);  // chunk c fills operand stage c mod kOpStages
-    __nv_bfloat16 beta_next = load_beta(pw);
+    st_op.advance(c0);  // chunk c fills operand stage c mod kOpStages
+    __nv_bfloat16 beta_next = load_beta(c0);
     Prof<kProfile> prof;
     prof.start(role == 0 && (ptid & 31) == 0);  // (the serial warp's lane 0)
-    for (int64_t c = pw; c < prep_chunks; c += kPrepWGs) {
+    for (int64_t c = c0; c < prep_chunks; c += prep_step) {
       const int cl = chunk_len(phys(c));
       const __nv_bfloat16 beta_raw = beta_next;
-      beta_next = load_beta(c + kPrepWGs);
+      beta_next = load_beta(c + prep_step);
       prof.mark(7);
       pipe_op.producer_acquire(st_op);
       prof.mark(0);
@@ -904,16 +1066,31 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       prof.mark(6);
       cutlass::arch::fence_view_async_shared();
       pipe_op.producer_commit(st_op);
-      st_op.advance(kPrepWGs);
+      if constexpr (kCluster) {
+        // the stage into the peer's: once every thread of the warpgroup wrote and fenced its part (the bulk copy
+        // reads it through the async proxy); the peer's chain released it (this CTA's empty barrier, acquired above)
+        named_sync(bar, 128);
+        if (ptid == 0) {
+          const void* const src[5] = {ss.kq + os * cosize_v<LayoutKQS<1>>, ss.kr + os * cosize_v<LayoutKrS<1>>,
+                                      ss.invb + os * cosize_v<LayoutT16S<1>>, ss.mqk + os * cosize_v<LayoutT16S<1>>,
+                                      ss.gamma[os]};
+          constexpr uint32_t bytes[5] = {cosize_v<LayoutKQS<1>> * 2, cosize_v<LayoutKrS<1>> * 2,
+                                         cosize_v<LayoutT16S<1>> * 2, cosize_v<LayoutT16S<1>> * 2, kD * 4};
+          pipe_op.send(st_op, src, bytes);
+        }
+      }
+      st_op.advance(prep_step);
     }
     // (profile rows: variant 1 row 1; variants 2, 3 rows 0 and 1 for prep warpgroups 0 and 1)
     if (pw < 2) prof.finish(kMultiPrep ? pw : 1, (n_chunks - pw + kPrepWGs - 1) / kPrepWGs);
+    if constexpr (kCluster) cute::cluster_sync();
     return;
   }
 
   // ================================ chain (WG2: value rows 0-63, WG3: 64-127) ================================
   cutlass::arch::warpgroup_reg_alloc<Cf::kChainRegs>();
-  const int cw = wg - Cf::kChainWG0, ctid = tid - 128 * wg, v0 = 64 * cw;
+  // which 64 value rows: the chain warpgroup's index, or (variant 5) the CTA's rank in its cluster
+  const int cw = kCluster ? rank : wg - Cf::kChainWG0, ctid = tid - 128 * wg, v0 = 64 * cw;
   using MmaX = SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
   using MmaXO = SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
   using MmaU = SM90::GMMA::MMA_64x16x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>;
@@ -1015,6 +1192,19 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
 
   typename PipeV::PipelineState st_v;
   typename PipeOp::PipelineState st_op;
+  // variant 5: the chain's thread 0 loads the v tiles, kVStages chunks ahead (the refill of chunk c - 1's stage at the
+  // top of chunk c, when the warpgroup has released it)
+  auto st_vp = cutlass::make_producer_start_state<PipeV>();
+  auto issue_v = [&](int64_t c) {
+    pipe_v.producer_acquire(st_vp);
+    auto t = v_part();
+    copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_vp)), get<0>(t)(_, phys(c)), get<1>(t)(_, st_vp.index()));
+    ++st_vp;
+  };
+  if (kCluster && v_leader) {
+    prefetch_maps();
+    for (int64_t c = 0; c < n_chunks && c < Cf::kVStages; ++c) issue_v(c);
+  }
   Prof<kProfile> prof;
   prof.start(ctid == 0);
   if constexpr (kBwd) {
@@ -1116,6 +1306,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   } else {
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int cl = chunk_len(c);
+      if (kCluster && v_leader && c > 0 && c - 1 + Cf::kVStages < n_chunks) issue_v(c - 1 + Cf::kVStages);
       if (c == ck_next) {
         const int64_t row = p.checkpoint_cu_starts[n] + ck_j;
         if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
@@ -1323,6 +1514,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
 
   if (p.state != nullptr && sr.len > 0) store_state(p.state, p.state_dtype, write_slot(p, n, 0) * p.state_slot_stride);
   if (p.final_state != nullptr) store_state(p.final_state, DType::kFloat32, n * inner);
+  if constexpr (kCluster) cute::cluster_sync();
 #endif  // KDA_SM90_DEVICE
 }
 

@@ -81,13 +81,13 @@ using KernelFn = void (*)(const chunked_sm90::KernelArgs);
 // alignment of the 1024-byte swizzled tiles) and the sum of its warpgroups' setmaxnreg counts.
 struct Design {
   KernelFn fn;
-  int threads, smem, setmaxnreg_sum;
+  int threads, smem, setmaxnreg_sum, cluster;  // (cluster: CTAs per task, 1 or variant 5's 2)
 };
 template <bool kProfile, int V, bool kBwd, bool kStateOnly = false>
 Design design_of() {
   using namespace chunked_sm90;
   return {kda_chunked_sm90_kernel<kProfile, V, kBwd, kStateOnly>, Cfg<V>::kThreads,
-          static_cast<int>(sizeof(SharedStorage<V>)) + 1024, setmaxnreg_sum<V>()};
+          static_cast<int>(sizeof(SharedStorage<V>)) + 1024, setmaxnreg_sum<V>(), Cfg<V>::kCluster};
 }
 // The instantiation of a route (the backward chain has designs 1 and 2 and no profile instantiation; state-only
 // calls have their own instantiations of designs 3 and 4, the other designs run them as calls with an output whose
@@ -101,12 +101,13 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (variant == 3 && state_only)
     return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
   if (variant == 4 && state_only) return design_of<false, 4, false, true>();
+  if (variant == 5 && !state_only && !profile) return design_of<false, 5, false>();
   if (variant == 4) return profile ? design_of<true, 4, false>() : design_of<false, 4, false>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
   return profile ? design_of<true, 2, false>() : design_of<false, 2, false>();
 #else
-  return Design{nullptr, 0, 0, 0};
+  return Design{nullptr, 0, 0, 0, 1};
 #endif
 }
 
@@ -165,11 +166,12 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   const KernelFn fn = dz.fn;
   const int smem = dz.smem, threads = dz.threads;
   const int which = state_only     ? (variant == 4 ? 13 : 9 + (profile ? 1 : 0))
+                    : variant == 5 ? 14
                     : variant == 4 ? 11 + (profile ? 1 : 0)
                                    : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][14] = {};
+  static std::atomic<bool> attr_set[64][15] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
@@ -189,9 +191,27 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
     if (e != cudaSuccess) return e;
     attr_set[dev][which].store(true, std::memory_order_release);
   }
-  const int64_t blocks = p.N * p.HV;
-  fn<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(args);
-  const cudaError_t e = cudaGetLastError();
+  const int64_t blocks = p.N * p.HV * dz.cluster;
+  cudaError_t e = cudaSuccess;
+  if (dz.cluster > 1) {  // variant 5: a cluster of CTAs per (sequence, head), consecutive blocks
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(dz.cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    e = cudaLaunchKernelEx(&cfg, fn, args);
+    if (e == cudaSuccess) e = cudaGetLastError();
+  } else {
+    fn<<<dim3(static_cast<unsigned>(blocks)), threads, smem, stream>>>(args);
+    e = cudaGetLastError();
+  }
   if (e != cudaSuccess)
     std::fprintf(stderr,
                  "kda_chunked_sm90: launch grid %lld x %d threads, %d B smem, N %lld HV %d T %lld B %lld%s variant %d "
