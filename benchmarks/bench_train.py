@@ -11,6 +11,11 @@ the L2 norm and the β sigmoid into its sm90 backward, so it is timed two ways: 
 (autograd through them) around its core, and "cudnn core" is the core alone on precomputed log-decays, normalised
 q/k and β (leaves of their own). "bwd peak" is our backward's peak allocation above what the forward left, per
 token-head, the gradients themselves included.
+
+``--model``: instead, one training step of fla's own model (flash-linear-attention's ``KDAForCausalLM``: 2 layers,
+hidden 1024, 8 heads of 128, vocabulary 32000, batch 4 x 2048 tokens, bf16, AdamW) on fla's Triton kernels and under
+``kda_ops.fla.install()``, in the layer's default configuration (softplus gate) and with ``safe_gate=True,
+lower_bound=-5``: ms per step (forward, backward, optimizer), median of 5 after 3 warm-up steps.
 """
 
 from __future__ import annotations
@@ -111,8 +116,12 @@ def main() -> None:
             "--cases", default="", help="comma-separated case numbers to run (1-based; default: all, --quick: 1)"
         )
         ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="K = V (default 128)")
+        ap.add_argument("--model", action="store_true", help="fla's KDAForCausalLM step, fla kernels vs install()")
 
     args = parse_args("train", extra)
+    if args.model:
+        model_steps(args.out)
+        return
     import kda_ops
 
     fla = None if args.no_peers else import_fla_kda()
@@ -233,6 +242,54 @@ def main() -> None:
         # after every case: a run cut short keeps what it measured
         write_table(args.out, rows, records, head_dim=args.head_dim)
     write_table(args.out, rows, records, plot=True, head_dim=args.head_dim)
+
+
+MODEL_CONFIGS = [
+    ("default (softplus gate)", {}),
+    ("safe_gate, lower_bound=-5", {"safe_gate": True, "lower_bound": -5.0}),
+]
+
+
+def model_steps(out: str) -> None:
+    """``--model``: fla's KDAForCausalLM training step on fla's kernels and under kda_ops.fla.install()."""
+    from fla import models as fla_models  # flash-linear-attention
+
+    from kda_ops import fla as kf
+
+    rows, records = [], []
+    for name, cfg in MODEL_CONFIGS:
+        config = fla_models.KDAConfig(
+            hidden_size=1024, num_heads=8, head_dim=128, num_hidden_layers=2, vocab_size=32000, **cfg
+        )
+        times = {}
+        for label in ("fla", "ours"):
+            torch.manual_seed(0)
+            model = fla_models.KDAForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            data = torch.randint(0, 32000, (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+            if label == "ours":
+                kf.install()
+
+            def step(model=model, opt=opt, data=data) -> None:
+                model(input_ids=data, labels=data).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            print(f"  {name}: {label} (fla's first steps compile and autotune)", flush=True)
+            times[label], err = try_call(lambda step=step: cuda_time_ms(step, warmup=3, rep=5))
+            if err:
+                print(f"[{label}] {name}: {err}")
+            kf.uninstall()
+            del model, opt
+            torch.cuda.empty_cache()
+        rows.append([name, fmt(times["ours"]), fmt(times["fla"]), ratio(times["fla"], times["ours"])])
+        records.append(dict(case=name, ours_step_ms=times["ours"], fla_step_ms=times["fla"]))
+    notes = [
+        f"# fla's KDAForCausalLM training step, {torch.cuda.get_device_name()}",
+        "2 layers, hidden 1024, 8 heads of 128, batch 4 x 2048, bf16, AdamW; ms per step, median of 5 after 3 warm-up"
+        " steps; ours = kda_ops.fla.install(); ratio = fla / ours",
+    ]
+    write_results(out, "bench_train_model", ["config", "ours ms", "fla ms", "fla/ours"], rows, records, notes)
 
 
 def write_table(out: str, rows: list[list[str]], records: list[dict], plot: bool = False, head_dim: int = 128) -> None:
