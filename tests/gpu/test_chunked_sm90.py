@@ -447,11 +447,12 @@ def test_hopper_schedules_same_bits(monkeypatch):
 
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
-@pytest.mark.parametrize("variant", ["4", "5"])
+@pytest.mark.parametrize("variant", ["4", "5", "6"])
 @pytest.mark.parametrize("c", _cases())
 def test_experimental_variant_vs_reference(c, variant, monkeypatch):
     """Design 4 (the WY inverse folded into the chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep) and
-    design 5 (a cluster of two CTAs per head sharing prep, each with half the value rows) against the fp64 reference
+    design 5 (a cluster of two CTAs per head sharing prep, each with half the value rows) and design 6 (5 with 4's
+    operands) against the fp64 reference
     and beside design 3, on the lengths, packed mixes, gate / β / L2 modes and pools of the Hopper-vs-mma cases:
     output and pool within the tolerances, the launch line naming the design. Design 5 does design 3's operations
     per chunk and value row: the same bits."""
@@ -471,9 +472,9 @@ def test_experimental_variant_vs_reference(c, variant, monkeypatch):
 
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
-@pytest.mark.parametrize("variant", ["4", "5"])
+@pytest.mark.parametrize("variant", ["4", "5", "6"])
 def test_experimental_variant_long_and_checkpoints(variant, monkeypatch):
-    """Designs 4 and 5 over long sequences (the rings' phases wrap many times) against the fp64 reference."""
+    """Designs 4-6 over long sequences (the rings' phases wrap many times) against the fp64 reference."""
     route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_EXPERIMENT=f"sm90_variant={variant}")
     x = base.make(H=2, HV=4, state_dtype=F32, lengths=[2000, 77, 4096], seed=82)
     t, g = base.tok(x), base.gkw(x)

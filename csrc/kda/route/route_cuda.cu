@@ -120,9 +120,9 @@ ForwardRoute route_chunked(const RecurrentParams& p, const DeviceFacts& f, const
     hopper = !(bwd && small_grid) && chunked_sm90_supported(p);
   if (hopper) {
     r.kernel = ForwardKernel::kChunkedSm90;
-    // (the backward chain has designs 1 and 2; design 5, the CTA pair, serves calls with an output: state-only
+    // (the backward chain has designs 1 and 2; designs 5 and 6, the CTA pair, serve calls with an output: state-only
     // calls take design 3's state-only instantiation)
-    const int v = !bwd && k.exp.sm90_variant == 5 && p.out == nullptr ? 3 : k.exp.sm90_variant;
+    const int v = !bwd && k.exp.sm90_variant >= 5 && p.out == nullptr ? 3 : k.exp.sm90_variant;
     r.sm90_variant = bwd ? (v == 1 ? 1 : 2) : v;
     // state-only calls (no output) of designs 3 and 4: that design's state-only instantiation (the same state
     // bits as its call with an output)

@@ -165,6 +165,14 @@ struct Cfg<5> {
   static constexpr int kChainWG0 = 2;
 };
 static_assert(Cfg<5>::kOpStages % Cfg<5>::kCluster == 0, "variant 5: stage s is made by CTA s mod kCluster");
+// 6: design 5 with design 4's folded operands: the producing warpgroup folds v into V'ᵀ for all 128 value rows
+//    (its leader loads the chunk's v, a ring of 4 per CTA, stage (c / 2) mod 4, two per prep warpgroup) and sends
+//    the peer its 64 rows of V'ᵀ with −W', Q⁺, Kr, Mqk and γ; the chain loads nothing. One raw stage per warpgroup.
+template <>
+struct Cfg<6> : Cfg<5> {
+  static constexpr int kRawStages = 1, kVStages = 4;
+  static constexpr bool kFold = true;
+};
 constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;  // (variants 1-3)
 // Variants 2 and 3: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads
 // of chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
@@ -173,8 +181,9 @@ constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;  // (var
 // chunk c + 3 - kVStages is one of the leader's own warpgroup, prepped before chunk c.
 static_assert(kVStages >= Cfg<2>::kPrepWGs * Cfg<2>::kRawStages + kOpStages, "variant 2: the v acquire must not wait");
 static_assert(kVStages >= Cfg<3>::kPrepWGs * Cfg<3>::kRawStages + kOpStages, "variant 3: the v acquire must not wait");
-static_assert(Cfg<4>::kVStages % Cfg<4>::kPrepWGs == 0 && Cfg<4>::kVStages >= 2 * Cfg<4>::kPrepWGs,
-              "variant 4: the v acquire waits only on the leader's own warpgroup");
+static_assert(Cfg<4>::kVStages % Cfg<4>::kPrepWGs == 0 && Cfg<4>::kVStages >= 2 * Cfg<4>::kPrepWGs &&
+                  Cfg<6>::kVStages % Cfg<6>::kPrepWGs == 0 && Cfg<6>::kVStages >= 2 * Cfg<6>::kPrepWGs,
+              "variants 4, 6: the v acquire waits only on the leader's own warpgroup");
 // registers: setmaxnreg moves registers within the CTA's pool, the registers it was launched with (65536 /
 // threads per thread, rounded down to a multiple of 8): the warpgroups' counts together must fit in it, else
 // the chain's increase waits forever
@@ -188,7 +197,7 @@ template <int V>
 constexpr bool regs_fit() {
   return setmaxnreg_sum<V>() <= (Cfg<V>::kThreads / 128) * ((65536 / Cfg<V>::kThreads) / 8 * 8);
 }
-static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>() && regs_fit<4>() && regs_fit<5>(),
+static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>() && regs_fit<4>() && regs_fit<5>() && regs_fit<6>(),
               "setmaxnreg counts exceed the CTA's register pool");
 constexpr int kBarPrep = 1;   // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;    // named barrier of chain warpgroup w (output staging): kBarOut + w
@@ -412,7 +421,7 @@ static_assert(cosize_v<LayoutKd> * 2 % 1024 == 0, "the qd half of kq is 1024-byt
 static_assert(2 * 4 * kWStage <= 2 * 2 * kC * kOStride, "the per-warp output buffers live in ostage");
 static_assert(sizeof(SharedStorage<1>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<2>) + 1024 <= 227 * 1024 &&
                   sizeof(SharedStorage<3>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<4>) + 1024 <= 227 * 1024 &&
-                  sizeof(SharedStorage<5>) + 1024 <= 227 * 1024,
+                  sizeof(SharedStorage<5>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<6>) + 1024 <= 227 * 1024,
               "shared memory per block (227 KB on sm_90)");
 
 // ---- TMA of one token tensor [B, T, heads, 128] (bf16): gmem modes (T, 128, heads, B), box (16, 128).
@@ -625,7 +634,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   constexpr int kCS = Cf::kCluster;  // variant 5: CTAs per cluster, prep shared, value rows split
   constexpr bool kCluster = kCS > 1;
   static_assert(!(kFold && kBwd), "variant 4 serves the forward");
-  static_assert(!(kCluster && (kBwd || kStateOnly || kProfile)), "variant 5 serves the forward with an output");
+  static_assert(!(kCluster && (kBwd || kStateOnly || kProfile)), "variants 5, 6 serve the forward with an output");
+  static_assert(!(kCluster && kFold) || kCS == 2, "variant 6: one peer (its V'ᵀ rows)");
   static_assert(!(kStateOnly && kBwd), "state-only is a forward mode");
   constexpr bool kQ = !kStateOnly;  // q and everything made from it (Q⁺, Mqk, the output)
   const RecurrentParams& p = args.p;
@@ -700,8 +710,8 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   PipeR pipe_raw(ss.pipe_raw[pw], prp, Shape<_1, _1, _1>{});
   typename PipeV::Params pvp;
   pvp.transaction_bytes = kC * kD * sizeof(bf16_t);
-  const bool v_leader = kCluster && is_chain && (tid & 127) == 0;  // variant 5: the chain's thread 0 loads v
-  if constexpr (kCluster)
+  const bool v_leader = kCluster && !kFold && is_chain && (tid & 127) == 0;  // variant 5: the chain's thread 0 loads v
+  if constexpr (kCluster && !kFold)
     pvp.role = v_leader ? PipeV::ThreadCategory::ProducerConsumer
                         : (is_chain ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
   else if constexpr (kFold)  // the v of a chunk is read by the prep warpgroup of that chunk
@@ -710,7 +720,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   else
     pvp.role = raw_leader ? PipeV::ThreadCategory::Producer
                           : (is_chain ? PipeV::ThreadCategory::Consumer : PipeV::ThreadCategory::NonParticipant);
-  pvp.is_leader = kCluster ? v_leader : raw_leader;
+  pvp.is_leader = kCluster && !kFold ? v_leader : raw_leader;
   pvp.num_consumers = 128 * (kFold ? 1 : Cf::kChainWGs);
   PipeV pipe_v(ss.pipe_v, pvp, Shape<_1, _1, _1>{});
   typename PipeOp::Params pop;
@@ -840,7 +850,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         copy(args.tma_g.with(*rbar), get<0>(t)(_, phys(c_issue)), get<1>(t)(_, s));
       }
       ++st_raw_p;
-      if constexpr (!kCluster) {
+      if constexpr (!kCluster || kFold) {  // (variant 6: v rides with its chunk; stages by the CTA's own chunk count)
         pipe_v.producer_acquire(st_v_p);
         auto t = v_part();
         copy(args.tma_v.with(*pipe_v.producer_get_barrier(st_v_p)), get<0>(t)(_, phys(c_issue)),
@@ -1071,11 +1081,14 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         // reads it through the async proxy); the peer's chain released it (this CTA's empty barrier, acquired above)
         named_sync(bar, 128);
         if (ptid == 0) {
-          const void* const src[5] = {ss.kq + os * cosize_v<LayoutKQS<1>>, ss.kr + os * cosize_v<LayoutKrS<1>>,
-                                      ss.invb + os * cosize_v<LayoutT16S<1>>, ss.mqk + os * cosize_v<LayoutT16S<1>>,
-                                      ss.gamma[os]};
+          // (variant 6: no INVb tile, the peer's 64 rows of V'ᵀ instead)
+          const void* const fifth = kFold ? static_cast<const void*>(ss.vp + (os * kD + 64 * (rank ^ 1)) * kC)
+                                          : static_cast<const void*>(ss.invb + os * cosize_v<LayoutT16S<1>>);
+          const void* const src[5] = {ss.kq + os * cosize_v<LayoutKQS<1>>, ss.kr + os * cosize_v<LayoutKrS<1>>, fifth,
+                                      ss.mqk + os * cosize_v<LayoutT16S<1>>, ss.gamma[os]};
           constexpr uint32_t bytes[5] = {cosize_v<LayoutKQS<1>> * 2, cosize_v<LayoutKrS<1>> * 2,
-                                         cosize_v<LayoutT16S<1>> * 2, cosize_v<LayoutT16S<1>> * 2, kD * 4};
+                                         kFold ? 64 * kC * 2 : cosize_v<LayoutT16S<1>> * 2, cosize_v<LayoutT16S<1>> * 2,
+                                         kD * 4};
           pipe_op.send(st_op, src, bytes);
         }
       }

@@ -81,7 +81,7 @@ using KernelFn = void (*)(const chunked_sm90::KernelArgs);
 // alignment of the 1024-byte swizzled tiles) and the sum of its warpgroups' setmaxnreg counts.
 struct Design {
   KernelFn fn;
-  int threads, smem, setmaxnreg_sum, cluster;  // (cluster: CTAs per task, 1 or variant 5's 2)
+  int threads, smem, setmaxnreg_sum, cluster;  // (cluster: CTAs per task, 1 or variants 5-6's 2)
 };
 template <bool kProfile, int V, bool kBwd, bool kStateOnly = false>
 Design design_of() {
@@ -102,6 +102,7 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
     return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
   if (variant == 4 && state_only) return design_of<false, 4, false, true>();
   if (variant == 5 && !state_only && !profile) return design_of<false, 5, false>();
+  if (variant == 6 && !state_only && !profile) return design_of<false, 6, false>();
   if (variant == 4) return profile ? design_of<true, 4, false>() : design_of<false, 4, false>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
@@ -166,12 +167,12 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   const KernelFn fn = dz.fn;
   const int smem = dz.smem, threads = dz.threads;
   const int which = state_only     ? (variant == 4 ? 13 : 9 + (profile ? 1 : 0))
-                    : variant == 5 ? 14
+                    : variant >= 5 ? 9 + variant
                     : variant == 4 ? 11 + (profile ? 1 : 0)
                                    : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][15] = {};
+  static std::atomic<bool> attr_set[64][16] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
@@ -193,7 +194,7 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   }
   const int64_t blocks = p.N * p.HV * dz.cluster;
   cudaError_t e = cudaSuccess;
-  if (dz.cluster > 1) {  // variant 5: a cluster of CTAs per (sequence, head), consecutive blocks
+  if (dz.cluster > 1) {  // variants 5, 6: a cluster of CTAs per (sequence, head), consecutive blocks
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(blocks));
     cfg.blockDim = dim3(static_cast<unsigned>(threads));
