@@ -447,15 +447,15 @@ def test_hopper_schedules_same_bits(monkeypatch):
 
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
-@pytest.mark.parametrize("variant", ["4", "5", "6"])
+@pytest.mark.parametrize("variant", ["4", "5", "6", "7"])
 @pytest.mark.parametrize("c", _cases())
 def test_experimental_variant_vs_reference(c, variant, monkeypatch):
     """Design 4 (the WY inverse folded into the chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep) and
     design 5 (a cluster of two CTAs per head sharing prep, each with half the value rows) and design 6 (5 with 4's
-    operands) against the fp64 reference
+    operands; 7: 5 with three prep warpgroups per CTA) against the fp64 reference
     and beside design 3, on the lengths, packed mixes, gate / β / L2 modes and pools of the Hopper-vs-mma cases:
-    output and pool within the tolerances, the launch line naming the design. Design 5 does design 3's operations
-    per chunk and value row: the same bits."""
+    output and pool within the tolerances, the launch line naming the design. Designs 5 and 7 do design 3's
+    operations per chunk and value row: the same bits."""
     x, t, g, m, cu, slots, idx = _case_call(c, seed=79)
     before = x["initial_state"].clone()
     res = {}
@@ -466,9 +466,9 @@ def test_experimental_variant_vs_reference(c, variant, monkeypatch):
         o = base.call(t, g, **m, initial_state=pool, ssm_state_indices=idx, cu_seqlens=cu)[0]
         res[f"variant {v}"] = (o, pool)
     _check_against_reference(c, x, t, g, m, cu, slots, idx, before, res, (f"variant {variant}", "variant 3"))
-    if variant == "5":
-        for a, b in zip(res["variant 5"], res["variant 3"], strict=True):
-            assert torch.equal(bits(a), bits(b)), "design 5 differs from design 3"
+    if variant in ("5", "7"):
+        for a, b in zip(res[f"variant {variant}"], res["variant 3"], strict=True):
+            assert torch.equal(bits(a), bits(b)), f"design {variant} differs from design 3"
 
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")

@@ -173,6 +173,15 @@ struct Cfg<6> : Cfg<5> {
   static constexpr int kRawStages = 1, kVStages = 4;
   static constexpr bool kFold = true;
 };
+// 7: design 5 with three prep warpgroups per CTA (chunk c on CTA c mod 2, warpgroup (c / 2) mod 3), 512 threads:
+//    prep 3 x 104 registers, chain 200; one raw stage per warpgroup, a v ring of 4.
+template <>
+struct Cfg<7> : Cfg<5> {
+  static constexpr int kPrepWGs = 3, kRawStages = 1, kVStages = 4;
+  static constexpr int kPrepRegs = 104, kChainRegs = 200;
+  static constexpr int kThreads = 512;
+  static constexpr int kChainWG0 = 3;
+};
 constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;  // (variants 1-3)
 // Variants 2 and 3: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads
 // of chunk c + kPrepWGs * kRawStages; its v acquire needs the chain to have released v of that chunk minus
@@ -197,7 +206,8 @@ template <int V>
 constexpr bool regs_fit() {
   return setmaxnreg_sum<V>() <= (Cfg<V>::kThreads / 128) * ((65536 / Cfg<V>::kThreads) / 8 * 8);
 }
-static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>() && regs_fit<4>() && regs_fit<5>() && regs_fit<6>(),
+static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>() && regs_fit<4>() && regs_fit<5>() && regs_fit<6>() &&
+                  regs_fit<7>(),
               "setmaxnreg counts exceed the CTA's register pool");
 constexpr int kBarPrep = 1;   // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;    // named barrier of chain warpgroup w (output staging): kBarOut + w
@@ -421,7 +431,8 @@ static_assert(cosize_v<LayoutKd> * 2 % 1024 == 0, "the qd half of kq is 1024-byt
 static_assert(2 * 4 * kWStage <= 2 * 2 * kC * kOStride, "the per-warp output buffers live in ostage");
 static_assert(sizeof(SharedStorage<1>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<2>) + 1024 <= 227 * 1024 &&
                   sizeof(SharedStorage<3>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<4>) + 1024 <= 227 * 1024 &&
-                  sizeof(SharedStorage<5>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<6>) + 1024 <= 227 * 1024,
+                  sizeof(SharedStorage<5>) + 1024 <= 227 * 1024 && sizeof(SharedStorage<6>) + 1024 <= 227 * 1024 &&
+                  sizeof(SharedStorage<7>) + 1024 <= 227 * 1024,
               "shared memory per block (227 KB on sm_90)");
 
 // ---- TMA of one token tensor [B, T, heads, 128] (bf16): gmem modes (T, 128, heads, B), box (16, 128).

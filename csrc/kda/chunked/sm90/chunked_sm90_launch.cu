@@ -103,6 +103,7 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
     return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
   if (variant == 4 && state_only) return design_of<false, 4, false, true>();
   if (variant == 6 && !state_only && !profile) return design_of<false, 6, false>();
+  if (variant == 7 && !state_only && !profile) return design_of<false, 7, false>();
   if (variant == 4) return profile ? design_of<true, 4, false>() : design_of<false, 4, false>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
@@ -172,7 +173,7 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
                                    : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][16] = {};
+  static std::atomic<bool> attr_set[64][17] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
