@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   constexpr int kCS = Cf::kCluster;  // variant 5: CTAs per cluster, prep shared, value rows split
   constexpr bool kCluster = kCS > 1;
   static_assert(!(kFold && kBwd), "variant 4 serves the forward");
-  static_assert(!(kCluster && (kBwd || kStateOnly || kProfile)), "variants 5, 6 serve the forward with an output");
+  static_assert(!(kCluster && (kStateOnly || kProfile)), "variants 5-7 have no state-only or profile instantiation");
   static_assert(!(kCluster && kFold) || kCS == 2, "variant 6: one peer (its V'ᵀ rows)");
   static_assert(!(kStateOnly && kBwd), "state-only is a forward mode");
   constexpr bool kQ = !kStateOnly;  // q and everything made from it (Q⁺, Mqk, the output)
@@ -1258,6 +1258,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int64_t pc = phys(c);
       const int cl = chunk_len(pc);
+      if (kCluster && v_leader && c > 0 && c - 1 + Cf::kVStages < n_chunks) issue_v(c - 1 + Cf::kVStages);
       // dS at the end of every `every`-token chunk j (ck_step 16-token chunks; the sequence's last 16-token chunk
       // ends the last one): row checkpoint_cu_starts[n] + j, written on entering that chunk's last 16-token chunk
       if (ck_step > 0 && ((pc + 1) % ck_step == 0 || pc == n_chunks - 1)) {

@@ -98,6 +98,7 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
     return state_only ? design_of<false, 3, false, true>() : design_of<false, 3, false>();
   if (!profile && !bwd && variant == 5 && !state_only) return design_of<false, 5, false>();
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
+  if (bwd && variant == 5) return design_of<false, 5, true>();
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
   if (variant == 3 && state_only)
     return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
@@ -168,12 +169,12 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   const KernelFn fn = dz.fn;
   const int smem = dz.smem, threads = dz.threads;
   const int which = state_only     ? (variant == 4 ? 13 : 9 + (profile ? 1 : 0))
-                    : variant >= 5 ? 9 + variant
+                    : variant >= 5 ? 9 + variant + (backward_chain ? 3 : 0)
                     : variant == 4 ? 11 + (profile ? 1 : 0)
                                    : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][17] = {};
+  static std::atomic<bool> attr_set[64][20] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
