@@ -1,9 +1,10 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
-// chunk, K = V = 128, with the Hopper machinery. Four designs (template kVariant, Cfg below;
-// KDA_EXPERIMENT=sm90_variant per call, default 3; 4, design 3 with the folded WY operands, an experiment: a lighter
-// chain but a slower prep, not yet shown faster than 3 (docs/performance.md); the backward chain runs
-// 2):
+// chunk, K = V = 128, with the Hopper machinery. Seven designs (template kVariant, Cfg below;
+// KDA_EXPERIMENT=sm90_variant per call; the route takes 3, or 5 where a CTA pair per head fits in one wave; 4, design
+// 3 with the folded WY operands, an experiment: a lighter chain but a slower prep, not yet shown faster than 3
+// (docs/performance.md); 5-7, a cluster of two CTAs per head sharing prep, each with half the value rows (Cfg<5>);
+// the backward chain runs 2):
 //   * TMA loads (SM90_TMA_LOAD, tensor maps encoded on the host) of the raw q, k, g tiles [16 tokens][128]
 //     into rings guarded by cutlass::PipelineTmaAsync, and of the v tiles into a ring consumed by both chain
 //     WGs (variant 4: by the prep WG of the chunk, which folds v into V'; the chain's loop below describes the
