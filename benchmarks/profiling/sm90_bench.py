@@ -3,7 +3,7 @@
 median of 20 calls after 3 warm-up calls, CUDA events). Prints a markdown table (the variants of the Hopper
 kernel, KDA_EXPERIMENT=sm90_variant=1..5 as SM90_BENCH_VARIANTS lists them, default 2,3, each optionally with a
 schedule, e.g. 3s0 = variant 3 with sm90_schedule=0; the largest output/state
-difference of the last listed variant from the first) and whether the Hopper kernel ran
+difference of the last listed variant from the first; SM90_BENCH_ROWS: a comma list of row indices) and whether the Hopper kernel ran
 (profiler) for each case, then the profile instantiation's per-segment cycle table (sm90_profile=1) of
 CTA 0 at H=96 T=8192 for each variant (on stderr). Needs an experiments build (KDA_BUILD_EXPERIMENTS=1); the
 switches are re-read in-process (kda_ops._routing.reload).
@@ -127,6 +127,8 @@ def main():
         ("H=8 packed 8x2048", 8, [2048] * 8),
     ]
     os.environ["KDA_SEQUENCE_SPLIT"] = "0"  # (the kernel alone: no sequence split on the small grids)
+    if os.environ.get("SM90_BENCH_ROWS"):  # a comma list of row indices
+        rows = [rows[int(i)] for i in os.environ["SM90_BENCH_ROWS"].split(",")]
     variants = [v.strip() for v in os.environ.get("SM90_BENCH_VARIANTS", "2,3").split(",")]  # (a hung one left out)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     cols = " | ".join(f"sm90 v{v} ms" for v in variants)
