@@ -1,8 +1,8 @@
 // The Hopper chunked prefill kernel (csrc/kda/chunked/sm90/chunked_sm90_kernel.cuh): its instantiations and the
 // launch of the route the spine chose (kda/route/route.h). Built for every CUDA arch of the extension; the kernel
 // body exists only in the sm_90a image, and the spine routes to it only on a compute capability 9.0 device.
-// The default build instantiates what a route can choose: design 3 (with and without outputs) and design 5 (the CTA
-// pair) for the forward, design 2 for the backward chain. Designs 1, 2 and 4 (the folded WY operands, with and without
+// The default build instantiates what a route can choose: design 3 (with and without outputs) for the forward,
+// design 2 for the backward chain. Designs 1, 2 and 4 (the folded WY operands, with and without
 // outputs) of the forward, design 1 of the chain and the profile instantiations (per-role cycle tables) are experiments
 // (KDA_BUILD_EXPERIMENTS=1, KDA_EXPERIMENT=sm90_*).
 #include <atomic>
@@ -96,9 +96,9 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (!profile && bwd && variant == 2) return design_of<false, 2, true>();
   if (!profile && !bwd && variant == 3)
     return state_only ? design_of<false, 3, false, true>() : design_of<false, 3, false>();
-  if (!profile && !bwd && variant == 5 && !state_only) return design_of<false, 5, false>();
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
   if (bwd && variant == 5) return design_of<false, 5, true>();
+  if (variant == 5 && !state_only && !profile) return design_of<false, 5, false>();
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
   if (variant == 3 && state_only)
     return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
