@@ -1,7 +1,7 @@
 // Chunked ("WY form") KDA prefill for Hopper (sm_90a) in CuTe/CUTLASS: the same per-chunk math as the
 // mma.sync kernel (csrc/kda/chunked/chunked_kernel.cuh, docs/design.md "Chunked form"), C = 16 tokens per
 // chunk, K = V = 128, with the Hopper machinery. Seven designs (template kVariant, Cfg below;
-// KDA_EXPERIMENT=sm90_variant per call; the route takes 3, or 5 where a CTA pair per head fits in one wave; 4, design
+// KDA_EXPERIMENT=sm90_variant per call, default 3; 4, design
 // 3 with the folded WY operands, an experiment: a lighter chain but a slower prep, not yet shown faster than 3
 // (docs/performance.md); 5-7, a cluster of two CTAs per head sharing prep, each with half the value rows (Cfg<5>);
 // the backward chain runs 2):
@@ -247,6 +247,7 @@ using LayoutT16 = LayoutT16S<kOpStages>;
 static_assert(cosize_v<LayoutKQ> == 2 * cosize_v<LayoutKd>, "the stacked tile holds the K⁺ and Q⁺ tiles");
 // (variant 5 copies stage s of each operand tile as one block: the stage is the outermost mode)
 static_assert(cosize_v<LayoutKQS<6>> == 6 * cosize_v<LayoutKQS<1>> &&
+                  cosize_v<LayoutKdS<6>> == 6 * cosize_v<LayoutKdS<1>> &&
                   cosize_v<LayoutKrS<6>> == 6 * cosize_v<LayoutKrS<1>> &&
                   cosize_v<LayoutT16S<6>> == 6 * cosize_v<LayoutT16S<1>>,
               "operand stages are contiguous blocks");
@@ -1093,15 +1094,25 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         // reads it through the async proxy); the peer's chain released it (this CTA's empty barrier, acquired above)
         named_sync(bar, 128);
         if (ptid == 0) {
-          // (variant 6: no INVb tile, the peer's 64 rows of V'ᵀ instead)
-          const void* const fifth = kFold ? static_cast<const void*>(ss.vp + (os * kD + 64 * (rank ^ 1)) * kC)
-                                          : static_cast<const void*>(ss.invb + os * cosize_v<LayoutT16S<1>>);
-          const void* const src[5] = {ss.kq + os * cosize_v<LayoutKQS<1>>, ss.kr + os * cosize_v<LayoutKrS<1>>, fifth,
-                                      ss.mqk + os * cosize_v<LayoutT16S<1>>, ss.gamma[os]};
-          constexpr uint32_t bytes[5] = {cosize_v<LayoutKQS<1>> * 2, cosize_v<LayoutKrS<1>> * 2,
-                                         kFold ? 64 * kC * 2 : cosize_v<LayoutT16S<1>> * 2, cosize_v<LayoutT16S<1>> * 2,
-                                         kD * 4};
-          pipe_op.send(st_op, src, bytes);
+          const void* const mqk = ss.mqk + os * cosize_v<LayoutT16S<1>>;
+          constexpr uint32_t b16 = cosize_v<LayoutT16S<1>> * 2, bkr = cosize_v<LayoutKrS<1>> * 2;
+          if constexpr (kBwd) {  // the backward chain's tiles: Kr in kd, Q⁺ in qd (each a ring of its own), K⁺ in kr
+            const void* const src[6] = {ss.kd() + os * cosize_v<LayoutKdS<1>>,
+                                        ss.qd() + os * cosize_v<LayoutKrS<1>>,
+                                        ss.kr + os * cosize_v<LayoutKrS<1>>,
+                                        ss.invb + os * cosize_v<LayoutT16S<1>>,
+                                        mqk,
+                                        ss.gamma[os]};
+            constexpr uint32_t bytes[6] = {cosize_v<LayoutKdS<1>> * 2, bkr, bkr, b16, b16, kD * 4};
+            pipe_op.send(st_op, src, bytes);
+          } else {  // the stacked [K⁺; Q⁺] tile, Kr, INVb (variant 6: the peer's 64 rows of V'ᵀ instead), Mqk, γ
+            const void* const fifth = kFold ? static_cast<const void*>(ss.vp + (os * kD + 64 * (rank ^ 1)) * kC)
+                                            : static_cast<const void*>(ss.invb + os * cosize_v<LayoutT16S<1>>);
+            const void* const src[5] = {ss.kq + os * cosize_v<LayoutKQS<1>>, ss.kr + os * cosize_v<LayoutKrS<1>>, fifth,
+                                        mqk, ss.gamma[os]};
+            constexpr uint32_t bytes[5] = {cosize_v<LayoutKQS<1>> * 2, bkr, kFold ? 64 * kC * 2 : b16, b16, kD * 4};
+            pipe_op.send(st_op, src, bytes);
+          }
         }
       }
       st_op.advance(prep_step);

@@ -81,7 +81,7 @@ using KernelFn = void (*)(const chunked_sm90::KernelArgs);
 // alignment of the 1024-byte swizzled tiles) and the sum of its warpgroups' setmaxnreg counts.
 struct Design {
   KernelFn fn;
-  int threads, smem, setmaxnreg_sum, cluster;  // (cluster: CTAs per task, 1 or variants 5-6's 2)
+  int threads, smem, setmaxnreg_sum, cluster;  // (cluster: CTAs per task, 1 or variants 5-7's 2)
 };
 template <bool kProfile, int V, bool kBwd, bool kStateOnly = false>
 Design design_of() {
@@ -97,6 +97,7 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (!profile && !bwd && variant == 3)
     return state_only ? design_of<false, 3, false, true>() : design_of<false, 3, false>();
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
+  if (variant >= 5 && (profile || state_only) && !bwd) return Design{nullptr, 0, 0, 0, 1};  // (none of those)
   if (bwd && variant == 5) return design_of<false, 5, true>();
   if (variant == 5 && !state_only && !profile) return design_of<false, 5, false>();
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
@@ -196,7 +197,7 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   }
   const int64_t blocks = p.N * p.HV * dz.cluster;
   cudaError_t e = cudaSuccess;
-  if (dz.cluster > 1) {  // variants 5, 6: a cluster of CTAs per (sequence, head), consecutive blocks
+  if (dz.cluster > 1) {  // variants 5-7: a cluster of CTAs per (sequence, head), consecutive blocks
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(blocks));
     cfg.blockDim = dim3(static_cast<unsigned>(threads));
