@@ -1,11 +1,11 @@
 """Hopper chunked kernel (KDA_CHUNKED_KERNEL=sm90) vs the mma.sync kernel: ms per prefill call on a Hopper GPU
 (K = V = 128, λ = -5 lower-bound gate, logit β, L2 norm, bf16 tokens and bf16 state pool, preallocated output;
 median of 20 calls after 3 warm-up calls, CUDA events). Prints a markdown table (the variants of the Hopper
-kernel, KDA_EXPERIMENT=sm90_variant=1..5 as SM90_BENCH_VARIANTS lists them, default 2,3, each optionally with a
-schedule, e.g. 3s0 = variant 3 with sm90_schedule=0; the largest output/state
-difference of the last listed variant from the first; SM90_BENCH_ROWS: a comma list of row indices) and whether the Hopper kernel ran
-(profiler) for each case, then the profile instantiation's per-segment cycle table (sm90_profile=1) of
-CTA 0 at H=96 T=8192 for each variant (on stderr). Needs an experiments build (KDA_BUILD_EXPERIMENTS=1); the
+kernel, KDA_EXPERIMENT=sm90_variant=1..7 as SM90_BENCH_VARIANTS lists them, default 2,3, each optionally with a
+schedule, e.g. 3s0 = variant 3 with sm90_schedule=0; the largest output/state difference of the last listed variant
+from the first; SM90_BENCH_ROWS: a comma list of row indices) and whether the Hopper kernel ran (profiler) for each
+case, then the profile instantiation's per-segment cycle table (sm90_profile=1) of CTA 0 at H=96 T=8192 for each
+variant but 5-7 (on stderr). Needs an experiments build (KDA_BUILD_EXPERIMENTS=1); the
 switches are re-read in-process (kda_ops._routing.reload).
 
     python3 benchmarks/profiling/sm90_bench.py
