@@ -263,6 +263,22 @@ __device__ __forceinline__ int vp_offset(int m, int t) {
 // ---- the rings of the cluster design (variant 5). cutlass's PipelineTmaAsync built for a cluster of one sends every
 // consumer release to the CTA of rank 0, which inside a real cluster is the wrong CTA for rank 1: the TMA rings
 // local to a CTA use LocalTmaPipe (PipelineTmaAsync's interface and protocol on this CTA's own barriers).
+// A ring's full and empty mbarriers, initialised by one lane of `warp` with the counts full_count(s), empty_count.
+template <int S>
+struct RingBarriers {
+  alignas(8) uint64_t full[S];
+  alignas(8) uint64_t empty[S];
+  template <class FullCount>
+  __device__ void init(int warp, FullCount full_count, uint32_t empty_count) {
+    if (cutlass::canonical_warp_idx_sync() == warp && cute::elect_one_sync()) {
+      for (int s = 0; s < S; ++s) {
+        cutlass::arch::ClusterBarrier::init(&full[s], full_count(s));
+        cutlass::arch::ClusterBarrier::init(&empty[s], empty_count);
+      }
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+};
 template <int S>
 class LocalTmaPipe {
  public:
@@ -270,20 +286,11 @@ class LocalTmaPipe {
   using PipelineState = cutlass::PipelineState<S>;
   using ThreadCategory = typename cutlass::PipelineTmaAsync<S>::ThreadCategory;
   using Params = typename cutlass::PipelineTmaAsync<S>::Params;
-  struct SharedStorage {
-    alignas(8) uint64_t full[S];
-    alignas(8) uint64_t empty[S];
-  };
+  using SharedStorage = RingBarriers<S>;
   template <class ClusterShape>
   __device__ LocalTmaPipe(SharedStorage& st, Params params, ClusterShape)
       : full_(st.full), empty_(st.empty), p_(params) {
-    if (cutlass::canonical_warp_idx_sync() == params.initializing_warp && cute::elect_one_sync()) {
-      for (int s = 0; s < S; ++s) {
-        cutlass::arch::ClusterBarrier::init(&full_[s], params.num_producers);
-        cutlass::arch::ClusterBarrier::init(&empty_[s], params.num_consumers);
-      }
-    }
-    cutlass::arch::fence_barrier_init();
+    st.init(params.initializing_warp, [&](int) { return params.num_producers; }, params.num_consumers);
   }
   __device__ void producer_acquire(PipelineState st) {  // (the leader thread)
     cutlass::arch::ClusterBarrier::wait(&empty_[st.index()], st.phase());
@@ -313,19 +320,12 @@ class ClusterOpPipe {
   using PipelineState = cutlass::PipelineState<S>;
   using ThreadCategory = typename cutlass::PipelineAsync<S>::ThreadCategory;
   using Params = typename cutlass::PipelineAsync<S>::Params;
-  struct SharedStorage {
-    alignas(8) uint64_t full[S];
-    alignas(8) uint64_t empty[S];
-  };
+  using SharedStorage = RingBarriers<S>;
   __device__ ClusterOpPipe(SharedStorage& st, Params params)
       : full_(st.full), empty_(st.empty), rank_(static_cast<int>(cute::block_rank_in_cluster())) {
-    if (cutlass::canonical_warp_idx_sync() == params.initializing_warp && cute::elect_one_sync()) {
-      for (int s = 0; s < S; ++s) {
-        cutlass::arch::ClusterBarrier::init(&full_[s], owner(s) == rank_ ? params.producer_arv_count : 1u);
-        cutlass::arch::ClusterBarrier::init(&empty_[s], params.consumer_arv_count);
-      }
-    }
-    cutlass::arch::fence_barrier_init();
+    st.init(
+        params.initializing_warp, [&](int s) { return owner(s) == rank_ ? params.producer_arv_count : 1u; },
+        params.consumer_arv_count);
   }
   static __device__ int owner(int s) { return s % kCS; }
   __device__ void producer_acquire(PipelineState st) {
