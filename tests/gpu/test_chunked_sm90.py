@@ -447,15 +447,15 @@ def test_hopper_schedules_same_bits(monkeypatch):
 
 
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
-@pytest.mark.parametrize("variant", ["4", "5", "6", "7"])
+@pytest.mark.parametrize("variant", ["4", "5", "6", "7", "8"])
 @pytest.mark.parametrize("c", _cases())
 def test_experimental_variant_vs_reference(c, variant, monkeypatch):
-    """Design 4 (the WY inverse folded into the chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep) and
-    design 5 (a cluster of two CTAs per head sharing prep, each with half the value rows) and design 6 (5 with 4's
-    operands; 7: 5 with three prep warpgroups per CTA) against the fp64 reference
-    and beside design 3, on the lengths, packed mixes, gate / β / L2 modes and pools of the Hopper-vs-mma cases:
-    output and pool within the tolerances, the launch line naming the design. Designs 5 and 7 do design 3's
-    operations per chunk and value row: the same bits."""
+    """The experimental designs against the fp64 reference and beside design 3: 4 (the WY inverse folded into the
+    chain's operands: −W' = −INVb K⁺ and V' = INVb V made by prep), 5 (a cluster of two CTAs per head sharing prep,
+    each with half the value rows), 6 (5 with 4's operands), 7 (5 with three prep warpgroups per CTA), 8 (5 with
+    O_intra in an accumulator of its own), on the lengths, packed mixes, gate / β / L2 modes and pools of the
+    Hopper-vs-mma cases: output and pool within the tolerances, the launch line naming the design. Designs 5 and 7 do
+    design 3's operations per chunk and value row: the same bits."""
     x, t, g, m, cu, slots, idx = _case_call(c, seed=79)
     before = x["initial_state"].clone()
     res = {}
@@ -474,7 +474,7 @@ def test_experimental_variant_vs_reference(c, variant, monkeypatch):
 @pytest.mark.skipif(not _routing.knobs()["experiments_built"], reason="needs a KDA_BUILD_EXPERIMENTS=1 build")
 @pytest.mark.parametrize("variant", ["4", "5", "6"])
 def test_experimental_variant_long_and_checkpoints(variant, monkeypatch):
-    """Designs 4-6 over long sequences (the rings' phases wrap many times) against the fp64 reference."""
+    """Designs 4-8 over long sequences (the rings' phases wrap many times) against the fp64 reference."""
     route_env(monkeypatch, KDA_CHUNKED_KERNEL="sm90", KDA_EXPERIMENT=f"sm90_variant={variant}")
     x = base.make(H=2, HV=4, state_dtype=F32, lengths=[2000, 77, 4096], seed=82)
     t, g = base.tok(x), base.gkw(x)

@@ -82,7 +82,7 @@ void read_experiments(LaunchKnobs& k, const std::string& spec) {
       x.ring_flags = b ? (x.ring_flags | mask) : (x.ring_flags & ~mask);
     };
     if (key == "sm90_variant")
-      count(&x.sm90_variant, 1, 7);
+      count(&x.sm90_variant, 1, 8);
     else if (key == "sm90_schedule")
       count(&x.sm90_schedule, 0, 63);
     else if (key == "sm90_profile")

@@ -114,6 +114,7 @@ struct CfgRings {  // variants 1-3: the default ring depths, the chain reads v
   static constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;
   static constexpr bool kFold = false;
   static constexpr int kCluster = 1, kChainWGs = 2;  // one CTA per (sequence, head), both chain WGs in it
+  static constexpr bool kSepOi = false;              // (see Cfg<8>)
 };
 template <>
 struct Cfg<1> : CfgRings {
@@ -161,6 +162,7 @@ struct Cfg<5> {
   static constexpr int kOpStages = 6, kVStages = 8;
   static constexpr bool kFold = false;
   static constexpr int kCluster = 2, kChainWGs = 1;
+  static constexpr bool kSepOi = false;
   static constexpr int kPrepRegs = 160, kChainRegs = 184, kProducerRegs = 0;
   static constexpr int kThreads = 384;
   static constexpr int kChainWG0 = 2;
@@ -182,6 +184,12 @@ struct Cfg<7> : Cfg<5> {
   static constexpr int kPrepRegs = 104, kChainRegs = 200;
   static constexpr int kThreads = 512;
   static constexpr int kChainWG0 = 3;
+};
+// 8: design 5 with O_intra = Uᵀ Mqkᵀ in an accumulator of its own (as design 4), which removes ptxas's wgmma
+//    serialisation (C7511) of the chain; not design 3's bits (O_inter + O_intra rounded in another order).
+template <>
+struct Cfg<8> : Cfg<5> {
+  static constexpr bool kSepOi = true;
 };
 constexpr int kOpStages = kOpStagesDefault, kVStages = kVStagesDefault;  // (variants 1-3)
 // Variants 2 and 3: a leader at chunk c holds operand stage c mod kOpStages uncommitted while it issues the loads
@@ -208,7 +216,7 @@ constexpr bool regs_fit() {
   return setmaxnreg_sum<V>() <= (Cfg<V>::kThreads / 128) * ((65536 / Cfg<V>::kThreads) / 8 * 8);
 }
 static_assert(regs_fit<1>() && regs_fit<2>() && regs_fit<3>() && regs_fit<4>() && regs_fit<5>() && regs_fit<6>() &&
-                  regs_fit<7>(),
+                  regs_fit<7>() && regs_fit<8>(),
               "setmaxnreg counts exceed the CTA's register pool");
 constexpr int kBarPrep = 1;   // named barrier of prep warpgroup w: kBarPrep + w (0 is __syncthreads)
 constexpr int kBarOut = 4;    // named barrier of chain warpgroup w (output staging): kBarOut + w
@@ -1465,17 +1473,18 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       }
 
       // ---- S = S ⊙ γ_C + Uᵀ Kr;  Oᵀ = O_interᵀ + Uᵀ Mqkᵀ
-      // (variant 4: Uᵀ Mqkᵀ into an accumulator of its own, added to O_interᵀ after the batch: accumulating into
-      // accO, a view of the upper half of the N = 32 accumulator, is what makes ptxas serialise the function's wgmmas,
-      // C7511; variants 1-3 keep their bits)
+      // (variants 4, 6, 8: Uᵀ Mqkᵀ into an accumulator of its own, added to O_interᵀ after the batch: accumulating
+      // into accO, a view of the upper half of the N = 32 accumulator, is what makes ptxas serialise the function's
+      // wgmmas, C7511; the other variants keep design 3's bits)
+      constexpr bool kSepOi = kFold || Cf::kSepOi;
       Tensor accOi = partition_fragment_C(mma_u, Shape<_64, _16>{});
       auto& accOd = [&]() -> auto& {
-        if constexpr (kFold)
+        if constexpr (kSepOi)
           return accOi;
         else
           return accO;
       }();
-      if constexpr (kFold) clear(accOi);
+      if constexpr (kSepOi) clear(accOi);
       warpgroup_fence_operand(aU);
       warpgroup_fence_operand(accS);
       warpgroup_fence_operand(accOd);
@@ -1486,7 +1495,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       warpgroup_wait<0>();
       warpgroup_fence_operand(accS);
       warpgroup_fence_operand(accOd);
-      if constexpr (kFold) {
+      if constexpr (kSepOi) {
 #pragma unroll
         for (int i = 0; i < size(accO); ++i) accO(i) += accOi(i);
       }

@@ -106,6 +106,7 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (variant == 4 && state_only) return design_of<false, 4, false, true>();
   if (variant == 6 && !state_only && !profile) return design_of<false, 6, false>();
   if (variant == 7 && !state_only && !profile) return design_of<false, 7, false>();
+  if (variant == 8 && !state_only && !profile) return design_of<false, 8, false>();
   if (variant == 4) return profile ? design_of<true, 4, false>() : design_of<false, 4, false>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
@@ -170,12 +171,12 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   const KernelFn fn = dz.fn;
   const int smem = dz.smem, threads = dz.threads;
   const int which = state_only     ? (variant == 4 ? 13 : 9 + (profile ? 1 : 0))
-                    : variant >= 5 ? 9 + variant + (backward_chain ? 3 : 0)
+                    : variant >= 5 ? 9 + variant + (backward_chain ? 4 : 0)
                     : variant == 4 ? 11 + (profile ? 1 : 0)
                                    : (backward_chain ? 6 : (profile ? 3 : 0)) + variant - 1;
   // Set once per (device, instantiation). Concurrent first calls may both set it: the attribute call is
   // idempotent, and the atomic flag keeps the check itself free of a data race.
-  static std::atomic<bool> attr_set[64][20] = {};
+  static std::atomic<bool> attr_set[64][21] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
   if (!attr_set[dev][which].load(std::memory_order_acquire)) {
