@@ -232,3 +232,34 @@ def test_chunk_kda_graph_mode_replays_new_cu_seqlens() -> None:
             o_e, h_e = kf.chunk_kda(*(y[n] for n in TOKENS), initial_state=h0, cu_seqlens=cu.clone(), **kw)
         torch.cuda.synchronize()
         assert torch.equal(out["o"], o_e) and torch.equal(out["h"], h_e), lens
+
+
+def test_verifier_no_host_sync_or_allocation() -> None:
+    """The backend's verifiers decide from shapes, dtypes and flags: no host sync (torch's sync debug mode set to
+    raise) and no device allocation, for calls kda_ops takes and calls it declines (lower_bound = -10 under autograd,
+    fp32 tokens), packed with device cu_seqlens."""
+    if DEV != "cuda":
+        pytest.skip("host syncs and device allocations are CUDA's")
+    backend = kf._backend_class()()
+    x = _inputs(1, 256, 2, 2, 128, "lower_bound", N=3, seed=5)
+    cu = torch.tensor([0, 100, 200, 256], dtype=torch.int64, device=DEV)
+    leaf = {n: x[n].detach().clone().requires_grad_(True) for n in TOKENS}
+    calls = [
+        ((*(x[n] for n in TOKENS),), dict(cu_seqlens=cu, **_gate_kw(x, "lower_bound", -5.0)), True),
+        ((*(leaf[n] for n in TOKENS),), dict(cu_seqlens=cu, **_gate_kw(x, "lower_bound", -5.0)), True),
+        (
+            (*(leaf[n] for n in TOKENS),),
+            dict(cu_seqlens=cu, **{**_gate_kw(x, "lower_bound", None), "lower_bound": -10.0}),
+            False,
+        ),
+        ((*(x[n].float() for n in TOKENS),), dict(cu_seqlens=cu, **_gate_kw(x, "lower_bound", -5.0)), False),
+    ]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        verdicts = [backend.chunk_kda_verifier(*a, **kw)[0] for a, kw, _ in calls]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == before
+    assert verdicts == [want for _, _, want in calls], verdicts
