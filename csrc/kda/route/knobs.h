@@ -28,9 +28,9 @@ enum class SplitPin : int8_t { kAuto, kOff, kOn };
 // Only a build with KDA_BUILD_EXPERIMENTS=1 reads them; elsewhere every field keeps its default (the product's
 // choice) and a set KDA_EXPERIMENT is an error at import.
 struct ExperimentKnobs {
-  // Hopper chunked prefill: design 1..7 (Cfg in chunked_sm90_kernel.cuh; 0: the spine's choice),
-  // schedule bits (-1: the default), the profile instantiation, state-only instantiation on/off.
-  int sm90_variant = 0;
+  // Hopper chunked prefill: design 1..8 (Cfg in chunked_sm90_kernel.cuh), schedule bits (-1: the default),
+  // the profile instantiation, state-only instantiation on/off.
+  int sm90_variant = 3;
   int sm90_schedule = -1;
   bool sm90_profile = false;
   bool sm90_state_only = true;

@@ -120,12 +120,9 @@ ForwardRoute route_chunked(const RecurrentParams& p, const DeviceFacts& f, const
     hopper = !(bwd && small_grid) && chunked_sm90_supported(p);
   if (hopper) {
     r.kernel = ForwardKernel::kChunkedSm90;
-    // The forward: design 3; an experiment's sm90_variant pins another (0: the spine's choice). (The backward chain
-    // has designs 1, 2 and, in an experiments build, 5; designs 5-7 serve forward calls with an output: state-only
-    // calls take design 3's state-only instantiation.)
-    int v = k.exp.sm90_variant;
-    if (v == 0) v = 3;
-    if (!bwd && v >= 5 && p.out == nullptr) v = 3;
+    // (The backward chain has designs 1, 2 and, in an experiments build, 5; designs 5-8 serve forward calls with an
+    // output: state-only calls take design 3's state-only instantiation.)
+    const int v = !bwd && k.exp.sm90_variant >= 5 && p.out == nullptr ? 3 : k.exp.sm90_variant;
     r.sm90_variant = bwd ? (v == 1 || v == 5 ? v : 2) : v;
     // state-only calls (no output) of designs 3 and 4: that design's state-only instantiation (the same state
     // bits as its call with an output)

@@ -146,7 +146,7 @@ struct Cfg<3> : CfgRings {
 template <>
 struct Cfg<4> : Cfg<3> {
   static constexpr int kOpStages = 4, kVStages = 6;
-  static constexpr bool kFold = true;
+  static constexpr bool kFold = true, kSepOi = true;
 };
 // 5: prep shared by a cluster of two CTAs that split a head's value rows (docs/design.md "Prep shared by a CTA
 //    pair"). CTA r of the pair runs the chain of value rows 64 r .. 64 r + 63 (one chain warpgroup) and preps the
@@ -174,7 +174,7 @@ static_assert(Cfg<5>::kOpStages % Cfg<5>::kCluster == 0, "variant 5: stage s is 
 template <>
 struct Cfg<6> : Cfg<5> {
   static constexpr int kRawStages = 1, kVStages = 4;
-  static constexpr bool kFold = true;
+  static constexpr bool kFold = true, kSepOi = true;
 };
 // 7: design 5 with three prep warpgroups per CTA (chunk c on CTA c mod 2, warpgroup (c / 2) mod 3), 512 threads:
 //    prep 3 x 104 registers, chain 200; one raw stage per warpgroup, a v ring of 4.
@@ -287,14 +287,21 @@ struct RingBarriers {
     cutlass::arch::fence_barrier_init();
   }
 };
-template <int S>
-class LocalTmaPipe {
- public:
+// The interface types of the cutlass pipeline a ring stands in for (Pipe: PipelineTmaAsync or PipelineAsync).
+template <int S, class Pipe>
+struct RingTypes {
   static constexpr uint32_t Stages = S;
   using PipelineState = cutlass::PipelineState<S>;
-  using ThreadCategory = typename cutlass::PipelineTmaAsync<S>::ThreadCategory;
-  using Params = typename cutlass::PipelineTmaAsync<S>::Params;
+  using ThreadCategory = typename Pipe::ThreadCategory;
+  using Params = typename Pipe::Params;
   using SharedStorage = RingBarriers<S>;
+};
+template <int S>
+class LocalTmaPipe : public RingTypes<S, cutlass::PipelineTmaAsync<S>> {
+ public:
+  using typename RingTypes<S, cutlass::PipelineTmaAsync<S>>::PipelineState;
+  using typename RingTypes<S, cutlass::PipelineTmaAsync<S>>::Params;
+  using typename RingTypes<S, cutlass::PipelineTmaAsync<S>>::SharedStorage;
   template <class ClusterShape>
   __device__ LocalTmaPipe(SharedStorage& st, Params params, ClusterShape)
       : full_(st.full), empty_(st.empty), p_(params) {
@@ -322,13 +329,11 @@ class LocalTmaPipe {
 // stage's bytes (send: one thread of the producing warpgroup, once the warpgroup's writes are complete and fenced);
 // its empty barrier in the producing CTA takes one arrival per chain warp of every CTA (consumer_release).
 template <int S, int kCS>
-class ClusterOpPipe {
+class ClusterOpPipe : public RingTypes<S, cutlass::PipelineAsync<S>> {
  public:
-  static constexpr uint32_t Stages = S;
-  using PipelineState = cutlass::PipelineState<S>;
-  using ThreadCategory = typename cutlass::PipelineAsync<S>::ThreadCategory;
-  using Params = typename cutlass::PipelineAsync<S>::Params;
-  using SharedStorage = RingBarriers<S>;
+  using typename RingTypes<S, cutlass::PipelineAsync<S>>::PipelineState;
+  using typename RingTypes<S, cutlass::PipelineAsync<S>>::Params;
+  using typename RingTypes<S, cutlass::PipelineAsync<S>>::SharedStorage;
   __device__ ClusterOpPipe(SharedStorage& st, Params params)
       : full_(st.full), empty_(st.empty), rank_(static_cast<int>(cute::block_rank_in_cluster())) {
     st.init(
@@ -635,6 +640,35 @@ struct Prof {
 // loads no q and makes neither Q⁺ nor Mqk, the chain skips the output product; the state's operations and their
 // order are those of the call with an output (the same bits). The chain's stacked product still reads the Q⁺ half
 // of its tile, whose contents it then ignores (its O_inter columns are never used).
+// Design 5-8's copy of operand stage `os` into the peer CTA (one thread of the producing warpgroup, once the
+// warpgroup's writes are complete and fenced): every tile of the stage, each a contiguous block of its ring. The
+// forward: the stacked [K⁺; Q⁺] tile, Kr, INVb (design 6: the peer's 64 rows of V'ᵀ instead), Mqk, γ; the backward
+// chain: Kr in kd, Q⁺ in qd (each a ring of its own), K⁺ in kr, INVb, Mqk, γ.
+template <int kVariant, bool kBwd, class Pipe>
+__device__ __forceinline__ void send_operand_stage(Pipe& pipe, typename Pipe::PipelineState st,
+                                                   SharedStorage<kVariant>& ss, int os, int rank) {
+  constexpr bool kFold = Cfg<kVariant>::kFold;
+  const void* const mqk = ss.mqk + os * cosize_v<LayoutT16S<1>>;
+  constexpr uint32_t b16 = cosize_v<LayoutT16S<1>> * 2, bkr = cosize_v<LayoutKrS<1>> * 2;
+  if constexpr (kBwd) {
+    const void* const src[6] = {ss.kd() + os * cosize_v<LayoutKdS<1>>,
+                                ss.qd() + os * cosize_v<LayoutKrS<1>>,
+                                ss.kr + os * cosize_v<LayoutKrS<1>>,
+                                ss.invb + os * cosize_v<LayoutT16S<1>>,
+                                mqk,
+                                ss.gamma[os]};
+    constexpr uint32_t bytes[6] = {cosize_v<LayoutKdS<1>> * 2, bkr, bkr, b16, b16, kD * 4};
+    pipe.send(st, src, bytes);
+  } else {
+    const void* const fifth = kFold ? static_cast<const void*>(ss.vp + (os * kD + 64 * (rank ^ 1)) * kC)
+                                    : static_cast<const void*>(ss.invb + os * cosize_v<LayoutT16S<1>>);
+    const void* const src[5] = {ss.kq + os * cosize_v<LayoutKQS<1>>, ss.kr + os * cosize_v<LayoutKrS<1>>, fifth, mqk,
+                                ss.gamma[os]};
+    constexpr uint32_t bytes[5] = {cosize_v<LayoutKQS<1>> * 2, bkr, kFold ? 64 * kC * 2 : b16, b16, kD * 4};
+    pipe.send(st, src, bytes);
+  }
+}
+
 template <bool kProfile, int kVariant, bool kBwd = false, bool kStateOnly = false>
 __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     kda_chunked_sm90_kernel(const __grid_constant__ KernelArgs args) {
@@ -655,7 +689,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   constexpr int kCS = Cf::kCluster;  // variant 5: CTAs per cluster, prep shared, value rows split
   constexpr bool kCluster = kCS > 1;
   static_assert(!(kFold && kBwd), "variant 4 serves the forward");
-  static_assert(!(kCluster && (kStateOnly || kProfile)), "variants 5-7 have no state-only or profile instantiation");
+  static_assert(!(kCluster && (kStateOnly || kProfile)), "designs 5-8 have no state-only or profile instantiation");
   static_assert(!(kCluster && kFold) || kCS == 2, "variant 6: one peer (its V'ᵀ rows)");
   static_assert(!(kStateOnly && kBwd), "state-only is a forward mode");
   constexpr bool kQ = !kStateOnly;  // q and everything made from it (Q⁺, Mqk, the output)
@@ -1101,27 +1135,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
         // the stage into the peer's: once every thread of the warpgroup wrote and fenced its part (the bulk copy
         // reads it through the async proxy); the peer's chain released it (this CTA's empty barrier, acquired above)
         named_sync(bar, 128);
-        if (ptid == 0) {
-          const void* const mqk = ss.mqk + os * cosize_v<LayoutT16S<1>>;
-          constexpr uint32_t b16 = cosize_v<LayoutT16S<1>> * 2, bkr = cosize_v<LayoutKrS<1>> * 2;
-          if constexpr (kBwd) {  // the backward chain's tiles: Kr in kd, Q⁺ in qd (each a ring of its own), K⁺ in kr
-            const void* const src[6] = {ss.kd() + os * cosize_v<LayoutKdS<1>>,
-                                        ss.qd() + os * cosize_v<LayoutKrS<1>>,
-                                        ss.kr + os * cosize_v<LayoutKrS<1>>,
-                                        ss.invb + os * cosize_v<LayoutT16S<1>>,
-                                        mqk,
-                                        ss.gamma[os]};
-            constexpr uint32_t bytes[6] = {cosize_v<LayoutKdS<1>> * 2, bkr, bkr, b16, b16, kD * 4};
-            pipe_op.send(st_op, src, bytes);
-          } else {  // the stacked [K⁺; Q⁺] tile, Kr, INVb (variant 6: the peer's 64 rows of V'ᵀ instead), Mqk, γ
-            const void* const fifth = kFold ? static_cast<const void*>(ss.vp + (os * kD + 64 * (rank ^ 1)) * kC)
-                                            : static_cast<const void*>(ss.invb + os * cosize_v<LayoutT16S<1>>);
-            const void* const src[5] = {ss.kq + os * cosize_v<LayoutKQS<1>>, ss.kr + os * cosize_v<LayoutKrS<1>>, fifth,
-                                        mqk, ss.gamma[os]};
-            constexpr uint32_t bytes[5] = {cosize_v<LayoutKQS<1>> * 2, bkr, kFold ? 64 * kC * 2 : b16, b16, kD * 4};
-            pipe_op.send(st_op, src, bytes);
-          }
-        }
+        if (ptid == 0) send_operand_stage<kVariant, kBwd>(pipe_op, st_op, ss, os, rank);
       }
       st_op.advance(prep_step);
     }
@@ -1249,6 +1263,9 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     prefetch_maps();
     for (int64_t c = 0; c < n_chunks && c < Cf::kVStages; ++c) issue_v(c);
   }
+  auto refill_v = [&](int64_t c) {  // at the top of chunk c: chunk c - 1's stage, released, for chunk c - 1 + kVStages
+    if (kCluster && v_leader && c > 0 && c - 1 + Cf::kVStages < n_chunks) issue_v(c - 1 + Cf::kVStages);
+  };
   Prof<kProfile> prof;
   prof.start(ctid == 0);
   if constexpr (kBwd) {
@@ -1278,7 +1295,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int64_t pc = phys(c);
       const int cl = chunk_len(pc);
-      if (kCluster && v_leader && c > 0 && c - 1 + Cf::kVStages < n_chunks) issue_v(c - 1 + Cf::kVStages);
+      refill_v(c);
       // dS at the end of every `every`-token chunk j (ck_step 16-token chunks; the sequence's last 16-token chunk
       // ends the last one): row checkpoint_cu_starts[n] + j, written on entering that chunk's last 16-token chunk
       if (ck_step > 0 && ((pc + 1) % ck_step == 0 || pc == n_chunks - 1)) {
@@ -1351,7 +1368,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
   } else {
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int cl = chunk_len(c);
-      if (kCluster && v_leader && c > 0 && c - 1 + Cf::kVStages < n_chunks) issue_v(c - 1 + Cf::kVStages);
+      refill_v(c);
       if (c == ck_next) {
         const int64_t row = p.checkpoint_cu_starts[n] + ck_j;
         if (row >= 0 && row < p.n_checkpoint_rows) store_state(p.state_checkpoints, p.checkpoint_dtype, row * inner);
@@ -1476,7 +1493,7 @@ __global__ void __launch_bounds__(Cfg<kVariant>::kThreads, 1)
       // (variants 4, 6, 8: Uᵀ Mqkᵀ into an accumulator of its own, added to O_interᵀ after the batch: accumulating
       // into accO, a view of the upper half of the N = 32 accumulator, is what makes ptxas serialise the function's
       // wgmmas, C7511; the other variants keep design 3's bits)
-      constexpr bool kSepOi = kFold || Cf::kSepOi;
+      constexpr bool kSepOi = Cf::kSepOi;
       Tensor accOi = partition_fragment_C(mma_u, Shape<_64, _16>{});
       auto& accOd = [&]() -> auto& {
         if constexpr (kSepOi)

@@ -2,9 +2,9 @@
 // launch of the route the spine chose (kda/route/route.h). Built for every CUDA arch of the extension; the kernel
 // body exists only in the sm_90a image, and the spine routes to it only on a compute capability 9.0 device.
 // The default build instantiates what a route can choose: design 3 (with and without outputs) for the forward,
-// design 2 for the backward chain. Designs 1, 2 and 4 (the folded WY operands, with and without
-// outputs) of the forward, design 1 of the chain and the profile instantiations (per-role cycle tables) are experiments
-// (KDA_BUILD_EXPERIMENTS=1, KDA_EXPERIMENT=sm90_*).
+// design 2 for the backward chain. Designs 1, 2, 4 (the folded WY operands, with and without outputs) and 5-8 (the
+// CTA pair) of the forward, designs 1 and 5 of the chain and the profile instantiations (per-role cycle tables) are
+// experiments (KDA_BUILD_EXPERIMENTS=1, KDA_EXPERIMENT=sm90_*).
 #include <atomic>
 #include <cuda.h>
 
@@ -81,7 +81,7 @@ using KernelFn = void (*)(const chunked_sm90::KernelArgs);
 // alignment of the 1024-byte swizzled tiles) and the sum of its warpgroups' setmaxnreg counts.
 struct Design {
   KernelFn fn;
-  int threads, smem, setmaxnreg_sum, cluster;  // (cluster: CTAs per task, 1 or variants 5-7's 2)
+  int threads, smem, setmaxnreg_sum, cluster;  // (cluster: CTAs per task, 1 or designs 5-8's 2)
 };
 template <bool kProfile, int V, bool kBwd, bool kStateOnly = false>
 Design design_of() {
@@ -97,16 +97,17 @@ Design design_for(bool profile, int variant, bool bwd, bool state_only) {
   if (!profile && !bwd && variant == 3)
     return state_only ? design_of<false, 3, false, true>() : design_of<false, 3, false>();
 #if defined(KDA_EXPERIMENTS) && KDA_EXPERIMENTS
-  if (variant >= 5 && (profile || state_only) && !bwd) return Design{nullptr, 0, 0, 0, 1};  // (none of those)
-  if (bwd && variant == 5) return design_of<false, 5, true>();
-  if (variant == 5 && !state_only && !profile) return design_of<false, 5, false>();
+  if (variant >= 5) {  // the CTA pair: no profile or state-only instantiation; the backward chain in design 5
+    if (bwd) return design_of<false, 5, true>();
+    if (profile || state_only) return Design{nullptr, 0, 0, 0, 1};
+    if (variant == 5) return design_of<false, 5, false>();
+    if (variant == 6) return design_of<false, 6, false>();
+    return variant == 7 ? design_of<false, 7, false>() : design_of<false, 8, false>();
+  }
   if (bwd) return variant == 1 ? design_of<false, 1, true>() : design_of<false, 2, true>();
   if (variant == 3 && state_only)
     return profile ? design_of<true, 3, false, true>() : design_of<false, 3, false, true>();
   if (variant == 4 && state_only) return design_of<false, 4, false, true>();
-  if (variant == 6 && !state_only && !profile) return design_of<false, 6, false>();
-  if (variant == 7 && !state_only && !profile) return design_of<false, 7, false>();
-  if (variant == 8 && !state_only && !profile) return design_of<false, 8, false>();
   if (variant == 4) return profile ? design_of<true, 4, false>() : design_of<false, 4, false>();
   if (variant == 1) return profile ? design_of<true, 1, false>() : design_of<false, 1, false>();
   if (variant == 3) return profile ? design_of<true, 3, false>() : design_of<false, 3, false>();
@@ -198,7 +199,7 @@ cudaError_t launch_chunked_sm90(const RecurrentParams& p, const ForwardRoute& r,
   }
   const int64_t blocks = p.N * p.HV * dz.cluster;
   cudaError_t e = cudaSuccess;
-  if (dz.cluster > 1) {  // variants 5-7: a cluster of CTAs per (sequence, head), consecutive blocks
+  if (dz.cluster > 1) {  // designs 5-8: a cluster of CTAs per (sequence, head), consecutive blocks
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(blocks));
     cfg.blockDim = dim3(static_cast<unsigned>(threads));
